@@ -1,0 +1,1 @@
+"""loraserve client side: the Python SDK and the ``loraserve`` command line."""

@@ -1,0 +1,42 @@
+"""The ``loraserve`` command line: one entry point, one subcommand per job.
+
+Subcommands are declared in ``COMMANDS`` as ``name -> "module:function"`` so that ``loraserve --help``
+imports nothing heavy (JAX, SQLAlchemy): each subcommand's module is imported only when it runs.
+Every subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help). Each module defines add_arguments(parser) and run(args).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "version": ("client.version", "print the loraserve version and the versions of its runtime"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loraserve",
+        description="Serve many LoRA adapters on one base model.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(sp)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
