@@ -9,7 +9,7 @@ PROTO_OUT := protos/v1/inference_pb2.py
 .PHONY: venv protos demo test test-fast lint format bench clean
 
 # (Re)install when pyproject.toml changes or the venv is missing.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(wildcard */__init__.py)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'

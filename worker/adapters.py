@@ -1,0 +1,254 @@
+"""PEFT LoRA adapters: parse and validate ``adapter_config.json`` + ``adapter_model.safetensors``.
+
+One parser serves the worker (before a slot write) and the registry (before anything is stored). It
+refuses, with an ``AdapterError`` whose ``code`` is the gRPC status to return (DESIGN.md §3, §8):
+unparsable files, pickle formats, non-LoRA / DoRA / modules_to_save / bias adapters, NaN or inf weights,
+tensors that are not 2-D floats, ranks of 0 or above the limit, modules the model lacks, and shapes that
+do not fit the base model. The result keeps per-module ``A [L, in, r]`` and ``B [L, r, out]`` with the
+LoRA scaling already folded into B, ready to be zero-padded into a slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+import numpy as np
+
+from worker.model_config import LORA_MODULES
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "adapter_model.ckpt")
+_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be served; ``code`` names the gRPC status (INVALID_ARGUMENT by default)."""
+
+    code = "INVALID_ARGUMENT"
+
+
+class AdapterMismatchError(AdapterError):
+    """A well-formed adapter that does not fit this base model or worker (FAILED_PRECONDITION)."""
+
+    code = "FAILED_PRECONDITION"
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """A validated adapter: per module ``(A [L, in, r], B [L, r, out])`` float32, scaling folded into B."""
+
+    rank: int  # largest rank over modules
+    alpha: float
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    modules: dict[str, tuple[np.ndarray, np.ndarray]]
+    sha256: str
+    size_bytes: int
+    config: dict[str, Any] = field(default_factory=dict)
+    base_model: str = ""
+
+
+def parse_config(data: bytes) -> dict[str, Any]:
+    """Parse and check ``adapter_config.json``; raises AdapterError naming the offending field."""
+    try:
+        cfg = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"{CONFIG_FILE} is not valid JSON: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{CONFIG_FILE} must hold a JSON object")
+    if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
+        raise AdapterError(f"peft_type {cfg.get('peft_type')!r} is not supported (LORA only)")
+    if cfg.get("use_dora"):
+        raise AdapterError("use_dora: DoRA adapters are not supported")
+    if cfg.get("modules_to_save"):
+        raise AdapterError(
+            f"modules_to_save {cfg['modules_to_save']!r}: full-weight modules are not supported"
+        )
+    if cfg.get("bias", "none") != "none":
+        raise AdapterError(f"bias {cfg.get('bias')!r} is not supported (only 'none')")
+    r = cfg.get("r", 8)
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise AdapterError(f"r must be a positive integer, got {r!r}")
+    alpha = cfg.get("lora_alpha", r)
+    if not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterError(f"lora_alpha must be a positive number, got {alpha!r}")
+    for key in ("rank_pattern", "alpha_pattern"):
+        pattern = cfg.get(key) or {}
+        if not isinstance(pattern, dict):
+            raise AdapterError(f"{key} must be an object")
+        for name, value in pattern.items():
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise AdapterError(f"{key}[{name!r}] must be positive, got {value!r}")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        unknown = sorted(set(targets) - set(LORA_MODULES))
+        if unknown:
+            raise AdapterMismatchError(
+                f"target_modules {unknown} are not adaptable modules of this model ({', '.join(LORA_MODULES)})"
+            )
+    return cfg
+
+
+def _pattern_value(pattern: dict[str, Any], key: str, default: Any) -> Any:
+    """PEFT's rank_pattern / alpha_pattern lookup: a pattern matches a module path by regex suffix."""
+    for pat, value in pattern.items():
+        if re.match(rf"(.*\.)?({pat})$", key):
+            return value
+    return default
+
+
+def _check_header(data: bytes) -> None:
+    """Reject safetensors headers the library would accept silently: duplicate names, non-float dtypes."""
+    if len(data) < 8:
+        raise AdapterError(f"{WEIGHTS_FILE} is truncated ({len(data)} bytes)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > len(data) - 8:
+        raise AdapterError(f"{WEIGHTS_FILE} header claims {n} bytes but the file holds {len(data) - 8}")
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in seen:
+                raise AdapterError(f"{WEIGHTS_FILE} names tensor {key!r} twice")
+            seen[key] = value
+        return seen
+
+    try:
+        header = json.loads(data[8 : 8 + n], object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError(f"{WEIGHTS_FILE} header is not valid JSON: {exc}") from exc
+    for name, info in header.items():
+        if name != "__metadata__" and isinstance(info, dict) and info.get("dtype") not in _FLOAT_DTYPES:
+            raise AdapterError(
+                f"tensor {name} has dtype {info.get('dtype')}; LoRA weights must be floating point"
+            )
+
+
+def load_tensors(data: bytes) -> dict[str, np.ndarray]:
+    """safetensors bytes -> float32 numpy arrays, refusing anything malformed with AdapterError."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load
+
+    _check_header(data)
+    try:
+        tensors = load(data)
+    except (SafetensorError, ValueError, TypeError) as exc:
+        if "bfloat16" not in str(exc) and "BF16" not in str(exc):
+            raise AdapterError(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from exc
+        from safetensors.flax import load as load_flax
+
+        try:
+            tensors = {k: np.asarray(v, dtype=np.float32) for k, v in load_flax(data).items()}
+        except (SafetensorError, ValueError) as exc2:
+            raise AdapterError(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc2}") from exc2
+    return {k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()}
+
+
+def parse_adapter(
+    config_bytes: bytes,
+    weights_bytes: bytes,
+    *,
+    module_shapes: dict[str, tuple[int, int]] | None = None,
+    num_layers: int | None = None,
+    max_rank: int | None = None,
+) -> LoraWeights:
+    """Validate an adapter and return its weights, scaling folded into B.
+
+    ``module_shapes`` (``module -> (in, out)``) and ``num_layers`` describe the base model; when given,
+    an adapter that does not fit raises AdapterMismatchError. ``max_rank`` bounds every module's rank.
+    """
+    cfg = parse_config(config_bytes)
+    tensors = load_tensors(weights_bytes)
+    if not tensors:
+        raise AdapterError(f"{WEIGHTS_FILE} holds no tensors")
+    found: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+    for key, value in tensors.items():
+        match = _KEY.search(key)
+        if match is None:
+            raise AdapterError(f"tensor {key} is not a LoRA A/B matrix of a decoder layer projection")
+        layer, module, which = int(match.group(1)), match.group(2), match.group(3)
+        if module not in LORA_MODULES:
+            raise AdapterMismatchError(f"tensor {key} targets {module!r}, which this model does not adapt")
+        if value.ndim != 2:
+            raise AdapterError(f"tensor {key} has shape {list(value.shape)}; LoRA matrices are 2-D")
+        if not np.isfinite(value).all():
+            raise AdapterError(f"tensor {key} contains NaN or inf")
+        found.setdefault((module, layer), {})[which] = value
+    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    default_r, default_alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", cfg.get("r", 8)))
+    rslora = bool(cfg.get("use_rslora", False))
+    per_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    max_seen = 0
+    for (module, layer), pair in sorted(found.items()):
+        path = f"model.layers.{layer}.{'self_attn' if module.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{module}"
+        if set(pair) != {"A", "B"}:
+            missing = ({"A", "B"} - set(pair)).pop()
+            raise AdapterError(f"{path}: lora_{missing} is missing")
+        a, b = pair["A"], pair["B"]  # PEFT: A [r, in], B [out, r]
+        r = int(_pattern_value(rank_pattern, path, default_r))
+        if a.shape[0] != r or b.shape[1] != r:
+            raise AdapterError(
+                f"{path}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not match rank {r} (lora_A [r, in], lora_B [out, r])"
+            )
+        if max_rank is not None and r > max_rank:
+            raise AdapterMismatchError(f"{path}: rank {r} is above the largest slot rank {max_rank}")
+        if module_shapes is not None:
+            want_in, want_out = module_shapes[module]
+            if a.shape[1] != want_in or b.shape[0] != want_out:
+                raise AdapterMismatchError(
+                    f"{path}: lora_A {list(a.shape)} / lora_B {list(b.shape)} expect in={want_in}, out={want_out}; "
+                    "the adapter was built for another base model"
+                )
+        if num_layers is not None and layer >= num_layers:
+            raise AdapterMismatchError(
+                f"{path}: layer {layer} does not exist (the model has {num_layers} layers)"
+            )
+        alpha = float(_pattern_value(alpha_pattern, path, default_alpha))
+        scaling = alpha / math.sqrt(r) if rslora else alpha / r
+        per_module.setdefault(module, {})[layer] = (a.T, b.T * np.float32(scaling))
+        max_seen = max(max_seen, r)
+    layers = num_layers if num_layers is not None else 1 + max(layer for _, layer in found)
+    modules: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for module, by_layer in per_module.items():
+        r = max(a.shape[1] for a, _ in by_layer.values())
+        fan_in, fan_out = next(iter(by_layer.values()))[0].shape[0], next(iter(by_layer.values()))[1].shape[1]
+        a_all = np.zeros((layers, fan_in, r), np.float32)
+        b_all = np.zeros((layers, r, fan_out), np.float32)
+        for layer, (a, b) in by_layer.items():
+            a_all[layer, :, : a.shape[1]] = a
+            b_all[layer, : b.shape[0]] = b
+        modules[module] = (a_all, b_all)
+    return LoraWeights(
+        rank=max_seen,
+        alpha=default_alpha,
+        use_rslora=rslora,
+        target_modules=tuple(m for m in LORA_MODULES if m in modules),
+        modules=modules,
+        sha256=hashlib.sha256(weights_bytes).hexdigest(),
+        size_bytes=len(weights_bytes),
+        config=cfg,
+        base_model=str(cfg.get("base_model_name_or_path") or ""),
+    )
+
+
+def read_adapter_files(url: str) -> tuple[bytes, bytes]:
+    """Read ``(adapter_config.json, adapter_model.safetensors)`` bytes from a folder path or fsspec URL."""
+    fs, root = fsspec.core.url_to_fs(url)
+    root = root.rstrip("/")
+    if not fs.exists(f"{root}/{WEIGHTS_FILE}"):
+        pickled = [name for name in PICKLE_FILES if fs.exists(f"{root}/{name}")]
+        if pickled:
+            raise AdapterError(f"{pickled[0]} is a pickle file, which is refused (loading it can run code)")
+        raise AdapterError(f"no {WEIGHTS_FILE} in {url}")
+    if not fs.exists(f"{root}/{CONFIG_FILE}"):
+        raise AdapterError(f"no {CONFIG_FILE} in {url}")
+    return fs.cat_file(f"{root}/{CONFIG_FILE}"), fs.cat_file(f"{root}/{WEIGHTS_FILE}")

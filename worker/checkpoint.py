@@ -1,0 +1,157 @@
+"""Load a Hugging Face Llama-family checkpoint folder (local path or fsspec URL) into stacked JAX arrays.
+
+The folder holds ``config.json`` and one or many ``*.safetensors`` (sharded checkpoints carry a
+``model.safetensors.index.json``). Weights are transposed to ``[in, out]`` and stacked over layers so
+the model runs its layers under one ``lax.scan``; q/k/v and gate/up are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors.numpy import load as load_safetensors_bytes
+
+from worker.model_config import ModelConfig
+
+Params = dict[str, Any]
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder is missing files or tensors, or they have the wrong shape."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A loaded base model: its config, its parameters and where it came from."""
+
+    config: ModelConfig
+    params: Params
+    source: str
+    dtype: str
+
+
+def _open_folder(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path.rstrip("/")
+
+
+def read_config(url: str) -> dict[str, Any]:
+    fs, root = _open_folder(url)
+    try:
+        with fs.open(f"{root}/config.json", "rb") as f:
+            return json.load(f)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"no config.json in {url}") from exc
+
+
+def _weight_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
+    index = f"{root}/model.safetensors.index.json"
+    if fs.exists(index):
+        with fs.open(index, "rb") as f:
+            weight_map = json.load(f)["weight_map"]
+        return [f"{root}/{name}" for name in sorted(set(weight_map.values()))]
+    files = sorted(p for p in fs.ls(root, detail=False) if str(p).endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors in {root}; .bin/.pt checkpoints are refused (pickle)")
+    return files
+
+
+def _iter_tensors(url: str) -> Iterator[tuple[str, np.ndarray]]:
+    fs, root = _open_folder(url)
+    for path in _weight_files(fs, root):
+        with fs.open(path, "rb") as f:
+            tensors = _load_any_dtype(f.read())
+        yield from tensors.items()
+
+
+def _load_any_dtype(data: bytes) -> dict[str, np.ndarray]:
+    """safetensors bytes -> numpy arrays; bf16 tensors come back as float32 (exact)."""
+    try:
+        return load_safetensors_bytes(data)
+    except (TypeError, ValueError):
+        from safetensors.flax import load as load_flax
+
+        return {k: np.asarray(v.astype(jnp.float32)) for k, v in load_flax(data).items()}
+
+
+def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    try:
+        t = tensors.pop(name)
+    except KeyError as exc:
+        raise CheckpointError(f"checkpoint lacks tensor {name}") from exc
+    if tuple(t.shape) != shape:
+        raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+    return np.asarray(t, dtype=np.float32)
+
+
+def convert_hf_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF tensor dict -> our stacked layout (float32 numpy, ``[in, out]`` matrices, layers first)."""
+    h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    tensors = dict(tensors)
+    out: dict[str, np.ndarray] = {"embed": _take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, h))}
+    out["final_norm"] = _take(tensors, "model.norm.weight", (h,))
+    if "lm_head.weight" in tensors and not cfg.tie_word_embeddings:
+        out["lm_head"] = _take(tensors, "lm_head.weight", (cfg.vocab_size, h)).T.copy()
+    layers: dict[str, list[np.ndarray]] = {}
+
+    def add(key: str, value: np.ndarray) -> None:
+        layers.setdefault(key, []).append(value)
+
+    for n in range(cfg.num_layers):
+        p = f"model.layers.{n}."
+        add("attn_norm", _take(tensors, p + "input_layernorm.weight", (h,)))
+        add("mlp_norm", _take(tensors, p + "post_attention_layernorm.weight", (h,)))
+        wq = _take(tensors, p + "self_attn.q_proj.weight", (q, h))
+        wk = _take(tensors, p + "self_attn.k_proj.weight", (kv, h))
+        wv = _take(tensors, p + "self_attn.v_proj.weight", (kv, h))
+        add("wqkv", np.concatenate([wq, wk, wv], axis=0).T)
+        if cfg.qkv_bias:
+            add(
+                "bqkv",
+                np.concatenate(
+                    [
+                        _take(tensors, p + "self_attn.q_proj.bias", (q,)),
+                        _take(tensors, p + "self_attn.k_proj.bias", (kv,)),
+                        _take(tensors, p + "self_attn.v_proj.bias", (kv,)),
+                    ]
+                ),
+            )
+        add("wo", _take(tensors, p + "self_attn.o_proj.weight", (h, q)).T)
+        if cfg.o_bias:
+            add("bo", _take(tensors, p + "self_attn.o_proj.bias", (h,)))
+        wg = _take(tensors, p + "mlp.gate_proj.weight", (i, h))
+        wu = _take(tensors, p + "mlp.up_proj.weight", (i, h))
+        add("w_gate_up", np.concatenate([wg, wu], axis=0).T)
+        add("w_down", _take(tensors, p + "mlp.down_proj.weight", (h, i)).T)
+        if cfg.mlp_bias:
+            add(
+                "b_gate_up",
+                np.concatenate(
+                    [
+                        _take(tensors, p + "mlp.gate_proj.bias", (i,)),
+                        _take(tensors, p + "mlp.up_proj.bias", (i,)),
+                    ]
+                ),
+            )
+            add("b_down", _take(tensors, p + "mlp.down_proj.bias", (h,)))
+    out.update({k: np.stack(v) for k, v in layers.items()})
+    return out
+
+
+def load_checkpoint(url: str, dtype: str = "float32") -> Checkpoint:
+    """Read ``config.json`` + safetensors from ``url`` and place the stacked weights on the device.
+
+    Semantics: the returned params compute exactly what transformers' LlamaForCausalLM computes.
+    """
+    cfg = ModelConfig.from_hf(read_config(url))
+    host = convert_hf_weights(cfg, dict(_iter_tensors(url)))
+    jdtype = jnp.dtype(dtype)
+    params = {k: jax.device_put(v.astype(jdtype)) for k, v in host.items()}
+    return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name)

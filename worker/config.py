@@ -1,0 +1,90 @@
+"""Worker configuration: frozen dataclasses read from flags or ``LORASERVE_WORKER_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Shapes fixed at start-up: nothing the engine compiles depends on anything else."""
+
+    max_batch_size: int = 8  # decode rows per step
+    max_seq_len: int = 256  # context length (prompt + new tokens)
+    max_loras: int = 4  # adapter slots on the device
+    max_lora_rank: int = 16  # largest rank a slot holds
+    max_cpu_loras: int = 16  # adapters kept in host memory after eviction
+    max_waiting: int = 256  # queued requests before RESOURCE_EXHAUSTED
+    prefill_per_step: int = 2  # prompts admitted between two decode steps
+    min_prefill_bucket: int = 16
+    default_max_tokens: int = 16
+    kernel_backend: str = "xla"  # reference | xla | pallas
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_seq_len", "max_loras", "max_lora_rank", "prefill_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_seq_len < 2:
+            raise ValueError("max_seq_len must be >= 2")
+
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """Token-count buckets for prefill: powers of two from min_prefill_bucket, capped by max_seq_len."""
+        out, b = [], max(1, self.min_prefill_bucket)
+        while b < self.max_seq_len:
+            out.append(b)
+            b *= 2
+        out.append(self.max_seq_len)
+        return tuple(out)
+
+
+ENV_PREFIX = "LORASERVE_WORKER_"
+
+
+def _coerce(value: str, kind: type) -> object:
+    if kind is bool:
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return kind(value)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything ``loraserve worker`` needs; every field maps to ``LORASERVE_WORKER_<FIELD>``."""
+
+    model: str = ""  # checkpoint folder or fsspec URL
+    model_id: str = ""  # name reported to the registry; defaults to the model path
+    host: str = "127.0.0.1"
+    port: int = 50061
+    adapter_dir: str = ""  # optional root of PEFT folders served by name
+    max_batch_size: int = 8
+    max_seq_len: int = 256
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 16
+    max_waiting: int = 256
+    kernel_backend: str = "xla"
+    dtype: str = "float32"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> WorkerConfig:
+        env = dict(os.environ if env is None else env)
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _coerce(raw, type(f.default))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            max_batch_size=self.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+            max_waiting=self.max_waiting,
+            kernel_backend=self.kernel_backend,
+            dtype=self.dtype,
+        )

@@ -1,0 +1,221 @@
+"""The Llama-family decoder in JAX: prefill one prompt into the KV cache, decode one token for every row.
+
+Parameters come from ``worker.checkpoint`` (layers stacked, matrices ``[in, out]``, q/k/v and gate/up
+fused); LoRA slot pools come from ``worker.slots`` (``A_*: [L, S, in, n*R]``, ``B_*: [L, S, R, out]``,
+scaling folded into B). Layers run under one ``lax.scan``; the KV cache ``[L, rows, max_seq, kv_heads,
+head_dim]`` rides in the scan carry and is updated in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import kernels
+from worker.model_config import ModelConfig
+
+Array = jax.Array
+Params = dict[str, Array]
+Lora = dict[str, Array]
+# (y, x, A, Bs) -> y + LoRA(x): the strategy differs between decode (per-row slots) and prefill (one slot).
+LoraFn = Callable[[Array, Array, Array, tuple[Array, ...]], Array]
+
+# LoRA pool names: one A per fused matmul (ranks side by side), one B per module.
+LORA_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+
+
+def rms_norm(x: Array, w: Array, eps: float) -> Array:
+    """x [..., H], w [H] -> [..., H]. Semantics: x / rms(x) * w, computed in f32."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
+    """x [..., T, heads, D], positions [..., T] -> same shape. Semantics: HF rotate-half rotary embedding."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, D/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[..., None, :]
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[..., None, :]
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def _matmul(x: Array, w: Array, b: Array | None) -> Array:
+    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return y if b is None else y + b
+
+
+def _layer_mlp(cfg: ModelConfig, lp: dict[str, Array], ll: Lora, h: Array, lora_fn: LoraFn) -> Array:
+    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    gu = _matmul(x, lp["w_gate_up"], lp.get("b_gate_up"))
+    gu = lora_fn(gu, x, ll["A_gate_up"], (ll["B_gate"], ll["B_up"]))
+    gate, up = jnp.split(gu, 2, axis=-1)
+    act = jax.nn.silu(gate.astype(jnp.float32)).astype(h.dtype) * up
+    down = _matmul(act, lp["w_down"], lp.get("b_down"))
+    return h + lora_fn(down, act, ll["A_down"], (ll["B_down"],))
+
+
+def _qkv(cfg: ModelConfig, lp: dict[str, Array], ll: Lora, h: Array, lora_fn: LoraFn) -> tuple[Array, ...]:
+    x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = _matmul(x, lp["wqkv"], lp.get("bqkv"))
+    qkv = lora_fn(qkv, x, ll["A_qkv"], (ll["B_q"], ll["B_k"], ll["B_v"]))
+    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    lead = h.shape[:-1]
+    return (
+        q.reshape(*lead, cfg.num_heads, cfg.head_dim),
+        k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim),
+        v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim),
+    )
+
+
+def _out_proj(lp: dict[str, Array], ll: Lora, h: Array, attn: Array, lora_fn: LoraFn) -> Array:
+    o = _matmul(attn, lp["wo"], lp.get("bo"))
+    return h + lora_fn(o, attn, ll["A_o"], (ll["B_o"],))
+
+
+def _split_layer_params(params: Params) -> tuple[dict[str, Array], dict[str, Array]]:
+    stacked = {k: v for k, v in params.items() if k not in ("embed", "final_norm", "lm_head")}
+    return stacked, {k: params[k] for k in ("embed", "final_norm", "lm_head") if k in params}
+
+
+def logits_from_hidden(cfg: ModelConfig, params: Params, h: Array) -> Array:
+    """h [..., H] -> logits [..., V] in f32. Semantics: final norm, then lm_head (or tied embeddings)."""
+    x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    if "lm_head" in params:
+        return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
+    return jnp.einsum("...h,vh->...v", x, params["embed"], preferred_element_type=jnp.float32)
+
+
+def prefill(
+    cfg: ModelConfig,
+    params: Params,
+    lora: Lora,
+    tokens: Array,  # [T] int32, padded to a bucket
+    length: Array,  # [] int32, real prompt length (1..T)
+    slot: Array,  # [] int32, adapter slot or -1
+    row: Array,  # [] int32, KV cache row to fill
+    cache: tuple[Array, Array],  # k, v: [L, rows, M, KV, D]
+    inv_freq: Array,  # [D/2] f32
+    backend: str = "xla",
+) -> tuple[Array, tuple[Array, Array]]:
+    """Run one prompt, write its keys/values into ``cache`` row ``row``; returns last-token logits [V].
+
+    Semantics: causal self-attention over the prompt's first ``length`` tokens, LoRA of ``slot`` on
+    every targeted projection; padded positions are written to the cache but never attended to.
+    """
+    stacked, _ = _split_layer_params(params)
+    t = tokens.shape[0]
+    positions = jnp.arange(t, dtype=jnp.int32)
+    seg_slots = slot.reshape(1)
+    seg_lens = jnp.reshape(t, (1,)).astype(jnp.int32)
+
+    def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
+        return kernels.add_lora_slices_sgmv(y, x, a, bs, seg_slots, seg_lens, backend="xla")
+
+    causal = (positions[None, :] <= positions[:, None]) & (positions[None, :] < length)  # [T, S]
+    scale = cfg.head_dim**-0.5
+    group = cfg.num_heads // cfg.num_kv_heads
+
+    def layer(carry, xs):
+        h, k_cache, v_cache, n = carry
+        lp, ll = xs
+        q, k, v = _qkv(cfg, lp, ll, h, lora_fn)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        qg = q.reshape(t, cfg.num_kv_heads, group, cfg.head_dim)
+        scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
+        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(v.dtype)
+        attn = jnp.einsum("kgts,skd->tkgd", probs, v).reshape(t, cfg.q_size)
+        h = _out_proj(lp, ll, h, attn, lora_fn)
+        h = _layer_mlp(cfg, lp, ll, h, lora_fn)
+        start = (n, row, jnp.int32(0), jnp.int32(0), jnp.int32(0))
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k[None, None].astype(k_cache.dtype), start)
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v[None, None].astype(v_cache.dtype), start)
+        return (h, k_cache, v_cache, n + 1), None
+
+    h = params["embed"][tokens]
+    (h, k_cache, v_cache, _), _ = jax.lax.scan(layer, (h, *cache, jnp.int32(0)), (stacked, lora))
+    last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
+    return logits_from_hidden(cfg, params, last), (k_cache, v_cache)
+
+
+def decode(
+    cfg: ModelConfig,
+    params: Params,
+    lora: Lora,
+    tokens: Array,  # [B] int32, the last token of each row
+    positions: Array,  # [B] int32, the position of that token
+    slots: Array,  # [B] int32, adapter slot per row or -1
+    cache: tuple[Array, Array],  # k, v: [L, B, M, KV, D]
+    inv_freq: Array,  # [D/2] f32
+    backend: str = "xla",
+) -> tuple[Array, tuple[Array, Array]]:
+    """One decode step for every row; returns logits [B, V] and the cache with each row's new k/v.
+
+    Semantics: row b attends to cache positions 0..positions[b] of its own row, with adapter slots[b].
+    """
+    stacked, _ = _split_layer_params(params)
+    b = tokens.shape[0]
+    rows = jnp.arange(b)
+    scale = cfg.head_dim**-0.5
+    group = cfg.num_heads // cfg.num_kv_heads
+    max_seq = cache[0].shape[2]
+    visible = jnp.arange(max_seq)[None, :] <= positions[:, None]  # [B, M]
+
+    def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
+        return kernels.add_lora_slices(y, x, a, bs, slots, backend=backend)
+
+    def layer(carry, xs):
+        h, k_cache, v_cache, n = carry
+        lp, ll = xs
+        q, k, v = _qkv(cfg, lp, ll, h, lora_fn)  # [B, heads, D]
+        q = apply_rope(q[:, None], positions[:, None], inv_freq)[:, 0]
+        k = apply_rope(k[:, None], positions[:, None], inv_freq)[:, 0]
+        k_cache = k_cache.at[n, rows, positions].set(k.astype(k_cache.dtype))
+        v_cache = v_cache.at[n, rows, positions].set(v.astype(v_cache.dtype))
+        keys, values = k_cache[n], v_cache[n]  # [B, M, KV, D]
+        qg = q.reshape(b, cfg.num_kv_heads, group, cfg.head_dim)
+        scores = jnp.einsum("bkgd,bmkd->bkgm", qg, keys, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+        probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+        attn = jnp.einsum("bkgm,bmkd->bkgd", probs, values).reshape(b, cfg.q_size)
+        h = _out_proj(lp, ll, h, attn, lora_fn)
+        h = _layer_mlp(cfg, lp, ll, h, lora_fn)
+        return (h, k_cache, v_cache, n + 1), None
+
+    h = params["embed"][tokens]
+    (h, k_cache, v_cache, _), _ = jax.lax.scan(layer, (h, *cache, jnp.int32(0)), (stacked, lora))
+    return logits_from_hidden(cfg, params, h), (k_cache, v_cache)
+
+
+def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any) -> Lora:
+    """Zeroed slot pools for ``max_loras`` adapters of rank up to ``max_rank`` on all seven modules."""
+    shapes = cfg.module_shapes()
+    L, S, R = cfg.num_layers, max_loras, max_rank
+    pools: Lora = {}
+    for group, modules in LORA_GROUPS.items():
+        fan_in = shapes[modules[0]][0]
+        pools[f"A_{group}"] = jnp.zeros((L, S, fan_in, len(modules) * R), dtype)
+        for m in modules:
+            pools[b_name(m)] = jnp.zeros((L, S, R, shapes[m][1]), dtype)
+    return pools
+
+
+def b_name(module: str) -> str:
+    """Pool name of a module's B matrices, e.g. ``q_proj -> B_q``."""
+    return "B_" + module.removesuffix("_proj")
+
+
+def init_cache(cfg: ModelConfig, rows: int, max_seq: int, dtype: Any) -> tuple[Array, Array]:
+    """Zeroed KV cache: k and v of shape [L, rows, max_seq, kv_heads, head_dim]."""
+    shape = (cfg.num_layers, rows, max_seq, cfg.num_kv_heads, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)

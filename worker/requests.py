@@ -1,0 +1,116 @@
+"""What a generation request is inside the worker, what it emits, and how it is validated."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class RequestError(Exception):
+    """A request the engine refuses; ``code`` is the gRPC status name (DESIGN.md §8)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 0  # 0 = engine default
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(
+                "INVALID_ARGUMENT", f"temperature must be finite and >= 0, got {self.temperature}"
+            )
+        if not math.isfinite(self.top_p) or not 0 <= self.top_p <= 1:
+            raise RequestError("INVALID_ARGUMENT", f"top_p must be in [0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError("INVALID_ARGUMENT", f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 0:
+            raise RequestError("INVALID_ARGUMENT", f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise RequestError("INVALID_ARGUMENT", f"seed must fit in 64 bits, got {self.seed}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError("INVALID_ARGUMENT", f"stop_token_ids {bad[:5]} are outside the vocabulary")
+
+    def resolved_seed(self) -> int:
+        return self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little")
+
+
+@dataclass(frozen=True)
+class Started:
+    """The request was admitted; ``adapter`` is the resolved key actually served ("" for the base model)."""
+
+    adapter: str
+
+
+@dataclass(frozen=True)
+class Token:
+    token_id: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "length" | "stop" | "eos"
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    code: str
+    message: str
+
+
+Event = Started | Token | Finished | Failed
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One request as the engine thread sees it. ``sink`` is called from the engine thread."""
+
+    request_id: str
+    adapter: str  # "" | "name" | "name@3"
+    prompt: list[int]
+    sampling: Sampling
+    sink: Callable[[Event], None]
+    # engine-thread state
+    key: str = ""
+    slot: int = -1
+    row: int = -1
+    seed: int = 0
+    max_new_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    done: bool = False
+
+    def emit(self, event: Event) -> None:
+        if isinstance(event, Finished | Failed):
+            if self.done:
+                return
+            self.done = True
+        self.sink(event)
+
+
+def validate_prompt(prompt: list[int], vocab_size: int, max_seq_len: int) -> None:
+    if not prompt:
+        raise RequestError("INVALID_ARGUMENT", "prompt is empty")
+    if len(prompt) >= max_seq_len:
+        raise RequestError(
+            "INVALID_ARGUMENT",
+            f"prompt has {len(prompt)} tokens; this worker's context is {max_seq_len} (prompt + at least 1 new token)",
+        )
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(
+            "INVALID_ARGUMENT", f"prompt token ids {bad[:5]} are outside the vocabulary of {vocab_size}"
+        )

@@ -1,0 +1,104 @@
+"""Where adapter bytes come from: the interface the engine loads through, and a local implementation.
+
+``AdapterSource.resolve`` turns a reference (``name`` or ``name@3``) into the exact key served
+(``name@3``); ``fetch`` returns the PEFT files for that key. The local source serves folders or fsspec
+URLs registered by name (``WorkerAdmin.LoadAdapter`` with ``source_uri``) or found under a root folder.
+The registry client implements the same interface.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import fsspec
+
+from worker.adapters import CONFIG_FILE, WEIGHTS_FILE, AdapterError, read_adapter_files
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+
+
+class AdapterNotFoundError(AdapterError):
+    code = "NOT_FOUND"
+
+
+class AdapterDataLossError(AdapterError):
+    code = "DATA_LOSS"
+
+
+class AdapterUnavailableError(AdapterError):
+    """The adapter's storage could not be read right now."""
+
+    code = "UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class FetchedAdapter:
+    key: str  # resolved "name@version" (or "name" for unversioned local adapters)
+    config_bytes: bytes
+    weights_bytes: bytes
+    sha256: str = ""  # expected hash when the source knows it; a mismatch is DATA_LOSS
+
+
+class AdapterSource(Protocol):
+    def resolve(self, ref: str) -> str: ...
+
+    def fetch(self, key: str) -> FetchedAdapter: ...
+
+
+def split_ref(ref: str) -> tuple[str, int | None]:
+    """``"name@3" -> ("name", 3)``, ``"name" -> ("name", None)``; INVALID_ARGUMENT for a malformed ref."""
+    name, sep, version = ref.partition("@")
+    if not NAME_RE.match(name):
+        raise AdapterError(f"adapter name {name[:64]!r} must match {NAME_RE.pattern}")
+    if not sep:
+        return name, None
+    if not version.isdigit() or int(version) < 1:
+        raise AdapterError(f"adapter version in {ref[:64]!r} must be a positive integer")
+    return name, int(version)
+
+
+def verify_sha256(fetched: FetchedAdapter) -> None:
+    if fetched.sha256 and hashlib.sha256(fetched.weights_bytes).hexdigest() != fetched.sha256:
+        raise AdapterDataLossError(f"adapter {fetched.key}: stored weights do not match their sha256")
+
+
+class LocalAdapterSource:
+    """Adapters from PEFT folders: registered by name, or ``<root>/<name>`` when a root is given."""
+
+    def __init__(self, root: str | None = None) -> None:
+        self.root = root.rstrip("/") if root else None
+        self._uris: dict[str, str] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, uri: str) -> None:
+        split_ref(name)
+        with self._lock:
+            self._uris[name] = uri
+
+    def _uri(self, name: str) -> str | None:
+        with self._lock:
+            if name in self._uris:
+                return self._uris[name]
+        if self.root:
+            fs, path = fsspec.core.url_to_fs(f"{self.root}/{name}")
+            if fs.exists(f"{path}/{CONFIG_FILE}") or fs.exists(f"{path}/{WEIGHTS_FILE}"):
+                return f"{self.root}/{name}"
+        return None
+
+    def resolve(self, ref: str) -> str:
+        name, version = split_ref(ref)
+        key = ref if version is not None else name
+        if self._uri(key) is None:
+            raise AdapterNotFoundError(f"adapter {ref!r} is not known to this worker")
+        return key
+
+    def fetch(self, key: str) -> FetchedAdapter:
+        uri = self._uri(key)
+        if uri is None:
+            raise AdapterNotFoundError(f"adapter {key!r} is not known to this worker")
+        config, weights = read_adapter_files(uri)
+        return FetchedAdapter(key=key, config_bytes=config, weights_bytes=weights)

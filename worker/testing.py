@@ -1,0 +1,135 @@
+"""Tiny random checkpoints, tokenizers and PEFT adapters, built locally for tests, benchmarks and the demo.
+
+Nothing here downloads anything: models are random-initialised ``transformers`` configs, the tokenizer
+is a byte-level BPE trained on a few sentences, adapters are made (and optionally trained) with ``peft``.
+Needs the ``dev`` extra (torch, transformers, peft); the serving path never imports this module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CORPUS = [
+    "What is the capital of France? The capital of France is Paris.",
+    "Answer the question: who wrote the book? The answer is simple.",
+    "Adapters make one base model speak many dialects, one request at a time.",
+    "The quick brown fox jumps over the lazy dog while the cat sleeps in the sun.",
+    "loraserve serves many LoRA adapters on one base model with batched kernels.",
+    "Numbers: one two three four five six seven eight nine ten. Colors: red green blue.",
+    "Ünïcödé text: café, naïve, 東京, emoji 🙂 and more bytes to keep the tokenizer honest.",
+]
+
+TINY = {
+    "llama": dict(
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    "mistral": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ),
+    "qwen2": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    ),
+}
+
+
+def build_tokenizer(path: str | Path, vocab_size: int = 384) -> Any:
+    """Train a byte-level BPE on ``CORPUS`` and save it (tokenizer.json + config) under ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def build_model(model_type: str = "llama", seed: int = 0, vocab_size: int = 384, **overrides: Any) -> Any:
+    """A random-initialised ``transformers`` causal LM of the given family (tiny unless overridden)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = dict(TINY[model_type])
+    kwargs.update(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, max_position_embeddings=512)
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF's 0.02 init gives near-uniform logits; widen it so argmax is decisive
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08 if p.dim() > 1 else 0.02)
+    return model.eval()
+
+
+def save_model(path: str | Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+    """Build a tiny random model plus tokenizer and save both as a Hugging Face checkpoint folder."""
+    path = Path(path)
+    build_tokenizer(path)
+    model = build_model(model_type, seed=seed, **overrides)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def make_adapter(
+    model: Any,
+    out: str | Path | None = None,
+    *,
+    r: int = 8,
+    alpha: float = 16.0,
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    use_rslora: bool = False,
+    seed: int = 0,
+    scale: float = 0.05,
+    **config: Any,
+) -> Any:
+    """Wrap ``model`` with a random LoRA adapter (both A and B non-zero) and optionally save it to ``out``.
+
+    Returns the ``PeftModel``. ``scale`` is the std of the random A/B entries.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=list(targets),
+        use_rslora=use_rslora,
+        lora_dropout=0.0,
+        bias="none",
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+        **config,
+    )
+    peft_model = get_peft_model(model, cfg)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, scale)
+    if out is not None:
+        peft_model.save_pretrained(str(out), safe_serialization=True)
+    return peft_model
