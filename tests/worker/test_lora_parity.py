@@ -1,0 +1,87 @@
+"""Adapters served together in ONE batch each match peft; the row without an adapter matches the base model.
+
+Four PEFT adapters differ in rank (2..16, incl. rank_pattern), alpha (incl. alpha_pattern), rsLoRA and
+target modules. Tolerance: f32 logits within 2e-4 absolute.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from tests.worker.conftest import ADAPTERS
+from worker import model as M
+from worker.adapters import parse_adapter, read_adapter_files
+from worker.checkpoint import load_checkpoint
+from worker.slots import SlotPools, slot_arrays
+
+ATOL = 2e-4
+PROMPT = [5, 17, 33, 100, 7, 9]
+STEPS = 6
+
+
+def _reference_logits(llama_dir, adapter_dir, seq):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(llama_dir)).eval()
+    model = base if adapter_dir is None else PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    with torch.no_grad():
+        return model(torch.tensor([seq])).logits[0].numpy()
+
+
+def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs) -> None:
+    ck = load_checkpoint(str(llama_dir))
+    cfg = ck.config
+    names = list(ADAPTERS)
+    pools = SlotPools(cfg, max_loras=len(names), max_rank=16, dtype=jnp.float32)
+    for slot, name in enumerate(names):
+        weights = parse_adapter(*read_adapter_files(str(adapter_dirs[name])), module_shapes=cfg.module_shapes(), num_layers=cfg.num_layers, max_rank=16)
+        pools.write(slot, slot_arrays(cfg, weights, 16))
+    # rows 0..3 use slots 0..3 in a shuffled order, row 4 has no adapter
+    row_slots = np.array([2, 0, 3, 1, -1], np.int32)
+    rng = np.random.default_rng(0)
+    seq = PROMPT + rng.integers(3, cfg.vocab_size, STEPS).tolist()  # teacher-forced continuation
+    refs = [_reference_logits(llama_dir, None if s < 0 else adapter_dirs[names[s]], seq) for s in row_slots]
+    rows = len(row_slots)
+    cache = M.init_cache(cfg, rows, 32, jnp.float32)
+    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    prefill = jax.jit(partial(M.prefill, cfg))
+    decode = jax.jit(partial(M.decode, cfg))
+    tokens = np.zeros(16, np.int32)
+    tokens[: len(PROMPT)] = PROMPT
+    for row, slot in enumerate(row_slots):
+        got, cache = prefill(ck.params, pools.pools, tokens, np.int32(len(PROMPT)), np.int32(slot), np.int32(row), cache, inv)
+        np.testing.assert_allclose(np.asarray(got), refs[row][len(PROMPT) - 1], atol=ATOL, err_msg=f"prefill row {row}")
+    for step in range(STEPS):
+        pos = len(PROMPT) + step
+        toks = np.full(rows, seq[pos], np.int32)
+        got, cache = decode(ck.params, pools.pools, toks, np.full(rows, pos, np.int32), row_slots, cache, inv)
+        for row in range(rows):
+            np.testing.assert_allclose(np.asarray(got[row]), refs[row][pos], atol=ATOL, err_msg=f"row {row} step {step}")
+    # the adapters really change the output (otherwise the comparison above proves nothing)
+    for row in range(rows - 1):
+        assert np.abs(refs[row][-1] - refs[-1][-1]).max() > 1e-2
+
+
+def test_pattern_ranks_and_scaling_are_folded(llama_dir, adapter_dirs) -> None:
+    cfg = load_checkpoint(str(llama_dir)).config
+    w = parse_adapter(*read_adapter_files(str(adapter_dirs["attn-pattern"])), module_shapes=cfg.module_shapes(), num_layers=cfg.num_layers)
+    assert w.target_modules == ("q_proj", "k_proj", "o_proj")
+    assert w.modules["k_proj"][0].shape == (cfg.num_layers, cfg.hidden_size, 2)  # rank_pattern k_proj: 2
+    assert w.modules["q_proj"][0].shape == (cfg.num_layers, cfg.hidden_size, 8)
+    from safetensors.numpy import load_file
+
+    raw = load_file(str(adapter_dirs["attn-pattern"] / "adapter_model.safetensors"))
+    b_o = next(v for k, v in raw.items() if "layers.0.self_attn.o_proj.lora_B" in k)
+    np.testing.assert_allclose(w.modules["o_proj"][1][0], b_o.T * (3.0 / 8), rtol=1e-6)  # alpha_pattern o_proj: 3
+    b_k = next(v for k, v in raw.items() if "layers.0.self_attn.k_proj.lora_B" in k)
+    np.testing.assert_allclose(w.modules["k_proj"][1][0], b_k.T * (8.0 / 2), rtol=1e-6)
+    rs = parse_adapter(*read_adapter_files(str(adapter_dirs["qv-r8-rslora"])))
+    raw = load_file(str(adapter_dirs["qv-r8-rslora"] / "adapter_model.safetensors"))
+    b_q = next(v for k, v in raw.items() if "layers.1.self_attn.q_proj.lora_B" in k)
+    np.testing.assert_allclose(rs.modules["q_proj"][1][1], b_q.T * (4.0 / np.sqrt(8)), rtol=1e-6)
