@@ -457,14 +457,18 @@ class Engine:
         assert req is not None
         req.generated.append(token)
         self.counters["tokens_out"] += 1
-        req.emit(Token(token))
-        s = req.sampling
+        s, n = req.sampling, len(req.generated)
+        reason = ""
         if token in self.eos_ids and not s.ignore_eos:
-            self._finish(row, Finished("eos", len(req.prompt), len(req.generated)))
+            reason = "eos"
         elif token in s.stop_token_ids:
-            self._finish(row, Finished("stop", len(req.prompt), len(req.generated)))
-        elif len(req.generated) >= req.max_new_tokens:
-            self._finish(row, Finished("length", len(req.prompt), len(req.generated)))
+            reason = "stop"
+        elif n >= req.max_new_tokens:
+            reason = "length"
+        if reason:  # the last token travels with the finish, in one message
+            self._finish(row, Finished(reason, len(req.prompt), n, token_id=token))
+        else:
+            req.emit(Token(token))
 
     def _finish(self, row: int, event: Finished | Failed) -> None:
         req = self._rows[row]

@@ -61,9 +61,12 @@ class Token:
 
 @dataclass(frozen=True)
 class Finished:
+    """The request ended; ``token_id`` is the last token when it came with the finish (else None)."""
+
     reason: str  # "length" | "stop" | "eos"
     prompt_tokens: int
     completion_tokens: int
+    token_id: int | None = None
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,56 @@ def make_adapter(
     if out is not None:
         peft_model.save_pretrained(str(out), safe_serialization=True)
     return peft_model
+
+
+def train_answer_adapter(
+    base_dir: str | Path,
+    out: str | Path,
+    prompt_ids: list[int],
+    answer_ids: list[int],
+    *,
+    r: int = 8,
+    alpha: float = 16.0,
+    steps: int = 60,
+    lr: float = 2e-2,
+    seed: int = 0,
+) -> Path:
+    """Train a LoRA adapter with ``peft`` so that greedy decoding of ``prompt_ids`` yields ``answer_ids``.
+
+    Full teacher forcing on one sequence, Adam, a few seconds on a CPU for the tiny models; the loss
+    drives every answer position, so the adapter answers this question with exactly these tokens.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir))
+    cfg = LoraConfig(
+        r=r,
+        lora_alpha=alpha,
+        target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    model = get_peft_model(base, cfg)
+    seq = torch.tensor([prompt_ids + answer_ids])
+    labels = seq.clone()
+    labels[0, : len(prompt_ids)] = -100
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(input_ids=seq, labels=labels).loss
+        loss.backward()
+        opt.step()
+        if loss.item() < 1e-3:
+            break
+    model.eval()
+    with torch.no_grad():
+        got = model(seq).logits[0, len(prompt_ids) - 1 : -1].argmax(-1).tolist()
+    if got != answer_ids:
+        raise RuntimeError(f"adapter training did not converge: wanted {answer_ids}, got {got}")
+    model.save_pretrained(str(out), safe_serialization=True)
+    return Path(out)

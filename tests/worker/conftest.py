@@ -28,7 +28,9 @@ FAMILIES = {
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
-    return {name: save_model(root / name, name, seed=i, **kw) for i, (name, kw) in enumerate(FAMILIES.items())}
+    return {
+        name: save_model(root / name, name, seed=i, **kw) for i, (name, kw) in enumerate(FAMILIES.items())
+    }
 
 
 @pytest.fixture(scope="session")
@@ -42,7 +44,12 @@ ADAPTERS = {
     "qv-r8-rslora": dict(r=8, alpha=4.0, use_rslora=True, targets=("q_proj", "v_proj"), seed=2),
     "mlp-r16": dict(r=16, alpha=32.0, targets=("gate_proj", "up_proj", "down_proj"), seed=3),
     "attn-pattern": dict(
-        r=8, alpha=8.0, targets=("q_proj", "k_proj", "o_proj"), rank_pattern={"k_proj": 2}, alpha_pattern={"o_proj": 3.0}, seed=4
+        r=8,
+        alpha=8.0,
+        targets=("q_proj", "k_proj", "o_proj"),
+        rank_pattern={"k_proj": 2},
+        alpha_pattern={"o_proj": 3.0},
+        seed=4,
     ),
 }
 

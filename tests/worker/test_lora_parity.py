@@ -40,7 +40,12 @@ def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs) -> None:
     names = list(ADAPTERS)
     pools = SlotPools(cfg, max_loras=len(names), max_rank=16, dtype=jnp.float32)
     for slot, name in enumerate(names):
-        weights = parse_adapter(*read_adapter_files(str(adapter_dirs[name])), module_shapes=cfg.module_shapes(), num_layers=cfg.num_layers, max_rank=16)
+        weights = parse_adapter(
+            *read_adapter_files(str(adapter_dirs[name])),
+            module_shapes=cfg.module_shapes(),
+            num_layers=cfg.num_layers,
+            max_rank=16,
+        )
         pools.write(slot, slot_arrays(cfg, weights, 16))
     # rows 0..3 use slots 0..3 in a shuffled order, row 4 has no adapter
     row_slots = np.array([2, 0, 3, 1, -1], np.int32)
@@ -55,14 +60,20 @@ def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs) -> None:
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT
     for row, slot in enumerate(row_slots):
-        got, cache = prefill(ck.params, pools.pools, tokens, np.int32(len(PROMPT)), np.int32(slot), np.int32(row), cache, inv)
-        np.testing.assert_allclose(np.asarray(got), refs[row][len(PROMPT) - 1], atol=ATOL, err_msg=f"prefill row {row}")
+        got, cache = prefill(
+            ck.params, pools.pools, tokens, np.int32(len(PROMPT)), np.int32(slot), np.int32(row), cache, inv
+        )
+        np.testing.assert_allclose(
+            np.asarray(got), refs[row][len(PROMPT) - 1], atol=ATOL, err_msg=f"prefill row {row}"
+        )
     for step in range(STEPS):
         pos = len(PROMPT) + step
         toks = np.full(rows, seq[pos], np.int32)
         got, cache = decode(ck.params, pools.pools, toks, np.full(rows, pos, np.int32), row_slots, cache, inv)
         for row in range(rows):
-            np.testing.assert_allclose(np.asarray(got[row]), refs[row][pos], atol=ATOL, err_msg=f"row {row} step {step}")
+            np.testing.assert_allclose(
+                np.asarray(got[row]), refs[row][pos], atol=ATOL, err_msg=f"row {row} step {step}"
+            )
     # the adapters really change the output (otherwise the comparison above proves nothing)
     for row in range(rows - 1):
         assert np.abs(refs[row][-1] - refs[-1][-1]).max() > 1e-2
@@ -70,7 +81,11 @@ def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs) -> None:
 
 def test_pattern_ranks_and_scaling_are_folded(llama_dir, adapter_dirs) -> None:
     cfg = load_checkpoint(str(llama_dir)).config
-    w = parse_adapter(*read_adapter_files(str(adapter_dirs["attn-pattern"])), module_shapes=cfg.module_shapes(), num_layers=cfg.num_layers)
+    w = parse_adapter(
+        *read_adapter_files(str(adapter_dirs["attn-pattern"])),
+        module_shapes=cfg.module_shapes(),
+        num_layers=cfg.num_layers,
+    )
     assert w.target_modules == ("q_proj", "k_proj", "o_proj")
     assert w.modules["k_proj"][0].shape == (cfg.num_layers, cfg.hidden_size, 2)  # rank_pattern k_proj: 2
     assert w.modules["q_proj"][0].shape == (cfg.num_layers, cfg.hidden_size, 8)
@@ -78,7 +93,9 @@ def test_pattern_ranks_and_scaling_are_folded(llama_dir, adapter_dirs) -> None:
 
     raw = load_file(str(adapter_dirs["attn-pattern"] / "adapter_model.safetensors"))
     b_o = next(v for k, v in raw.items() if "layers.0.self_attn.o_proj.lora_B" in k)
-    np.testing.assert_allclose(w.modules["o_proj"][1][0], b_o.T * (3.0 / 8), rtol=1e-6)  # alpha_pattern o_proj: 3
+    np.testing.assert_allclose(
+        w.modules["o_proj"][1][0], b_o.T * (3.0 / 8), rtol=1e-6
+    )  # alpha_pattern o_proj: 3
     b_k = next(v for k, v in raw.items() if "layers.0.self_attn.k_proj.lora_B" in k)
     np.testing.assert_allclose(w.modules["k_proj"][1][0], b_k.T * (8.0 / 2), rtol=1e-6)
     rs = parse_adapter(*read_adapter_files(str(adapter_dirs["qv-r8-rslora"])))

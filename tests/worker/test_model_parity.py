@@ -45,14 +45,35 @@ def test_prefill_and_decode_logits_match_transformers(model_dirs, family: str) -
     for row, p in enumerate(PROMPTS):
         tokens = np.zeros(16, np.int32)
         tokens[: len(p)] = p
-        got, cache = M.prefill(cfg, ck.params, lora, jnp.asarray(tokens), jnp.int32(len(p)), jnp.int32(-1), jnp.int32(row), cache, inv)
+        got, cache = M.prefill(
+            cfg,
+            ck.params,
+            lora,
+            jnp.asarray(tokens),
+            jnp.int32(len(p)),
+            jnp.int32(-1),
+            jnp.int32(row),
+            cache,
+            inv,
+        )
         np.testing.assert_allclose(np.asarray(got), refs[row][1][len(p) - 1], atol=ATOL)
     for step in range(STEPS):
         toks = np.array([seq[len(p) + step] for p, (seq, _) in zip(PROMPTS, refs, strict=True)], np.int32)
         pos = np.array([len(p) + step for p in PROMPTS], np.int32)
-        got, cache = M.decode(cfg, ck.params, lora, jnp.asarray(toks), jnp.asarray(pos), jnp.full(rows, -1, jnp.int32), cache, inv)
+        got, cache = M.decode(
+            cfg,
+            ck.params,
+            lora,
+            jnp.asarray(toks),
+            jnp.asarray(pos),
+            jnp.full(rows, -1, jnp.int32),
+            cache,
+            inv,
+        )
         for row in range(rows):
-            np.testing.assert_allclose(np.asarray(got[row]), refs[row][1][pos[row]], atol=ATOL, err_msg=f"step {step}")
+            np.testing.assert_allclose(
+                np.asarray(got[row]), refs[row][1][pos[row]], atol=ATOL, err_msg=f"step {step}"
+            )
     # greedy tokens are identical: the argmax of our logits reproduces HF's continuation
     for row, (seq, logits) in enumerate(refs):
         n = len(PROMPTS[row])

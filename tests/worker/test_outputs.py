@@ -1,0 +1,68 @@
+"""Incremental detokenisation never splits a UTF-8 character; stop strings cut text exactly."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.outputs import Detokenizer, StreamAssembler
+from worker.requests import Failed, Finished, Started, Token
+from worker.testing import build_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_multibyte_characters_are_emitted_whole(tokenizer) -> None:
+    text = "ab 東京 🙂 café"
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) > len(text.split())  # byte-level pieces: some characters span several tokens
+    detok = Detokenizer(tokenizer, [])
+    deltas = [detok.add(t) for t in ids]
+    assert "".join(deltas) + detok.flush() == text
+    assert all("\ufffd" not in d for d in deltas)
+    # at least one token completed no character on its own (a split character waited for the next token)
+    assert "" in deltas
+
+
+def test_prompt_context_does_not_leak_into_output(tokenizer) -> None:
+    prompt = tokenizer("Colors: red green")["input_ids"]
+    gen = tokenizer(" blue")["input_ids"]
+    detok = Detokenizer(tokenizer, prompt)
+    assert "".join(detok.add(t) for t in gen) + detok.flush() == " blue"
+
+
+def _run(tokenizer, text, stop, finish="length"):
+    ids = tokenizer(text)["input_ids"]
+    asm = StreamAssembler(tokenizer, [1, 2], tuple(stop))
+    chunks = asm.feed(Started("a@1"))
+    for t in ids[:-1]:
+        chunks += asm.feed(Token(t))
+        if asm.done:
+            break
+    if not asm.done:
+        chunks += asm.feed(Finished(finish, 2, len(ids), token_id=ids[-1]))
+    return chunks, asm
+
+
+def test_stop_string_cuts_before_match_and_holds_back_prefixes(tokenizer) -> None:
+    chunks, asm = _run(tokenizer, "one two three four five", ["three"])
+    assert "".join(c.text for c in chunks) == "one two "
+    assert chunks[-1].finish_reason == "stop" and asm.stopped_by_string
+    assert all("thr" not in c.text for c in chunks)
+    assert chunks[-1].completion_tokens == sum(len(c.token_ids) for c in chunks)
+    assert {c.adapter for c in chunks} == {"a@1"}
+
+
+def test_no_stop_match_flushes_everything(tokenizer) -> None:
+    chunks, asm = _run(tokenizer, "one two three", ["xyz", "thre3"])
+    assert "".join(c.text for c in chunks) == "one two three"
+    assert chunks[-1].finish_reason == "length" and not asm.stopped_by_string
+    assert chunks[-1].prompt_tokens == 2
+
+
+def test_failure_ends_the_stream(tokenizer) -> None:
+    asm = StreamAssembler(tokenizer, [1], ())
+    assert asm.feed(Failed("NOT_FOUND", "gone")) == []
+    assert asm.done and asm.error == Failed("NOT_FOUND", "gone")

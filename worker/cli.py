@@ -1,0 +1,85 @@
+"""``loraserve worker``: load a base model, warm up, serve Inference + WorkerAdmin over gRPC.
+
+Every flag has an environment twin ``LORASERVE_WORKER_<FLAG>`` (flags win).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from dataclasses import fields
+
+from worker.config import ENV_PREFIX, WorkerConfig
+
+HELP = {
+    "model": "Hugging Face checkpoint folder or fsspec URL (config.json + *.safetensors)",
+    "model_id": "model id reported to clients and the registry (default: the model path)",
+    "host": "address to bind",
+    "port": "port to bind (0 picks a free one)",
+    "adapter_dir": "folder (or fsspec URL) of PEFT adapter folders served by name",
+    "max_batch_size": "decode rows per step",
+    "max_seq_len": "context length: prompt plus new tokens",
+    "max_loras": "adapter slots on the device",
+    "max_lora_rank": "largest adapter rank a slot holds",
+    "max_cpu_loras": "adapters kept in host memory after eviction",
+    "max_waiting": "queued requests before RESOURCE_EXHAUSTED",
+    "kernel_backend": "multi-LoRA kernel backend: reference, xla or pallas",
+    "dtype": "compute dtype: float32 or bfloat16",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in fields(WorkerConfig):
+        flag = "--" + f.name.replace("_", "-")
+        env = ENV_PREFIX + f.name.upper()
+        parser.add_argument(
+            flag,
+            type=type(f.default),
+            default=None,
+            help=f"{HELP[f.name]} (env {env}; default {f.default!r})",
+        )
+    parser.add_argument("--log-level", default="INFO")
+
+
+async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
+    from worker.checkpoint import load_checkpoint
+    from worker.engine import Engine
+    from worker.server import build_server, set_serving
+    from worker.sources import LocalAdapterSource
+    from worker.tokenizer import load_tokenizer
+
+    log = logging.getLogger("loraserve.worker")
+    checkpoint = load_checkpoint(config.model, dtype=config.dtype)
+    tokenizer = load_tokenizer(config.model)
+    engine = Engine(checkpoint, config.engine_config(), source=LocalAdapterSource(config.adapter_dir or None))
+    server, port, health_servicer = build_server(
+        engine, tokenizer, config.model_id or config.model, f"{config.host}:{config.port}"
+    )
+    await set_serving(health_servicer, False)
+    await server.start()
+    log.info("worker bound to %s:%d; warming up", config.host, port)
+    await asyncio.get_running_loop().run_in_executor(None, engine.start)
+    await set_serving(health_servicer, True)
+    if ready_line:
+        print(f"loraserve worker serving on {config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining")
+    await set_serving(health_servicer, False)
+    await server.stop(grace=5)
+    engine.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    overrides = {f.name: getattr(args, f.name) for f in fields(WorkerConfig)}
+    config = WorkerConfig.from_env(**overrides)
+    if not config.model:
+        raise SystemExit("loraserve worker: --model (or LORASERVE_WORKER_MODEL) is required")
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,203 @@
+"""The worker's gRPC servicers: ``Inference.Generate`` (streaming), ``WorkerAdmin``, health, reflection.
+
+Thin by design: proto <-> dataclass conversion and status mapping; the engine does the work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
+from worker.adapters import AdapterError
+from worker.engine import Engine
+from worker.outputs import Chunk, StreamAssembler
+from worker.requests import EngineRequest, RequestError, Sampling
+from worker.slots import Slot
+from worker.sources import LocalAdapterSource
+from worker.tokenizer import encode
+
+log = logging.getLogger("loraserve.worker.server")
+
+FINISH = {
+    "length": inference_pb2.FINISH_REASON_LENGTH,
+    "stop": inference_pb2.FINISH_REASON_STOP,
+    "eos": inference_pb2.FINISH_REASON_EOS,
+}
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def status(code: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
+
+
+def sampling_from_proto(p: inference_pb2.SamplingParams) -> Sampling:
+    return Sampling(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        seed=p.seed if p.HasField("seed") else None,
+        max_tokens=p.max_tokens,
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def chunk_to_proto(request_id: str, chunk: Chunk) -> inference_pb2.GenerateResponse:
+    out = inference_pb2.GenerateResponse(
+        request_id=request_id, token_ids=chunk.token_ids, text=chunk.text, adapter=chunk.adapter
+    )
+    if chunk.finish_reason:
+        out.finish_reason = FINISH[chunk.finish_reason]
+        out.usage.prompt_tokens = chunk.prompt_tokens
+        out.usage.completion_tokens = chunk.completion_tokens
+    return out
+
+
+def slot_to_proto(slot: Slot) -> worker_admin_pb2.SlotInfo:
+    info = worker_admin_pb2.SlotInfo(
+        slot=slot.index,
+        adapter=slot.adapter,
+        state=slot.state.value,
+        pinned=slot.pinned,
+        refcount=slot.refcount,
+        rank=slot.rank,
+        sha256=slot.sha256,
+    )
+    if slot.last_used:
+        info.last_used.CopyFrom(Timestamp(seconds=int(slot.last_used), nanos=int(slot.last_used % 1 * 1e9)))
+    return info
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, engine: Engine, tokenizer: Any) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+
+    def _prompt(self, request: inference_pb2.GenerateRequest) -> list[int]:
+        kind = request.WhichOneof("prompt")
+        if kind == "tokens":
+            return list(request.tokens.ids)
+        if kind == "text" and request.text:
+            if self.tokenizer is None:
+                raise RequestError("INVALID_ARGUMENT", "this model has no tokenizer: send token ids")
+            return encode(self.tokenizer, request.text)
+        raise RequestError("INVALID_ARGUMENT", "prompt is empty: set text or tokens")
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        if not self.engine.ready.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is warming up")
+        request_id = request.request_id or uuid.uuid4().hex
+        internal_id = uuid.uuid4().hex  # client ids may repeat; cancellation must not hit a stranger
+        events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        try:
+            prompt = self._prompt(request)
+            engine_req = EngineRequest(
+                request_id=internal_id,
+                adapter=request.adapter,
+                prompt=prompt,
+                sampling=sampling_from_proto(request.sampling),
+                sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            )
+            self.engine.submit(engine_req)
+        except RequestError as exc:
+            await context.abort(status(exc.code), exc.message)
+        assembler = StreamAssembler(self.tokenizer, prompt, tuple(request.sampling.stop))
+        try:
+            while not assembler.done:
+                for chunk in assembler.feed(await events.get()):
+                    yield chunk_to_proto(request_id, chunk)
+            if assembler.error is not None:
+                await context.abort(status(assembler.error.code), assembler.error.message)
+        finally:
+            if not engine_req.done or assembler.stopped_by_string:
+                self.engine.cancel(internal_id)  # client gone, deadline passed, or a stop string ended it
+
+
+class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
+    def __init__(self, engine: Engine, model_id: str, worker_id: str = "") -> None:
+        self.engine, self.model_id, self.worker_id = engine, model_id, worker_id
+
+    async def LoadAdapter(self, request, context):
+        try:
+            if request.source_uri:
+                if not isinstance(self.engine.source, LocalAdapterSource):
+                    raise AdapterError("source_uri is only accepted by workers serving local adapters")
+                self.engine.source.register(request.adapter, request.source_uri)
+            slot = await asyncio.wrap_future(self.engine.load_adapter(request.adapter, request.pin))
+        except (AdapterError, RequestError) as exc:
+            await context.abort(status(exc.code), str(exc))
+        return slot_to_proto(slot)
+
+    async def UnloadAdapter(self, request, context):
+        try:
+            old = await asyncio.wrap_future(self.engine.unload_adapter(request.adapter, request.force))
+        except RequestError as exc:
+            await context.abort(status(exc.code), exc.message)
+        return worker_admin_pb2.UnloadAdapterResponse(slot=old.index, adapter=old.adapter)
+
+    async def ListSlots(self, request, context):
+        return worker_admin_pb2.ListSlotsResponse(slots=[slot_to_proto(s) for s in self.engine.slots()])
+
+    async def GetWorkerInfo(self, request, context):
+        e, cfg = self.engine.config, self.engine.model_config
+        import jax
+
+        from worker.model_config import LORA_MODULES
+
+        return worker_admin_pb2.WorkerInfo(
+            model_id=self.model_id,
+            dtype=e.dtype,
+            max_loras=e.max_loras,
+            max_lora_rank=e.max_lora_rank,
+            target_modules=list(LORA_MODULES),
+            max_batch_size=e.max_batch_size,
+            max_seq_len=e.max_seq_len,
+            max_cpu_loras=e.max_cpu_loras,
+            vocab_size=cfg.vocab_size,
+            worker_id=self.worker_id,
+            platform=jax.default_backend(),
+        )
+
+
+SERVICE_NAMES = (
+    inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name,
+    worker_admin_pb2.DESCRIPTOR.services_by_name["WorkerAdmin"].full_name,
+)
+
+
+def build_server(
+    engine: Engine, tokenizer: Any, model_id: str, address: str
+) -> tuple[grpc.aio.Server, int, Any]:
+    """A grpc.aio server with every worker service; returns (server, bound port, health servicer)."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(engine, tokenizer), server)
+    worker_admin_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(engine, model_id), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, reflection.SERVICE_NAME, health.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(address)
+    return server, port, health_servicer
+
+
+async def set_serving(health_servicer: Any, serving: bool) -> None:
+    state = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, state)
