@@ -1,0 +1,197 @@
+"""The engine without gRPC: sampling, EOS, slot policy (LRU, pinning, host tier), swaps, compilations."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import pytest
+
+from kernels.testing import count_compilations
+from worker.checkpoint import load_checkpoint
+from worker.config import EngineConfig
+from worker.engine import Engine
+from worker.requests import EngineRequest, Failed, Finished, RequestError, Sampling, Started, Token
+from worker.sources import LocalAdapterSource
+
+PROMPT = [5, 17, 33, 100, 7]
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.events: list = []
+        self.done = threading.Event()
+
+    def __call__(self, event) -> None:
+        self.events.append(event)
+        if isinstance(event, Finished | Failed):
+            self.done.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.token_id for e in self.events if isinstance(e, Token | Finished) and e.token_id is not None]
+
+    @property
+    def end(self):
+        return self.events[-1]
+
+
+def submit(engine: Engine, adapter: str = "", prompt=PROMPT, **sampling) -> Collector:
+    c = Collector()
+    engine.submit(EngineRequest(uuid.uuid4().hex, adapter, list(prompt), Sampling(**sampling), c))
+    return c
+
+
+def wait(*collectors: Collector, timeout: float = 60) -> None:
+    for c in collectors:
+        assert c.done.wait(timeout), "request did not finish"
+
+
+@pytest.fixture(scope="module")
+def source(adapter_dirs) -> LocalAdapterSource:
+    src = LocalAdapterSource()
+    for name, path in adapter_dirs.items():
+        src.register(name, str(path))
+    return src
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir, source):
+    eng = Engine(
+        load_checkpoint(str(llama_dir)),
+        EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16, max_cpu_loras=1),
+        source=source,
+    )
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(engine) -> None:
+    a = submit(engine, temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    noise = [
+        submit(engine, "all-r4", temperature=0.7, max_tokens=5) for _ in range(3)
+    ]  # other rows in the batch
+    b = submit(engine, temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    c = submit(engine, temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)
+    wait(a, b, c, *noise)
+    assert a.tokens == b.tokens and len(a.tokens) == 12
+    assert a.tokens != c.tokens
+    greedy = submit(engine, max_tokens=12, ignore_eos=True)
+    top1 = submit(engine, temperature=5.0, top_k=1, seed=7, max_tokens=12, ignore_eos=True)
+    tiny_p = submit(engine, temperature=5.0, top_p=1e-6, seed=8, max_tokens=12, ignore_eos=True)
+    wait(greedy, top1, tiny_p)
+    assert (
+        top1.tokens == greedy.tokens == tiny_p.tokens
+    )  # top-k 1 and a vanishing top-p both reduce to argmax
+
+
+def test_eos_ends_generation_unless_ignored(engine) -> None:
+    # make EOS the greedy answer by asking for stop on nothing and using the tiny model's own eos id
+    free = submit(engine, max_tokens=30, ignore_eos=True)
+    wait(free)
+    eos = sorted(engine.eos_ids)[0]
+    if eos not in free.tokens:
+        engine.eos_ids = frozenset({free.tokens[4]})  # pretend the 5th greedy token is EOS
+        try:
+            stopped = submit(engine, max_tokens=30)
+            wait(stopped)
+        finally:
+            engine.eos_ids = frozenset({eos})
+        first = free.tokens.index(free.tokens[4])
+        assert stopped.tokens == free.tokens[: first + 1]
+        assert stopped.end.reason == "eos" and stopped.end.completion_tokens == first + 1
+
+
+def test_max_tokens_capped_by_context(engine) -> None:
+    c = submit(engine, prompt=[5] * 60, max_tokens=50, ignore_eos=True)
+    wait(c)
+    assert len(c.tokens) == 4 and c.end.reason == "length"  # 64 - 60
+
+
+def test_immediate_rejections(engine) -> None:
+    for kwargs, code in [(dict(prompt=[]), "INVALID_ARGUMENT"), (dict(prompt=[1] * 64), "INVALID_ARGUMENT")]:
+        with pytest.raises(RequestError) as exc:
+            submit(engine, **kwargs)
+        assert exc.value.code == code
+    bad_rank = submit(engine, "no-such")
+    wait(bad_rank)
+    assert bad_rank.end == Failed("NOT_FOUND", "adapter 'no-such' is not known to this worker")
+
+
+def test_lru_eviction_pinning_and_host_tier(engine) -> None:
+    loaded = engine.counters["adapter_loads"]
+    pinned = engine.load_adapter("all-r4", pin=True).result(30)
+    assert pinned.pinned
+    for name in ("qv-r8-rslora", "mlp-r16", "attn-pattern", "qv-r8-rslora"):
+        c = submit(engine, name, max_tokens=2)
+        wait(c)
+        assert isinstance(c.end, Finished), c.end
+        assert c.events[0] == Started(name)
+    slots = {s.adapter: s for s in engine.slots()}
+    assert "all-r4" in slots and slots["all-r4"].pinned  # never evicted
+    assert "qv-r8-rslora" in slots  # the other slot went round LRU
+    assert (
+        engine.counters["adapter_loads"] - loaded == 4
+    )  # all-r4 was resident already; one slot cycled 4 times
+    # max_cpu_loras=1: only the most recently fetched adapter stays in host memory
+    assert engine.host_tier.keys() == ["attn-pattern"] or engine.host_tier.keys() == ["qv-r8-rslora"]
+    engine.unload_adapter("all-r4").result(10)
+
+
+def test_too_large_adapter_fails_precondition(llama_dir, adapter_dirs) -> None:
+    src = LocalAdapterSource()
+    src.register("big", str(adapter_dirs["mlp-r16"]))
+    eng = Engine(
+        load_checkpoint(str(llama_dir)),
+        EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=1, max_lora_rank=8),
+        source=src,
+    )
+    eng.start()
+    try:
+        c = submit(eng, "big", max_tokens=2)
+        wait(c)
+        assert c.end.code == "FAILED_PRECONDITION" and "above the largest slot rank 8" in c.end.message
+        ok = submit(eng, max_tokens=2)
+        wait(ok)
+        assert isinstance(ok.end, Finished)
+    finally:
+        eng.stop()
+
+
+@pytest.mark.slow
+def test_no_compilation_after_warmup_over_200_requests_20_adapters_4_slots(
+    llama_dir, adapter_dirs, tmp_path
+) -> None:
+    src = LocalAdapterSource()
+    names = list(adapter_dirs)
+    for i in range(20):
+        src.register(f"a{i}", str(adapter_dirs[names[i % len(names)]]))
+    eng = Engine(
+        load_checkpoint(str(llama_dir)),
+        EngineConfig(max_batch_size=8, max_seq_len=64, max_loras=4, max_lora_rank=16, max_cpu_loras=0),
+        source=src,
+    )
+    eng.start()
+    try:
+        with count_compilations() as count:
+            collectors = []
+            for i in range(200):
+                prompt = PROMPT[: 1 + i % 5] + [i % 300 + 3] * (i % 40)
+                collectors.append(
+                    submit(
+                        eng,
+                        f"a{i % 20}" if i % 7 else "",
+                        prompt=prompt,
+                        max_tokens=1 + i % 6,
+                        temperature=0.0 if i % 2 else 0.8,
+                        top_k=i % 3,
+                        top_p=0.9 if i % 5 == 0 else 0.0,
+                    )
+                )
+            wait(*collectors, timeout=300)
+        assert all(isinstance(c.end, Finished) for c in collectors)
+        assert eng.counters["adapter_loads"] >= 20  # 20 adapters through 4 slots: swaps really happened
+        assert count.compilations == 0, count.names
+    finally:
+        eng.stop()
