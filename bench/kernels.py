@@ -1,0 +1,144 @@
+"""Benchmark the multi-LoRA ops on CPU against a dense merged-weight matmul.
+
+Run ``python bench/kernels.py`` (or ``make bench``). For one projection (in = out = 1024, S = 16
+slots of rank R = 16, f32) it times, per token count T:
+
+* ``dense``     — ``x @ W``: the merged-weight / no-LoRA peer;
+* ``xla``       — ``x @ W`` then ``add_lora(..., backend="xla")`` (one-hot, the CPU serving path);
+* ``reference`` — ``x @ W`` then ``add_lora(..., backend="reference")`` (per-token gather);
+* ``sgmv``      — prefill only: ``x @ W`` then ``add_lora_sgmv`` (masked over G segments).
+
+Decode batches (T = 16, 32, 64) give every token its own adapter (``idx = t mod S``); prefill
+batches (T = 512, 1024, 2048) are G = 4 prompts of T/4 tokens, each with one adapter. Every number
+is the median wall time of several ``block_until_ready`` runs of an already compiled function.
+The last line printed is one JSON object with all the numbers and ratios
+(``dense_over_x`` = dense time ÷ x time: the fraction of merged-weight throughput x keeps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+# `python bench/kernels.py` puts bench/ first on sys.path, where this file would shadow the
+# `kernels` package: look in the repository root instead.
+_HERE, _ROOT = Path(__file__).resolve().parent, Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+sys.path.insert(0, str(_ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kernels  # noqa: E402
+
+D_IN = D_OUT = 1024
+S, R, G = 16, 16, 4
+DECODE_T = (16, 32, 64)
+PREFILL_T = (512, 1024, 2048)
+
+
+def median_ms(fn, *args, runs: int) -> float:
+    """Median wall time in ms of ``fn(*args)`` after one warm-up (compilation) call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+@jax.jit
+def dense(x, W):  # [T, out]
+    """*Semantics:* the merged-weight projection ``x @ W``."""
+    return x @ W
+
+
+def _with_lora(backend: str):
+    @jax.jit
+    def run(x, W, A, B, idx):  # [T, out]
+        return kernels.add_lora(x @ W, x, A, B, idx, backend=backend)
+
+    return run
+
+
+@jax.jit
+def sgmv(x, W, A, B, seg_slots, seg_lens):  # [T, out]
+    return kernels.add_lora_sgmv(x @ W, x, A, B, seg_slots, seg_lens)
+
+
+def bench_shape(T: int, prefill: bool, weights, rng) -> dict:
+    W, A, B = weights
+    x = jnp.asarray(rng.standard_normal((T, D_IN)), jnp.float32)
+    runs = 7 if prefill else 40
+    if prefill:
+        seg_slots = jnp.asarray(rng.permutation(S)[:G], jnp.int32)
+        seg_lens = jnp.full((G,), T // G, jnp.int32)
+        idx = kernels.segments_to_idx(seg_slots, seg_lens, T)
+    else:
+        idx = jnp.arange(T, dtype=jnp.int32) % S
+    row = {"T": T, "kind": "prefill" if prefill else "decode"}
+    row["dense_ms"] = median_ms(dense, x, W, runs=runs)
+    for backend in ("xla", "reference"):
+        row[f"{backend}_ms"] = median_ms(_with_lora(backend), x, W, A, B, idx, runs=runs)
+    if prefill:
+        row["sgmv_ms"] = median_ms(sgmv, x, W, A, B, seg_slots, seg_lens, runs=runs)
+    for name in ("xla", "reference", "sgmv"):
+        if f"{name}_ms" in row:
+            row[f"dense_over_{name}"] = round(row["dense_ms"] / row[f"{name}_ms"], 3)
+    row["reference_over_xla"] = round(row["reference_ms"] / row["xla_ms"], 3)
+    for k, v in row.items():
+        if k.endswith("_ms"):
+            row[k] = round(v, 4)
+    return row
+
+
+def main() -> None:
+    t_start = time.perf_counter()
+    rng = np.random.default_rng(0)
+    W = jnp.asarray(rng.standard_normal((D_IN, D_OUT)) / np.sqrt(D_IN), jnp.float32)
+    A = jnp.asarray(rng.standard_normal((S, D_IN, R)) / np.sqrt(D_IN), jnp.float32)
+    B = jnp.asarray(rng.standard_normal((S, R, D_OUT)) / np.sqrt(R), jnp.float32)
+    print(
+        f"kernels bench: in={D_IN} out={D_OUT} S={S} R={R} f32, backend={jax.default_backend()}, "
+        f"{os.cpu_count()} CPUs, jax {jax.__version__}"
+    )
+    print("lora cost = x@W + add_lora; ratio = dense time / that time (1.0 = as fast as merged weights)")
+    rows = []
+    for prefill, Ts in ((False, DECODE_T), (True, PREFILL_T)):
+        for T in Ts:
+            row = bench_shape(T, prefill, (W, A, B), rng)
+            rows.append(row)
+            extra = f"  sgmv {row['sgmv_ms']:8.3f} ms ({row['dense_over_sgmv']:.2f})" if prefill else ""
+            print(
+                f"{row['kind']:7s} T={T:5d}  dense {row['dense_ms']:8.3f} ms  "
+                f"xla {row['xla_ms']:8.3f} ms ({row['dense_over_xla']:.2f})  "
+                f"reference {row['reference_ms']:8.3f} ms ({row['dense_over_reference']:.2f}){extra}"
+            )
+    summary = {
+        "bench": "kernels",
+        "config": {"in": D_IN, "out": D_OUT, "S": S, "R": R, "G_prefill": G, "dtype": "float32"},
+        "platform": {"backend": jax.default_backend(), "cpus": os.cpu_count(), "machine": platform.machine()},
+        "rows": rows,
+        "geomean_dense_over_xla_decode": _geomean(r["dense_over_xla"] for r in rows if r["kind"] == "decode"),
+        "geomean_dense_over_sgmv_prefill": _geomean(
+            r["dense_over_sgmv"] for r in rows if r["kind"] == "prefill"
+        ),
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+    print(json.dumps(summary, separators=(",", ":")))
+
+
+def _geomean(values) -> float:
+    vals = list(values)
+    return round(float(np.exp(np.mean(np.log(vals)))), 3)
+
+
+if __name__ == "__main__":
+    main()
