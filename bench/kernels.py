@@ -10,13 +10,15 @@ slots of rank R = 16, f32) it times, per token count T:
 
 Decode batches (T = 16, 32, 64) give every token its own adapter (``idx = t mod S``); prefill
 batches (T = 512, 1024, 2048) are G = 4 prompts of T/4 tokens, each with one adapter. Every number
-is the median wall time of several ``block_until_ready`` runs of an already compiled function.
+is the median wall time of 15 (prefill) or 100 (decode) ``block_until_ready`` runs of an already
+compiled function, the variants timed round-robin.
 The last line printed is one JSON object with all the numbers and ratios
 (``dense_over_x`` = dense time ÷ x time: the fraction of merged-weight throughput x keeps).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -43,15 +45,21 @@ DECODE_T = (16, 32, 64)
 PREFILL_T = (512, 1024, 2048)
 
 
-def median_ms(fn, *args, runs: int) -> float:
-    """Median wall time in ms of ``fn(*args)`` after one warm-up (compilation) call."""
-    jax.block_until_ready(fn(*args))
-    times = []
+def median_ms(fns: dict, runs: int) -> dict[str, float]:
+    """Median wall time in ms of each ``fns[name]()`` after a warm-up (compiling) call.
+
+    The functions are timed round-robin, so a burst of load on this shared machine hits them all
+    alike instead of skewing one of the ratios.
+    """
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
 @jax.jit
@@ -60,6 +68,7 @@ def dense(x, W):  # [T, out]
     return x @ W
 
 
+@functools.cache
 def _with_lora(backend: str):
     @jax.jit
     def run(x, W, A, B, idx):  # [T, out]
@@ -76,19 +85,22 @@ def sgmv(x, W, A, B, seg_slots, seg_lens):  # [T, out]
 def bench_shape(T: int, prefill: bool, weights, rng) -> dict:
     W, A, B = weights
     x = jnp.asarray(rng.standard_normal((T, D_IN)), jnp.float32)
-    runs = 7 if prefill else 40
+    runs = 15 if prefill else 100
     if prefill:
         seg_slots = jnp.asarray(rng.permutation(S)[:G], jnp.int32)
         seg_lens = jnp.full((G,), T // G, jnp.int32)
         idx = kernels.segments_to_idx(seg_slots, seg_lens, T)
     else:
         idx = jnp.arange(T, dtype=jnp.int32) % S
-    row = {"T": T, "kind": "prefill" if prefill else "decode"}
-    row["dense_ms"] = median_ms(dense, x, W, runs=runs)
-    for backend in ("xla", "reference"):
-        row[f"{backend}_ms"] = median_ms(_with_lora(backend), x, W, A, B, idx, runs=runs)
+    fns = {
+        "dense": lambda: dense(x, W),
+        "xla": lambda: _with_lora("xla")(x, W, A, B, idx),
+        "reference": lambda: _with_lora("reference")(x, W, A, B, idx),
+    }
     if prefill:
-        row["sgmv_ms"] = median_ms(sgmv, x, W, A, B, seg_slots, seg_lens, runs=runs)
+        fns["sgmv"] = lambda: sgmv(x, W, A, B, seg_slots, seg_lens)
+    row = {"T": T, "kind": "prefill" if prefill else "decode", "runs": runs}
+    row.update({f"{name}_ms": ms for name, ms in median_ms(fns, runs).items()})
     for name in ("xla", "reference", "sgmv"):
         if f"{name}_ms" in row:
             row[f"dense_over_{name}"] = round(row["dense_ms"] / row[f"{name}_ms"], 3)
