@@ -1,8 +1,8 @@
 """Load a Hugging Face Llama-family checkpoint folder (local path or fsspec URL) into stacked JAX arrays.
 
 The folder holds ``config.json`` and one or many ``*.safetensors`` (sharded checkpoints carry a
-``model.safetensors.index.json``). Weights are transposed to ``[in, out]`` and stacked over layers so
-the model runs its layers under one ``lax.scan``; q/k/v and gate/up are fused into one matmul each.
+``model.safetensors.index.json``). Weights are transposed to ``[in, out]``, kept as one dict per layer
+(see ``worker.model`` for why not stacked), and q/k/v and gate/up are fused into one matmul each.
 """
 
 from __future__ import annotations
@@ -91,8 +91,8 @@ def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> 
     return np.asarray(t, dtype=np.float32)
 
 
-def convert_hf_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """HF tensor dict -> our stacked layout (float32 numpy, ``[in, out]`` matrices, layers first)."""
+def convert_hf_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
+    """HF tensor dict -> our layout (float32 numpy, ``[in, out]`` matrices, ``layers``: one dict per layer)."""
     h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     tensors = dict(tensors)
     out: dict[str, np.ndarray] = {"embed": _take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, h))}
@@ -141,7 +141,7 @@ def convert_hf_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
                 ),
             )
             add("b_down", _take(tensors, p + "mlp.down_proj.bias", (h,)))
-    out.update({k: np.stack(v) for k, v in layers.items()})
+    out["layers"] = [{k: v[n] for k, v in layers.items()} for n in range(cfg.num_layers)]
     return out
 
 
@@ -153,5 +153,5 @@ def load_checkpoint(url: str, dtype: str = "float32") -> Checkpoint:
     cfg = ModelConfig.from_hf(read_config(url))
     host = convert_hf_weights(cfg, dict(_iter_tensors(url)))
     jdtype = jnp.dtype(dtype)
-    params = {k: jax.device_put(v.astype(jdtype)) for k, v in host.items()}
+    params = jax.tree.map(lambda v: jax.device_put(v.astype(jdtype)), host)
     return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name)

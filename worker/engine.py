@@ -27,7 +27,16 @@ from worker.checkpoint import Checkpoint
 from worker.config import EngineConfig
 from worker.requests import EngineRequest, Failed, Finished, RequestError, Started, Token, validate_prompt
 from worker.sampling import SamplingArrays, sample
-from worker.slots import HostTier, NoFreeSlotError, Slot, SlotPools, SlotState, SlotTable, slot_arrays
+from worker.slots import (
+    HostTier,
+    NoFreeSlotError,
+    Slot,
+    SlotPools,
+    SlotState,
+    SlotTable,
+    SlotValues,
+    slot_arrays,
+)
 from worker.sources import (
     AdapterSource,
     AdapterUnavailableError,
@@ -45,7 +54,7 @@ class _Prepared:
     key: str
     sha256: str = ""
     rank: int = 0
-    arrays: dict[str, np.ndarray] | None = None
+    arrays: SlotValues | None = None
     error: AdapterError | None = None
 
 

@@ -1,7 +1,7 @@
 """Adapter slots: preallocated device pools, which adapter sits where, LRU eviction, pinning, a host tier.
 
-The pools (``A_*: [L, S, in, n*R]``, ``B_*: [L, S, R, out]``) are allocated once; a swap writes one slot
-through a jitted ``.at[:, slot].set`` on donated buffers, so shapes never change and nothing compiles.
+The pools (per layer ``A_*: [S, in, n*R]``, ``B_*: [S, R, out]``) are allocated once; a swap writes one
+slot through a jitted ``.at[slot].set`` on donated buffers, so shapes never change and nothing compiles.
 ``SlotTable`` is the bookkeeping (thread-safe, no JAX); ``SlotPools`` owns the device arrays and is
 touched only by the engine thread, which applies writes between decode steps.
 """
@@ -121,32 +121,41 @@ class SlotTable:
             return sum(s.state == SlotState.EMPTY for s in self._slots)
 
 
-def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> dict[str, np.ndarray]:
-    """Host arrays for one slot (pool shapes without the S axis), rank zero-padded to ``max_rank``.
+SlotValues = list[dict[str, np.ndarray]]  # per layer, pool name -> one slot's array
 
-    Semantics: untargeted modules are zero, so they add exactly nothing.
+
+def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotValues:
+    """Host arrays for one slot (per layer, pool shapes without the S axis), rank zero-padded to ``max_rank``.
+
+    Semantics: untargeted modules (and layers) are zero, so they add exactly nothing.
     """
     shapes = cfg.module_shapes()
-    L, R = cfg.num_layers, max_rank
-    out: dict[str, np.ndarray] = {}
-    for group, modules in LORA_GROUPS.items():
-        fan_in = shapes[modules[0]][0]
-        a_cat = np.zeros((L, fan_in, len(modules) * R), np.float32)
-        for i, module in enumerate(modules):
-            b = np.zeros((L, R, shapes[module][1]), np.float32)
-            if module in weights.modules:
-                a_m, b_m = weights.modules[module]
-                r = a_m.shape[2]
-                a_cat[:, :, i * R : i * R + r] = a_m
-                b[:, :r] = b_m
-            out[b_name(module)] = b
-        out[f"A_{group}"] = a_cat
+    R = max_rank
+    out: SlotValues = []
+    for layer in range(cfg.num_layers):
+        values: dict[str, np.ndarray] = {}
+        for group, modules in LORA_GROUPS.items():
+            fan_in = shapes[modules[0]][0]
+            a_cat = np.zeros((fan_in, len(modules) * R), np.float32)
+            for i, module in enumerate(modules):
+                b = np.zeros((R, shapes[module][1]), np.float32)
+                if module in weights.modules:
+                    a_m, b_m = weights.modules[module]
+                    r = a_m.shape[2]
+                    a_cat[:, i * R : i * R + r] = a_m[layer]
+                    b[:r] = b_m[layer]
+                values[b_name(module)] = b
+            values[f"A_{group}"] = a_cat
+        out.append(values)
     return out
 
 
 @partial(jax.jit, donate_argnums=0)
 def _write_slot(pools: Lora, slot: jax.Array, values: Lora) -> Lora:
-    return {k: pools[k].at[:, slot].set(values[k].astype(pools[k].dtype)) for k in pools}
+    return [
+        {k: layer[k].at[slot].set(vals[k].astype(layer[k].dtype)) for k in layer}
+        for layer, vals in zip(pools, values, strict=True)
+    ]
 
 
 class SlotPools:
@@ -155,9 +164,11 @@ class SlotPools:
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: jnp.dtype) -> None:
         self.cfg, self.max_loras, self.max_rank, self.dtype = cfg, max_loras, max_rank, dtype
         self.pools: Lora = empty_lora(cfg, max_loras, max_rank, dtype)
-        self._zeros = {k: np.zeros(v.shape[:1] + v.shape[2:], np.float32) for k, v in self.pools.items()}
+        self._zeros = [
+            {k: np.zeros(v.shape[1:], np.float32) for k, v in layer.items()} for layer in self.pools
+        ]
 
-    def write(self, slot: int, values: dict[str, np.ndarray]) -> None:
+    def write(self, slot: int, values: SlotValues) -> None:
         self.pools = _write_slot(self.pools, jnp.int32(slot), values)
 
     def zero(self, slot: int) -> None:
@@ -169,17 +180,17 @@ class HostTier:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: OrderedDict[str, tuple[LoraWeights, dict[str, np.ndarray]]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[LoraWeights, SlotValues]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> tuple[LoraWeights, dict[str, np.ndarray]] | None:
+    def get(self, key: str) -> tuple[LoraWeights, SlotValues] | None:
         with self._lock:
             item = self._items.get(key)
             if item is not None:
                 self._items.move_to_end(key)
             return item
 
-    def put(self, key: str, item: tuple[LoraWeights, dict[str, np.ndarray]]) -> None:
+    def put(self, key: str, item: tuple[LoraWeights, SlotValues]) -> None:
         if self.capacity <= 0:
             return
         with self._lock:
