@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 
 from kernels.shapes import (
@@ -42,10 +43,17 @@ def one_hot_slots(idx, S: int):  # [T, S] bool
 
 
 def masked_shrink(x, W, member):  # [T, R] f32
-    """``Σ_g where(member[t, g], x[t] @ W[g], 0)`` with W ``[G, in, R]`` and member ``[T, G]`` bool."""
+    """``Σ_g where(member[t, g], x[t] @ W[g], 0)`` with W ``[G, in, R]`` and member ``[T, G]`` bool.
+
+    Written as a batched matmul with the slot axis leading on both operands: the plain einsum
+    ``ti,gir->tgr`` made XLA:CPU transpose all of W to ``[in, G*R]`` on every call, which cost more
+    than the matmuls themselves (a 57 ms bench decode step fell to 41 ms with this form).
+    """
     cd = compute_dtype(x, W)
-    hs = jnp.einsum("ti,gir->tgr", x.astype(cd), W.astype(cd), preferred_element_type=ACC_DTYPE)
-    return jnp.where(member[:, :, None], hs, 0.0).sum(axis=1)  # [T, G, R] -> [T, R]
+    G = W.shape[0]
+    xb = jnp.broadcast_to(x.astype(cd)[None], (G, *x.shape))  # [G, T, in]: batch dims lead on both sides
+    hs = jax.lax.dot_general(xb, W.astype(cd), (((2,), (1,)), ((0,), (0,))), preferred_element_type=ACC_DTYPE)
+    return jnp.where(member.T[:, :, None], hs, 0.0).sum(axis=0)  # [G, T, R] -> [T, R]
 
 
 def masked_expand(h, W, member):  # [T, out] f32
