@@ -167,9 +167,13 @@ def decode(
     group = cfg.num_heads // cfg.num_kv_heads
     max_seq = cache[0][0].shape[2]
     visible = jnp.arange(max_seq)[None, :] <= positions[:, None]  # [B, M]
+    any_adapter = jnp.any(slots >= 0)
 
     def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
-        return kernels.add_lora_slices(y, x, a, bs, slots, backend=backend)
+        # A batch with no adapter row skips the pools entirely (the one-hot path reads every slot).
+        return jax.lax.cond(
+            any_adapter, lambda: kernels.add_lora_slices(y, x, a, bs, slots, backend=backend), lambda: y
+        )
 
     h = params["embed"][tokens]
     new_cache: Cache = []

@@ -1,0 +1,35 @@
+"""The benchmarks run and end with one JSON object (tiny workloads; speed is never asserted here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _last_json(args: list[str]) -> dict:
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_decode_bench_tiny_prints_its_json_last() -> None:
+    result = _last_json(["bench/decode.py", "--tiny", "--rounds", "1"])
+    assert result["bench"] == "decode"
+    assert set(result["decode_tok_s"]) == {"base", "one_adapter", "distinct_adapters", "hf_base", "peft_mixed"}
+    assert all(v > 0 for v in result["decode_tok_s"].values())
+    assert {"distinct_adapters_vs_base", "distinct_adapters_vs_peft_mixed", "base_vs_transformers"} <= set(result["ratios"])
+
+
+@pytest.mark.slow
+def test_kernels_bench_prints_its_json_last() -> None:
+    result = _last_json(["bench/kernels.py"])
+    assert result["bench"] == "kernels"
+    kinds = {row["kind"] for row in result["rows"]}
+    assert kinds == {"decode", "prefill"}
+    assert all(row["dense_ms"] > 0 and row["xla_ms"] > 0 for row in result["rows"])
