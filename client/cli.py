@@ -15,6 +15,9 @@ from collections.abc import Sequence
 # name -> (module, one-line help). Each module defines add_arguments(parser) and run(args).
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("client.demo", "build a tiny model and adapters locally and serve them from a real worker"),
+    "adapters": ("client.adapters_cmd", "push, list, show and delete adapters in the registry"),
+    "workers": ("client.workers_cmd", "list the workers registered with the registry"),
+    "registry": ("registry.cli", "run the adapter registry, migrate its database, collect orphan blobs"),
     "worker": ("worker.cli", "serve a base model with hot-swappable LoRA adapter slots (gRPC)"),
     "version": ("client.version", "print the loraserve version and the versions of its runtime"),
 }

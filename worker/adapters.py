@@ -42,6 +42,14 @@ class AdapterMismatchError(AdapterError):
     code = "FAILED_PRECONDITION"
 
 
+class AdapterRankError(AdapterMismatchError):
+    """A rank above the largest slot rank (the registry refuses these uploads as INVALID_ARGUMENT)."""
+
+
+class UnknownModuleError(AdapterMismatchError):
+    """A target module the model family does not adapt (INVALID_ARGUMENT at upload)."""
+
+
 @dataclass(frozen=True)
 class LoraWeights:
     """A validated adapter: per module ``(A [L, in, r], B [L, r, out])`` float32, scaling folded into B."""
@@ -92,7 +100,7 @@ def parse_config(data: bytes) -> dict[str, Any]:
     if isinstance(targets, list):
         unknown = sorted(set(targets) - set(LORA_MODULES))
         if unknown:
-            raise AdapterMismatchError(
+            raise UnknownModuleError(
                 f"target_modules {unknown} are not adaptable modules of this model ({', '.join(LORA_MODULES)})"
             )
     return cfg
@@ -177,7 +185,7 @@ def parse_adapter(
             raise AdapterError(f"tensor {key} is not a LoRA A/B matrix of a decoder layer projection")
         layer, module, which = int(match.group(1)), match.group(2), match.group(3)
         if module not in LORA_MODULES:
-            raise AdapterMismatchError(f"tensor {key} targets {module!r}, which this model does not adapt")
+            raise UnknownModuleError(f"tensor {key} targets {module!r}, which this model does not adapt")
         if value.ndim != 2:
             raise AdapterError(f"tensor {key} has shape {list(value.shape)}; LoRA matrices are 2-D")
         if not np.isfinite(value).all():
@@ -200,7 +208,7 @@ def parse_adapter(
                 f"{path}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not match rank {r} (lora_A [r, in], lora_B [out, r])"
             )
         if max_rank is not None and r > max_rank:
-            raise AdapterMismatchError(f"{path}: rank {r} is above the largest slot rank {max_rank}")
+            raise AdapterRankError(f"{path}: rank {r} is above the largest slot rank {max_rank}")
         if module_shapes is not None:
             want_in, want_out = module_shapes[module]
             if a.shape[1] != want_in or b.shape[0] != want_out:

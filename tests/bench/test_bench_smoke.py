@@ -13,7 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _last_json(args: list[str]) -> dict:
-    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True)
+    out = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -21,9 +23,17 @@ def _last_json(args: list[str]) -> dict:
 def test_decode_bench_tiny_prints_its_json_last() -> None:
     result = _last_json(["bench/decode.py", "--tiny", "--rounds", "1"])
     assert result["bench"] == "decode"
-    assert set(result["decode_tok_s"]) == {"base", "one_adapter", "distinct_adapters", "hf_base", "peft_mixed"}
+    assert set(result["decode_tok_s"]) == {
+        "base",
+        "one_adapter",
+        "distinct_adapters",
+        "hf_base",
+        "peft_mixed",
+    }
     assert all(v > 0 for v in result["decode_tok_s"].values())
-    assert {"distinct_adapters_vs_base", "distinct_adapters_vs_peft_mixed", "base_vs_transformers"} <= set(result["ratios"])
+    assert {"distinct_adapters_vs_base", "distinct_adapters_vs_peft_mixed", "base_vs_transformers"} <= set(
+        result["ratios"]
+    )
 
 
 @pytest.mark.slow

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -11,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from tests.aio_thread import aio_server_thread
 from worker.checkpoint import load_checkpoint
 from worker.config import EngineConfig
 from worker.engine import Engine
@@ -37,28 +36,16 @@ def running_worker(
     engine = Engine(load_checkpoint(str(model_dir)), config, source=source)
     tokenizer = load_tokenizer(str(model_dir))
     engine.start()
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    holder: dict[str, Any] = {}
 
-    async def main() -> None:
+    async def build():
         server, port, health_servicer = build_server(engine, tokenizer, "tiny-llama", "127.0.0.1:0")
-        await server.start()
         await set_serving(health_servicer, True)
-        holder.update(server=server, port=port, stop=asyncio.Event())
-        started.set()
-        await holder["stop"].wait()
-        await server.stop(grace=1)
+        return server, port
 
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    assert started.wait(30)
-    address = f"127.0.0.1:{holder['port']}"
-    channel = grpc.insecure_channel(address)
     try:
-        yield RunningWorker(address, engine, tokenizer, channel)
+        with aio_server_thread(build) as port:
+            address = f"127.0.0.1:{port}"
+            with grpc.insecure_channel(address) as channel:
+                yield RunningWorker(address, engine, tokenizer, channel)
     finally:
-        channel.close()
-        loop.call_soon_threadsafe(holder["stop"].set)
-        thread.join(10)
         engine.stop()

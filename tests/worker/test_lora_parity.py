@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tests.worker.conftest import ADAPTERS
+from tests.conftest import ADAPTERS
 from worker import model as M
 from worker.adapters import parse_adapter, read_adapter_files
 from worker.checkpoint import load_checkpoint

@@ -1,0 +1,171 @@
+"""``loraserve adapters {push,ls,show,rm}`` and ``loraserve workers ls``: registry administration.
+
+Tables by default, ``--json`` for machines. The registry address comes from ``--registry`` or
+``LORASERVE_REGISTRY_ADDRESS`` (default 127.0.0.1:50051).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from google.protobuf.json_format import MessageToDict
+
+DEFAULT_REGISTRY = "127.0.0.1:50051"
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--registry",
+        default=None,
+        help=f"registry address (env LORASERVE_REGISTRY_ADDRESS; default {DEFAULT_REGISTRY})",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="adapters_command", metavar="ACTION")
+    sub.required = True
+    push = sub.add_parser("push", help="upload a PEFT adapter folder")
+    push.add_argument("folder", help="folder with adapter_config.json and adapter_model.safetensors")
+    push.add_argument("--name", required=True, help="adapter name (a new version is created)")
+    push.add_argument("--base-model", required=True, help="base model id the adapter was trained for")
+    push.add_argument("--description", default="")
+    push.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
+    push.add_argument("--version", type=int, default=0, help="explicit version (default: next)")
+    _common(push)
+    ls = sub.add_parser("ls", help="list adapters")
+    ls.add_argument("--base-model", default="")
+    ls.add_argument("--prefix", default="", help="only names starting with this")
+    _common(ls)
+    show = sub.add_parser("show", help="show one adapter (name or name@version)")
+    show.add_argument("adapter")
+    _common(show)
+    rm = sub.add_parser("rm", help="delete one version (name@3) or every version (name)")
+    rm.add_argument("adapter")
+    _common(rm)
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="workers_command", metavar="ACTION")
+    sub.required = True
+    ls = sub.add_parser("ls", help="list registered workers and their slots")
+    ls.add_argument("--model-id", default="")
+    ls.add_argument("--all", action="store_true", help="include workers whose lease expired")
+    _common(ls)
+
+
+def _client(args: argparse.Namespace):
+    from client.registry_client import RegistryClient
+
+    return RegistryClient(args.registry or os.environ.get("LORASERVE_REGISTRY_ADDRESS", DEFAULT_REGISTRY))
+
+
+def _dict(msg) -> dict:
+    return MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _table(rows: list[list[str]], header: list[str]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    for row in [header, *rows]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
+
+
+def _progress(sent: int, total: int) -> None:
+    width = 30
+    done = int(width * sent / max(total, 1))
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {sent / 1e6:7.2f}/{total / 1e6:.2f} MB")
+    if sent >= total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run_adapters(args: argparse.Namespace) -> int:
+    from client.errors import LoraserveError
+
+    try:
+        with _client(args) as client:
+            cmd = args.adapters_command
+            if cmd == "push":
+                labels = dict(item.split("=", 1) for item in args.label)
+                a = client.push(
+                    args.folder,
+                    args.name,
+                    args.base_model,
+                    description=args.description,
+                    labels=labels,
+                    version=args.version,
+                    progress=None if args.json else _progress,
+                )
+                print(
+                    json.dumps(_dict(a))
+                    if args.json
+                    else f"pushed {a.name}@{a.version} ({a.size_bytes} bytes, sha256 {a.sha256[:12]}…)"
+                )
+            elif cmd == "ls":
+                adapters = list(client.list(base_model=args.base_model, name_prefix=args.prefix))
+                if args.json:
+                    print(json.dumps([_dict(a) for a in adapters]))
+                else:
+                    _table(
+                        [
+                            [
+                                f"{a.name}@{a.version}",
+                                a.base_model,
+                                a.rank,
+                                f"{a.alpha:g}",
+                                ",".join(a.target_modules),
+                                a.size_bytes,
+                            ]
+                            for a in adapters
+                        ],
+                        ["ADAPTER", "BASE MODEL", "RANK", "ALPHA", "TARGETS", "BYTES"],
+                    )
+            elif cmd == "show":
+                a = client.get(args.adapter)
+                d = _dict(a)
+                print(json.dumps(d) if args.json else "\n".join(f"{k:15s} {v}" for k, v in d.items()))
+            elif cmd == "rm":
+                resp = client.delete(args.adapter)
+                if args.json:
+                    print(json.dumps(_dict(resp)))
+                else:
+                    print(
+                        f"deleted {', '.join(f'{a.name}@{a.version}' for a in resp.deleted)}; {resp.unload_orders} unload order(s) sent"
+                    )
+    except LoraserveError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_workers(args: argparse.Namespace) -> int:
+    from client.errors import LoraserveError
+
+    try:
+        with _client(args) as client:
+            workers = client.workers(model_id=args.model_id, include_expired=args.all)
+    except LoraserveError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps([_dict(w) for w in workers]))
+        return 0
+    _table(
+        [
+            [
+                w.worker_id[:12],
+                w.address,
+                w.model_id,
+                f"{len(w.slot_infos)}/{w.slots}",
+                ",".join(s.adapter for s in w.slot_infos) or "-",
+                w.load.running,
+                w.load.waiting,
+            ]
+            for w in workers
+        ],
+        ["WORKER", "ADDRESS", "MODEL", "SLOTS", "ADAPTERS", "RUNNING", "WAITING"],
+    )
+    return 0

@@ -1,0 +1,137 @@
+"""``RegistryClient``: push, list, inspect, download and delete adapters; list workers (sync gRPC)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+
+from client.errors import LoraserveError
+from protos.v1 import placement_pb2, placement_pb2_grpc, registry_pb2, registry_pb2_grpc
+from worker.adapters import CONFIG_FILE, WEIGHTS_FILE, read_adapter_files
+
+CHUNK = 1 << 20
+Progress = Callable[[int, int], None]  # (bytes sent, total bytes)
+
+
+class RegistryClient:
+    def __init__(self, target: str, timeout: float = 60.0, channel: grpc.Channel | None = None) -> None:
+        self.channel = channel or grpc.insecure_channel(target)
+        self.timeout = timeout
+        self.adapters = registry_pb2_grpc.AdapterRegistryStub(self.channel)
+        self.placement = placement_pb2_grpc.PlacementStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, timeout=self.timeout, **kwargs)
+        except grpc.RpcError as exc:
+            raise LoraserveError.from_rpc(exc) from None
+
+    def push(
+        self,
+        folder: str | Path,
+        name: str,
+        base_model: str,
+        *,
+        description: str = "",
+        labels: dict[str, str] | None = None,
+        version: int = 0,
+        progress: Progress | None = None,
+        chunk_size: int = CHUNK,
+    ) -> registry_pb2.Adapter:
+        """Upload a PEFT folder (adapter_config.json + adapter_model.safetensors) as ``name``."""
+        config, weights = read_adapter_files(str(folder))
+        header = registry_pb2.UploadHeader(
+            name=name,
+            base_model=base_model,
+            description=description,
+            labels=labels or {},
+            adapter_config_json=config,
+            weights_size=len(weights),
+            weights_sha256=hashlib.sha256(weights).hexdigest(),
+            version=version,
+        )
+
+        def messages() -> Iterator[registry_pb2.UploadAdapterRequest]:
+            yield registry_pb2.UploadAdapterRequest(header=header)
+            for start in range(0, len(weights), chunk_size):
+                yield registry_pb2.UploadAdapterRequest(chunk=weights[start : start + chunk_size])
+                if progress is not None:
+                    progress(min(start + chunk_size, len(weights)), len(weights))
+
+        return self._call(self.adapters.UploadAdapter, messages())
+
+    def import_uri(self, uri: str, name: str, base_model: str, **kw) -> registry_pb2.Adapter:
+        return self._call(
+            self.adapters.ImportAdapter,
+            registry_pb2.ImportAdapterRequest(uri=uri, name=name, base_model=base_model, **kw),
+        )
+
+    def get(self, ref: str) -> registry_pb2.Adapter:
+        return self._call(self.adapters.GetAdapter, registry_pb2.GetAdapterRequest(adapter=ref))
+
+    def list(
+        self, *, base_model: str = "", name_prefix: str = "", page_size: int = 100
+    ) -> Iterator[registry_pb2.Adapter]:
+        """Every matching adapter, following page tokens."""
+        token = ""
+        while True:
+            page = self._call(
+                self.adapters.ListAdapters,
+                registry_pb2.ListAdaptersRequest(
+                    page_size=page_size, page_token=token, base_model=base_model, name_prefix=name_prefix
+                ),
+            )
+            yield from page.adapters
+            token = page.next_page_token
+            if not token:
+                return
+
+    def delete(self, ref: str) -> registry_pb2.DeleteAdapterResponse:
+        return self._call(self.adapters.DeleteAdapter, registry_pb2.DeleteAdapterRequest(adapter=ref))
+
+    def download(self, ref: str, dest: str | Path) -> registry_pb2.Adapter:
+        """Write the adapter's PEFT files into ``dest``; the sha256 is checked before anything is written."""
+        try:
+            stream = self.adapters.DownloadAdapter(
+                registry_pb2.DownloadAdapterRequest(adapter=ref), timeout=self.timeout
+            )
+            header, data = None, bytearray()
+            for msg in stream:
+                if msg.WhichOneof("payload") == "header":
+                    header = msg.header
+                else:
+                    data += msg.chunk
+        except grpc.RpcError as exc:
+            raise LoraserveError.from_rpc(exc) from None
+        if header is None or hashlib.sha256(data).hexdigest() != header.adapter.sha256:
+            raise LoraserveError("DATA_LOSS", f"download of {ref} does not match its sha256")
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / CONFIG_FILE).write_bytes(header.adapter_config_json)
+        (dest / WEIGHTS_FILE).write_bytes(bytes(data))
+        return header.adapter
+
+    def workers(self, *, model_id: str = "", include_expired: bool = False) -> list[placement_pb2.Worker]:
+        resp = self._call(
+            self.placement.ListWorkers,
+            placement_pb2.ListWorkersRequest(model_id=model_id, include_expired=include_expired),
+        )
+        return list(resp.workers)
+
+    def locate(self, ref: str, max_candidates: int = 0) -> placement_pb2.LocateAdapterResponse:
+        return self._call(
+            self.placement.LocateAdapter,
+            placement_pb2.LocateAdapterRequest(adapter=ref, max_candidates=max_candidates),
+        )

@@ -1,0 +1,37 @@
+"""Assemble the registry from its configuration: database, blob store, catalog, placement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from registry.catalog import Catalog
+from registry.config import RegistryConfig
+from registry.db import make_engine, make_sessionmaker
+from registry.migrate import upgrade
+from registry.placement import Placement
+from registry.storage import BlobStore
+
+
+@dataclass
+class Registry:
+    config: RegistryConfig
+    catalog: Catalog
+    placement: Placement
+    engine: object
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def open_registry(config: RegistryConfig) -> Registry:
+    if config.migrate:
+        upgrade(config.db)
+    engine = make_engine(config.db)
+    sessions = make_sessionmaker(engine)
+    catalog = Catalog(
+        sessions,
+        BlobStore(config.storage),
+        max_upload_bytes=config.max_upload_bytes,
+        max_lora_rank=config.max_lora_rank,
+    )
+    return Registry(config, catalog, Placement(sessions, catalog, config.lease_seconds), engine)

@@ -1,0 +1,270 @@
+"""The adapter catalog: validate, store and version adapters; list, get, delete and download them.
+
+Plain logic over a sessionmaker and a BlobStore; the gRPC servicer only converts messages. Upload order
+(DESIGN.md §3): validate config and weights → write the blob and verify its size and sha256 → commit the
+row. A failure at any step leaves no row, and a blob without a READY row is never served (``gc`` removes
+it). Deleted versions keep their row (state DELETED) so a version number is never reused.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import sessionmaker
+
+from registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow
+from registry.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from registry.storage import BlobStore
+from worker.adapters import (
+    AdapterError,
+    AdapterMismatchError,
+    AdapterRankError,
+    UnknownModuleError,
+    parse_adapter,
+    parse_config,
+    read_adapter_files,
+)
+from worker.sources import split_ref
+
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+DEFAULT_PAGE, MAX_PAGE = 100, 1000
+MAX_DESCRIPTION, MAX_LABELS, MAX_LABEL_CHARS = 4096, 64, 256
+
+
+@dataclass(frozen=True)
+class UploadHeader:
+    name: str
+    base_model: str
+    config_bytes: bytes
+    weights_size: int
+    weights_sha256: str
+    description: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    version: int = 0  # 0 = next
+
+
+def parse_ref(ref: str) -> tuple[str, int | None]:
+    try:
+        return split_ref(ref)
+    except AdapterError as exc:
+        raise InvalidArgument(str(exc)) from exc
+
+
+def _encode_token(name: str, version: int) -> str:
+    return base64.urlsafe_b64encode(json.dumps([name, version]).encode()).decode()
+
+
+def _decode_token(token: str) -> tuple[str, int]:
+    try:
+        name, version = json.loads(base64.urlsafe_b64decode(token.encode()))
+        if not isinstance(name, str) or not isinstance(version, int):
+            raise ValueError
+        return name, version
+    except (ValueError, binascii.Error, TypeError, UnicodeDecodeError) as exc:
+        raise InvalidArgument("page_token is not a token this registry issued") from exc
+
+
+class Catalog:
+    def __init__(
+        self, sessions: sessionmaker, store: BlobStore, *, max_upload_bytes: int, max_lora_rank: int
+    ) -> None:
+        self.sessions, self.store = sessions, store
+        self.max_upload_bytes, self.max_lora_rank = max_upload_bytes, max_lora_rank
+
+    # ------------------------------------------------------------------ upload
+    def check_header(self, h: UploadHeader) -> None:
+        """Everything that can be refused before a single weight byte arrives."""
+        _, version = parse_ref(h.name)
+        if version is not None:
+            raise InvalidArgument("name must not carry a version; set the version field instead")
+        if not h.base_model:
+            raise InvalidArgument("base_model is required")
+        if len(h.base_model) > 512:
+            raise InvalidArgument("base_model is longer than 512 characters")
+        if len(h.description) > MAX_DESCRIPTION:
+            raise InvalidArgument(f"description is longer than {MAX_DESCRIPTION} characters")
+        if len(h.labels) > MAX_LABELS or any(
+            len(k) > MAX_LABEL_CHARS or len(v) > MAX_LABEL_CHARS for k, v in h.labels.items()
+        ):
+            raise InvalidArgument(f"at most {MAX_LABELS} labels of at most {MAX_LABEL_CHARS} characters each")
+        if not SHA256_RE.match(h.weights_sha256):
+            raise InvalidArgument("weights_sha256 must be 64 lowercase hex characters")
+        if h.weights_size <= 0:
+            raise InvalidArgument("weights_size must be positive")
+        if h.weights_size > self.max_upload_bytes:
+            raise ResourceExhausted(
+                f"weights_size {h.weights_size} is over the upload limit of {self.max_upload_bytes} bytes"
+            )
+        if h.version < 0:
+            raise InvalidArgument("version must be >= 0")
+        try:
+            parse_config(h.config_bytes)
+        except AdapterError as exc:  # before any weights arrive every config problem is the caller's
+            raise InvalidArgument(str(exc)) from exc
+
+    def _validate(self, h: UploadHeader, weights: bytes):
+        with self.sessions() as s:
+            base = s.get(BaseModelRow, h.base_model)
+            shapes = {k: tuple(v) for k, v in base.module_shapes.items()} if base else None
+            layers = base.num_layers if base else None
+        try:
+            return parse_adapter(
+                h.config_bytes, weights, module_shapes=shapes, num_layers=layers, max_rank=self.max_lora_rank
+            )
+        except (UnknownModuleError, AdapterRankError) as exc:
+            raise InvalidArgument(str(exc)) from exc
+        except AdapterMismatchError as exc:
+            raise FailedPrecondition(f"adapter does not fit base model {h.base_model!r}: {exc}") from exc
+        except AdapterError as exc:
+            raise InvalidArgument(str(exc)) from exc
+
+    def create(self, h: UploadHeader, weights: bytes) -> AdapterRow:
+        """Validate, store and register one adapter version (the whole upload, after all bytes arrived)."""
+        self.check_header(h)
+        if len(weights) != h.weights_size:
+            raise InvalidArgument(f"received {len(weights)} weight bytes, header promised {h.weights_size}")
+        lora = self._validate(h, weights)
+        blob = self.store.put_bytes(weights, expected_sha256=h.weights_sha256, expected_size=h.weights_size)
+        for _ in range(
+            20
+        ):  # concurrent uploads of one name race for the next version; the unique key decides
+            with self.sessions() as s:
+                version = (
+                    h.version
+                    or (s.scalar(select(func.max(AdapterRow.version)).where(AdapterRow.name == h.name)) or 0)
+                    + 1
+                )
+                row = AdapterRow(
+                    name=h.name,
+                    version=version,
+                    base_model=h.base_model,
+                    rank=lora.rank,
+                    alpha=lora.alpha,
+                    use_rslora=lora.use_rslora,
+                    target_modules=list(lora.target_modules),
+                    size_bytes=blob.size,
+                    sha256=blob.sha256,
+                    uri=blob.uri,
+                    config=h.config_bytes.decode("utf-8"),
+                    description=h.description,
+                    labels=dict(h.labels),
+                    state="READY",
+                )
+                s.add(row)
+                try:
+                    s.commit()
+                    return row
+                except IntegrityError:
+                    s.rollback()
+                    if h.version:
+                        raise AlreadyExists(f"adapter {h.name}@{h.version} already exists") from None
+        raise AlreadyExists(f"could not allocate a version for {h.name}: too many concurrent uploads")
+
+    def import_from(
+        self,
+        uri: str,
+        name: str,
+        base_model: str,
+        description: str = "",
+        labels: dict[str, str] | None = None,
+        version: int = 0,
+    ) -> AdapterRow:
+        import hashlib
+
+        try:
+            config, weights = read_adapter_files(uri)
+        except AdapterError as exc:
+            raise InvalidArgument(str(exc)) from exc
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"cannot read a PEFT adapter folder at {uri!r}: {exc}") from exc
+        header = UploadHeader(
+            name=name,
+            base_model=base_model,
+            config_bytes=config,
+            weights_size=len(weights),
+            weights_sha256=hashlib.sha256(weights).hexdigest(),
+            description=description,
+            labels=dict(labels or {}),
+            version=version,
+        )
+        return self.create(header, weights)
+
+    # ------------------------------------------------------------------ reads
+    def get(self, ref: str) -> AdapterRow:
+        name, version = parse_ref(ref)
+        with self.sessions() as s:
+            q = select(AdapterRow).where(AdapterRow.name == name, AdapterRow.state == "READY")
+            q = q.where(AdapterRow.version == version) if version else q.order_by(AdapterRow.version.desc())
+            row = s.scalars(q.limit(1)).first()
+        if row is None:
+            raise NotFound(f"adapter {ref!r} does not exist")
+        return row
+
+    def list(
+        self, page_size: int = 0, page_token: str = "", base_model: str = "", name_prefix: str = ""
+    ) -> tuple[list[AdapterRow], str]:
+        size = min(page_size or DEFAULT_PAGE, MAX_PAGE)
+        q = select(AdapterRow).where(AdapterRow.state == "READY")
+        if base_model:
+            q = q.where(AdapterRow.base_model == base_model)
+        if name_prefix:
+            escaped = name_prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            q = q.where(AdapterRow.name.like(escaped + "%", escape="\\"))
+        if page_token:
+            name, version = _decode_token(page_token)
+            q = q.where(
+                or_(AdapterRow.name > name, (AdapterRow.name == name) & (AdapterRow.version > version))
+            )
+        with self.sessions() as s:
+            rows = list(s.scalars(q.order_by(AdapterRow.name, AdapterRow.version).limit(size + 1)))
+        token = _encode_token(rows[size - 1].name, rows[size - 1].version) if len(rows) > size else ""
+        return rows[:size], token
+
+    def download(self, ref: str) -> tuple[AdapterRow, Iterator[bytes]]:
+        row = self.get(ref)
+        return row, self.store.iter_chunks(row.sha256)
+
+    # ------------------------------------------------------------------ delete / gc
+    def delete(self, ref: str) -> tuple[list[AdapterRow], int]:
+        """Delete one version (``name@3``) or all versions (``name``); order every holder to unload."""
+        name, version = parse_ref(ref)
+        with self.sessions() as s:
+            q = select(AdapterRow).where(AdapterRow.name == name, AdapterRow.state == "READY")
+            if version:
+                q = q.where(AdapterRow.version == version)
+            rows = list(s.scalars(q.with_for_update()))
+            if not rows:
+                raise NotFound(f"adapter {ref!r} does not exist")
+            keys = [r.key for r in rows]
+            orders = 0
+            holders = s.execute(
+                select(PlacementRow.worker_id, PlacementRow.adapter).where(PlacementRow.adapter.in_(keys))
+            ).all()
+            for worker_id, key in holders:
+                exists = s.scalar(
+                    select(UnloadOrderRow.id).where(
+                        UnloadOrderRow.worker_id == worker_id, UnloadOrderRow.adapter == key
+                    )
+                )
+                if exists is None:
+                    s.add(
+                        UnloadOrderRow(worker_id=worker_id, adapter=key, reason=f"adapter {key} was deleted")
+                    )
+                    orders += 1
+            for r in rows:
+                r.state = "DELETED"
+            s.commit()
+            return rows, orders
+
+    def gc(self) -> list[str]:
+        """Delete blobs no READY adapter references; returns their sha256."""
+        with self.sessions() as s:
+            referenced = set(s.scalars(select(AdapterRow.sha256).where(AdapterRow.state == "READY")))
+        return self.store.gc(referenced)

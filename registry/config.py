@@ -1,0 +1,34 @@
+"""Registry configuration: a frozen dataclass read from flags or ``LORASERVE_REGISTRY_*`` environment variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+ENV_PREFIX = "LORASERVE_REGISTRY_"
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    db: str = "sqlite:///loraserve-registry.db"  # any SQLAlchemy URL
+    storage: str = "./loraserve-store"  # fsspec root URL for adapter blobs
+    host: str = "127.0.0.1"
+    port: int = 50051
+    lease_seconds: int = 15  # a worker that misses heartbeats this long loses its placements
+    max_upload_bytes: int = 1 << 30
+    max_lora_rank: int = 256  # largest rank accepted at upload (the largest slot rank of the fleet)
+    migrate: bool = True  # run migrations at start
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> RegistryConfig:
+        env = dict(os.environ if env is None else env)
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                kind = type(f.default)
+                values[f.name] = (
+                    raw.strip().lower() in ("1", "true", "yes", "on") if kind is bool else kind(raw)
+                )
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)

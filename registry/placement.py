@@ -1,0 +1,202 @@
+"""Placement: workers register with a lease, heartbeat their slots and load, and get ranked for adapters.
+
+A worker whose lease expires loses its placements (``expire``); its row stays as EXPIRED until it
+registers again. ``locate`` ranks live workers of the adapter's base model: those holding the adapter
+(least loaded first), then those with free slots (most free first), then the least loaded.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import selectinload, sessionmaker
+
+from registry.catalog import Catalog
+from registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow, WorkerRow, as_utc, utcnow
+from registry.errors import FailedPrecondition, InvalidArgument, NotFound
+
+MAX_CANDIDATES = 16
+
+
+@dataclass(frozen=True)
+class SlotReport:
+    slot: int
+    adapter: str  # resolved "name@version"; "" = empty
+    state: str  # "LOADING" | "LOADED"
+    pinned: bool = False
+    refcount: int = 0
+
+
+@dataclass(frozen=True)
+class Load:
+    running: int = 0
+    waiting: int = 0
+    free_slots: int = 0
+    utilization: float = 0.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    worker_id: str
+    address: str
+    holds_adapter: bool
+    load: Load
+
+
+class Placement:
+    def __init__(self, sessions: sessionmaker, catalog: Catalog, lease_seconds: int) -> None:
+        self.sessions, self.catalog, self.lease = sessions, catalog, timedelta(seconds=lease_seconds)
+
+    def register(
+        self,
+        address: str,
+        model_id: str,
+        module_shapes: dict[str, tuple[int, int, int]],
+        slots: int,
+        max_lora_rank: int = 0,
+        max_batch_size: int = 0,
+    ) -> WorkerRow:
+        """``module_shapes``: module -> (in, out, num_layers). Replaces any earlier worker at ``address``."""
+        if not address or not model_id:
+            raise InvalidArgument("address and model_id are required")
+        if slots <= 0:
+            raise InvalidArgument("slots must be positive")
+        now = utcnow()
+        with self.sessions() as s:
+            if module_shapes:
+                shapes = {m: [int(i), int(o)] for m, (i, o, _) in module_shapes.items()}
+                layers = max(n for _, _, n in module_shapes.values())
+                known = s.get(BaseModelRow, model_id)
+                if known is None:
+                    s.add(BaseModelRow(id=model_id, module_shapes=shapes, num_layers=layers))
+                elif known.module_shapes != shapes or known.num_layers != layers:
+                    raise FailedPrecondition(f"model {model_id!r} is registered with other module shapes")
+            s.execute(delete(WorkerRow).where(WorkerRow.address == address))
+            row = WorkerRow(
+                id=uuid.uuid4().hex,
+                address=address,
+                model_id=model_id,
+                slots=slots,
+                max_lora_rank=max_lora_rank,
+                max_batch_size=max_batch_size,
+                state="READY",
+                lease_expires_at=now + self.lease,
+                last_heartbeat=now,
+                free_slots=slots,
+            )
+            s.add(row)
+            s.commit()
+            return row
+
+    def heartbeat(
+        self, worker_id: str, slots: list[SlotReport], load: Load
+    ) -> tuple[WorkerRow, list[UnloadOrderRow]]:
+        """Renew the lease, replace the worker's placements, return its pending unload orders."""
+        now = utcnow()
+        with self.sessions() as s:
+            worker = s.get(WorkerRow, worker_id)
+            if worker is None or worker.state == "EXPIRED" or as_utc(worker.lease_expires_at) < now:
+                raise NotFound(f"worker {worker_id!r} is not registered or its lease expired: register again")
+            worker.lease_expires_at, worker.last_heartbeat = now + self.lease, now
+            worker.running, worker.waiting = load.running, load.waiting
+            worker.free_slots, worker.utilization = load.free_slots, load.utilization
+            s.execute(delete(PlacementRow).where(PlacementRow.worker_id == worker_id))
+            reported = {r.adapter for r in slots if r.adapter}
+            for r in slots:
+                if not r.adapter:
+                    continue
+                name, _, version = r.adapter.partition("@")
+                adapter_id = (
+                    s.scalar(
+                        select(AdapterRow.id).where(
+                            AdapterRow.name == name, AdapterRow.version == int(version)
+                        )
+                    )
+                    if version.isdigit()
+                    else None
+                )
+                s.add(
+                    PlacementRow(
+                        worker_id=worker_id,
+                        adapter=r.adapter,
+                        adapter_id=adapter_id,
+                        slot=r.slot,
+                        state=r.state,
+                        pinned=r.pinned,
+                        refcount=r.refcount,
+                        last_used=now,
+                    )
+                )
+            orders = list(s.scalars(select(UnloadOrderRow).where(UnloadOrderRow.worker_id == worker_id)))
+            done = [o for o in orders if o.adapter not in reported]
+            for o in done:  # the worker no longer holds it: the order is fulfilled
+                s.delete(o)
+            s.commit()
+            return worker, [o for o in orders if o.adapter in reported]
+
+    def expire(self) -> list[str]:
+        """Drop the placements of every worker whose lease ran out; returns their ids."""
+        now = utcnow()
+        with self.sessions() as s:
+            stale = list(
+                s.scalars(
+                    select(WorkerRow).where(WorkerRow.state != "EXPIRED", WorkerRow.lease_expires_at < now)
+                )
+            )
+            for w in stale:
+                w.state = "EXPIRED"
+                s.execute(delete(PlacementRow).where(PlacementRow.worker_id == w.id))
+            s.commit()
+            return [w.id for w in stale]
+
+    def list_workers(self, model_id: str = "", include_expired: bool = False) -> list[WorkerRow]:
+        self.expire()
+        with self.sessions() as s:
+            q = select(WorkerRow).options(selectinload(WorkerRow.placements)).order_by(WorkerRow.id)
+            if model_id:
+                q = q.where(WorkerRow.model_id == model_id)
+            if not include_expired:
+                q = q.where(WorkerRow.state != "EXPIRED")
+            return list(s.scalars(q))
+
+    def locate(self, ref: str, max_candidates: int = 0) -> tuple[str, list[Candidate]]:
+        """Resolve ``ref`` and rank live workers for it; ("", ranking) for the base model."""
+        limit = min(max_candidates or 3, MAX_CANDIDATES)
+        now = utcnow()
+        key, model = "", None
+        if ref:
+            row = self.catalog.get(ref)
+            key, model = row.key, row.base_model
+        with self.sessions() as s:
+            q = select(WorkerRow).where(WorkerRow.state == "READY", WorkerRow.lease_expires_at > now)
+            if model is not None:
+                q = q.where(WorkerRow.model_id == model)
+            workers = list(s.scalars(q))
+            holders = set()
+            if key:
+                holders = set(
+                    s.scalars(
+                        select(PlacementRow.worker_id).where(
+                            PlacementRow.adapter == key, PlacementRow.state == "LOADED"
+                        )
+                    )
+                )
+
+        def rank(w: WorkerRow) -> tuple:
+            busy = w.running + w.waiting
+            if w.id in holders:
+                return (0, busy, 0, w.id)
+            if w.free_slots > 0:
+                return (1, -w.free_slots, busy, w.id)
+            return (2, busy, 0, w.id)
+
+        ranked = sorted(workers, key=rank)[:limit]
+        return key, [
+            Candidate(
+                w.id, w.address, w.id in holders, Load(w.running, w.waiting, w.free_slots, w.utilization)
+            )
+            for w in ranked
+        ]

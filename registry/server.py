@@ -1,0 +1,288 @@
+"""The registry's gRPC servicers (AdapterRegistry, Placement) plus health and reflection.
+
+Thin: proto <-> rows/dataclasses and status mapping. Catalog and placement calls do blocking SQL and
+storage I/O, so they run on worker threads (``asyncio.to_thread``), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.v1 import placement_pb2, placement_pb2_grpc, registry_pb2, registry_pb2_grpc, worker_admin_pb2
+from registry.catalog import Catalog, UploadHeader
+from registry.db import AdapterRow, WorkerRow, as_utc
+from registry.placement import Load, Placement, SlotReport
+
+log = logging.getLogger("loraserve.registry.server")
+CHUNK = 1 << 20
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+SLOT_STATES = {worker_admin_pb2.SLOT_STATE_LOADING: "LOADING", worker_admin_pb2.SLOT_STATE_LOADED: "LOADED"}
+SERVICE_NAMES = (
+    registry_pb2.DESCRIPTOR.services_by_name["AdapterRegistry"].full_name,
+    placement_pb2.DESCRIPTOR.services_by_name["Placement"].full_name,
+)
+
+
+def ts(value: datetime | None) -> Timestamp:
+    out = Timestamp()
+    if value is not None:
+        out.FromDatetime(as_utc(value))
+    return out
+
+
+def adapter_to_proto(row: AdapterRow) -> registry_pb2.Adapter:
+    return registry_pb2.Adapter(
+        name=row.name,
+        version=row.version,
+        base_model=row.base_model,
+        rank=row.rank,
+        alpha=row.alpha,
+        use_rslora=row.use_rslora,
+        target_modules=row.target_modules,
+        size_bytes=row.size_bytes,
+        sha256=row.sha256,
+        uri=row.uri,
+        created_at=ts(row.created_at),
+        description=row.description,
+        labels=row.labels,
+    )
+
+
+def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
+    states = {
+        "READY": placement_pb2.WORKER_STATE_READY,
+        "DRAINING": placement_pb2.WORKER_STATE_DRAINING,
+        "EXPIRED": placement_pb2.WORKER_STATE_EXPIRED,
+    }
+    return placement_pb2.Worker(
+        worker_id=row.id,
+        address=row.address,
+        model_id=row.model_id,
+        state=states.get(row.state, 0),
+        slots=row.slots,
+        slot_infos=[
+            worker_admin_pb2.SlotInfo(
+                slot=p.slot,
+                adapter=p.adapter,
+                pinned=p.pinned,
+                refcount=p.refcount,
+                state=worker_admin_pb2.SLOT_STATE_LOADED
+                if p.state == "LOADED"
+                else worker_admin_pb2.SLOT_STATE_LOADING,
+            )
+            for p in row.placements
+        ],
+        load=placement_pb2.WorkerLoad(
+            running=row.running, waiting=row.waiting, free_slots=row.free_slots, utilization=row.utilization
+        ),
+        last_heartbeat=ts(row.last_heartbeat),
+        lease_expires_at=ts(row.lease_expires_at),
+    )
+
+
+async def _call(context: grpc.aio.ServicerContext, fn, *args: Any) -> Any:
+    """Run blocking catalog/placement work on a thread; map every known error to its status."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except Exception as exc:
+        code = getattr(exc, "code", None)
+        if isinstance(code, str):
+            await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), str(exc))
+        if isinstance(exc, ConnectionError | TimeoutError) or type(exc).__name__ == "OperationalError":
+            log.warning("backend unavailable: %s", exc)
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"registry backend unavailable: {type(exc).__name__}"
+            )
+        log.exception("unexpected registry error")
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+
+    async def UploadAdapter(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext):
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("payload") != "header":
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the first upload message must carry the header"
+            )
+        h = first.header
+        header = UploadHeader(
+            name=h.name,
+            base_model=h.base_model,
+            config_bytes=h.adapter_config_json,
+            weights_size=h.weights_size,
+            weights_sha256=h.weights_sha256.lower(),
+            description=h.description,
+            labels=dict(h.labels),
+            version=h.version,
+        )
+        await _call(context, self.catalog.check_header, header)
+        buf = bytearray()
+        async for msg in request_iterator:
+            if msg.WhichOneof("payload") != "chunk":
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "only the first upload message may carry a header"
+                )
+            buf += msg.chunk
+            if len(buf) > header.weights_size:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"upload sent more than the {header.weights_size} bytes its header promised",
+                )
+        row = await _call(context, self.catalog.create, header, bytes(buf))
+        return adapter_to_proto(row)
+
+    async def ImportAdapter(self, request, context):
+        row = await _call(
+            context,
+            self.catalog.import_from,
+            request.uri,
+            request.name,
+            request.base_model,
+            request.description,
+            dict(request.labels),
+            request.version,
+        )
+        return adapter_to_proto(row)
+
+    async def GetAdapter(self, request, context):
+        return adapter_to_proto(await _call(context, self.catalog.get, request.adapter))
+
+    async def ListAdapters(self, request, context):
+        rows, token = await _call(
+            context,
+            self.catalog.list,
+            request.page_size,
+            request.page_token,
+            request.base_model,
+            request.name_prefix,
+        )
+        return registry_pb2.ListAdaptersResponse(
+            adapters=[adapter_to_proto(r) for r in rows], next_page_token=token
+        )
+
+    async def DeleteAdapter(self, request, context):
+        rows, orders = await _call(context, self.catalog.delete, request.adapter)
+        return registry_pb2.DeleteAdapterResponse(
+            deleted=[adapter_to_proto(r) for r in rows], unload_orders=orders
+        )
+
+    async def DownloadAdapter(self, request, context):
+        row = await _call(context, self.catalog.get, request.adapter)
+        data = await _call(
+            context, self.catalog.store.read_bytes, row.sha256
+        )  # verified before anything is sent
+        yield registry_pb2.DownloadAdapterResponse(
+            header=registry_pb2.DownloadHeader(
+                adapter=adapter_to_proto(row), adapter_config_json=row.config.encode()
+            )
+        )
+        for i in range(0, len(data), CHUNK):
+            yield registry_pb2.DownloadAdapterResponse(chunk=data[i : i + CHUNK])
+
+
+class PlacementServicer(placement_pb2_grpc.PlacementServicer):
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+
+    async def RegisterWorker(self, request, context):
+        shapes = {m.module: (m.in_features, m.out_features, m.num_layers) for m in request.module_shapes}
+        row = await _call(
+            context,
+            self.placement.register,
+            request.address,
+            request.model_id,
+            shapes,
+            request.slots,
+            request.max_lora_rank,
+            request.max_batch_size,
+        )
+        return placement_pb2.RegisterWorkerResponse(
+            worker_id=row.id,
+            lease_seconds=int(self.placement.lease.total_seconds()),
+            lease_expires_at=ts(row.lease_expires_at),
+        )
+
+    async def Heartbeat(self, request, context):
+        slots = [
+            SlotReport(s.slot, s.adapter, SLOT_STATES.get(s.state, "LOADING"), s.pinned, s.refcount)
+            for s in request.slots
+            if s.adapter
+        ]
+        load = Load(
+            request.load.running, request.load.waiting, request.load.free_slots, request.load.utilization
+        )
+        worker, orders = await _call(context, self.placement.heartbeat, request.worker_id, slots, load)
+        return placement_pb2.HeartbeatResponse(
+            lease_expires_at=ts(worker.lease_expires_at),
+            unload=[placement_pb2.UnloadOrder(adapter=o.adapter, reason=o.reason) for o in orders],
+        )
+
+    async def ListWorkers(self, request, context):
+        rows = await _call(context, self.placement.list_workers, request.model_id, request.include_expired)
+        return placement_pb2.ListWorkersResponse(workers=[worker_to_proto(r) for r in rows])
+
+    async def LocateAdapter(self, request, context):
+        key, candidates = await _call(context, self.placement.locate, request.adapter, request.max_candidates)
+        return placement_pb2.LocateAdapterResponse(
+            adapter=key,
+            candidates=[
+                placement_pb2.WorkerCandidate(
+                    worker_id=c.worker_id,
+                    address=c.address,
+                    holds_adapter=c.holds_adapter,
+                    load=placement_pb2.WorkerLoad(
+                        running=c.load.running,
+                        waiting=c.load.waiting,
+                        free_slots=c.load.free_slots,
+                        utilization=c.load.utilization,
+                    ),
+                )
+                for c in candidates
+            ],
+        )
+
+
+def build_server(catalog: Catalog, placement: Placement, address: str) -> tuple[grpc.aio.Server, int, Any]:
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    registry_pb2_grpc.add_AdapterRegistryServicer_to_server(AdapterRegistryServicer(catalog), server)
+    placement_pb2_grpc.add_PlacementServicer_to_server(PlacementServicer(placement), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICE_NAMES, reflection.SERVICE_NAME, health.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(address)
+    return server, port, health_servicer
+
+
+async def set_serving(health_servicer: Any, serving: bool) -> None:
+    state = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", *SERVICE_NAMES):
+        await health_servicer.set(name, state)
+
+
+async def expire_leases_forever(placement: Placement, every: float) -> None:
+    while True:
+        await asyncio.sleep(every)
+        with contextlib.suppress(Exception):
+            expired = await asyncio.to_thread(placement.expire)
+            if expired:
+                log.info("leases expired: %s", ", ".join(expired))

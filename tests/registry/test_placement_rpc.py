@@ -1,0 +1,113 @@
+"""Placement over real gRPC: registration with a lease, heartbeats, ranking on a constructed fleet, expiry."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from protos.v1 import placement_pb2 as pp
+from protos.v1 import worker_admin_pb2 as wa
+from tests.registry.conftest import TINY_MODEL
+
+
+def _register(reg, address, shapes, slots=4, model=TINY_MODEL) -> str:
+    req = pp.RegisterWorkerRequest(
+        address=address,
+        model_id=model,
+        slots=slots,
+        max_lora_rank=16,
+        max_batch_size=8,
+        module_shapes=[
+            pp.ModuleShape(module=m, in_features=i, out_features=o, num_layers=n)
+            for m, (i, o, n) in shapes.items()
+        ],
+    )
+    resp = reg.client.placement.RegisterWorker(req)
+    assert resp.lease_seconds == 2 and resp.lease_expires_at.seconds > time.time()
+    return resp.worker_id
+
+
+def _beat(reg, worker_id, adapters=(), running=0, waiting=0, free=None, slots=4):
+    infos = [wa.SlotInfo(slot=i, adapter=a, state=wa.SLOT_STATE_LOADED) for i, a in enumerate(adapters)]
+    load = pp.WorkerLoad(
+        running=running, waiting=waiting, free_slots=slots - len(adapters) if free is None else free
+    )
+    return reg.client.placement.Heartbeat(pp.HeartbeatRequest(worker_id=worker_id, slots=infos, load=load))
+
+
+def test_locate_ranks_holders_then_free_slots_then_load(reg, adapter_dirs, tiny_shapes) -> None:
+    reg.client.push(adapter_dirs["all-r4"], "hot", TINY_MODEL)
+    reg.client.push(adapter_dirs["all-r4"], "cold", TINY_MODEL)
+    w = {
+        name: _register(reg, f"10.0.0.{i}:1", tiny_shapes)
+        for i, name in enumerate(["busy-holder", "idle-holder", "free", "full-idle", "full-busy"], 1)
+    }
+    other = _register(reg, "10.0.0.9:1", tiny_shapes, model="other-model")
+    _beat(reg, w["busy-holder"], ["hot@1"], running=5)
+    _beat(reg, w["idle-holder"], ["hot@1"], running=1)
+    _beat(reg, w["free"], [], running=3)
+    _beat(reg, w["full-idle"], ["x@1", "y@1", "z@1", "q@1"], running=0)
+    _beat(reg, w["full-busy"], ["x@1", "y@1", "z@1", "q@1"], running=7)
+    _beat(reg, other, ["hot@1"])
+    resp = reg.client.placement.LocateAdapter(pp.LocateAdapterRequest(adapter="hot", max_candidates=5))
+    assert resp.adapter == "hot@1"
+    assert [c.worker_id for c in resp.candidates] == [
+        w["idle-holder"],
+        w["busy-holder"],
+        w["free"],
+        w["full-idle"],
+        w["full-busy"],
+    ]
+    assert [c.holds_adapter for c in resp.candidates] == [True, True, False, False, False]
+    assert resp.candidates[0].address == "10.0.0.2:1" and resp.candidates[1].load.running == 5
+    cold = reg.client.placement.LocateAdapter(pp.LocateAdapterRequest(adapter="cold@1"))
+    assert [c.worker_id for c in cold.candidates] == [
+        w["free"],
+        w["idle-holder"],
+        w["busy-holder"],
+    ]  # default 3
+    with pytest.raises(grpc.RpcError) as exc:
+        reg.client.placement.LocateAdapter(pp.LocateAdapterRequest(adapter="missing"))
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    # the DB holds each placement
+    workers = {x.worker_id: x for x in reg.client.workers()}
+    assert [s.adapter for s in workers[w["idle-holder"]].slot_infos] == ["hot@1"]
+    assert len(workers[w["full-busy"]].slot_infos) == 4
+
+
+def test_lease_expiry_drops_placements_and_requires_reregistration(reg, adapter_dirs, tiny_shapes) -> None:
+    reg.client.push(adapter_dirs["all-r4"], "hot", TINY_MODEL)
+    alive, dying = _register(reg, "10.0.1.1:1", tiny_shapes), _register(reg, "10.0.1.2:1", tiny_shapes)
+    _beat(reg, alive, ["hot@1"])
+    _beat(reg, dying, ["hot@1"])
+    deadline = time.time() + 3.5
+    while time.time() < deadline:  # keep one worker alive past the other's lease
+        _beat(reg, alive, ["hot@1"])
+        time.sleep(0.3)
+    assert reg.registry.placement.expire() == [dying]
+    resp = reg.client.placement.LocateAdapter(pp.LocateAdapterRequest(adapter="hot", max_candidates=5))
+    assert [c.worker_id for c in resp.candidates] == [alive]
+    assert [x.worker_id for x in reg.client.workers()] == [alive]
+    expired = {x.worker_id: x for x in reg.client.workers(include_expired=True)}
+    assert expired[dying].state == pp.WORKER_STATE_EXPIRED and list(expired[dying].slot_infos) == []
+    with pytest.raises(grpc.RpcError) as exc:
+        _beat(reg, dying, ["hot@1"])
+    assert exc.value.code() == grpc.StatusCode.NOT_FOUND
+    again = _register(reg, "10.0.1.2:1", tiny_shapes)  # same address: the old row is replaced
+    assert again != dying
+    assert sorted(x.worker_id for x in reg.client.workers(include_expired=True)) == sorted([alive, again])
+
+
+def test_register_validation(reg, tiny_shapes) -> None:
+    with pytest.raises(grpc.RpcError) as exc:
+        reg.client.placement.RegisterWorker(
+            pp.RegisterWorkerRequest(address="", model_id=TINY_MODEL, slots=1)
+        )
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    _register(reg, "10.0.2.1:1", tiny_shapes)
+    changed = {**tiny_shapes, "q_proj": (1, 2, 3)}
+    with pytest.raises(grpc.RpcError) as exc:
+        _register(reg, "10.0.2.2:1", changed)
+    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -1,0 +1,168 @@
+"""Every rejection of DESIGN.md §3 over real gRPC, with a real PEFT adapter altered to break it.
+
+After each rejection the database and the store hold nothing new.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from client.errors import LoraserveError
+from protos.v1 import placement_pb2
+from tests.registry.conftest import TINY_MODEL
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(folder, **changes):
+    path = folder / "adapter_config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def _edit_tensors(folder, fn):
+    path = folder / "adapter_model.safetensors"
+    tensors = load_file(str(path))
+    fn(tensors)
+    save_file(tensors, str(path))
+
+
+def _first(tensors, needle):
+    return next(k for k in sorted(tensors) if needle in k)
+
+
+def _break(kind, folder):
+    if kind == "config-not-json":
+        (folder / "adapter_config.json").write_text("{not json")
+    elif kind == "not-lora":
+        _edit_config(folder, peft_type="PREFIX_TUNING")
+    elif kind == "dora":
+        _edit_config(folder, use_dora=True)
+    elif kind == "modules-to-save":
+        _edit_config(folder, modules_to_save=["lm_head"])
+    elif kind == "bias":
+        _edit_config(folder, bias="all")
+    elif kind == "unknown-target":
+        _edit_config(folder, target_modules=["q_proj", "lm_head"])
+    elif kind == "zero-rank":
+        _edit_config(folder, r=0)
+    elif kind == "shape-mismatch":
+
+        def grow(t):
+            k = _first(t, "lora_A")
+            t[k] = np.zeros((t[k].shape[0] + 1, t[k].shape[1]), np.float32)
+
+        _edit_tensors(folder, grow)
+    elif kind == "nan-weights":
+
+        def poison(t):
+            k = _first(t, "lora_B")
+            t[k] = t[k].copy()
+            t[k][0, 0] = np.nan
+
+        _edit_tensors(folder, poison)
+    elif kind == "int-weights":
+
+        def to_int(t):
+            k = _first(t, "lora_A")
+            t[k] = t[k].astype(np.int32)
+
+        _edit_tensors(folder, to_int)
+    elif kind == "not-safetensors":
+        (folder / "adapter_model.safetensors").write_bytes(
+            b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage json...}"
+        )
+    elif kind == "truncated":
+        data = (folder / "adapter_model.safetensors").read_bytes()
+        (folder / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    elif kind == "unknown-tensor":
+        _edit_tensors(
+            folder, lambda t: t.update({"base_model.model.lm_head.weight": np.zeros((2, 2), np.float32)})
+        )
+    else:
+        raise AssertionError(kind)
+
+
+CASES = [
+    ("config-not-json", "INVALID_ARGUMENT", "not valid JSON"),
+    ("not-lora", "INVALID_ARGUMENT", "peft_type"),
+    ("dora", "INVALID_ARGUMENT", "DoRA"),
+    ("modules-to-save", "INVALID_ARGUMENT", "modules_to_save"),
+    ("bias", "INVALID_ARGUMENT", "bias"),
+    ("unknown-target", "INVALID_ARGUMENT", "lm_head"),
+    ("zero-rank", "INVALID_ARGUMENT", "r must be a positive integer"),
+    ("shape-mismatch", "INVALID_ARGUMENT", "do not match rank"),
+    ("nan-weights", "INVALID_ARGUMENT", "NaN"),
+    ("int-weights", "INVALID_ARGUMENT", "floating point"),
+    ("not-safetensors", "INVALID_ARGUMENT", "safetensors"),
+    ("truncated", "INVALID_ARGUMENT", "safetensors"),
+    ("unknown-tensor", "INVALID_ARGUMENT", "lm_head"),
+]
+
+
+@pytest.mark.parametrize(("kind", "code", "needle"), CASES, ids=[c[0] for c in CASES])
+def test_broken_adapter_is_refused_and_nothing_is_stored(
+    reg, adapter_dirs, tmp_path, kind, code, needle
+) -> None:
+    folder = _copy(adapter_dirs["all-r4"], tmp_path / kind)
+    _break(kind, folder)
+    with pytest.raises(LoraserveError) as exc:
+        reg.client.push(folder, "broken", TINY_MODEL)
+    assert exc.value.code == code
+    assert needle in exc.value.message
+    assert reg.adapter_rows() == [] and reg.blobs() == []
+
+
+def test_rank_above_the_limit(reg, adapter_dirs) -> None:
+    reg.registry.catalog.max_lora_rank = 8
+    with pytest.raises(LoraserveError) as exc:
+        reg.client.push(adapter_dirs["mlp-r16"], "too-big", TINY_MODEL)
+    assert (
+        exc.value.code == "INVALID_ARGUMENT"
+        and "rank 16 is above the largest slot rank 8" in exc.value.message
+    )
+    assert reg.adapter_rows() == [] and reg.blobs() == []
+
+
+def test_pickle_adapter_is_refused(reg, adapter_dirs, tmp_path) -> None:
+    folder = tmp_path / "pickled"
+    folder.mkdir()
+    shutil.copy(adapter_dirs["all-r4"] / "adapter_config.json", folder)
+    (folder / "adapter_model.bin").write_bytes(b"\x80\x04pickle")
+    with pytest.raises(LoraserveError) as exc:
+        reg.client.import_uri(str(folder), "pickled", TINY_MODEL)
+    assert exc.value.code == "INVALID_ARGUMENT" and "pickle" in exc.value.message
+    assert reg.adapter_rows() == [] and reg.blobs() == []
+
+
+def test_adapter_for_another_base_model_fails_precondition(reg, model_dirs, tiny_shapes, tmp_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from worker.testing import make_adapter
+
+    shapes = [
+        placement_pb2.ModuleShape(module=m, in_features=i, out_features=o, num_layers=n)
+        for m, (i, o, n) in tiny_shapes.items()
+    ]
+    reg.client.placement.RegisterWorker(
+        placement_pb2.RegisterWorkerRequest(
+            address="127.0.0.1:9", model_id=TINY_MODEL, module_shapes=shapes, slots=1
+        )
+    )
+    other = AutoModelForCausalLM.from_pretrained(str(model_dirs["qwen2"]))  # intermediate 96, not 160
+    make_adapter(other, tmp_path / "qwen-adapter", r=4, targets=("gate_proj",))
+    with pytest.raises(LoraserveError) as exc:
+        reg.client.push(tmp_path / "qwen-adapter", "wrong-base", TINY_MODEL)
+    assert exc.value.code == "FAILED_PRECONDITION" and "another base model" in exc.value.message
+    assert reg.adapter_rows() == [] and reg.blobs() == []
+    # the same adapter is accepted for a base model whose shapes the registry does not know yet
+    assert reg.client.push(tmp_path / "qwen-adapter", "right-base", "tiny-qwen2").version == 1
