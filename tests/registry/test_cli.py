@@ -1,0 +1,93 @@
+"""The admin CLI against a live registry: adapters push/ls/show/rm, workers ls, registry migrate/gc."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from client.cli import main
+from protos.v1 import placement_pb2 as pp
+from tests.registry.conftest import TINY_MODEL
+
+
+def _run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_adapters_commands(reg, adapter_dirs, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = str(adapter_dirs["qv-r8-rslora"])
+    code, out, err = _run(
+        capsys,
+        "adapters",
+        "push",
+        folder,
+        "--name",
+        "cli-a",
+        "--base-model",
+        TINY_MODEL,
+        "--label",
+        "team=search",
+        "--registry",
+        reg.address,
+    )
+    assert code == 0 and out.startswith("pushed cli-a@1 (") and "MB" in err  # a progress bar on stderr
+    code, out, _ = _run(
+        capsys,
+        "adapters",
+        "push",
+        folder,
+        "--name",
+        "cli-a",
+        "--base-model",
+        TINY_MODEL,
+        "--registry",
+        reg.address,
+        "--json",
+    )
+    assert json.loads(out)["version"] == 2
+    code, out, _ = _run(capsys, "adapters", "ls", "--registry", reg.address)
+    lines = out.splitlines()
+    assert lines[0].split() == ["ADAPTER", "BASE", "MODEL", "RANK", "ALPHA", "TARGETS", "BYTES"]
+    assert [line.split()[0] for line in lines[1:]] == ["cli-a@1", "cli-a@2"] and "q_proj,v_proj" in lines[1]
+    code, out, _ = _run(capsys, "adapters", "show", "cli-a@1", "--registry", reg.address, "--json")
+    shown = json.loads(out)
+    assert shown["labels"] == {"team": "search"} and shown["use_rslora"] is True and shown["rank"] == 8
+    code, out, _ = _run(capsys, "adapters", "rm", "cli-a@1", "--registry", reg.address)
+    assert code == 0 and out.strip() == "deleted cli-a@1; 0 unload order(s) sent"
+    code, out, err = _run(capsys, "adapters", "show", "cli-a@1", "--registry", reg.address)
+    assert code == 1 and "NOT_FOUND" in err
+    code, out, _ = _run(capsys, "adapters", "ls", "--registry", reg.address, "--json")
+    assert [(a["name"], a["version"]) for a in json.loads(out)] == [("cli-a", 2)]
+
+
+def test_workers_ls(reg, tiny_shapes, capsys: pytest.CaptureFixture[str]) -> None:
+    wid = reg.client.placement.RegisterWorker(
+        pp.RegisterWorkerRequest(address="127.0.0.1:7001", model_id=TINY_MODEL, slots=4)
+    ).worker_id
+    code, out, _ = _run(capsys, "workers", "ls", "--registry", reg.address, "--json")
+    assert code == 0 and [(w["worker_id"], w["address"], w["slots"]) for w in json.loads(out)] == [
+        (wid, "127.0.0.1:7001", 4)
+    ]
+    code, out, _ = _run(capsys, "workers", "ls", "--registry", reg.address)
+    assert "127.0.0.1:7001" in out and out.splitlines()[0].split()[:3] == ["WORKER", "ADDRESS", "MODEL"]
+
+
+def test_unreachable_registry_is_a_clear_error(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    monkeypatch.setattr("client.registry_client.RegistryClient.__init__.__defaults__", (2.0, None))
+    code, _, err = _run(capsys, "adapters", "ls", "--registry", "127.0.0.1:1")
+    assert code == 1 and "UNAVAILABLE" in err
+
+
+def test_registry_migrate_and_gc(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = f"sqlite:///{tmp_path / 'm.db'}"
+    code, out, _ = _run(capsys, "registry", "migrate", "--db", db)
+    assert code == 0 and out.strip() == "database at revision 0001"
+    store = tmp_path / "store"
+    from registry.storage import BlobStore
+
+    orphan = BlobStore(str(store)).put_bytes(b"orphan bytes")
+    code, out, _ = _run(capsys, "registry", "gc", "--db", db, "--storage", str(store))
+    assert code == 0 and out.splitlines() == ["removed 1 unreferenced blob(s)", f"  {orphan.sha256}"]
