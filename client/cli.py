@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "adapters": ("client.adapters_cmd", "push, list, show and delete adapters in the registry"),
     "workers": ("client.workers_cmd", "list the workers registered with the registry"),
     "registry": ("registry.cli", "run the adapter registry, migrate its database, collect orphan blobs"),
+    "router": ("router.cli", "run the adapter-affinity router in front of the workers"),
+    "generate": ("client.generate_cmd", "stream a generation from a router or worker"),
     "worker": ("worker.cli", "serve a base model with hot-swappable LoRA adapter slots (gRPC)"),
     "version": ("client.version", "print the loraserve version and the versions of its runtime"),
 }

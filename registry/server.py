@@ -158,7 +158,10 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
         return adapter_to_proto(row)
 
     async def GetAdapter(self, request, context):
-        return adapter_to_proto(await _call(context, self.catalog.get, request.adapter))
+        row = await _call(context, self.catalog.get, request.adapter)
+        out = adapter_to_proto(row)
+        out.adapter_config_json = row.config.encode()
+        return out
 
     async def ListAdapters(self, request, context):
         rows, token = await _call(

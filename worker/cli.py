@@ -18,7 +18,10 @@ HELP = {
     "model_id": "model id reported to clients and the registry (default: the model path)",
     "host": "address to bind",
     "port": "port to bind (0 picks a free one)",
-    "adapter_dir": "folder (or fsspec URL) of PEFT adapter folders served by name",
+    "adapter_dir": "folder (or fsspec URL) of PEFT adapter folders served by name (when no registry is set)",
+    "registry": "registry host:port: fetch adapters from it, register and heartbeat",
+    "advertise_address": "host:port the router uses to reach this worker (default: host:port bound)",
+    "cache_dir": "local disk cache of adapter blobs fetched from the registry (keyed by sha256)",
     "max_batch_size": "decode rows per step",
     "max_seq_len": "context length: prompt plus new tokens",
     "max_loras": "adapter slots on the device",
@@ -53,15 +56,29 @@ async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
     log = logging.getLogger("loraserve.worker")
     checkpoint = load_checkpoint(config.model, dtype=config.dtype)
     tokenizer = load_tokenizer(config.model)
-    engine = Engine(checkpoint, config.engine_config(), source=LocalAdapterSource(config.adapter_dir or None))
-    server, port, health_servicer = build_server(
-        engine, tokenizer, config.model_id or config.model, f"{config.host}:{config.port}"
-    )
+    if config.registry:
+        from worker.registry_source import RegistryAdapterSource
+
+        source = RegistryAdapterSource(config.registry, cache_dir=config.cache_dir or None)
+    else:
+        source = LocalAdapterSource(config.adapter_dir or None)
+    engine = Engine(checkpoint, config.engine_config(), source=source)
+    model_id = config.model_id or config.model
+    server, port, health_servicer = build_server(engine, tokenizer, model_id, f"{config.host}:{config.port}")
     await set_serving(health_servicer, False)
     await server.start()
     log.info("worker bound to %s:%d; warming up", config.host, port)
     await asyncio.get_running_loop().run_in_executor(None, engine.start)
     await set_serving(health_servicer, True)
+    registration = None
+    if config.registry:
+        from worker.registration import Registration
+
+        registration = asyncio.create_task(
+            Registration(
+                engine, config.registry, config.advertise_address or f"{config.host}:{port}", model_id
+            ).run()
+        )
     if ready_line:
         print(f"loraserve worker serving on {config.host}:{port}", flush=True)
     stop = asyncio.Event()
@@ -71,6 +88,8 @@ async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
     await stop.wait()
     log.info("draining")
     await set_serving(health_servicer, False)
+    if registration is not None:
+        registration.cancel()
     await server.stop(grace=5)
     engine.stop()
 

@@ -57,6 +57,9 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 50061
     adapter_dir: str = ""  # optional root of PEFT folders served by name
+    registry: str = ""  # host:port of the registry; adapters then come from it and the worker registers
+    advertise_address: str = ""  # host:port others use to reach this worker (default: host:bound port)
+    cache_dir: str = ""  # local disk cache of adapter blobs, keyed by sha256
     max_batch_size: int = 8
     max_seq_len: int = 256
     max_loras: int = 4

@@ -1,0 +1,66 @@
+"""``loraserve generate [--adapter NAME] "prompt"``: stream an answer to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+DEFAULT_TARGET = "127.0.0.1:50071"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", help="prompt text")
+    parser.add_argument(
+        "--adapter", default="", help="adapter name or name@version (default: the base model)"
+    )
+    parser.add_argument(
+        "--target",
+        default=None,
+        help=f"router or worker address (env LORASERVE_TARGET; default {DEFAULT_TARGET})",
+    )
+    parser.add_argument("--max-tokens", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--json", action="store_true", help="print one JSON object per chunk")
+
+
+def run(args: argparse.Namespace) -> int:
+    from client.errors import LoraserveError
+    from client.sdk import Client
+
+    target = args.target or os.environ.get("LORASERVE_TARGET", DEFAULT_TARGET)
+    try:
+        with Client(target) as client:
+            last = None
+            for chunk in client.generate(
+                args.prompt,
+                adapter=args.adapter,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                stop=args.stop,
+            ):
+                last = chunk
+                if args.json:
+                    print(json.dumps(chunk.__dict__), flush=True)
+                else:
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+    except LoraserveError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    if not args.json and last is not None:
+        sys.stdout.write("\n")
+        print(
+            f"[{last.adapter or 'base model'}; finish {last.finish_reason}; {last.prompt_tokens} prompt + "
+            f"{last.completion_tokens} completion tokens]",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,146 @@
+"""The Python SDK: ``Client(target).generate(prompt, adapter=..., **sampling)`` streams chunks.
+
+``target`` is a router (or a single worker). ``AsyncClient`` is the asyncio twin. Errors raise
+``LoraserveError`` with the gRPC status name (DESIGN.md §8).
+
+    from client.sdk import Client
+    with Client("127.0.0.1:50071") as c:
+        for chunk in c.generate("What is the capital of France?", adapter="geo-expert", max_tokens=32):
+            print(chunk.text, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from client.errors import LoraserveError
+from protos.v1 import inference_pb2 as pb
+from protos.v1 import inference_pb2_grpc
+
+FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "eos"}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # "" until the last chunk
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    adapter: str = ""  # resolved "name@version"
+    request_id: str = ""
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    *,
+    adapter: str = "",
+    max_tokens: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool = False,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    sampling = pb.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+    )
+    if seed is not None:
+        sampling.seed = seed
+    req = pb.GenerateRequest(adapter=adapter, sampling=sampling, request_id=request_id)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.tokens.ids.extend(prompt)
+    return req
+
+
+def to_chunk(r: pb.GenerateResponse) -> Chunk:
+    return Chunk(
+        text=r.text,
+        token_ids=list(r.token_ids),
+        finish_reason=FINISH.get(r.finish_reason, ""),
+        prompt_tokens=r.usage.prompt_tokens,
+        completion_tokens=r.usage.completion_tokens,
+        adapter=r.adapter,
+        request_id=r.request_id,
+    )
+
+
+class Client:
+    def __init__(self, target: str, timeout: float | None = 300.0) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+        self.timeout = timeout
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> Iterator[Chunk]:
+        """Stream chunks; closing the iterator early cancels the request on the server."""
+        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+        try:
+            for r in call:
+                yield to_chunk(r)
+        except grpc.RpcError as exc:
+            raise LoraserveError.from_rpc(exc) from None
+        finally:
+            call.cancel()
+
+    def complete(self, prompt: str | Sequence[int], **kwargs) -> Chunk:
+        """The whole answer as one chunk (text and tokens joined, the last chunk's finish and usage)."""
+        chunks = list(self.generate(prompt, **kwargs))
+        last = chunks[-1]
+        return Chunk(
+            text="".join(c.text for c in chunks),
+            token_ids=[t for c in chunks for t in c.token_ids],
+            finish_reason=last.finish_reason,
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            adapter=last.adapter,
+            request_id=last.request_id,
+        )
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, target: str, timeout: float | None = 300.0) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = inference_pb2_grpc.InferenceStub(self.channel)
+        self.timeout = timeout
+
+    async def generate(self, prompt: str | Sequence[int], **kwargs) -> AsyncIterator[Chunk]:
+        call = self.stub.Generate(build_request(prompt, **kwargs), timeout=self.timeout)
+        try:
+            async for r in call:
+                yield to_chunk(r)
+        except grpc.aio.AioRpcError as exc:
+            raise LoraserveError(exc.code().name, exc.details() or "") from None
+        finally:
+            call.cancel()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,1 @@
+"""loraserve router: the adapter-affinity front door implementing Inference.Generate."""

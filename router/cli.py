@@ -1,0 +1,60 @@
+"""``loraserve router serve``: the adapter-affinity front door. Flags mirror ``LORASERVE_ROUTER_*``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from dataclasses import fields
+
+from router.config import ENV_PREFIX, RouterConfig
+
+HELP = {
+    "registry": "registry host:port (LocateAdapter)",
+    "host": "address to bind",
+    "port": "port to bind (0 picks a free one)",
+    "locate_ttl": "seconds a LocateAdapter answer is reused",
+    "max_candidates": "workers tried, best first, before UNAVAILABLE",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="router_command", metavar="ACTION")
+    sub.required = True
+    serve = sub.add_parser("serve", help="serve Inference.Generate, proxied to the best worker")
+    for f in fields(RouterConfig):
+        serve.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(f.default),
+            default=None,
+            help=f"{HELP[f.name]} (env {ENV_PREFIX + f.name.upper()}; default {f.default!r})",
+        )
+    serve.add_argument("--log-level", default="INFO")
+
+
+async def serve(config: RouterConfig) -> None:
+    from router.routing import Locator, WorkerPool
+    from router.server import build_server, set_serving
+
+    locator, pool = Locator(config.registry, config.locate_ttl, config.max_candidates), WorkerPool()
+    server, port, health_servicer = build_server(locator, pool, f"{config.host}:{config.port}")
+    await server.start()
+    await set_serving(health_servicer, True)
+    print(f"loraserve router serving on {config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await set_serving(health_servicer, False)
+    await server.stop(grace=5)
+    await locator.close()
+    await pool.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    config = RouterConfig.from_env(**{f.name: getattr(args, f.name) for f in fields(RouterConfig)})
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,77 @@
+"""Where to send a request: LocateAdapter answers cached briefly, and one channel per worker."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from protos.v1 import inference_pb2_grpc, placement_pb2, placement_pb2_grpc
+
+
+class RouteError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+@dataclass(frozen=True)
+class Route:
+    adapter: str  # resolved "name@version" ("" for the base model)
+    addresses: tuple[str, ...]  # best first
+    at: float
+
+
+class Locator:
+    """Caches LocateAdapter for ``ttl`` seconds; serves a stale answer while the registry is down."""
+
+    def __init__(self, registry: str, ttl: float, max_candidates: int) -> None:
+        self.channel = grpc.aio.insecure_channel(registry)
+        self.stub = placement_pb2_grpc.PlacementStub(self.channel)
+        self.ttl, self.max_candidates = ttl, max_candidates
+        self._routes: dict[str, Route] = {}
+
+    async def locate(self, adapter: str) -> Route:
+        cached = self._routes.get(adapter)
+        if cached is not None and time.monotonic() - cached.at < self.ttl:
+            return cached
+        try:
+            resp = await self.stub.LocateAdapter(
+                placement_pb2.LocateAdapterRequest(adapter=adapter, max_candidates=self.max_candidates),
+                timeout=5,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise RouteError(exc.code(), exc.details()) from None
+            if cached is not None:  # registry down: keep routing to where the adapter was
+                return cached
+            raise RouteError(
+                grpc.StatusCode.UNAVAILABLE, f"registry unavailable: {exc.code().name}"
+            ) from None
+        route = Route(resp.adapter, tuple(c.address for c in resp.candidates), time.monotonic())
+        self._routes[adapter] = route
+        return route
+
+    def forget(self, adapter: str) -> None:
+        self._routes.pop(adapter, None)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class WorkerPool:
+    """One grpc.aio channel per worker address, reused across requests."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def stub(self, address: str) -> inference_pb2_grpc.InferenceStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+        return inference_pb2_grpc.InferenceStub(channel)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()

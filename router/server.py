@@ -1,0 +1,81 @@
+"""The router's ``Inference.Generate``: locate the best worker for the adapter and proxy the stream.
+
+Before the first token, a worker that is UNAVAILABLE (down, draining) is skipped for the next
+candidate; after the first token, errors reach the client as they are. A client that goes away
+cancels the upstream call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos.v1 import inference_pb2, inference_pb2_grpc
+from router.routing import Locator, RouteError, WorkerPool
+
+log = logging.getLogger("loraserve.router")
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class RouterServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, locator: Locator, pool: WorkerPool) -> None:
+        self.locator, self.pool = locator, pool
+
+    async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            route = await self.locator.locate(request.adapter)
+        except RouteError as exc:
+            await context.abort(exc.code, exc.message)
+        if not route.addresses:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"no worker can serve {request.adapter or 'the base model'}"
+            )
+        forward = inference_pb2.GenerateRequest()
+        forward.CopyFrom(request)
+        forward.adapter = route.adapter
+        tried = []
+        for address in route.addresses:
+            remaining = context.time_remaining()
+            call = self.pool.stub(address).Generate(forward, timeout=remaining)
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in RETRYABLE:
+                    tried.append(f"{address}: {exc.code().name}")
+                    self.locator.forget(request.adapter)
+                    continue
+                await context.abort(exc.code(), exc.details())
+            try:
+                msg = first
+                while msg is not grpc.aio.EOF:  # read() only: grpc forbids mixing it with iteration
+                    yield msg
+                    msg = await call.read()
+                return
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details())
+            finally:
+                call.cancel()  # no-op when finished; frees the worker's row when the client left
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request ({'; '.join(tried)})"
+        )
+
+
+def build_server(locator: Locator, pool: WorkerPool, address: str) -> tuple[grpc.aio.Server, int, Any]:
+    server = grpc.aio.server()
+    inference_pb2_grpc.add_InferenceServicer_to_server(RouterServicer(locator, pool), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    return server, port, health_servicer
+
+
+async def set_serving(health_servicer: Any, serving: bool) -> None:
+    state = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, state)

@@ -1,0 +1,111 @@
+"""Keep this worker registered with the registry: RegisterWorker, then heartbeats with slots and load.
+
+Unload orders in heartbeat replies (deleted adapters) are carried out at once. If the registry is down
+the worker keeps serving what it holds and retries; if the registry forgot it (lease expired, registry
+restarted on an empty database) the next heartbeat is NOT_FOUND and the worker registers again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from protos.v1 import placement_pb2, placement_pb2_grpc, worker_admin_pb2
+from worker.engine import Engine
+from worker.slots import SlotState
+
+log = logging.getLogger("loraserve.worker.registration")
+STATES = {
+    SlotState.LOADING: worker_admin_pb2.SLOT_STATE_LOADING,
+    SlotState.LOADED: worker_admin_pb2.SLOT_STATE_LOADED,
+}
+
+
+class Registration:
+    def __init__(self, engine: Engine, target: str, address: str, model_id: str) -> None:
+        self.engine, self.target, self.address, self.model_id = engine, target, address, model_id
+        self.worker_id = ""
+        self.lease_seconds = 15
+        self.registered = asyncio.Event()
+        self.heartbeats = 0
+
+    def _register_request(self) -> placement_pb2.RegisterWorkerRequest:
+        cfg, e = self.engine.model_config, self.engine.config
+        return placement_pb2.RegisterWorkerRequest(
+            address=self.address,
+            model_id=self.model_id,
+            slots=e.max_loras,
+            max_lora_rank=e.max_lora_rank,
+            max_batch_size=e.max_batch_size,
+            module_shapes=[
+                placement_pb2.ModuleShape(module=m, in_features=i, out_features=o, num_layers=cfg.num_layers)
+                for m, (i, o) in cfg.module_shapes().items()
+            ],
+        )
+
+    def _heartbeat_request(self) -> placement_pb2.HeartbeatRequest:
+        load = self.engine.load()
+        slots = [
+            worker_admin_pb2.SlotInfo(
+                slot=s.index,
+                adapter=s.adapter,
+                state=STATES[s.state],
+                pinned=s.pinned,
+                refcount=s.refcount,
+                rank=s.rank,
+                sha256=s.sha256,
+            )
+            for s in self.engine.slots()
+            if s.state in STATES
+        ]
+        b = self.engine.config.max_batch_size
+        return placement_pb2.HeartbeatRequest(
+            worker_id=self.worker_id,
+            slots=slots,
+            load=placement_pb2.WorkerLoad(
+                running=load["running"],
+                waiting=load["waiting"],
+                free_slots=load["free_slots"],
+                utilization=load["running"] / b,
+            ),
+        )
+
+    async def run(self) -> None:
+        backoff = 0.2
+        async with grpc.aio.insecure_channel(self.target) as channel:
+            stub = placement_pb2_grpc.PlacementStub(channel)
+            while True:
+                try:
+                    if not self.worker_id:
+                        resp = await stub.RegisterWorker(self._register_request(), timeout=10)
+                        self.worker_id, self.lease_seconds = resp.worker_id, resp.lease_seconds or 15
+                        self.registered.set()
+                        log.info(
+                            "registered with %s as %s (lease %ss)",
+                            self.target,
+                            self.worker_id,
+                            self.lease_seconds,
+                        )
+                    resp = await stub.Heartbeat(self._heartbeat_request(), timeout=10)
+                    self.heartbeats += 1
+                    for order in resp.unload:
+                        log.info("registry orders unload of %s: %s", order.adapter, order.reason)
+                        fut = self.engine.unload_adapter(order.adapter, force=True)
+                        try:
+                            await asyncio.wrap_future(fut)
+                        except Exception as exc:
+                            log.info("unload of %s: %s", order.adapter, exc)
+                    backoff = 0.2
+                    await asyncio.sleep(max(0.2, self.lease_seconds / 3))
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.NOT_FOUND:
+                        log.warning("registry forgot this worker; registering again")
+                        self.worker_id = ""
+                        continue
+                    log.warning(
+                        "registry unreachable (%s); serving on, retrying in %.1fs", exc.code().name, backoff
+                    )
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)

@@ -1,0 +1,139 @@
+"""Adapters from the registry: resolve ``name``/``name@3`` with GetAdapter, fetch the bytes straight from
+the object store when this worker can read it, else through ``DownloadAdapter``; a local disk cache
+keyed by sha256 avoids refetching. Every fetched blob is checked against the registry's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import fsspec
+import grpc
+
+from protos.v1 import registry_pb2, registry_pb2_grpc
+from worker.adapters import AdapterError
+from worker.sources import AdapterNotFoundError, AdapterUnavailableError, FetchedAdapter, split_ref
+
+log = logging.getLogger("loraserve.worker.registry_source")
+RESOLVE_TTL = 2.0  # seconds a "name" -> "name@version" answer is reused
+
+
+class RegistryAdapterSource:
+    """``AdapterSource`` backed by the registry at ``target`` (with an optional local sha256 cache)."""
+
+    def __init__(
+        self, target: str, cache_dir: str | None = None, timeout: float = 30.0, direct_reads: bool = True
+    ) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.stub = registry_pb2_grpc.AdapterRegistryStub(self.channel)
+        self.timeout, self.direct_reads = timeout, direct_reads
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        if self.cache_dir:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+        self._meta: dict[str, registry_pb2.Adapter] = {}  # "name@version" -> metadata
+        self._latest: dict[str, tuple[str, float]] = {}  # "name" -> ("name@version", fetched at)
+        self._lock = threading.Lock()
+        self.stats = {"direct": 0, "download": 0, "disk_cache": 0}
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _get(self, ref: str) -> registry_pb2.Adapter:
+        try:
+            return self.stub.GetAdapter(registry_pb2.GetAdapterRequest(adapter=ref), timeout=self.timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise AdapterNotFoundError(exc.details()) from None
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise AdapterError(exc.details()) from None
+            raise AdapterUnavailableError(
+                f"registry unavailable while resolving {ref!r}: {exc.code().name}"
+            ) from None
+
+    def resolve(self, ref: str) -> str:
+        name, version = split_ref(ref)
+        if version is not None and ref in self._meta:
+            return ref
+        if version is None:
+            with self._lock:
+                hit = self._latest.get(name)
+            if hit and time.monotonic() - hit[1] < RESOLVE_TTL:
+                return hit[0]
+        meta = self._get(ref)
+        key = f"{meta.name}@{meta.version}"
+        with self._lock:
+            self._meta[key] = meta
+            if version is None:
+                self._latest[name] = (key, time.monotonic())
+        return key
+
+    def _cached(self, sha256: str) -> bytes | None:
+        if not self.cache_dir:
+            return None
+        path = self.cache_dir / sha256
+        if path.exists():
+            data = path.read_bytes()
+            if hashlib.sha256(data).hexdigest() == sha256:
+                self.stats["disk_cache"] += 1
+                return data
+            path.unlink(missing_ok=True)  # corrupt cache entry: refetch
+        return None
+
+    def _store(self, sha256: str, data: bytes) -> None:
+        if self.cache_dir:
+            tmp = self.cache_dir / f".{sha256}.{os.getpid()}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, self.cache_dir / sha256)
+
+    def _direct(self, meta: registry_pb2.Adapter) -> bytes | None:
+        if not self.direct_reads or not meta.uri:
+            return None
+        try:
+            with fsspec.open(meta.uri, "rb") as f:
+                data = f.read()
+        except Exception as exc:
+            log.debug("direct read of %s failed (%s); downloading through the registry", meta.uri, exc)
+            return None
+        self.stats["direct"] += 1
+        return data
+
+    def _download(self, key: str) -> tuple[bytes, bytes]:
+        try:
+            header, buf = None, bytearray()
+            for msg in self.stub.DownloadAdapter(
+                registry_pb2.DownloadAdapterRequest(adapter=key), timeout=self.timeout
+            ):
+                if msg.WhichOneof("payload") == "header":
+                    header = msg.header
+                else:
+                    buf += msg.chunk
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise AdapterNotFoundError(exc.details()) from None
+            if exc.code() == grpc.StatusCode.DATA_LOSS:
+                from worker.sources import AdapterDataLossError
+
+                raise AdapterDataLossError(exc.details()) from None
+            raise AdapterUnavailableError(
+                f"registry unavailable while downloading {key}: {exc.code().name}"
+            ) from None
+        self.stats["download"] += 1
+        assert header is not None
+        return header.adapter_config_json, bytes(buf)
+
+    def fetch(self, key: str) -> FetchedAdapter:
+        meta = self._meta.get(key)
+        if meta is None or not meta.adapter_config_json:
+            meta = self._meta[key] = self._get(key)
+        config = meta.adapter_config_json
+        data = self._cached(meta.sha256) or self._direct(meta)
+        if data is None or hashlib.sha256(data).hexdigest() != meta.sha256:
+            config, data = self._download(key)
+        if hashlib.sha256(data).hexdigest() == meta.sha256:
+            self._store(meta.sha256, data)
+        return FetchedAdapter(key=key, config_bytes=config, weights_bytes=data, sha256=meta.sha256)
