@@ -5,6 +5,9 @@ Tolerance: f32 logits within 2e-4 absolute (observed ~1e-6; logits are O(1)).
 
 from __future__ import annotations
 
+from functools import partial
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,6 +37,7 @@ def test_prefill_and_decode_logits_match_transformers(model_dirs, family: str) -
     cache = M.init_cache(cfg, rows, max_seq, jnp.float32)
     lora = M.empty_lora(cfg, 2, 4, jnp.float32)
     inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    prefill, decode = jax.jit(partial(M.prefill, cfg)), jax.jit(partial(M.decode, cfg))
     # HF greedy continuations give the teacher-forced decode inputs and the reference logits.
     refs = []
     for p in PROMPTS:
@@ -45,8 +49,7 @@ def test_prefill_and_decode_logits_match_transformers(model_dirs, family: str) -
     for row, p in enumerate(PROMPTS):
         tokens = np.zeros(16, np.int32)
         tokens[: len(p)] = p
-        got, cache = M.prefill(
-            cfg,
+        got, cache = prefill(
             ck.params,
             lora,
             jnp.asarray(tokens),
@@ -60,8 +63,7 @@ def test_prefill_and_decode_logits_match_transformers(model_dirs, family: str) -
     for step in range(STEPS):
         toks = np.array([seq[len(p) + step] for p, (seq, _) in zip(PROMPTS, refs, strict=True)], np.int32)
         pos = np.array([len(p) + step for p in PROMPTS], np.int32)
-        got, cache = M.decode(
-            cfg,
+        got, cache = decode(
             ck.params,
             lora,
             jnp.asarray(toks),
