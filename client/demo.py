@@ -1,18 +1,20 @@
-"""``loraserve demo``: build a tiny model and adapters locally, serve them from a real worker, stream answers.
+"""``loraserve demo``: the whole system on this machine, from nothing, in about a minute.
 
-What it does, with embedded defaults only (nothing is downloaded):
+With embedded defaults only (nothing is downloaded):
 1. builds a tiny random Llama checkpoint + tokenizer with ``transformers`` under ``--workdir``;
 2. trains three LoRA adapters with ``peft`` so each answers the same question with its own word;
-3. starts ``loraserve worker`` as a real process on a free loopback port (2 adapter slots, so the
-   three adapters must be swapped while serving);
-4. streams one answer per adapter and one from the base model over gRPC, concurrently;
-5. prints a summary and shuts the worker down. Exits non-zero if any adapter gave the wrong answer.
+3. starts the registry (SQLite file, local folder store), one worker (2 adapter slots, so the three
+   adapters are swapped while serving) and the router as real processes on free loopback ports;
+4. pushes the adapters with ``loraserve adapters push`` (the CLI path);
+5. streams one answer per adapter and one from the base model through the router, concurrently;
+6. prints a summary and shuts everything down. Exits non-zero if any adapter gave the wrong answer.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -60,29 +62,11 @@ def build_assets(workdir: Path, rebuild: bool) -> tuple[Path, Path]:
     return model_dir, adapter_dir
 
 
-def start_worker(model_dir: Path, adapter_dir: Path, timeout: float) -> tuple[subprocess.Popen, str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "client.cli",
-        "worker",
-        "--model",
-        str(model_dir),
-        "--adapter-dir",
-        str(adapter_dir),
-        "--port",
-        "0",
-        "--max-loras",
-        "2",
-        "--max-lora-rank",
-        "8",
-        "--max-seq-len",
-        "64",
-        "--log-level",
-        "WARNING",
-    ]
+def start(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Run ``loraserve ARGS --port 0``; returns the process and the address from its ready line."""
+    cmd = [sys.executable, "-m", "client.cli", *args, "--port", "0", "--log-level", "WARNING"]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     )
     deadline = time.time() + timeout
     assert proc.stdout is not None
@@ -93,26 +77,18 @@ def start_worker(model_dir: Path, adapter_dir: Path, timeout: float) -> tuple[su
         if "serving on" in line:
             return proc, line.strip().rsplit(" ", 1)[-1]
     proc.kill()
-    raise SystemExit("the worker did not come up")
+    raise SystemExit(f"`loraserve {' '.join(args)}` did not come up")
 
 
 def ask(address: str, adapter: str) -> tuple[str, str, float, str]:
-    import grpc
+    from client.sdk import Client
 
-    from protos.v1 import inference_pb2 as pb
-    from protos.v1 import inference_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
+    with Client(address, timeout=120) as client:
         start, first, text, finish = time.perf_counter(), None, "", ""
-        for r in stub.Generate(
-            pb.GenerateRequest(adapter=adapter, text=QUESTION, sampling=pb.SamplingParams(max_tokens=8)),
-            timeout=120,
-        ):
+        for chunk in client.generate(QUESTION, adapter=adapter, max_tokens=8):
             first = first or time.perf_counter() - start
-            text += r.text
-            if r.finish_reason:
-                finish = pb.FinishReason.Name(r.finish_reason).removeprefix("FINISH_REASON_").lower()
+            text += chunk.text
+            finish = chunk.finish_reason or finish
         return adapter, text, first or 0.0, finish
 
 
@@ -120,15 +96,79 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir, adapter_dir = build_assets(workdir, args.rebuild)
-    _say("starting `loraserve worker` (2 adapter slots for 3 adapters) ...")
-    proc, address = start_worker(model_dir, adapter_dir, args.timeout)
+    run_dir = workdir / f"run-{os.getpid()}"
+    procs: list[subprocess.Popen] = []
     try:
-        _say(f"worker ready on {address}; asking {QUESTION!r} with every adapter at once")
+        _say("starting the registry (SQLite + local folder store) ...")
+        registry, reg_addr = start(
+            [
+                "registry",
+                "serve",
+                "--db",
+                f"sqlite:///{run_dir / 'registry.db'}",
+                "--storage",
+                str(run_dir / "store"),
+            ],
+            args.timeout,
+        )
+        procs.append(registry)
+        _say(f"registry on {reg_addr}; starting a worker (2 adapter slots for 3 adapters) and the router ...")
+        worker, worker_addr = start(
+            [
+                "worker",
+                "--model",
+                str(model_dir),
+                "--model-id",
+                "demo-tiny-llama",
+                "--registry",
+                reg_addr,
+                "--cache-dir",
+                str(run_dir / "cache"),
+                "--max-loras",
+                "2",
+                "--max-lora-rank",
+                "8",
+                "--max-seq-len",
+                "64",
+            ],
+            args.timeout,
+        )
+        procs.append(worker)
+        router, router_addr = start(["router", "serve", "--registry", reg_addr], args.timeout)
+        procs.append(router)
+        _say(f"worker on {worker_addr}, router on {router_addr}")
+        for name in ANSWERS:
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "client.cli",
+                    "adapters",
+                    "push",
+                    str(adapter_dir / name),
+                    "--name",
+                    name,
+                    "--base-model",
+                    "demo-tiny-llama",
+                    "--registry",
+                    reg_addr,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            if out.returncode != 0:
+                raise SystemExit(f"push of {name} failed: {out.stderr}")
+            _say(f"$ loraserve adapters push {adapter_dir / name} --name {name}  ->  {out.stdout.strip()}")
+        _wait_registered(reg_addr, args.timeout)
+        _say(f"asking {QUESTION!r} with every adapter at once, through the router")
         with ThreadPoolExecutor(4) as pool:
-            results = list(pool.map(lambda a: ask(address, a), ["", *ANSWERS]))
+            results = list(pool.map(lambda a: ask(router_addr, a), ["", *ANSWERS]))
     finally:
-        proc.terminate()
-        proc.wait(30)
+        for proc in reversed(procs):
+            proc.terminate()
+        codes = [proc.wait(30) for proc in reversed(procs)]
+        shutil.rmtree(run_dir, ignore_errors=True)
     print()
     print(f"{'adapter':14s} {'answer':10s} {'finish':7s} {'TTFT':>8s}  check")
     ok = True
@@ -139,9 +179,19 @@ def run(args: argparse.Namespace) -> int:
         check = "-" if want is None else ("ok" if good else f"WRONG (wanted {want!r})")
         print(f"{adapter or '(base model)':14s} {text!r:10s} {finish:7s} {ttft * 1000:6.0f}ms  {check}")
     print()
-    _say(
-        "all adapters answered as trained; worker shut down cleanly"
-        if ok
-        else "some adapters answered wrongly"
-    )
-    return 0 if ok and proc.returncode == 0 else 1
+    clean = all(code == 0 for code in codes)
+    _say("all adapters answered as trained" if ok else "some adapters answered wrongly")
+    _say("registry, worker and router shut down cleanly" if clean else f"exit codes: {codes}")
+    return 0 if ok and clean else 1
+
+
+def _wait_registered(registry: str, timeout: float) -> None:
+    from client.registry_client import RegistryClient
+
+    deadline = time.time() + timeout
+    with RegistryClient(registry) as client:
+        while time.time() < deadline:
+            if client.workers():
+                return
+            time.sleep(0.1)
+    raise SystemExit("the worker did not register with the registry")

@@ -10,6 +10,7 @@ PostgreSQL the production database; the schema is created by Alembic (``loraserv
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -139,6 +140,11 @@ class UnloadOrderRow(Base):
 def make_engine(url: str) -> Engine:
     """A SQLAlchemy engine for ``url``; SQLite gets WAL, foreign keys and a busy timeout."""
     if url.startswith("sqlite"):
+        from sqlalchemy.engine import make_url
+
+        database = make_url(url).database
+        if database and database != ":memory:" and not database.startswith("file:"):
+            Path(database).parent.mkdir(parents=True, exist_ok=True)  # a fresh machine has no folder yet
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30})
 
         @event.listens_for(engine, "connect")
