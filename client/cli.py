@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("router.cli", "run the adapter-affinity router in front of the workers"),
     "generate": ("client.generate_cmd", "stream a generation from a router or worker"),
     "worker": ("worker.cli", "serve a base model with hot-swappable LoRA adapter slots (gRPC)"),
+    "health": ("client.health_cmd", "probe a server's gRPC health (exit 0 when SERVING)"),
     "version": ("client.version", "print the loraserve version and the versions of its runtime"),
 }
 

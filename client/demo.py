@@ -29,7 +29,9 @@ BUILD_STAMP = "demo-v1"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default=".demo", help="where the model and adapters are built (reused)")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the model and adapters")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the worker")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each server")
+    parser.add_argument("--build-only", action="store_true",
+                        help="only build the model and adapters (docker-compose's assets job)")
 
 
 def _say(msg: str) -> None:
@@ -96,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir, adapter_dir = build_assets(workdir, args.rebuild)
+    if args.build_only:
+        _say(f"model in {model_dir}, adapters in {adapter_dir}")
+        return 0
     run_dir = workdir / f"run-{os.getpid()}"
     procs: list[subprocess.Popen] = []
     try:

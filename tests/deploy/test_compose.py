@@ -1,0 +1,116 @@
+"""docker-compose.yml is checked without Docker: it parses, every loraserve command parses with our CLI and
+its subcommand runs --help, every variable it sets is one our configs read, depends_on is acyclic with the
+right conditions, and every healthcheck runs a command that exists."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import yaml
+
+from client.cli import build_parser, main
+from registry.config import RegistryConfig
+from router.config import RouterConfig
+from worker.config import WorkerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES = COMPOSE["services"]
+OURS = {name: svc for name, svc in SERVICES.items() if svc.get("image") == "loraserve:dev"}
+
+KNOWN_ENV = (
+    {f"LORASERVE_WORKER_{f.name.upper()}" for f in fields(WorkerConfig)}
+    | {f"LORASERVE_REGISTRY_{f.name.upper()}" for f in fields(RegistryConfig)}
+    | {f"LORASERVE_ROUTER_{f.name.upper()}" for f in fields(RouterConfig)}
+    | {"LORASERVE_REGISTRY_ADDRESS", "LORASERVE_TARGET"}  # the admin CLI and SDK's defaults
+    | {"STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}  # read by gcsfs (DESIGN.md §3)
+)
+THIRD_PARTY_PROBES = {"pg_isready", "wget"}  # shipped in the postgres and fake-gcs-server images
+
+
+def loraserve_commands(svc: dict) -> list[list[str]]:
+    """Every ``loraserve …`` argv a service runs (also inside ``sh -c`` scripts)."""
+    cmd = svc.get("command") or []
+    if cmd[:2] == ["sh", "-c"]:
+        script = cmd[2].replace("$$a", "demo-x").replace("$$", "$")
+        parts = [p.strip().removeprefix("do ").strip() for p in script.replace(";", "\n").splitlines()]
+        return [shlex.split(p.split("||")[0]) for p in parts if p.startswith("loraserve")]
+    return [cmd] if cmd and cmd[0] == "loraserve" else []
+
+
+def test_every_loraserve_service_runs_our_cli() -> None:
+    assert set(OURS) == {"migrate", "assets", "registry", "worker-1", "worker-2", "router", "seed"}
+    for name, svc in OURS.items():
+        commands = loraserve_commands(svc)
+        assert commands, f"{name} runs no loraserve command"
+        for argv in commands:
+            build_parser().parse_args(argv[1:])  # every flag exists (argparse exits 2 otherwise)
+
+
+@pytest.mark.parametrize("name", sorted(OURS))
+def test_each_command_answers_help(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in loraserve_commands(OURS[name]):
+        path = [a for a in argv[1:] if not a.startswith("-")][:2]
+        subcommand = path[:2] if path[0] in ("registry", "router", "adapters", "workers") else path[:1]
+        with pytest.raises(SystemExit) as exc:
+            main([*subcommand, "--help"])
+        assert exc.value.code == 0
+        assert "usage: loraserve" in capsys.readouterr().out
+
+
+def test_every_variable_is_one_our_config_reads() -> None:
+    for name, svc in OURS.items():
+        for var in svc.get("environment", {}):
+            assert var in KNOWN_ENV, f"{name} sets {var}, which nothing reads"
+
+
+def test_dependency_graph_is_acyclic_with_health_conditions() -> None:
+    graph = {name: dict(svc.get("depends_on") or {}) for name, svc in SERVICES.items()}
+    jobs = {"migrate", "assets", "seed"}
+    for name, deps in graph.items():
+        for dep, spec in deps.items():
+            assert dep in SERVICES, f"{name} depends on unknown {dep}"
+            want = "service_completed_successfully" if dep in jobs else "service_healthy"
+            assert spec["condition"] == want, (name, dep)
+    order: list[str] = []
+    pending = dict(graph)
+    while pending:
+        ready = [n for n, deps in pending.items() if all(d in order for d in deps)]
+        assert ready, f"dependency cycle among {sorted(pending)}"
+        order += sorted(ready)
+        for n in ready:
+            del pending[n]
+    assert order.index("router") > order.index("worker-1") > order.index("registry") > order.index("migrate")
+
+
+def test_every_long_running_service_has_a_real_healthcheck(capsys: pytest.CaptureFixture[str]) -> None:
+    jobs = {"migrate", "assets", "seed"}
+    for name, svc in SERVICES.items():
+        if name in jobs:
+            continue
+        test = svc["healthcheck"]["test"]
+        assert test[0] == "CMD"
+        if test[1] == "loraserve":
+            assert test[2] == "health"
+            with pytest.raises(SystemExit) as exc:
+                main(["health", "--help"])
+            assert exc.value.code == 0
+            port = test[3].rsplit(":", 1)[1]
+            assert any(f"--port {port}" in " ".join(c) for c in loraserve_commands(svc)), name
+        else:
+            assert test[1] in THIRD_PARTY_PROBES, name
+
+
+def test_health_probe_against_a_live_and_a_dead_server(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from registry.config import RegistryConfig
+    from tests.registry.conftest import start_registry
+
+    config = RegistryConfig(db=f"sqlite:///{tmp_path / 'r.db'}", storage=str(tmp_path / "s"))
+    with start_registry(config, str(tmp_path / "s")) as env:
+        assert main(["health", env.address]) == 0
+        assert capsys.readouterr().out.strip() == f"{env.address}: SERVING"
+    assert main(["health", "127.0.0.1:1", "--timeout", "0.5"]) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err
