@@ -30,8 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workdir", default=".demo", help="where the model and adapters are built (reused)")
     parser.add_argument("--rebuild", action="store_true", help="rebuild the model and adapters")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for each server")
-    parser.add_argument("--build-only", action="store_true",
-                        help="only build the model and adapters (docker-compose's assets job)")
+    parser.add_argument(
+        "--build-only",
+        action="store_true",
+        help="only build the model and adapters (docker-compose's assets job)",
+    )
 
 
 def _say(msg: str) -> None:

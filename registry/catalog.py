@@ -263,8 +263,12 @@ class Catalog:
             s.commit()
             return rows, orders
 
-    def gc(self) -> list[str]:
-        """Delete blobs no READY adapter references; returns their sha256."""
+    def gc(self, min_age_s: float = 0.0) -> list[str]:
+        """Delete blobs no READY adapter references and older than ``min_age_s``; returns their sha256.
+
+        On a live registry keep ``min_age_s`` well above an upload's duration: a blob is written just
+        before its row is committed, and gc must not take it in between.
+        """
         with self.sessions() as s:
             referenced = set(s.scalars(select(AdapterRow.sha256).where(AdapterRow.state == "READY")))
-        return self.store.gc(referenced)
+        return self.store.gc(referenced, min_age_s=min_age_s)

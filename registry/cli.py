@@ -49,6 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_config_flags(migrate, ("db",))
     gc = sub.add_parser("gc", help="delete stored blobs that no adapter references")
     _add_config_flags(gc, ("db", "storage"))
+    gc.add_argument(
+        "--min-age-seconds",
+        type=float,
+        default=600.0,
+        help="keep blobs younger than this (an upload in flight writes its blob before its row)",
+    )
 
 
 def _config(args: argparse.Namespace) -> RegistryConfig:
@@ -95,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         from registry.app import open_registry
 
         registry = open_registry(config)
-        removed = registry.catalog.gc()
+        removed = registry.catalog.gc(min_age_s=args.min_age_seconds)
         registry.close()
         print(f"removed {len(removed)} unreferenced blob(s)")
         for digest in removed:

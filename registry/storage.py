@@ -1,13 +1,9 @@
 """Content-addressed blob store for adapter weights over one fsspec root URL (DESIGN.md §3).
 
-Layout under the root: ``blobs/sha256/<hex[:2]>/<hex>`` for blobs, ``tmp/<uuid>`` for in-flight local writes.
-
-Writes are verify-then-commit: incoming bytes are hashed while they are spooled to local memory or a local
-temporary file, and nothing reaches the store until size and sha256 match what was promised. Object stores
-(``gs://``, ``memory://``) then receive the verified bytes in one object write, which becomes visible only
-when complete; local folders get ``tmp/<uuid>`` renamed onto the final key. ``mv`` is never used on object
-stores (gcsfs emulators lack moveTo and gcsfs falls back only after ~30 s of retries). Reads hash what they
-read and raise :class:`BlobCorruptError` before handing out a single byte of a blob that no longer matches.
+Layout: ``<root>/blobs/sha256/<hex[:2]>/<hex>``; ``<root>/tmp/<uuid>`` only for in-flight local-disk writes.
+Bytes are hashed while spooled locally and reach the store only once size and sha256 match the promise: object
+stores get them in one object write (visible only when complete; never ``mv``, which gcsfs emulators lack),
+local folders get ``tmp/<uuid>`` renamed onto the final key. Reads verify the hash before handing out a byte.
 """
 
 from __future__ import annotations
@@ -36,7 +32,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _HNS_ENV = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"
-_RETRIABLE_HTTP = {408, 429, 500, 501, 502, 503, 504}
+_READ_BLOCK = 8 << 20
+_RETRIABLE_HTTP = {"408", "429", "500", "501", "502", "503", "504"}
 _PERMANENT_OS_ERRORS = (
     FileNotFoundError,
     IsADirectoryError,
@@ -93,11 +90,10 @@ def _check_digest(sha256: str) -> str:
 
 def _check_limits(size: int, expected_size: int | None, max_bytes: int | None, partial: bool = False) -> None:
     """Size checks that can fail before the whole blob arrived: over the limit, or over the promise."""
-    biggest = max(size, expected_size or 0)
-    if max_bytes is not None and biggest > max_bytes:
-        raise BlobTooLargeError(f"blob of {biggest}+ bytes exceeds the limit of {max_bytes} bytes")
+    if max_bytes is not None and max(size, expected_size or 0) > max_bytes:
+        raise BlobTooLargeError(f"blob is larger than the limit of {max_bytes} bytes")
     if expected_size is not None and (expected_size < 0 or (partial and size > expected_size)):
-        raise BlobMismatchError(f"blob size mismatch: received {size}+ bytes, promised {expected_size}")
+        raise BlobMismatchError(f"blob size mismatch: received more than the promised {expected_size} bytes")
 
 
 def _is_transient(exc: BaseException) -> bool | None:
@@ -108,10 +104,7 @@ def _is_transient(exc: BaseException) -> bool | None:
         return True
     retry_mod = sys.modules.get("gcsfs.retry")  # gcsfs errors can only exist once gcsfs is imported
     if retry_mod is not None and isinstance(exc, retry_mod.HttpError):
-        try:
-            return int(exc.code) in _RETRIABLE_HTTP
-        except (TypeError, ValueError):
-            return False
+        return str(exc.code) in _RETRIABLE_HTTP
     aiohttp = sys.modules.get("aiohttp")
     if aiohttp is not None and isinstance(exc, aiohttp.ClientError):
         return True
@@ -134,11 +127,11 @@ class _Spool:
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._mem: io.BytesIO | None = io.BytesIO()
-        self._file: Any = None
+        self._file: Any = None  # deleted on close, also when an unconsumed reader is garbage-collected
 
     def write(self, data: bytes) -> None:
         if self._mem is not None and self._mem.tell() + len(data) > self._limit:
-            self._file = tempfile.NamedTemporaryFile(prefix="loraserve-blob-", delete=False)  # noqa: SIM115
+            self._file = tempfile.NamedTemporaryFile(prefix="loraserve-blob-")  # noqa: SIM115
             self._file.write(self._mem.getbuffer())
             self._mem = None
         (self._mem if self._mem is not None else self._file).write(data)
@@ -162,10 +155,7 @@ class _Spool:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._file.name)
-            self._file = None
-        self._mem = None
+        self._file = self._mem = None
 
 
 class BlobStore:
@@ -180,10 +170,8 @@ class BlobStore:
         spool_bytes: int = 16 << 20,
         **storage_options: Any,
     ) -> None:
-        self.root_url = root_url
-        self.attempts = max(1, attempts)
-        self.backoff_s = backoff_s
-        self.spool_bytes = spool_bytes
+        self.root_url, self.attempts, self.backoff_s = root_url, max(1, attempts), backoff_s
+        self.spool_bytes = spool_bytes  # uploads and downloads above this size spool to a local temp file
         protocol = fsspec.utils.get_protocol(root_url)
         if protocol in ("gs", "gcs"):
             # Read by gcsfs at import time: otherwise every bucket probe waits 60 s against an emulator.
@@ -206,10 +194,6 @@ class BlobStore:
     def from_url(cls, root_url: str, **kwargs: Any) -> BlobStore:
         return cls(root_url, **kwargs)
 
-    def __repr__(self) -> str:
-        return f"BlobStore({self.root_url!r})"
-
-    # ------------------------------------------------------------------ paths
     def _blob_path(self, digest: str) -> str:
         return f"{self.root}/blobs/sha256/{digest[:2]}/{digest}"
 
@@ -217,7 +201,6 @@ class BlobStore:
         """Full URL of the blob (``file:///…``, ``memory:///…``, ``gs://…``)."""
         return self.fs.unstrip_protocol(self._blob_path(_check_digest(sha256)))
 
-    # ------------------------------------------------------------------ backend calls
     def _retry(self, what: str, fn: Callable[..., T], *args: Any) -> T:
         for attempt in range(1, self.attempts + 1):
             try:
@@ -247,7 +230,6 @@ class BlobStore:
         except FileNotFoundError:
             return {}
 
-    # ------------------------------------------------------------------ writes
     def put_bytes(
         self,
         data: bytes,
@@ -306,9 +288,7 @@ class BlobStore:
             self._retry(f"write {final}", self._write_object, final, source)
         info = self._info(final)
         if info is None or info.get("size") != size:
-            raise StorageUnavailableError(
-                f"object storage did not keep blob {digest}: size after write is wrong"
-            )
+            raise StorageUnavailableError(f"blob {digest} has the wrong size after writing it")
         return StoredBlob(digest, size, self.fs.unstrip_protocol(final), deduplicated=False)
 
     def _write_object(self, final: str, source: bytes | _Spool) -> None:
@@ -329,7 +309,6 @@ class BlobStore:
                 self.fs.rm_file(tmp)
             raise
 
-    # ------------------------------------------------------------------ reads
     def read_bytes(self, sha256: str) -> bytes:
         """The whole blob, verified against its hash."""
         digest = _check_digest(sha256)
@@ -350,7 +329,7 @@ class BlobStore:
             spool, h = _Spool(self.spool_bytes), hashlib.sha256()
             try:
                 with self.fs.open(path, "rb") as f:
-                    while chunk := f.read(chunk_size):
+                    while chunk := f.read(_READ_BLOCK):  # gcsfs makes one request per read
                         h.update(chunk)
                         spool.write(chunk)
             except BaseException:
@@ -362,11 +341,9 @@ class BlobStore:
             spool, got = self._retry(f"read {path}", fetch)
         except FileNotFoundError:
             raise BlobNotFoundError(f"blob {digest} is not in the store") from None
-        try:
-            self._verify(digest, got)
-        except BlobCorruptError:
+        if got != digest:
             spool.close()
-            raise
+            self._verify(digest, got)
         return spool.chunks(chunk_size)
 
     def _verify(self, digest: str, got: str) -> None:
@@ -377,7 +354,6 @@ class BlobStore:
                 "it will not be served (re-upload the adapter)"
             )
 
-    # ------------------------------------------------------------------ housekeeping
     def exists(self, sha256: str) -> bool:
         return self._info(self._blob_path(_check_digest(sha256))) is not None
 
@@ -418,11 +394,8 @@ class BlobStore:
                 deleted.append(digest)
         for path, info in self._find(f"{self.root}/tmp").items():
             if old(info, tmp_max_age_s):
-                try:
+                with contextlib.suppress(FileNotFoundError):
                     self._retry(f"delete {path}", self.fs.rm_file, path)
-                    log.info("gc removed stale temporary object %s", path)
-                except FileNotFoundError:
-                    pass
         if deleted:
             log.info("gc removed %d unreferenced blob(s) from %s", len(deleted), self.root_url)
         return deleted

@@ -19,7 +19,8 @@ class RouteError(Exception):
 @dataclass(frozen=True)
 class Route:
     adapter: str  # resolved "name@version" ("" for the base model)
-    addresses: tuple[str, ...]  # best first
+    addresses: tuple[str, ...]  # best first, as the registry ranked them
+    holders: frozenset[str]  # addresses that already hold the adapter
     at: float
 
 
@@ -49,7 +50,12 @@ class Locator:
             raise RouteError(
                 grpc.StatusCode.UNAVAILABLE, f"registry unavailable: {exc.code().name}"
             ) from None
-        route = Route(resp.adapter, tuple(c.address for c in resp.candidates), time.monotonic())
+        route = Route(
+            resp.adapter,
+            tuple(c.address for c in resp.candidates),
+            frozenset(c.address for c in resp.candidates if c.holds_adapter),
+            time.monotonic(),
+        )
         self._routes[adapter] = route
         return route
 
@@ -61,10 +67,20 @@ class Locator:
 
 
 class WorkerPool:
-    """One grpc.aio channel per worker address, reused across requests."""
+    """One grpc.aio channel per worker address, reused across requests, and this router's open streams
+    per worker (fresher than the load in the registry, which heartbeats refresh every few seconds)."""
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.inflight: dict[str, int] = {}
+
+    def order(self, route: Route) -> list[str]:
+        """Holders first (registry order), then the others with the fewest streams open from here."""
+        holders = [a for a in route.addresses if a in route.holders]
+        others = sorted(
+            (a for a in route.addresses if a not in route.holders), key=lambda a: self.inflight.get(a, 0)
+        )
+        return holders + others
 
     def stub(self, address: str) -> inference_pb2_grpc.InferenceStub:
         channel = self._channels.get(address)

@@ -39,12 +39,14 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         forward.CopyFrom(request)
         forward.adapter = route.adapter
         tried = []
-        for address in route.addresses:
+        for address in self.pool.order(route):
             remaining = context.time_remaining()
             call = self.pool.stub(address).Generate(forward, timeout=remaining)
+            self.pool.inflight[address] = self.pool.inflight.get(address, 0) + 1
             try:
                 first = await call.read()
             except grpc.aio.AioRpcError as exc:
+                self.pool.inflight[address] -= 1
                 if exc.code() in RETRYABLE:
                     tried.append(f"{address}: {exc.code().name}")
                     self.locator.forget(request.adapter)
@@ -59,6 +61,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             except grpc.aio.AioRpcError as exc:
                 await context.abort(exc.code(), exc.details())
             finally:
+                self.pool.inflight[address] -= 1
                 call.cancel()  # no-op when finished; frees the worker's row when the client left
         await context.abort(
             grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request ({'; '.join(tried)})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable
@@ -101,7 +102,12 @@ class EngineRequest:
             if self.done:
                 return
             self.done = True
-        self.sink(event)
+        try:
+            self.sink(event)
+        except Exception:  # a broken consumer must never take the engine thread down
+            logging.getLogger("loraserve.worker.engine").exception(
+                "sink of request %s failed", self.request_id
+            )
 
 
 def validate_prompt(prompt: list[int], vocab_size: int, max_seq_len: int) -> None:

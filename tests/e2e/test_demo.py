@@ -11,8 +11,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 def test_demo_runs_the_whole_stack_from_nothing(tmp_path) -> None:
-    out = subprocess.run([sys.executable, "-m", "client.cli", "demo", "--workdir", str(tmp_path / "demo")],
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "client.cli", "demo", "--workdir", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
     for name, answer in (("demo-red", "' red'"), ("demo-green", "' green'"), ("demo-blue", "' blue'")):

@@ -1,0 +1,165 @@
+"""The whole system as processes, as docker-compose runs it: registry on PostgreSQL, adapters in GCS
+(emulator, through gcsfs), two workers, the router. Every answer equals the same request served by a
+single in-process engine; the database shows each placement; killing a worker loses no new request.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from sqlalchemy import create_engine, text
+
+from client.registry_client import RegistryClient
+from client.sdk import Client
+from protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
+from registry.gcs_emulator import start_gcs_emulator
+from tests.e2e.compose_local import LocalCompose
+from tests.e2e.procs import wait_healthy
+from worker.checkpoint import load_checkpoint
+from worker.config import EngineConfig
+from worker.engine import Engine
+from worker.requests import EngineRequest, Failed, Finished, Sampling, Token
+from worker.sources import LocalAdapterSource
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.postgres, pytest.mark.gcs]
+MODEL_ID = "demo-tiny-llama"
+
+
+@pytest.fixture
+def six_adapters(adapter_dirs, llama_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from worker.testing import make_adapter
+
+    out = {f"e2e-{n}": adapter_dirs[n] for n in ("all-r4", "qv-r8-rslora", "attn-pattern")}
+    for i, (r, targets) in enumerate(
+        [(2, ("o_proj", "down_proj")), (8, ("q_proj", "up_proj")), (4, ("k_proj", "gate_proj"))]
+    ):
+        base = AutoModelForCausalLM.from_pretrained(str(llama_dir))
+        make_adapter(base, tmp_path / f"extra{i}", r=r, alpha=8.0, targets=targets, seed=40 + i)
+        out[f"e2e-extra{i}"] = tmp_path / f"extra{i}"
+    return out
+
+
+def _collect(event, got: list, done: list) -> None:
+    if isinstance(event, Token):
+        got.append(event.token_id)
+    elif isinstance(event, Finished | Failed):
+        done.append(event)
+
+
+def _reference(llama_dir, adapters, requests):
+    src = LocalAdapterSource()
+    for name, path in adapters.items():
+        src.register(f"{name}@1", str(path))
+    engine = Engine(
+        load_checkpoint(str(llama_dir)),
+        EngineConfig(max_batch_size=8, max_seq_len=64, max_loras=6, max_lora_rank=8),
+        source=src,
+    )
+    engine.start()
+    try:
+        outs = []
+        for adapter, prompt in requests:
+            got, done = [], []
+            engine.submit(
+                EngineRequest(
+                    uuid.uuid4().hex,
+                    f"{adapter}@1" if adapter else "",
+                    prompt,
+                    Sampling(max_tokens=6, ignore_eos=True),
+                    lambda e, got=got, done=done: _collect(e, got, done),
+                )
+            )
+            deadline = time.time() + 60
+            while not done and time.time() < deadline:
+                time.sleep(0.005)
+            assert isinstance(done[0], Finished), done
+            outs.append([*got, done[0].token_id])
+        return outs
+    finally:
+        engine.stop()
+
+
+def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tmp_path) -> None:
+    gcs = start_gcs_emulator("loraserve")
+    stack = LocalCompose(
+        db_url=postgres_url, gcs_endpoint=gcs.endpoint, model_dir=llama_dir, workdir=tmp_path
+    )
+    procs = {}
+    try:
+        migrated = stack.run_job("migrate")
+        assert migrated.returncode == 0, migrated.stderr
+        procs["registry"] = stack.start("registry")
+        wait_healthy(stack.address("registry"))
+        registry = RegistryClient(stack.address("registry"))
+        for name, path in six_adapters.items():
+            assert registry.push(path, name, MODEL_ID).uri.startswith("gs://loraserve/adapters/")
+        for name in ("worker-1", "worker-2", "router"):
+            procs[name] = stack.start(name)
+        for name in ("worker-1", "worker-2", "router"):
+            wait_healthy(stack.address(name), timeout=180)
+        deadline = time.time() + 30
+        while len(registry.workers()) < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        assert sorted(w.address for w in registry.workers()) == sorted(
+            [stack.address("worker-1"), stack.address("worker-2")]
+        )
+
+        names = list(six_adapters)
+        requests = [(names[i % 6], [5 + i % 7, 17, 33 + i % 3, 100, 7]) for i in range(60)]
+        with Client(stack.address("router")) as client, ThreadPoolExecutor(60) as pool:
+            results = list(
+                pool.map(
+                    lambda r: client.complete(r[1], adapter=r[0], max_tokens=6, ignore_eos=True), requests
+                )
+            )
+        expected = _reference(llama_dir, six_adapters, requests)
+        for (adapter, _), got, want in zip(requests, results, expected, strict=True):
+            assert got.token_ids == want and got.adapter == f"{adapter}@1" and got.finish_reason == "length"
+
+        time.sleep(2.5)  # one heartbeat (lease 6 s / 3): the database now mirrors every worker's slots
+        engine = create_engine(postgres_url)
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT w.address, p.adapter, p.state FROM placements p JOIN workers w ON w.id = p.worker_id"
+                )
+            ).all()
+        engine.dispose()
+        assert rows and all(state == "LOADED" for _, _, state in rows)
+        assert {a for _, a, _ in rows} <= {f"{n}@1" for n in names}
+        for name in ("worker-1", "worker-2"):  # the database holds exactly what each worker holds
+            with grpc.insecure_channel(stack.address(name)) as channel:
+                slots = (
+                    worker_admin_pb2_grpc.WorkerAdminStub(channel)
+                    .ListSlots(worker_admin_pb2.ListSlotsRequest())
+                    .slots
+                )
+            held = sorted(s.adapter for s in slots if s.adapter)
+            assert held and sorted(a for addr, a, _ in rows if addr == stack.address(name)) == held, name
+
+        # kill -9 one worker: requests keep flowing through the other, and its lease then expires
+        procs.pop("worker-1").kill()
+        with Client(stack.address("router")) as client, ThreadPoolExecutor(12) as pool:
+            after = list(
+                pool.map(
+                    lambda r: client.complete(r[1], adapter=r[0], max_tokens=6, ignore_eos=True),
+                    requests[:12],
+                )
+            )
+        assert [r.token_ids for r in after] == expected[:12]
+        deadline = time.time() + 20
+        while len(registry.workers()) > 1 and time.time() < deadline:
+            time.sleep(0.2)
+        assert [w.address for w in registry.workers()] == [stack.address("worker-2")]
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(30)
+        gcs.stop()
