@@ -1,0 +1,213 @@
+"""Router, SDK and registry-backed workers, all real servers on loopback (in-process threads).
+
+Covers: routing to a holder, falling back to the next candidate when a worker is unreachable before the
+first token, NOT_FOUND / UNAVAILABLE codes, one load for many concurrent requests of a cold adapter,
+a worker that keeps serving through a registry outage and registers again, the sync and asyncio SDK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from client.errors import LoraserveError
+from client.sdk import AsyncClient, Client
+from protos.v1 import placement_pb2 as pp
+from protos.v1 import worker_admin_pb2 as wa
+from registry.config import RegistryConfig
+from router.routing import Locator, WorkerPool
+from router.server import build_server as build_router
+from tests.aio_thread import aio_server_thread
+from tests.registry.conftest import TINY_MODEL, start_registry
+from worker.checkpoint import load_checkpoint
+from worker.config import EngineConfig
+from worker.engine import Engine
+from worker.registration import Registration
+from worker.registry_source import RegistryAdapterSource
+from worker.server import build_server as build_worker
+from worker.tokenizer import load_tokenizer
+
+PROMPT = [5, 17, 33, 100, 7]
+
+
+class Stack:
+    pass
+
+
+@pytest.fixture(scope="module")
+def stack(llama_dir, adapter_dirs, tmp_path_factory):
+    from contextlib import ExitStack
+
+    tmp = tmp_path_factory.mktemp("router-stack")
+    s = Stack()
+    with ExitStack() as es:
+        s.registry = es.enter_context(
+            start_registry(
+                RegistryConfig(db=f"sqlite:///{tmp / 'r.db'}", storage=str(tmp / "store"), lease_seconds=3),
+                str(tmp / "store"),
+            )
+        )
+        for name in ("all-r4", "qv-r8-rslora", "mlp-r16"):
+            s.registry.client.push(adapter_dirs[name], name, TINY_MODEL)
+        s.source = RegistryAdapterSource(s.registry.address, cache_dir=str(tmp / "cache"))
+        s.engine = Engine(
+            load_checkpoint(str(llama_dir)),
+            EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2),
+            source=s.source,
+        )
+        s.engine.start()
+        es.callback(s.engine.stop)
+        tokenizer = load_tokenizer(str(llama_dir))
+
+        async def worker():
+            server, port, _ = build_worker(s.engine, tokenizer, TINY_MODEL, "127.0.0.1:0")
+            s.worker_address = f"127.0.0.1:{port}"
+            s.registration = Registration(s.engine, s.registry.address, s.worker_address, TINY_MODEL)
+            s.registration_task = asyncio.get_running_loop().create_task(s.registration.run())
+            return server, port
+
+        es.enter_context(aio_server_thread(worker))
+
+        async def router():
+            server, port, _ = build_router(
+                Locator(s.registry.address, ttl=0.2, max_candidates=3), WorkerPool(), "127.0.0.1:0"
+            )
+            return server, port
+
+        s.router_address = f"127.0.0.1:{es.enter_context(aio_server_thread(router))}"
+        deadline = time.time() + 20
+        while not s.registry.client.workers() and time.time() < deadline:
+            time.sleep(0.05)
+        yield s
+
+
+def test_router_streams_through_the_registered_worker(stack) -> None:
+    with Client(stack.router_address) as client:
+        chunks = list(client.generate(PROMPT, adapter="all-r4", max_tokens=5, ignore_eos=True))
+        direct = Client(stack.worker_address).complete(
+            PROMPT, adapter="all-r4@1", max_tokens=5, ignore_eos=True
+        )
+    assert len(chunks) == 5 and chunks[-1].finish_reason == "length" and chunks[-1].completion_tokens == 5
+    assert [t for c in chunks for t in c.token_ids] == direct.token_ids
+    assert {c.adapter for c in chunks} == {"all-r4@1"}
+
+
+def test_router_errors(stack) -> None:
+    with Client(stack.router_address) as client:
+        with pytest.raises(LoraserveError) as exc:
+            client.complete(PROMPT, adapter="no-such-adapter")
+        assert exc.value.code == "NOT_FOUND"
+        with pytest.raises(LoraserveError) as exc:
+            client.complete([], adapter="all-r4")
+        assert exc.value.code == "INVALID_ARGUMENT"  # the worker's answer reaches the client as-is
+
+
+def test_unreachable_worker_is_skipped_before_the_first_token(stack) -> None:
+    """A registered 'holder' that is down is ranked first; the router falls through to the live worker."""
+    placement = stack.registry.client.placement
+    dead = placement.RegisterWorker(
+        pp.RegisterWorkerRequest(address="127.0.0.1:1", model_id=TINY_MODEL, slots=2)
+    ).worker_id
+    placement.Heartbeat(
+        pp.HeartbeatRequest(
+            worker_id=dead,
+            slots=[wa.SlotInfo(slot=0, adapter="qv-r8-rslora@1", state=wa.SLOT_STATE_LOADED)],
+            load=pp.WorkerLoad(free_slots=1),
+        )
+    )
+    ranked = placement.LocateAdapter(pp.LocateAdapterRequest(adapter="qv-r8-rslora")).candidates
+    assert ranked[0].address == "127.0.0.1:1" and ranked[0].holds_adapter
+    time.sleep(0.3)  # the router's cached route expires
+    with Client(stack.router_address) as client:
+        out = client.complete(PROMPT, adapter="qv-r8-rslora", max_tokens=3)
+    assert out.adapter == "qv-r8-rslora@1" and out.completion_tokens == 3
+
+
+def test_concurrent_requests_for_a_cold_adapter_load_it_once(stack) -> None:
+    loads, fetches = stack.engine.counters["adapter_loads"], dict(stack.source.stats)
+    with Client(stack.router_address) as client, ThreadPoolExecutor(6) as pool:
+        outs = list(
+            pool.map(
+                lambda _: client.complete(PROMPT, adapter="mlp-r16", max_tokens=3, ignore_eos=True), range(6)
+            )
+        )
+    assert len({tuple(o.token_ids) for o in outs}) == 1
+    assert stack.engine.counters["adapter_loads"] - loads == 1
+    fetched = sum(stack.source.stats.values()) - sum(fetches.values())
+    assert fetched == 1 and stack.source.stats["direct"] > fetches["direct"]  # read straight from the store
+
+
+def test_async_client(stack) -> None:
+    async def main():
+        async with AsyncClient(stack.router_address) as client:
+            return [
+                c
+                async for c in client.generate("Colors: red", adapter="all-r4", max_tokens=4, ignore_eos=True)
+            ]
+
+    chunks = asyncio.run(main())
+    assert chunks[-1].finish_reason == "length" and sum(len(c.token_ids) for c in chunks) == 4
+
+
+def test_worker_serves_through_a_registry_outage_and_registers_again(stack, llama_dir) -> None:
+    """The registry's database forgets the worker (as after a wipe): its next heartbeat re-registers it."""
+    first_id = stack.registration.worker_id
+    with stack.registry.registry.catalog.sessions() as s:
+        from sqlalchemy import delete
+
+        from registry.db import WorkerRow
+
+        s.execute(delete(WorkerRow))
+        s.commit()
+    # resident adapters keep serving directly from the worker meanwhile
+    assert (
+        Client(stack.worker_address).complete(PROMPT, adapter="all-r4@1", max_tokens=2).completion_tokens == 2
+    )
+    deadline = time.time() + 10
+    while time.time() < deadline and not stack.registry.client.workers():
+        time.sleep(0.1)
+    workers = stack.registry.client.workers()
+    assert [w.address for w in workers] == [stack.worker_address] and workers[0].worker_id != first_id
+
+
+def test_generate_cli(stack, capsys) -> None:
+    from client.cli import main
+
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                stack.router_address,
+                "--adapter",
+                "all-r4",
+                "--max-tokens",
+                "3",
+                "Colors: red",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr()
+    assert "[all-r4@1; finish " in out.err and "3 completion tokens]" in out.err
+    assert main(["generate", "--target", stack.router_address, "--adapter", "missing", "hi"]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_router_without_workers_is_unavailable(tmp_path) -> None:
+    config = RegistryConfig(db=f"sqlite:///{tmp_path / 'r.db'}", storage=str(tmp_path / "s"))
+    with start_registry(config, str(tmp_path / "s")) as reg:
+
+        async def router():
+            server, port, _ = build_router(
+                Locator(reg.address, ttl=0.2, max_candidates=3), WorkerPool(), "127.0.0.1:0"
+            )
+            return server, port
+
+        with aio_server_thread(router) as port, Client(f"127.0.0.1:{port}") as client:
+            with pytest.raises(LoraserveError) as exc:
+                client.complete(PROMPT)
+            assert exc.value.code == "UNAVAILABLE" and "no worker" in exc.value.message
