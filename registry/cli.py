@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 from dataclasses import fields
 
@@ -22,6 +21,7 @@ HELP = {
     "max_upload_bytes": "largest adapter weights file accepted",
     "max_lora_rank": "largest adapter rank accepted (the largest slot rank of the fleet)",
     "migrate": "run database migrations at start",
+    "metrics_port": "Prometheus /metrics port (0 = off)",
 }
 
 
@@ -65,8 +65,10 @@ def _config(args: argparse.Namespace) -> RegistryConfig:
 async def serve(config: RegistryConfig) -> None:
     from registry.app import open_registry
     from registry.server import build_server, expire_leases_forever, set_serving
+    from worker.observability import start_metrics
 
     registry = open_registry(config)
+    start_metrics(config.metrics_port)
     server, port, health_servicer = build_server(
         registry.catalog, registry.placement, f"{config.host}:{config.port}"
     )
@@ -90,7 +92,9 @@ async def serve(config: RegistryConfig) -> None:
 def run(args: argparse.Namespace) -> int:
     config = _config(args)
     if args.registry_command == "serve":
-        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+        from worker.observability import setup_logging
+
+        setup_logging(args.log_level)
         asyncio.run(serve(config))
     elif args.registry_command == "migrate":
         from registry.migrate import current_revision, upgrade

@@ -18,6 +18,7 @@ class RegistryConfig:
     max_upload_bytes: int = 1 << 30
     max_lora_rank: int = 256  # largest rank accepted at upload (the largest slot rank of the fleet)
     migrate: bool = True  # run migrations at start
+    metrics_port: int = 0  # Prometheus /metrics port (0 = off)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> RegistryConfig:

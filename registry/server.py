@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
@@ -22,6 +23,7 @@ from protos.v1 import placement_pb2, placement_pb2_grpc, registry_pb2, registry_
 from registry.catalog import Catalog, UploadHeader
 from registry.db import AdapterRow, WorkerRow, as_utc
 from registry.placement import Load, Placement, SlotReport
+from worker.observability import observe_rpc
 
 log = logging.getLogger("loraserve.registry.server")
 CHUNK = 1 << 20
@@ -92,10 +94,14 @@ def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
 
 async def _call(context: grpc.aio.ServicerContext, fn, *args: Any) -> Any:
     """Run blocking catalog/placement work on a thread; map every known error to its status."""
+    started = time.perf_counter()
     try:
-        return await asyncio.to_thread(fn, *args)
-    except Exception as exc:
+        result = await asyncio.to_thread(fn, *args)
+        observe_rpc("registry", fn.__name__, "OK", started)
+        return result
+    except Exception as exc:  # every error gets a status; unknown ones are INTERNAL
         code = getattr(exc, "code", None)
+        observe_rpc("registry", fn.__name__, code if isinstance(code, str) else "INTERNAL", started)
         if isinstance(code, str):
             await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), str(exc))
         if isinstance(exc, ConnectionError | TimeoutError) or type(exc).__name__ == "OperationalError":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import signal
 from dataclasses import fields
 
@@ -16,6 +15,7 @@ HELP = {
     "port": "port to bind (0 picks a free one)",
     "locate_ttl": "seconds a LocateAdapter answer is reused",
     "max_candidates": "workers tried, best first, before UNAVAILABLE",
+    "metrics_port": "Prometheus /metrics port (0 = off)",
 }
 
 
@@ -36,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(config: RouterConfig) -> None:
     from router.routing import Locator, WorkerPool
     from router.server import build_server, set_serving
+    from worker.observability import start_metrics
 
+    start_metrics(config.metrics_port)
     locator, pool = Locator(config.registry, config.locate_ttl, config.max_candidates), WorkerPool()
     server, port, health_servicer = build_server(locator, pool, f"{config.host}:{config.port}")
     await server.start()
@@ -54,7 +56,9 @@ async def serve(config: RouterConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from worker.observability import setup_logging
+
+    setup_logging(args.log_level)
     config = RouterConfig.from_env(**{f.name: getattr(args, f.name) for f in fields(RouterConfig)})
     asyncio.run(serve(config))
     return 0

@@ -15,6 +15,7 @@ class RouterConfig:
     port: int = 50071
     locate_ttl: float = 1.0  # seconds a LocateAdapter answer is reused
     max_candidates: int = 3  # workers tried, best first, before giving up with UNAVAILABLE
+    metrics_port: int = 0  # Prometheus /metrics port (0 = off)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> RouterConfig:

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos.v1 import inference_pb2, inference_pb2_grpc
 from router.routing import Locator, RouteError, WorkerPool
+from worker.observability import StreamTimer
 
 log = logging.getLogger("loraserve.router")
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -39,6 +40,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         forward.CopyFrom(request)
         forward.adapter = route.adapter
         tried = []
+        timer = StreamTimer("router")
         for address in self.pool.order(route):
             remaining = context.time_remaining()
             call = self.pool.stub(address).Generate(forward, timeout=remaining)
@@ -55,7 +57,10 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             try:
                 msg = first
                 while msg is not grpc.aio.EOF:  # read() only: grpc forbids mixing it with iteration
+                    timer.chunk(len(msg.token_ids))
                     yield msg
+                    if msg.finish_reason:
+                        timer.done(msg.usage.prompt_tokens)
                     msg = await call.read()
                 return
             except grpc.aio.AioRpcError as exc:

@@ -22,6 +22,7 @@ HELP = {
     "registry": "registry host:port: fetch adapters from it, register and heartbeat",
     "advertise_address": "host:port the router uses to reach this worker (default: host:port bound)",
     "cache_dir": "local disk cache of adapter blobs fetched from the registry (keyed by sha256)",
+    "metrics_port": "Prometheus /metrics port (0 = off)",
     "max_batch_size": "decode rows per step",
     "max_seq_len": "context length: prompt plus new tokens",
     "max_loras": "adapter slots on the device",
@@ -63,6 +64,12 @@ async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
     else:
         source = LocalAdapterSource(config.adapter_dir or None)
     engine = Engine(checkpoint, config.engine_config(), source=source)
+    if config.metrics_port:
+        from worker.metrics import register_engine_metrics
+        from worker.observability import start_metrics
+
+        register_engine_metrics(engine)
+        start_metrics(config.metrics_port, log)
     model_id = config.model_id or config.model
     server, port, health_servicer = build_server(engine, tokenizer, model_id, f"{config.host}:{config.port}")
     await set_serving(health_servicer, False)
@@ -95,7 +102,9 @@ async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from worker.observability import setup_logging
+
+    setup_logging(args.log_level)
     overrides = {f.name: getattr(args, f.name) for f in fields(WorkerConfig)}
     config = WorkerConfig.from_env(**overrides)
     if not config.model:

@@ -60,6 +60,7 @@ class WorkerConfig:
     registry: str = ""  # host:port of the registry; adapters then come from it and the worker registers
     advertise_address: str = ""  # host:port others use to reach this worker (default: host:bound port)
     cache_dir: str = ""  # local disk cache of adapter blobs, keyed by sha256
+    metrics_port: int = 0  # Prometheus /metrics port (0 = off)
     max_batch_size: int = 8
     max_seq_len: int = 256
     max_loras: int = 4

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
 from worker.adapters import AdapterError
 from worker.engine import Engine
+from worker.observability import StreamTimer
 from worker.outputs import Chunk, StreamAssembler
 from worker.requests import EngineRequest, RequestError, Sampling
 from worker.slots import Slot
@@ -113,12 +114,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         except RequestError as exc:
             await context.abort(status(exc.code), exc.message)
         assembler = StreamAssembler(self.tokenizer, prompt, tuple(request.sampling.stop))
+        timer = StreamTimer("worker")
         try:
             while not assembler.done:
                 for chunk in assembler.feed(await events.get()):
+                    timer.chunk(len(chunk.token_ids))
                     yield chunk_to_proto(request_id, chunk)
             if assembler.error is not None:
                 await context.abort(status(assembler.error.code), assembler.error.message)
+            timer.done(len(prompt))
+            log.info("finished", extra={"request_id": request_id, "adapter": assembler.adapter})
         finally:
             if not engine_req.done or assembler.stopped_by_string:
                 self.engine.cancel(internal_id)  # client gone, deadline passed, or a stop string ended it

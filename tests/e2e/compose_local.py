@@ -71,6 +71,8 @@ class LocalCompose:
 
     def env(self, service: str) -> dict[str, str]:
         env = {k: self._value(service, v) for k, v in (COMPOSE[service].get("environment") or {}).items()}
+        for key in [k for k in env if k.endswith("_METRICS_PORT")]:
+            env[key] = str(free_port())  # one host here, not one per container
         return {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
 
     def run_job(self, service: str) -> subprocess.CompletedProcess:
