@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from worker.config import config_from_env
 
 ENV_PREFIX = "LORASERVE_REGISTRY_"
 
@@ -22,14 +23,4 @@ class RegistryConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> RegistryConfig:
-        env = dict(os.environ if env is None else env)
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is not None:
-                kind = type(f.default)
-                values[f.name] = (
-                    raw.strip().lower() in ("1", "true", "yes", "on") if kind is bool else kind(raw)
-                )
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return config_from_env(cls, ENV_PREFIX, env, overrides)

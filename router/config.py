@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
+
+from worker.config import config_from_env
 
 ENV_PREFIX = "LORASERVE_ROUTER_"
 
@@ -19,11 +20,4 @@ class RouterConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> RouterConfig:
-        env = dict(os.environ if env is None else env)
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is not None:
-                values[f.name] = type(f.default)(raw)
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return config_from_env(cls, ENV_PREFIX, env, overrides)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,21 @@ def _coerce(value: str, kind: type) -> object:
     return kind(value)
 
 
+def config_from_env(cls: type[T], prefix: str, env: dict[str, str] | None, overrides: dict[str, object]) -> T:
+    """Build the frozen dataclass ``cls``: field defaults < ``<prefix><FIELD>`` variables < non-None overrides.
+
+    Shared by the worker, registry and router configs.
+    """
+    env = dict(os.environ if env is None else env)
+    values: dict[str, object] = {}
+    for f in fields(cls):
+        raw = env.get(prefix + f.name.upper())
+        if raw is not None:
+            values[f.name] = _coerce(raw, type(f.default))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**values)
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything ``loraserve worker`` needs; every field maps to ``LORASERVE_WORKER_<FIELD>``."""
@@ -72,14 +90,7 @@ class WorkerConfig:
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> WorkerConfig:
-        env = dict(os.environ if env is None else env)
-        values: dict[str, object] = {}
-        for f in fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is not None:
-                values[f.name] = _coerce(raw, type(f.default))
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return config_from_env(cls, ENV_PREFIX, env, overrides)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
