@@ -14,7 +14,12 @@ def test_precedence_and_types() -> None:
     cfg = WorkerConfig.from_env(env, max_loras=3, model=None)
     assert (cfg.port, cfg.max_loras, cfg.model) == (7001, 3, "/m")  # flag beats env, None means "not given"
     assert cfg.engine_config().max_loras == 3
-    assert RegistryConfig.from_env({"LORASERVE_REGISTRY_MIGRATE": "false", "LORASERVE_REGISTRY_LEASE_SECONDS": "4"}).migrate is False
+    assert (
+        RegistryConfig.from_env(
+            {"LORASERVE_REGISTRY_MIGRATE": "false", "LORASERVE_REGISTRY_LEASE_SECONDS": "4"}
+        ).migrate
+        is False
+    )
     assert RegistryConfig.from_env({"LORASERVE_REGISTRY_LEASE_SECONDS": "4"}).lease_seconds == 4
     assert RouterConfig.from_env({"LORASERVE_ROUTER_LOCATE_TTL": "0.25"}).locate_ttl == 0.25
     with pytest.raises(ValueError):
