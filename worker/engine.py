@@ -82,7 +82,7 @@ class Engine:
         self.source: AdapterSource = source or LocalAdapterSource()
         dtype = jnp.dtype(config.dtype)
         self.table = SlotTable(config.max_loras)
-        self.pools = SlotPools(cfg, config.max_loras, config.max_lora_rank, dtype)
+        self.pools = SlotPools(cfg, config.max_loras, config.max_lora_rank, dtype, config.kernel_backend)
         self.host_tier = HostTier(config.max_cpu_loras)
         self.cache = M.init_cache(cfg, config.max_batch_size, config.max_seq_len, dtype)
         self.inv_freq = jnp.asarray(cfg.inv_freq(), jnp.float32)

@@ -1,8 +1,8 @@
 """The Llama-family decoder in JAX: prefill one prompt into the KV cache, decode one token for every row.
 
 Parameters come from ``worker.checkpoint`` (one dict per layer, matrices ``[in, out]``, q/k/v and
-gate/up fused); LoRA slot pools come from ``worker.slots`` (per layer ``A_*: [S, in, n*R]``,
-``B_*: [S, R, out]``, scaling folded into B); the KV cache is one ``(k, v)`` pair of
+gate/up fused); LoRA slot pools come from ``worker.slots`` (per layer ``A_*: [S, in, n*R]``, or ``[in, S, n*R]``
+for the XLA backend (see ``slot_axis``), ``B_*: [S, R, out]``, scaling folded into B); the KV cache is one ``(k, v)`` pair of
 ``[rows, kv_heads, max_seq, head_dim]`` per layer, updated in place (donated). Heads before positions
 keeps both attention einsums plain batched matmuls over (row, head): with positions first, XLA:CPU
 transposed the whole cache every step (8 ms of a 33 ms step on the bench model).
@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import kernels
+from kernels import xla as xla_kernels
 from worker.model_config import ModelConfig
 
 Array = jax.Array
@@ -118,11 +119,15 @@ def prefill(
     """
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
-    seg_slots = slot.reshape(1)
     seg_lens = jnp.reshape(t, (1,)).astype(jnp.int32)
+    seg_slots = jnp.where(slot >= 0, 0, -1).reshape(1)  # index into the one gathered slot below
+    take = jnp.maximum(slot, 0)
+    a_axis = slot_axis(backend)
 
     def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
-        return kernels.add_lora_slices_sgmv(y, x, a, bs, seg_slots, seg_lens, backend="xla")
+        a_one = jax.lax.dynamic_index_in_dim(a, take, axis=a_axis, keepdims=False)[None]  # [1, in, n*R]
+        bs_one = tuple(jax.lax.dynamic_index_in_dim(b, take, axis=0, keepdims=True) for b in bs)
+        return kernels.add_lora_slices_sgmv(y, x, a_one, bs_one, seg_slots, seg_lens, backend="xla")
 
     causal = (positions[None, :] <= positions[:, None]) & (positions[None, :] < length)  # [T, S]
     scale = cfg.head_dim**-0.5
@@ -171,6 +176,10 @@ def decode(
 
     def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
         # A batch with no adapter row skips the pools entirely (the one-hot path reads every slot).
+        if slot_axis(backend) == 1:
+            return jax.lax.cond(
+                any_adapter, lambda: xla_kernels.add_lora_slices_t(y, x, a, bs, slots), lambda: y
+            )
         return jax.lax.cond(
             any_adapter, lambda: kernels.add_lora_slices(y, x, a, bs, slots, backend=backend), lambda: y
         )
@@ -194,7 +203,13 @@ def decode(
     return logits_from_hidden(cfg, params, h), new_cache
 
 
-def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any) -> Lora:
+def slot_axis(backend: str) -> int:
+    """Axis of the slot index in the A pools: 1 (``[in, S, n*R]``, one GEMM per shrink) for the XLA
+    backend, 0 (``[S, in, n*R]``, DESIGN.md §6) for reference and Pallas. B pools are ``[S, R, out]``."""
+    return 1 if backend == "xla" else 0
+
+
+def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, backend: str = "xla") -> Lora:
     """Zeroed slot pools for ``max_loras`` adapters of rank up to ``max_rank`` on all seven modules."""
     shapes = cfg.module_shapes()
     S, R = max_loras, max_rank
@@ -203,7 +218,10 @@ def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any) -> L
         pools: dict[str, Array] = {}
         for group, modules in LORA_GROUPS.items():
             fan_in = shapes[modules[0]][0]
-            pools[f"A_{group}"] = jnp.zeros((S, fan_in, len(modules) * R), dtype)
+            a_shape = (S, fan_in, len(modules) * R)
+            if slot_axis(backend) == 1:
+                a_shape = (fan_in, S, len(modules) * R)
+            pools[f"A_{group}"] = jnp.zeros(a_shape, dtype)
             for m in modules:
                 pools[b_name(m)] = jnp.zeros((S, R, shapes[m][1]), dtype)
         layers.append(pools)

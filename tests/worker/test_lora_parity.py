@@ -11,6 +11,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 
 from tests.conftest import ADAPTERS
@@ -34,11 +35,12 @@ def _reference_logits(llama_dir, adapter_dir, seq):
         return model(torch.tensor([seq])).logits[0].numpy()
 
 
-def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs) -> None:
+@pytest.mark.parametrize("backend", ["xla", "reference"])  # slot-minor and slot-major A pools
+def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs, backend: str) -> None:
     ck = load_checkpoint(str(llama_dir))
     cfg = ck.config
     names = list(ADAPTERS)
-    pools = SlotPools(cfg, max_loras=len(names), max_rank=16, dtype=jnp.float32)
+    pools = SlotPools(cfg, max_loras=len(names), max_rank=16, dtype=jnp.float32, backend=backend)
     for slot, name in enumerate(names):
         weights = parse_adapter(
             *read_adapter_files(str(adapter_dirs[name])),
@@ -55,8 +57,8 @@ def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs) -> None:
     rows = len(row_slots)
     cache = M.init_cache(cfg, rows, 32, jnp.float32)
     inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    prefill = jax.jit(partial(M.prefill, cfg))
-    decode = jax.jit(partial(M.decode, cfg))
+    prefill = jax.jit(partial(M.prefill, cfg, backend=backend))
+    decode = jax.jit(partial(M.decode, cfg, backend=backend))
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT
     for row, slot in enumerate(row_slots):
