@@ -23,6 +23,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help=f"registry address (env LORASERVE_REGISTRY_ADDRESS; default {DEFAULT_REGISTRY})",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--token", default=None, help="admin bearer token (env LORASERVE_TOKEN)")
+    parser.add_argument(
+        "--tls-ca", default=None, help="PEM CA of the registry's certificate (env LORASERVE_TLS_CA)"
+    )
 
 
 def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +64,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 def _client(args: argparse.Namespace):
     from client.registry_client import RegistryClient
 
-    return RegistryClient(args.registry or os.environ.get("LORASERVE_REGISTRY_ADDRESS", DEFAULT_REGISTRY))
+    return RegistryClient(
+        args.registry or os.environ.get("LORASERVE_REGISTRY_ADDRESS", DEFAULT_REGISTRY),
+        token=args.token or os.environ.get("LORASERVE_TOKEN", ""),
+        tls_ca=args.tls_ca or os.environ.get("LORASERVE_TLS_CA", ""),
+    )
 
 
 def _dict(msg) -> dict:

@@ -27,6 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--json", action="store_true", help="print one JSON object per chunk")
+    parser.add_argument("--token", default=None, help="bearer token (env LORASERVE_TOKEN)")
+    parser.add_argument(
+        "--tls-ca", default=None, help="PEM CA of the server's certificate (env LORASERVE_TLS_CA)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,7 +39,11 @@ def run(args: argparse.Namespace) -> int:
 
     target = args.target or os.environ.get("LORASERVE_TARGET", DEFAULT_TARGET)
     try:
-        with Client(target) as client:
+        with Client(
+            target,
+            token=args.token or os.environ.get("LORASERVE_TOKEN", ""),
+            tls_ca=args.tls_ca or os.environ.get("LORASERVE_TLS_CA", ""),
+        ) as client:
             last = None
             for chunk in client.generate(
                 args.prompt,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -10,6 +11,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("address", help="host:port of any loraserve server")
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0)
+    parser.add_argument(
+        "--tls-ca", default="", help="PEM CA of the server's certificate (env LORASERVE_TLS_CA)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -17,7 +21,11 @@ def run(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        with grpc.insecure_channel(args.address) as channel:
+        from worker.security import channel as make_channel
+
+        with make_channel(
+            args.address, tls_ca=args.tls_ca or os.environ.get("LORASERVE_TLS_CA", "")
+        ) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )

@@ -11,14 +11,27 @@ import grpc
 from client.errors import LoraserveError
 from protos.v1 import placement_pb2, placement_pb2_grpc, registry_pb2, registry_pb2_grpc
 from worker.adapters import CONFIG_FILE, WEIGHTS_FILE, read_adapter_files
+from worker.security import channel as make_channel
 
 CHUNK = 1 << 20
 Progress = Callable[[int, int], None]  # (bytes sent, total bytes)
 
 
 class RegistryClient:
-    def __init__(self, target: str, timeout: float = 60.0, channel: grpc.Channel | None = None) -> None:
-        self.channel = channel or grpc.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        timeout: float = 60.0,
+        channel: grpc.Channel | None = None,
+        *,
+        token: str = "",
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+    ) -> None:
+        self.channel = channel or make_channel(
+            target, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key
+        )
         self.timeout = timeout
         self.adapters = registry_pb2_grpc.AdapterRegistryStub(self.channel)
         self.placement = placement_pb2_grpc.PlacementStub(self.channel)

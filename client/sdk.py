@@ -19,6 +19,7 @@ import grpc
 from client.errors import LoraserveError
 from protos.v1 import inference_pb2 as pb
 from protos.v1 import inference_pb2_grpc
+from worker.security import aio_channel, channel
 
 FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "eos"}
 
@@ -80,8 +81,19 @@ def to_chunk(r: pb.GenerateResponse) -> Chunk:
 
 
 class Client:
-    def __init__(self, target: str, timeout: float | None = 300.0) -> None:
-        self.channel = grpc.insecure_channel(target)
+    """``token``: bearer token; ``tls_ca`` (+ ``tls_cert``/``tls_key`` for mTLS): TLS to the server."""
+
+    def __init__(
+        self,
+        target: str,
+        timeout: float | None = 300.0,
+        *,
+        token: str = "",
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+    ) -> None:
+        self.channel = channel(target, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.timeout = timeout
 
@@ -121,8 +133,17 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, target: str, timeout: float | None = 300.0) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        timeout: float | None = 300.0,
+        *,
+        token: str = "",
+        tls_ca: str = "",
+        tls_cert: str = "",
+        tls_key: str = "",
+    ) -> None:
+        self.channel = aio_channel(target, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self.stub = inference_pb2_grpc.InferenceStub(self.channel)
         self.timeout = timeout
 

@@ -22,6 +22,10 @@ HELP = {
     "max_lora_rank": "largest adapter rank accepted (the largest slot rank of the fleet)",
     "migrate": "run database migrations at start",
     "metrics_port": "Prometheus /metrics port (0 = off)",
+    "admin_tokens": "comma-separated bearer tokens accepted for every RPC (empty: no auth)",
+    "tls_cert": "PEM certificate: serve TLS",
+    "tls_key": "PEM key of --tls-cert",
+    "tls_client_ca": "PEM CA: require client certificates (mTLS)",
 }
 
 
@@ -66,11 +70,15 @@ async def serve(config: RegistryConfig) -> None:
     from registry.app import open_registry
     from registry.server import build_server, expire_leases_forever, set_serving
     from worker.observability import start_metrics
+    from worker.security import ServerSecurity
 
     registry = open_registry(config)
     start_metrics(config.metrics_port)
+    security = ServerSecurity.from_strings(
+        "", config.admin_tokens, config.tls_cert, config.tls_key, config.tls_client_ca
+    )
     server, port, health_servicer = build_server(
-        registry.catalog, registry.placement, f"{config.host}:{config.port}"
+        registry.catalog, registry.placement, f"{config.host}:{config.port}", security
     )
     await server.start()
     await set_serving(health_servicer, True)

@@ -20,6 +20,10 @@ class RegistryConfig:
     max_lora_rank: int = 256  # largest rank accepted at upload (the largest slot rank of the fleet)
     migrate: bool = True  # run migrations at start
     metrics_port: int = 0  # Prometheus /metrics port (0 = off)
+    admin_tokens: str = ""  # comma-separated tokens accepted for every RPC (empty: no auth)
+    tls_cert: str = ""  # PEM certificate: serve TLS
+    tls_key: str = ""  # PEM key of tls_cert
+    tls_client_ca: str = ""  # PEM CA: require client certificates (mTLS)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> RegistryConfig:

@@ -24,6 +24,7 @@ from registry.catalog import Catalog, UploadHeader
 from registry.db import AdapterRow, WorkerRow, as_utc
 from registry.placement import Load, Placement, SlotReport
 from worker.observability import observe_rpc
+from worker.security import ServerSecurity
 
 log = logging.getLogger("loraserve.registry.server")
 CHUNK = 1 << 20
@@ -264,12 +265,16 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
         )
 
 
-def build_server(catalog: Catalog, placement: Placement, address: str) -> tuple[grpc.aio.Server, int, Any]:
+def build_server(
+    catalog: Catalog, placement: Placement, address: str, security: ServerSecurity | None = None
+) -> tuple[grpc.aio.Server, int, Any]:
+    security = security or ServerSecurity()
     server = grpc.aio.server(
+        interceptors=security.interceptors(),
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
+        ],
     )
     registry_pb2_grpc.add_AdapterRegistryServicer_to_server(AdapterRegistryServicer(catalog), server)
     placement_pb2_grpc.add_PlacementServicer_to_server(PlacementServicer(placement), server)
@@ -278,7 +283,7 @@ def build_server(catalog: Catalog, placement: Placement, address: str) -> tuple[
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, reflection.SERVICE_NAME, health.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(address)
+    port = security.add_port(server, address)
     return server, port, health_servicer
 
 

@@ -16,6 +16,15 @@ HELP = {
     "locate_ttl": "seconds a LocateAdapter answer is reused",
     "max_candidates": "workers tried, best first, before UNAVAILABLE",
     "metrics_port": "Prometheus /metrics port (0 = off)",
+    "max_concurrency": "streams in flight; more get RESOURCE_EXHAUSTED at once",
+    "auth_tokens": "comma-separated bearer tokens accepted for Generate (empty: no auth)",
+    "admin_tokens": "comma-separated admin bearer tokens",
+    "tls_cert": "PEM certificate: serve TLS",
+    "tls_key": "PEM key of --tls-cert",
+    "tls_client_ca": "PEM CA: require client certificates (mTLS)",
+    "registry_token": "bearer token presented to the registry",
+    "worker_token": "bearer token presented to the workers",
+    "upstream_tls_ca": "PEM CA of the registry's and workers' certificates",
 }
 
 
@@ -37,10 +46,23 @@ async def serve(config: RouterConfig) -> None:
     from router.routing import Locator, WorkerPool
     from router.server import build_server, set_serving
     from worker.observability import start_metrics
+    from worker.security import ServerSecurity
 
     start_metrics(config.metrics_port)
-    locator, pool = Locator(config.registry, config.locate_ttl, config.max_candidates), WorkerPool()
-    server, port, health_servicer = build_server(locator, pool, f"{config.host}:{config.port}")
+    locator = Locator(
+        config.registry,
+        config.locate_ttl,
+        config.max_candidates,
+        config.registry_token,
+        config.upstream_tls_ca,
+    )
+    pool = WorkerPool(config.worker_token, config.upstream_tls_ca)
+    security = ServerSecurity.from_strings(
+        config.auth_tokens, config.admin_tokens, config.tls_cert, config.tls_key, config.tls_client_ca
+    )
+    server, port, health_servicer = build_server(
+        locator, pool, f"{config.host}:{config.port}", security, config.max_concurrency
+    )
     await server.start()
     await set_serving(health_servicer, True)
     print(f"loraserve router serving on {config.host}:{port}", flush=True)

@@ -17,6 +17,15 @@ class RouterConfig:
     locate_ttl: float = 1.0  # seconds a LocateAdapter answer is reused
     max_candidates: int = 3  # workers tried, best first, before giving up with UNAVAILABLE
     metrics_port: int = 0  # Prometheus /metrics port (0 = off)
+    max_concurrency: int = 1024  # streams in flight; more get RESOURCE_EXHAUSTED at once
+    auth_tokens: str = ""  # comma-separated tokens accepted for Generate (empty: no auth)
+    admin_tokens: str = ""  # comma-separated admin tokens (also accepted for Generate)
+    tls_cert: str = ""  # PEM certificate: serve TLS
+    tls_key: str = ""  # PEM key of tls_cert
+    tls_client_ca: str = ""  # PEM CA: require client certificates (mTLS)
+    registry_token: str = ""  # token presented to the registry
+    worker_token: str = ""  # token presented to the workers
+    upstream_tls_ca: str = ""  # PEM CA of the registry's and workers' certificates
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> RouterConfig:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos.v1 import inference_pb2_grpc, placement_pb2, placement_pb2_grpc
+from worker.security import aio_channel
 
 
 class RouteError(Exception):
@@ -27,8 +28,10 @@ class Route:
 class Locator:
     """Caches LocateAdapter for ``ttl`` seconds; serves a stale answer while the registry is down."""
 
-    def __init__(self, registry: str, ttl: float, max_candidates: int) -> None:
-        self.channel = grpc.aio.insecure_channel(registry)
+    def __init__(
+        self, registry: str, ttl: float, max_candidates: int, token: str = "", tls_ca: str = ""
+    ) -> None:
+        self.channel = aio_channel(registry, token=token, tls_ca=tls_ca)
         self.stub = placement_pb2_grpc.PlacementStub(self.channel)
         self.ttl, self.max_candidates = ttl, max_candidates
         self._routes: dict[str, Route] = {}
@@ -70,9 +73,10 @@ class WorkerPool:
     """One grpc.aio channel per worker address, reused across requests, and this router's open streams
     per worker (fresher than the load in the registry, which heartbeats refresh every few seconds)."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: str = "", tls_ca: str = "") -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.inflight: dict[str, int] = {}
+        self.token, self.tls_ca = token, tls_ca
 
     def order(self, route: Route) -> list[str]:
         """Holders first (registry order), then the others with the fewest streams open from here."""
@@ -85,7 +89,7 @@ class WorkerPool:
     def stub(self, address: str) -> inference_pb2_grpc.InferenceStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = aio_channel(address, token=self.token, tls_ca=self.tls_ca)
         return inference_pb2_grpc.InferenceStub(channel)
 
     async def close(self) -> None:

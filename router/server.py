@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from protos.v1 import inference_pb2, inference_pb2_grpc
 from router.routing import Locator, RouteError, WorkerPool
 from worker.observability import StreamTimer
+from worker.security import ServerSecurity
 
 log = logging.getLogger("loraserve.router")
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -24,10 +25,24 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 
 
 class RouterServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, locator: Locator, pool: WorkerPool) -> None:
-        self.locator, self.pool = locator, pool
+    def __init__(self, locator: Locator, pool: WorkerPool, max_concurrency: int = 1024) -> None:
+        self.locator, self.pool, self.max_concurrency = locator, pool, max_concurrency
+        self.active = 0
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.active >= self.max_concurrency:  # admission: refuse at once, never queue without bound
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"router is at its limit of {self.max_concurrency} streams",
+            )
+        self.active += 1
+        try:
+            async for msg in self._generate(request, context):
+                yield msg
+        finally:
+            self.active -= 1
+
+    async def _generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             route = await self.locator.locate(request.adapter)
         except RouteError as exc:
@@ -73,13 +88,20 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         )
 
 
-def build_server(locator: Locator, pool: WorkerPool, address: str) -> tuple[grpc.aio.Server, int, Any]:
-    server = grpc.aio.server()
-    inference_pb2_grpc.add_InferenceServicer_to_server(RouterServicer(locator, pool), server)
+def build_server(
+    locator: Locator,
+    pool: WorkerPool,
+    address: str,
+    security: ServerSecurity | None = None,
+    max_concurrency: int = 1024,
+) -> tuple[grpc.aio.Server, int, Any]:
+    security = security or ServerSecurity()
+    server = grpc.aio.server(interceptors=security.interceptors())
+    inference_pb2_grpc.add_InferenceServicer_to_server(RouterServicer(locator, pool, max_concurrency), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
+    port = security.add_port(server, address)
     return server, port, health_servicer
 
 

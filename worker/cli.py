@@ -23,6 +23,13 @@ HELP = {
     "advertise_address": "host:port the router uses to reach this worker (default: host:port bound)",
     "cache_dir": "local disk cache of adapter blobs fetched from the registry (keyed by sha256)",
     "metrics_port": "Prometheus /metrics port (0 = off)",
+    "auth_tokens": "comma-separated bearer tokens accepted for Generate (empty: no auth)",
+    "admin_tokens": "comma-separated bearer tokens accepted for every RPC",
+    "tls_cert": "PEM certificate: serve TLS",
+    "tls_key": "PEM key of --tls-cert",
+    "tls_client_ca": "PEM CA: require client certificates (mTLS)",
+    "registry_token": "bearer token presented to the registry",
+    "registry_tls_ca": "PEM CA of the registry's certificate",
     "max_batch_size": "decode rows per step",
     "max_seq_len": "context length: prompt plus new tokens",
     "max_loras": "adapter slots on the device",
@@ -50,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
     from worker.checkpoint import load_checkpoint
     from worker.engine import Engine
+    from worker.security import ServerSecurity
     from worker.server import build_server, set_serving
     from worker.sources import LocalAdapterSource
     from worker.tokenizer import load_tokenizer
@@ -60,7 +68,12 @@ async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
     if config.registry:
         from worker.registry_source import RegistryAdapterSource
 
-        source = RegistryAdapterSource(config.registry, cache_dir=config.cache_dir or None)
+        source = RegistryAdapterSource(
+            config.registry,
+            cache_dir=config.cache_dir or None,
+            token=config.registry_token,
+            tls_ca=config.registry_tls_ca,
+        )
     else:
         source = LocalAdapterSource(config.adapter_dir or None)
     engine = Engine(checkpoint, config.engine_config(), source=source)
@@ -71,7 +84,12 @@ async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
         register_engine_metrics(engine)
         start_metrics(config.metrics_port, log)
     model_id = config.model_id or config.model
-    server, port, health_servicer = build_server(engine, tokenizer, model_id, f"{config.host}:{config.port}")
+    security = ServerSecurity.from_strings(
+        config.auth_tokens, config.admin_tokens, config.tls_cert, config.tls_key, config.tls_client_ca
+    )
+    server, port, health_servicer = build_server(
+        engine, tokenizer, model_id, f"{config.host}:{config.port}", security
+    )
     await set_serving(health_servicer, False)
     await server.start()
     log.info("worker bound to %s:%d; warming up", config.host, port)
@@ -83,7 +101,12 @@ async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
 
         registration = asyncio.create_task(
             Registration(
-                engine, config.registry, config.advertise_address or f"{config.host}:{port}", model_id
+                engine,
+                config.registry,
+                config.advertise_address or f"{config.host}:{port}",
+                model_id,
+                token=config.registry_token,
+                tls_ca=config.registry_tls_ca,
             ).run()
         )
     if ready_line:

@@ -79,6 +79,13 @@ class WorkerConfig:
     advertise_address: str = ""  # host:port others use to reach this worker (default: host:bound port)
     cache_dir: str = ""  # local disk cache of adapter blobs, keyed by sha256
     metrics_port: int = 0  # Prometheus /metrics port (0 = off)
+    auth_tokens: str = ""  # comma-separated tokens accepted for Inference.Generate (empty: no auth)
+    admin_tokens: str = ""  # comma-separated tokens accepted for everything (WorkerAdmin too)
+    tls_cert: str = ""  # PEM certificate: serve TLS
+    tls_key: str = ""  # PEM key of tls_cert
+    tls_client_ca: str = ""  # PEM CA: require client certificates (mTLS)
+    registry_token: str = ""  # token this worker presents to the registry
+    registry_tls_ca: str = ""  # PEM CA of the registry's certificate (TLS to the registry)
     max_batch_size: int = 8
     max_seq_len: int = 256
     max_loras: int = 4

@@ -14,6 +14,7 @@ import grpc
 
 from protos.v1 import placement_pb2, placement_pb2_grpc, worker_admin_pb2
 from worker.engine import Engine
+from worker.security import aio_channel
 from worker.slots import SlotState
 
 log = logging.getLogger("loraserve.worker.registration")
@@ -24,8 +25,11 @@ STATES = {
 
 
 class Registration:
-    def __init__(self, engine: Engine, target: str, address: str, model_id: str) -> None:
+    def __init__(
+        self, engine: Engine, target: str, address: str, model_id: str, token: str = "", tls_ca: str = ""
+    ) -> None:
         self.engine, self.target, self.address, self.model_id = engine, target, address, model_id
+        self.token, self.tls_ca = token, tls_ca
         self.worker_id = ""
         self.lease_seconds = 15
         self.registered = asyncio.Event()
@@ -74,7 +78,7 @@ class Registration:
 
     async def run(self) -> None:
         backoff = 0.2
-        async with grpc.aio.insecure_channel(self.target) as channel:
+        async with aio_channel(self.target, token=self.token, tls_ca=self.tls_ca) as channel:
             stub = placement_pb2_grpc.PlacementStub(channel)
             while True:
                 try:

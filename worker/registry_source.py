@@ -17,6 +17,7 @@ import grpc
 
 from protos.v1 import registry_pb2, registry_pb2_grpc
 from worker.adapters import AdapterError
+from worker.security import channel
 from worker.sources import AdapterNotFoundError, AdapterUnavailableError, FetchedAdapter, split_ref
 
 log = logging.getLogger("loraserve.worker.registry_source")
@@ -27,9 +28,15 @@ class RegistryAdapterSource:
     """``AdapterSource`` backed by the registry at ``target`` (with an optional local sha256 cache)."""
 
     def __init__(
-        self, target: str, cache_dir: str | None = None, timeout: float = 30.0, direct_reads: bool = True
+        self,
+        target: str,
+        cache_dir: str | None = None,
+        timeout: float = 30.0,
+        direct_reads: bool = True,
+        token: str = "",
+        tls_ca: str = "",
     ) -> None:
-        self.channel = grpc.insecure_channel(target)
+        self.channel = channel(target, token=token, tls_ca=tls_ca)
         self.stub = registry_pb2_grpc.AdapterRegistryStub(self.channel)
         self.timeout, self.direct_reads = timeout, direct_reads
         self.cache_dir = Path(cache_dir) if cache_dir else None

@@ -22,6 +22,7 @@ from worker.engine import Engine
 from worker.observability import StreamTimer
 from worker.outputs import Chunk, StreamAssembler
 from worker.requests import EngineRequest, RequestError, Sampling
+from worker.security import ServerSecurity
 from worker.slots import Slot
 from worker.sources import LocalAdapterSource
 from worker.tokenizer import encode
@@ -182,14 +183,16 @@ SERVICE_NAMES = (
 
 
 def build_server(
-    engine: Engine, tokenizer: Any, model_id: str, address: str
+    engine: Engine, tokenizer: Any, model_id: str, address: str, security: ServerSecurity | None = None
 ) -> tuple[grpc.aio.Server, int, Any]:
     """A grpc.aio server with every worker service; returns (server, bound port, health servicer)."""
+    security = security or ServerSecurity()
     server = grpc.aio.server(
+        interceptors=security.interceptors(),
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
+        ],
     )
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(engine, tokenizer), server)
     worker_admin_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(engine, model_id), server)
@@ -198,7 +201,7 @@ def build_server(
     reflection.enable_server_reflection(
         (*SERVICE_NAMES, reflection.SERVICE_NAME, health.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(address)
+    port = security.add_port(server, address)
     return server, port, health_servicer
 
 
