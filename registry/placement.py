@@ -134,8 +134,27 @@ class Placement:
             done = [o for o in orders if o.adapter not in reported]
             for o in done:  # the worker no longer holds it: the order is fulfilled
                 s.delete(o)
+            pending = [o for o in orders if o.adapter in reported]
+            # An adapter deleted before any heartbeat reported it has no order row: any reported adapter
+            # without a READY version is unloaded too, so nothing deleted stays resident.
+            ready = {
+                f"{name}@{version}"
+                for name, version in s.execute(
+                    select(AdapterRow.name, AdapterRow.version).where(
+                        AdapterRow.state == "READY",
+                        AdapterRow.name.in_({k.partition("@")[0] for k in reported}),
+                    )
+                )
+            }
+            ordered = {o.adapter for o in pending}
+            for key in sorted(reported - ready - ordered):
+                pending.append(
+                    UnloadOrderRow(
+                        worker_id=worker_id, adapter=key, reason=f"adapter {key} is not in the registry"
+                    )
+                )
             s.commit()
-            return worker, [o for o in orders if o.adapter in reported]
+            return worker, pending
 
     def expire(self) -> list[str]:
         """Drop the placements of every worker whose lease ran out; returns their ids."""

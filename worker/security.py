@@ -160,12 +160,7 @@ class _Details(grpc.ClientCallDetails):
         self.metadata = metadata
 
 
-class _AioTokenInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
+class _AioToken:
     def __init__(self, token: str) -> None:
         self.header = ("authorization", f"Bearer {token}")
 
@@ -173,15 +168,24 @@ class _AioTokenInterceptor(
         metadata = grpc.aio.Metadata(*(tuple(d.metadata) if d.metadata else ()), self.header)
         return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
 
+
+# grpc.aio files each interceptor under the FIRST call kind it implements, so one class per kind.
+class _AioUnaryUnary(_AioToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _AioUnaryStream(_AioToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _AioStreamUnary(_AioToken, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
+
+class _AioStreamStream(_AioToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
@@ -221,7 +225,8 @@ def aio_channel(
     tls_key: str = "",
     options: Sequence[tuple[str, Any]] = (),
 ) -> grpc.aio.Channel:
-    interceptors = [_AioTokenInterceptor(token)] if token else None
+    kinds = (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)
+    interceptors = [kind(token) for kind in kinds] if token else None
     if tls_ca:
         return grpc.aio.secure_channel(
             target, _credentials(tls_ca, tls_cert, tls_key), options, interceptors=interceptors

@@ -84,6 +84,21 @@ def _break(kind, folder):
     elif kind == "truncated":
         data = (folder / "adapter_model.safetensors").read_bytes()
         (folder / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    elif kind in ("offsets-lie", "duplicate-names"):
+        import struct
+
+        data = (folder / "adapter_model.safetensors").read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + n])
+        name = next(k for k in header if k != "__metadata__")
+        if kind == "offsets-lie":
+            header[name]["data_offsets"][1] += 10_000_000  # claims bytes the file does not have
+            raw = json.dumps(header).encode()
+        else:  # the same tensor name twice in the JSON header (json.dumps cannot write that)
+            entry = json.dumps(header[name])
+            raw = json.dumps(header).encode()[:-1] + f', "{name}": {entry}}}'.encode()
+        raw += b" " * (-len(raw) % 8)
+        (folder / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
     elif kind == "unknown-tensor":
         _edit_tensors(
             folder, lambda t: t.update({"base_model.model.lm_head.weight": np.zeros((2, 2), np.float32)})
@@ -106,6 +121,8 @@ CASES = [
     ("not-safetensors", "INVALID_ARGUMENT", "safetensors"),
     ("truncated", "INVALID_ARGUMENT", "safetensors"),
     ("unknown-tensor", "INVALID_ARGUMENT", "lm_head"),
+    ("offsets-lie", "INVALID_ARGUMENT", "safetensors"),
+    ("duplicate-names", "INVALID_ARGUMENT", "twice"),
 ]
 
 
