@@ -21,10 +21,30 @@ def test_kill_9_a_worker_mid_stream(llama_dir, adapter_dirs, tmp_path) -> None:
     config = RegistryConfig(db=f"sqlite:///{tmp_path / 'r.db'}", storage=str(tmp_path / "s"), lease_seconds=2)
     with start_registry(config, str(tmp_path / "s")) as reg:
         reg.client.push(adapter_dirs["all-r4"], "steady", "tiny")
-        args = ["worker", "--model", str(llama_dir), "--model-id", "tiny", "--port", "0", "--registry", reg.address,
-                "--max-seq-len", "2048", "--max-loras", "2", "--max-batch-size", "2"]
-        with loraserve_process(args) as a, loraserve_process(args) as b, \
-                loraserve_process(["router", "serve", "--port", "0", "--registry", reg.address, "--locate-ttl", "0.2"]) as router:
+        args = [
+            "worker",
+            "--model",
+            str(llama_dir),
+            "--model-id",
+            "tiny",
+            "--port",
+            "0",
+            "--registry",
+            reg.address,
+            "--max-seq-len",
+            "2048",
+            "--max-loras",
+            "2",
+            "--max-batch-size",
+            "2",
+        ]
+        with (
+            loraserve_process(args) as a,
+            loraserve_process(args) as b,
+            loraserve_process(
+                ["router", "serve", "--port", "0", "--registry", reg.address, "--locate-ttl", "0.2"]
+            ) as router,
+        ):
             for w in (a, b):
                 wait_healthy(w.address, timeout=180)
             deadline = time.time() + 20
@@ -55,5 +75,11 @@ def test_kill_9_a_worker_mid_stream(llama_dir, adapter_dirs, tmp_path) -> None:
             from registry.db import PlacementRow, WorkerRow
 
             with reg.registry.catalog.sessions() as s:
-                placed = s.execute(select(WorkerRow.address).join(PlacementRow, PlacementRow.worker_id == WorkerRow.id)).scalars().all()
+                placed = (
+                    s.execute(
+                        select(WorkerRow.address).join(PlacementRow, PlacementRow.worker_id == WorkerRow.id)
+                    )
+                    .scalars()
+                    .all()
+                )
             assert set(placed) == {b.address}  # the dead worker holds nothing any more

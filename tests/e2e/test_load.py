@@ -45,12 +45,41 @@ def test_64_streams_through_the_router(llama_dir, adapter_dirs, tmp_path) -> Non
         for name in names:
             reg.client.push(adapter_dirs[name], name, "tiny")
         ports = {n: free_port() for n in ("w1", "w2", "router")}
-        worker = ["worker", "--model", str(llama_dir), "--model-id", "tiny", "--port", "0", "--registry", reg.address,
-                  "--max-seq-len", "64", "--max-loras", "2", "--max-batch-size", "16", "--max-waiting", "512"]
-        with loraserve_process([*worker, "--metrics-port", str(ports["w1"])]) as w1, \
-                loraserve_process([*worker, "--metrics-port", str(ports["w2"])]) as w2, \
-                loraserve_process(["router", "serve", "--port", "0", "--registry", reg.address,
-                                   "--metrics-port", str(ports["router"])]) as router:
+        worker = [
+            "worker",
+            "--model",
+            str(llama_dir),
+            "--model-id",
+            "tiny",
+            "--port",
+            "0",
+            "--registry",
+            reg.address,
+            "--max-seq-len",
+            "64",
+            "--max-loras",
+            "2",
+            "--max-batch-size",
+            "16",
+            "--max-waiting",
+            "512",
+        ]
+        with (
+            loraserve_process([*worker, "--metrics-port", str(ports["w1"])]) as w1,
+            loraserve_process([*worker, "--metrics-port", str(ports["w2"])]) as w2,
+            loraserve_process(
+                [
+                    "router",
+                    "serve",
+                    "--port",
+                    "0",
+                    "--registry",
+                    reg.address,
+                    "--metrics-port",
+                    str(ports["router"]),
+                ]
+            ) as router,
+        ):
             for w in (w1, w2):
                 wait_healthy(w.address, timeout=180)
             deadline = time.time() + 20
@@ -69,8 +98,12 @@ def test_64_streams_through_the_router(llama_dir, adapter_dirs, tmp_path) -> Non
                         adapter = rnd.choice(["", *names])
                         n = rnd.randint(1, 8)
                         try:
-                            out = client.complete([rnd.randint(3, 300) for _ in range(rnd.randint(1, 20))], adapter=adapter,
-                                                  max_tokens=n, ignore_eos=True)
+                            out = client.complete(
+                                [rnd.randint(3, 300) for _ in range(rnd.randint(1, 20))],
+                                adapter=adapter,
+                                max_tokens=n,
+                                ignore_eos=True,
+                            )
                             ok = out.completion_tokens == n and len(out.token_ids) == n
                             with lock:
                                 outcomes["OK" if ok else "WRONG_LENGTH"] += 1
@@ -91,13 +124,23 @@ def test_64_streams_through_the_router(llama_dir, adapter_dirs, tmp_path) -> Non
                 t.join()
             assert outcomes["OK"] > 0 and set(outcomes) - {"OK"} <= DOCUMENTED, outcomes
             router_tokens = _metric(ports["router"], "loraserve_generation_tokens_total", '{server="router"}')
-            worker_tokens = sum(_metric(ports[w], "loraserve_generation_tokens_total", '{server="worker"}') for w in ("w1", "w2"))
-            worker_prompt = sum(_metric(ports[w], "loraserve_prompt_tokens_total", '{server="worker"}') for w in ("w1", "w2"))
+            worker_tokens = sum(
+                _metric(ports[w], "loraserve_generation_tokens_total", '{server="worker"}')
+                for w in ("w1", "w2")
+            )
+            worker_prompt = sum(
+                _metric(ports[w], "loraserve_prompt_tokens_total", '{server="worker"}') for w in ("w1", "w2")
+            )
             assert router_tokens == worker_tokens == tokens["completion"]
             assert worker_prompt == tokens["prompt"]
-            assert _metric(ports["router"], "loraserve_time_to_first_token_seconds_count", '{server="router"}') == outcomes["OK"]
+            assert (
+                _metric(ports["router"], "loraserve_time_to_first_token_seconds_count", '{server="router"}')
+                == outcomes["OK"]
+            )
             for w in ("w1", "w2"):
                 assert _metric(ports[w], "loraserve_requests_running") == 0
                 samples = rss[w]
                 warm = samples[len(samples) // 4]  # after warm-up traffic
-                assert samples[-1] <= warm * 1.15 + 64, f"{w} memory grew from {warm:.0f} to {samples[-1]:.0f} MB"
+                assert samples[-1] <= warm * 1.15 + 64, (
+                    f"{w} memory grew from {warm:.0f} to {samples[-1]:.0f} MB"
+                )

@@ -27,12 +27,21 @@ from worker.server import build_server as build_worker
 from worker.sources import LocalAdapterSource
 from worker.tokenizer import load_tokenizer
 
-DOCUMENTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-              grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
-              grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE}
+DOCUMENTED = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DATA_LOSS,
+    grpc.StatusCode.UNAVAILABLE,
+}
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 text = st.text(max_size=40)
-names = st.one_of(text, st.from_regex(r"[a-z0-9][a-z0-9._-]{0,12}(@[0-9]{1,3})?", fullmatch=True), st.just("all-r4"))
+names = st.one_of(
+    text, st.from_regex(r"[a-z0-9][a-z0-9._-]{0,12}(@[0-9]{1,3})?", fullmatch=True), st.just("all-r4")
+)
 floats = st.floats(allow_nan=True, allow_infinity=True, width=32)
 u32 = st.integers(0, 2**32 - 1)
 
@@ -52,10 +61,16 @@ def servers(llama_dir, adapter_dirs, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
     source = LocalAdapterSource()
     source.register("all-r4", str(adapter_dirs["all-r4"]))
-    engine = Engine(load_checkpoint(str(llama_dir)), EngineConfig(max_batch_size=4, max_seq_len=32, max_loras=1), source=source)
+    engine = Engine(
+        load_checkpoint(str(llama_dir)),
+        EngineConfig(max_batch_size=4, max_seq_len=32, max_loras=1),
+        source=source,
+    )
     engine.start()
     tokenizer = load_tokenizer(str(llama_dir))
-    registry = open_registry(RegistryConfig(db=f"sqlite:///{tmp / 'r.db'}", storage=str(tmp / "s"), max_upload_bytes=1 << 16))
+    registry = open_registry(
+        RegistryConfig(db=f"sqlite:///{tmp / 'r.db'}", storage=str(tmp / "s"), max_upload_bytes=1 << 16)
+    )
 
     async def worker():
         server, port, _ = build_worker(engine, tokenizer, "tiny", "127.0.0.1:0")
@@ -66,22 +81,39 @@ def servers(llama_dir, adapter_dirs, tmp_path_factory):
         return server, port
 
     with aio_server_thread(worker) as wport, aio_server_thread(reg) as rport:
-        with grpc.insecure_channel(f"127.0.0.1:{wport}") as wch, grpc.insecure_channel(f"127.0.0.1:{rport}") as rch:
+        with (
+            grpc.insecure_channel(f"127.0.0.1:{wport}") as wch,
+            grpc.insecure_channel(f"127.0.0.1:{rport}") as rch,
+        ):
             yield {"engine": engine, "registry": registry, "worker": wch, "reg": rch}
     engine.stop()
     registry.close()
 
 
 sampling = st.builds(
-    ipb.SamplingParams, max_tokens=st.integers(0, 40), temperature=floats, top_p=floats, top_k=u32,
-    seed=st.integers(0, 2**64 - 1), stop=st.lists(text, max_size=3),
-    stop_token_ids=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=3), ignore_eos=st.booleans(),
+    ipb.SamplingParams,
+    max_tokens=st.integers(0, 40),
+    temperature=floats,
+    top_p=floats,
+    top_k=u32,
+    seed=st.integers(0, 2**64 - 1),
+    stop=st.lists(text, max_size=3),
+    stop_token_ids=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=3),
+    ignore_eos=st.booleans(),
 )
 generate_requests = st.builds(
-    lambda rid, adapter, prompt, s: ipb.GenerateRequest(request_id=rid, adapter=adapter, sampling=s, **prompt),
-    text, st.one_of(st.just(""), names),
-    st.one_of(st.builds(lambda t: {"text": t}, text),
-              st.builds(lambda ids: {"tokens": ipb.TokenIds(ids=ids)}, st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40))),
+    lambda rid, adapter, prompt, s: ipb.GenerateRequest(
+        request_id=rid, adapter=adapter, sampling=s, **prompt
+    ),
+    text,
+    st.one_of(st.just(""), names),
+    st.one_of(
+        st.builds(lambda t: {"text": t}, text),
+        st.builds(
+            lambda ids: {"tokens": ipb.TokenIds(ids=ids)},
+            st.lists(st.integers(-(2**31), 2**31 - 1), max_size=40),
+        ),
+    ),
     sampling,
 )
 
@@ -97,8 +129,16 @@ def test_fuzzed_generate(servers, req) -> None:
 @given(name=names, uri=text, pin=st.booleans(), force=st.booleans())
 def test_fuzzed_worker_admin(servers, name, uri, pin, force) -> None:
     stub = worker_admin_pb2_grpc.WorkerAdminStub(servers["worker"])
-    assert _code(lambda: stub.LoadAdapter(wa.LoadAdapterRequest(adapter=name, source_uri=uri, pin=pin), timeout=20)) in DOCUMENTED
-    assert _code(lambda: stub.UnloadAdapter(wa.UnloadAdapterRequest(adapter=name, force=force), timeout=20)) in DOCUMENTED
+    assert (
+        _code(
+            lambda: stub.LoadAdapter(wa.LoadAdapterRequest(adapter=name, source_uri=uri, pin=pin), timeout=20)
+        )
+        in DOCUMENTED
+    )
+    assert (
+        _code(lambda: stub.UnloadAdapter(wa.UnloadAdapterRequest(adapter=name, force=force), timeout=20))
+        in DOCUMENTED
+    )
 
 
 @FUZZ
@@ -108,10 +148,15 @@ def test_fuzzed_registry_requests(servers, name, model, size, token, page, n) ->
     place = placement_pb2_grpc.PlacementStub(servers["reg"])
     calls = [
         lambda: reg.GetAdapter(rp.GetAdapterRequest(adapter=name), timeout=10),
-        lambda: reg.ListAdapters(rp.ListAdaptersRequest(page_size=page, page_token=token, base_model=model, name_prefix=name), timeout=10),
+        lambda: reg.ListAdapters(
+            rp.ListAdaptersRequest(page_size=page, page_token=token, base_model=model, name_prefix=name),
+            timeout=10,
+        ),
         lambda: reg.DeleteAdapter(rp.DeleteAdapterRequest(adapter=name + "-never"), timeout=10),
         lambda: reg.DownloadAdapter(rp.DownloadAdapterRequest(adapter=name), timeout=10),
-        lambda: reg.ImportAdapter(rp.ImportAdapterRequest(uri=token, name=name, base_model=model), timeout=10),
+        lambda: reg.ImportAdapter(
+            rp.ImportAdapterRequest(uri=token, name=name, base_model=model), timeout=10
+        ),
         lambda: place.LocateAdapter(pp.LocateAdapterRequest(adapter=name, max_candidates=n), timeout=10),
         lambda: place.Heartbeat(pp.HeartbeatRequest(worker_id=token), timeout=10),
         lambda: place.ListWorkers(pp.ListWorkersRequest(model_id=model), timeout=10),
@@ -122,10 +167,23 @@ def test_fuzzed_registry_requests(servers, name, model, size, token, page, n) ->
 
 config_docs = st.one_of(
     st.binary(max_size=200),
-    st.dictionaries(st.sampled_from(["peft_type", "r", "lora_alpha", "target_modules", "bias", "use_dora",
-                                     "modules_to_save", "rank_pattern", "use_rslora"]),
-                    st.one_of(st.integers(-5, 300), text, st.booleans(), st.lists(text, max_size=3), st.none()),
-                    max_size=6).map(lambda d: json.dumps(d).encode()),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "peft_type",
+                "r",
+                "lora_alpha",
+                "target_modules",
+                "bias",
+                "use_dora",
+                "modules_to_save",
+                "rank_pattern",
+                "use_rslora",
+            ]
+        ),
+        st.one_of(st.integers(-5, 300), text, st.booleans(), st.lists(text, max_size=3), st.none()),
+        max_size=6,
+    ).map(lambda d: json.dumps(d).encode()),
 )
 
 
@@ -137,17 +195,34 @@ def test_fuzzed_upload_never_reaches_storage(servers, adapter_dirs, config, weig
         weights = real[: min(len(real), 8 + len(weights))] + weights
     store = servers["registry"].catalog.store
     before = store.list_blobs()
-    header = rp.UploadHeader(name="fuzzed", base_model="tiny", adapter_config_json=config, weights_size=len(weights),
-                             weights_sha256=hashlib.sha256(weights).hexdigest())
+    header = rp.UploadHeader(
+        name="fuzzed",
+        base_model="tiny",
+        adapter_config_json=config,
+        weights_size=len(weights),
+        weights_sha256=hashlib.sha256(weights).hexdigest(),
+    )
     stub = registry_pb2_grpc.AdapterRegistryStub(servers["reg"])
-    code = _code(lambda: stub.UploadAdapter(iter([rp.UploadAdapterRequest(header=header),
-                                                  rp.UploadAdapterRequest(chunk=weights)]), timeout=20))
-    assert code in {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION}
+    code = _code(
+        lambda: stub.UploadAdapter(
+            iter([rp.UploadAdapterRequest(header=header), rp.UploadAdapterRequest(chunk=weights)]), timeout=20
+        )
+    )
+    assert code in {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+    }
     assert store.list_blobs() == before
 
 
 def test_servers_still_serve_after_fuzzing(servers) -> None:
     stub = inference_pb2_grpc.InferenceStub(servers["worker"])
-    out = list(stub.Generate(ipb.GenerateRequest(tokens=ipb.TokenIds(ids=[5, 6]), sampling=ipb.SamplingParams(max_tokens=3)), timeout=20))
+    out = list(
+        stub.Generate(
+            ipb.GenerateRequest(tokens=ipb.TokenIds(ids=[5, 6]), sampling=ipb.SamplingParams(max_tokens=3)),
+            timeout=20,
+        )
+    )
     assert out[-1].usage.completion_tokens == 3
     assert servers["engine"].load()["running"] == 0
