@@ -10,7 +10,7 @@ import pytest
 
 from client.errors import LoraserveError
 from registry.config import RegistryConfig
-from tests.registry.conftest import TINY_MODEL, db_url, reg, start_registry  # noqa: F401 (fixtures)
+from tests.registry.conftest import TINY_MODEL, start_registry
 
 
 class FlakyFS:

@@ -80,12 +80,13 @@ def servers(llama_dir, adapter_dirs, tmp_path_factory):
         server, port, _ = build_registry(registry.catalog, registry.placement, "127.0.0.1:0")
         return server, port
 
-    with aio_server_thread(worker) as wport, aio_server_thread(reg) as rport:
-        with (
-            grpc.insecure_channel(f"127.0.0.1:{wport}") as wch,
-            grpc.insecure_channel(f"127.0.0.1:{rport}") as rch,
-        ):
-            yield {"engine": engine, "registry": registry, "worker": wch, "reg": rch}
+    with (
+        aio_server_thread(worker) as wport,
+        aio_server_thread(reg) as rport,
+        grpc.insecure_channel(f"127.0.0.1:{wport}") as wch,
+        grpc.insecure_channel(f"127.0.0.1:{rport}") as rch,
+    ):
+        yield {"engine": engine, "registry": registry, "worker": wch, "reg": rch}
     engine.stop()
     registry.close()
 
