@@ -13,6 +13,8 @@ import sys
 
 from google.protobuf.json_format import MessageToDict
 
+from client.connection_flags import add_connection_flags, connection_kwargs
+
 DEFAULT_REGISTRY = "127.0.0.1:50051"
 
 
@@ -23,10 +25,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
         help=f"registry address (env LORASERVE_REGISTRY_ADDRESS; default {DEFAULT_REGISTRY})",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--token", default=None, help="admin bearer token (env LORASERVE_TOKEN)")
-    parser.add_argument(
-        "--tls-ca", default=None, help="PEM CA of the registry's certificate (env LORASERVE_TLS_CA)"
-    )
+    add_connection_flags(parser)
 
 
 def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,8 +65,7 @@ def _client(args: argparse.Namespace):
 
     return RegistryClient(
         args.registry or os.environ.get("LORASERVE_REGISTRY_ADDRESS", DEFAULT_REGISTRY),
-        token=args.token or os.environ.get("LORASERVE_TOKEN", ""),
-        tls_ca=args.tls_ca or os.environ.get("LORASERVE_TLS_CA", ""),
+        **connection_kwargs(args),
     )
 
 

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from client.connection_flags import add_connection_flags, connection_kwargs
+
 DEFAULT_TARGET = "127.0.0.1:50071"
 
 
@@ -27,10 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--json", action="store_true", help="print one JSON object per chunk")
-    parser.add_argument("--token", default=None, help="bearer token (env LORASERVE_TOKEN)")
-    parser.add_argument(
-        "--tls-ca", default=None, help="PEM CA of the server's certificate (env LORASERVE_TLS_CA)"
-    )
+    add_connection_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,11 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
     target = args.target or os.environ.get("LORASERVE_TARGET", DEFAULT_TARGET)
     try:
-        with Client(
-            target,
-            token=args.token or os.environ.get("LORASERVE_TOKEN", ""),
-            tls_ca=args.tls_ca or os.environ.get("LORASERVE_TLS_CA", ""),
-        ) as client:
+        with Client(target, **connection_kwargs(args)) as client:
             last = None
             for chunk in client.generate(
                 args.prompt,

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+
+from client.connection_flags import add_connection_flags, connection_kwargs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("address", help="host:port of any loraserve server")
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0)
-    parser.add_argument(
-        "--tls-ca", default="", help="PEM CA of the server's certificate (env LORASERVE_TLS_CA)"
-    )
+    add_connection_flags(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -23,9 +22,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from worker.security import channel as make_channel
 
-        with make_channel(
-            args.address, tls_ca=args.tls_ca or os.environ.get("LORASERVE_TLS_CA", "")
-        ) as channel:
+        with make_channel(args.address, **connection_kwargs(args)) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
             )

@@ -139,6 +139,7 @@ GENERATE_CASES = [
     ("unicode name", dict(adapter="adaptér"), "INVALID_ARGUMENT"),
     ("path traversal name", dict(adapter="../etc/passwd"), "INVALID_ARGUMENT"),
     ("adapter too large for this worker", dict(adapter="mlp-r16"), "FAILED_PRECONDITION"),
+    ("message over the size limit", dict(prompt="x" * (5 << 20)), "RESOURCE_EXHAUSTED"),
 ]
 
 
