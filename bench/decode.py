@@ -129,6 +129,7 @@ def run_engine(base: Path, adapters: list[Path], w: dict, rounds: int) -> dict[s
         max_lora_rank=w["rank"],
         prefill_per_step=w["batch"],
         min_prefill_bucket=w["prompt"],
+        max_cpu_loras=0,  # every load reads the local store: the cold TTFT below is really cold
     )
     engine = Engine(load_checkpoint(str(base)), cfg, source=src)
     engine.start()
@@ -162,8 +163,40 @@ def run_engine(base: Path, adapters: list[Path], w: dict, rounds: int) -> dict[s
         one_round(mix, 2)  # loads the adapters before timing
         out[name] = decode_rates(lambda n, mix=mix: one_round(mix, n), w, rounds)
         _report(f"loraserve {name}", out[name])
+    out["ttft"] = cold_vs_warm_ttft(engine, prompts[0], len(adapters))
+    print(f"TTFT warm {out['ttft']['warm_ms']:.1f} ms, cold {out['ttft']['cold_ms']:.1f} ms", flush=True)
     engine.stop()
     return out
+
+
+def cold_vs_warm_ttft(engine, prompt: list[int], n_adapters: int) -> dict[str, float]:
+    """Time to first token of one request whose adapter is resident vs one that must be loaded from the
+    local store first (unloaded beforehand; no host tier)."""
+    from worker.requests import EngineRequest, Finished, Sampling, Token
+
+    def ttft(adapter: str) -> float:
+        first = Event()
+        start = time.perf_counter()
+        engine.submit(
+            EngineRequest(
+                uuid.uuid4().hex,
+                adapter,
+                prompt,
+                Sampling(max_tokens=1),
+                lambda e: first.set() if isinstance(e, Token | Finished) else None,
+            )
+        )
+        first.wait(600)
+        return time.perf_counter() - start
+
+    warm_name = f"a{n_adapters - 1}"
+    warm = statistics.median(ttft(warm_name) for _ in range(5))
+    colds = []
+    for i in range(min(3, n_adapters - 1)):
+        engine.unload_adapter(f"a{i}").result(60)
+        colds.append(ttft(f"a{i}"))
+    cold = statistics.median(colds)
+    return {"warm_ms": 1000 * warm, "cold_ms": 1000 * cold, "ratio": cold / warm}
 
 
 def run_hf(base: Path, adapters: list[Path], w: dict, rounds: int) -> dict[str, dict[str, float]]:
@@ -249,6 +282,7 @@ def main() -> None:
         ours = run_engine(base, adapters, w, args.rounds)
         peers = {} if args.skip_hf else run_hf(base, adapters, w, args.rounds)
     roof = roofline_ms(w, peaks)
+    ttft = ours.pop("ttft")
     allruns = {**ours, **peers}
     dec = {k: v["decode_tok_s"] for k, v in allruns.items()}
     result = {
@@ -260,11 +294,13 @@ def main() -> None:
         "decode_tok_s": {k: round(v, 1) for k, v in dec.items()},
         "e2e_tok_s": {k: round(v["e2e_tok_s"], 1) for k, v in allruns.items()},
         "step_ms": {k: round(v["step_ms"], 2) for k, v in allruns.items()},
+        "ttft_ms": {"warm": round(ttft["warm_ms"], 1), "cold": round(ttft["cold_ms"], 1)},
         "roofline_step_ms": round(roof, 2),
         "roofline_fraction": round(roof / ours["distinct_adapters"]["step_ms"], 3),
         "ratios": {
             "distinct_adapters_vs_base": round(dec["distinct_adapters"] / dec["base"], 3),
             "one_adapter_vs_base": round(dec["one_adapter"] / dec["base"], 3),
+            "cold_vs_warm_ttft": round(ttft["ratio"], 2),
         },
         **{k: round(v, 1) for k, v in peaks.items()},
     }
