@@ -161,6 +161,23 @@ def test_fuzzed_registry_requests(servers, name, model, size, token, page, n) ->
         lambda: place.LocateAdapter(pp.LocateAdapterRequest(adapter=name, max_candidates=n), timeout=10),
         lambda: place.Heartbeat(pp.HeartbeatRequest(worker_id=token), timeout=10),
         lambda: place.ListWorkers(pp.ListWorkersRequest(model_id=model), timeout=10),
+        lambda: place.RegisterWorker(
+            pp.RegisterWorkerRequest(
+                address=token,
+                model_id=model,
+                slots=n % 64,
+                max_lora_rank=page % 512,
+                module_shapes=[
+                    pp.ModuleShape(module=name, in_features=page, out_features=n, num_layers=size)
+                ],
+            ),
+            timeout=10,
+        ),
+        lambda: reg.GetAdapter(rp.GetAdapterRequest(adapter=""), timeout=10),
+        lambda: placement_pb2_grpc.PlacementStub(servers["reg"]).Heartbeat(
+            pp.HeartbeatRequest(worker_id=token, slots=[wa.SlotInfo(slot=n, adapter=name, state=size % 5)]),
+            timeout=10,
+        ),
     ]
     for call in calls:
         assert _code(call) in DOCUMENTED
