@@ -16,13 +16,12 @@ from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from protos.v1 import placement_pb2, placement_pb2_grpc, registry_pb2, registry_pb2_grpc, worker_admin_pb2
 from registry.catalog import Catalog, UploadHeader
 from registry.db import AdapterRow, WorkerRow, as_utc
 from registry.placement import Load, Placement, SlotReport
+from worker.grpc_server import finish_server, new_server, set_health
 from worker.observability import observe_rpc
 from worker.security import ServerSecurity
 
@@ -269,28 +268,15 @@ def build_server(
     catalog: Catalog, placement: Placement, address: str, security: ServerSecurity | None = None
 ) -> tuple[grpc.aio.Server, int, Any]:
     security = security or ServerSecurity()
-    server = grpc.aio.server(
-        interceptors=security.interceptors(),
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ],
-    )
+    server = new_server(security, MAX_MESSAGE_BYTES)
     registry_pb2_grpc.add_AdapterRegistryServicer_to_server(AdapterRegistryServicer(catalog), server)
     placement_pb2_grpc.add_PlacementServicer_to_server(PlacementServicer(placement), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (*SERVICE_NAMES, reflection.SERVICE_NAME, health.SERVICE_NAME), server
-    )
-    port = security.add_port(server, address)
+    port, health_servicer = finish_server(server, security, address, SERVICE_NAMES)
     return server, port, health_servicer
 
 
 async def set_serving(health_servicer: Any, serving: bool) -> None:
-    state = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", *SERVICE_NAMES):
-        await health_servicer.set(name, state)
+    await set_health(health_servicer, SERVICE_NAMES, serving)
 
 
 async def expire_leases_forever(placement: Placement, every: float) -> None:

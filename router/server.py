@@ -11,11 +11,10 @@ import logging
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from protos.v1 import inference_pb2, inference_pb2_grpc
 from router.routing import Locator, RouteError, WorkerPool
+from worker.grpc_server import finish_server, new_server, set_health
 from worker.observability import StreamTimer
 from worker.security import ServerSecurity
 
@@ -96,16 +95,11 @@ def build_server(
     max_concurrency: int = 1024,
 ) -> tuple[grpc.aio.Server, int, Any]:
     security = security or ServerSecurity()
-    server = grpc.aio.server(interceptors=security.interceptors())
+    server = new_server(security)
     inference_pb2_grpc.add_InferenceServicer_to_server(RouterServicer(locator, pool, max_concurrency), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, health.SERVICE_NAME), server)
-    port = security.add_port(server, address)
+    port, health_servicer = finish_server(server, security, address, (SERVICE_NAME,))
     return server, port, health_servicer
 
 
 async def set_serving(health_servicer: Any, serving: bool) -> None:
-    state = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, state)
+    await set_health(health_servicer, (SERVICE_NAME,), serving)

@@ -13,12 +13,11 @@ from typing import Any
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
 from worker.adapters import AdapterError
 from worker.engine import Engine
+from worker.grpc_server import finish_server, new_server, set_health
 from worker.observability import StreamTimer
 from worker.outputs import Chunk, StreamAssembler
 from worker.requests import EngineRequest, RequestError, Sampling
@@ -187,25 +186,12 @@ def build_server(
 ) -> tuple[grpc.aio.Server, int, Any]:
     """A grpc.aio server with every worker service; returns (server, bound port, health servicer)."""
     security = security or ServerSecurity()
-    server = grpc.aio.server(
-        interceptors=security.interceptors(),
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ],
-    )
+    server = new_server(security, MAX_MESSAGE_BYTES)
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(engine, tokenizer), server)
     worker_admin_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(engine, model_id), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (*SERVICE_NAMES, reflection.SERVICE_NAME, health.SERVICE_NAME), server
-    )
-    port = security.add_port(server, address)
+    port, health_servicer = finish_server(server, security, address, SERVICE_NAMES)
     return server, port, health_servicer
 
 
 async def set_serving(health_servicer: Any, serving: bool) -> None:
-    state = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", *SERVICE_NAMES):
-        await health_servicer.set(name, state)
+    await set_health(health_servicer, SERVICE_NAMES, serving)
