@@ -104,7 +104,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.ready = threading.Event()
-        self.counters = {"adapter_loads": 0, "adapter_load_seconds": 0.0, "tokens_out": 0, "requests_done": 0}
+        self.counters = {"adapter_loads": 0, "tokens_out": 0, "requests_done": 0}
         self.load_observer: Callable[[float], None] | None = None  # metrics hook: seconds per adapter load
         self._n_waiting = 0  # submitted, not yet running (guarded by _count_lock)
         self._count_lock = threading.Lock()
@@ -349,7 +349,6 @@ class Engine:
                 fut.set_exception(err)
             return
         self._resolved[prepared.ref] = prepared.key
-        self.counters["adapter_load_seconds"] += seconds
         if self.load_observer is not None:
             self.load_observer(seconds)
         pin = any(p for _, p in self._loads.get(prepared.ref, []))

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
 
 from prometheus_client import Counter, Histogram, start_http_server
 
@@ -106,6 +105,3 @@ def setup_logging(level: str = "INFO", fmt: str | None = None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-
-
-Callback = Callable[[], None]

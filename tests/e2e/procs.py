@@ -79,3 +79,13 @@ def loraserve_process(
         yield proc
     finally:
         proc.stop()
+
+
+def wait_for_workers(client, count: int, timeout: float = 20.0) -> list:
+    """Poll ``client.workers()`` (a RegistryClient) until exactly ``count`` live workers are registered."""
+    deadline = time.time() + timeout
+    workers = client.workers()
+    while len(workers) != count and time.time() < deadline:
+        time.sleep(0.1)
+        workers = client.workers()
+    return workers

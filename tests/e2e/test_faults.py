@@ -3,15 +3,13 @@ worker's stream completes, new requests are served, the dead worker's placements
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from client.errors import LoraserveError
 from client.registry_client import RegistryClient
 from client.sdk import Client
 from registry.config import RegistryConfig
-from tests.e2e.procs import loraserve_process, wait_healthy
+from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
 from tests.registry.conftest import start_registry
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -47,9 +45,7 @@ def test_kill_9_a_worker_mid_stream(llama_dir, adapter_dirs, tmp_path) -> None:
         ):
             for w in (a, b):
                 wait_healthy(w.address, timeout=180)
-            deadline = time.time() + 20
-            while len(reg.client.workers()) < 2 and time.time() < deadline:
-                time.sleep(0.1)
+            wait_for_workers(reg.client, 2)
             long = dict(adapter="steady@1", max_tokens=2000, ignore_eos=True)
             doomed = Client(a.address).generate([5], **long)
             survivor = Client(b.address).generate([5], **long)
@@ -64,9 +60,7 @@ def test_kill_9_a_worker_mid_stream(llama_dir, adapter_dirs, tmp_path) -> None:
             with Client(router.address) as client:  # requests that had not started are not lost
                 outs = [client.complete([5, 6, 7], adapter="steady", max_tokens=3) for _ in range(6)]
             assert all(o.completion_tokens == 3 for o in outs)
-            deadline = time.time() + 15
-            while time.time() < deadline and len(reg.client.workers()) > 1:
-                time.sleep(0.2)
+            wait_for_workers(reg.client, 1)
             with RegistryClient(reg.address) as rc:
                 workers = rc.workers()
             assert [w.address for w in workers] == [b.address]

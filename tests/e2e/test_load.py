@@ -18,7 +18,7 @@ from client.errors import LoraserveError
 from client.sdk import Client
 from registry.config import RegistryConfig
 from tests.e2e.compose_local import free_port
-from tests.e2e.procs import loraserve_process, wait_healthy
+from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
 from tests.registry.conftest import start_registry
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -82,9 +82,7 @@ def test_64_streams_through_the_router(llama_dir, adapter_dirs, tmp_path) -> Non
         ):
             for w in (w1, w2):
                 wait_healthy(w.address, timeout=180)
-            deadline = time.time() + 20
-            while len(reg.client.workers()) < 2 and time.time() < deadline:
-                time.sleep(0.1)
+            wait_for_workers(reg.client, 2)
             outcomes: Counter = Counter()
             tokens = Counter()
             lock = threading.Lock()

@@ -18,7 +18,7 @@ from client.sdk import Client
 from protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
 from registry.gcs_emulator import start_gcs_emulator
 from tests.e2e.compose_local import LocalCompose
-from tests.e2e.procs import wait_healthy
+from tests.e2e.procs import wait_for_workers, wait_healthy
 from worker.checkpoint import load_checkpoint
 from worker.config import EngineConfig
 from worker.engine import Engine
@@ -103,9 +103,7 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
             procs[name] = stack.start(name)
         for name in ("worker-1", "worker-2", "router"):
             wait_healthy(stack.address(name), timeout=180)
-        deadline = time.time() + 30
-        while len(registry.workers()) < 2 and time.time() < deadline:
-            time.sleep(0.1)
+        wait_for_workers(registry, 2, timeout=30)
         assert sorted(w.address for w in registry.workers()) == sorted(
             [stack.address("worker-1"), stack.address("worker-2")]
         )
@@ -153,9 +151,7 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
                 )
             )
         assert [r.token_ids for r in after] == expected[:12]
-        deadline = time.time() + 20
-        while len(registry.workers()) > 1 and time.time() < deadline:
-            time.sleep(0.2)
+        wait_for_workers(registry, 1)
         assert [w.address for w in registry.workers()] == [stack.address("worker-2")]
     finally:
         for proc in procs.values():

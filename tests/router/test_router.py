@@ -21,6 +21,7 @@ from registry.config import RegistryConfig
 from router.routing import Locator, WorkerPool
 from router.server import build_server as build_router
 from tests.aio_thread import aio_server_thread
+from tests.e2e.procs import wait_for_workers
 from tests.registry.conftest import TINY_MODEL, start_registry
 from worker.checkpoint import load_checkpoint
 from worker.config import EngineConfig
@@ -78,9 +79,7 @@ def stack(llama_dir, adapter_dirs, tmp_path_factory):
             return server, port
 
         s.router_address = f"127.0.0.1:{es.enter_context(aio_server_thread(router))}"
-        deadline = time.time() + 20
-        while not s.registry.client.workers() and time.time() < deadline:
-            time.sleep(0.05)
+        wait_for_workers(s.registry.client, 1)
         yield s
 
 

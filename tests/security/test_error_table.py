@@ -22,6 +22,7 @@ from registry.server import build_server as build_registry
 from router.routing import Locator, WorkerPool
 from router.server import build_server as build_router
 from tests.aio_thread import aio_server_thread
+from tests.e2e.procs import wait_for_workers
 from worker.checkpoint import load_checkpoint
 from worker.config import EngineConfig
 from worker.engine import Engine
@@ -103,9 +104,7 @@ def env(llama_dir, adapter_dirs, tmp_path_factory):
 
         e.router = router_thread(64)
         e.full_router = router_thread(0)  # admits nothing: every request is over the limit
-        deadline = time.time() + 20
-        while not e.admin.workers() and time.time() < deadline:
-            time.sleep(0.05)
+        wait_for_workers(e.admin, 1)
         yield e
 
 
