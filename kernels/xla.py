@@ -25,7 +25,6 @@ import jax.numpy as jnp
 from kernels.shapes import (
     ACC_DTYPE,
     check_expand,
-    check_idx,
     check_shrink,
     expand_slices_generic,
     shrink_out_dtype,
@@ -125,35 +124,3 @@ def add_lora_slices(y, x, A_cat, Bs: Sequence, idx):  # [T, sum(out_i)]
     *Semantics:* slice i of the output gets ``x @ A_cat[slot][:, i*R:(i+1)*R] @ Bs[i][slot]``.
     """
     return lora_expand_slices(lora_shrink(x, A_cat, idx, out_dtype=ACC_DTYPE), Bs, idx, y)
-
-
-# ---------------------------------------------------------------------------------------------
-# Slot-minor layout: A_t [in, S, R]. The shrink of every slot is then ONE plain GEMM
-# x [T, in] @ A_t.reshape(in, S*R), which XLA:CPU runs near memory speed; the slot-major
-# A [S, in, R] needs either a transpose of the pool or S small batched GEMMs per call (measured on
-# the bench model: 46 -> 41 ms per decode step with 16 adapters). The worker keeps its XLA pools
-# in this layout; reference and Pallas keep A [S, in, R].
-
-
-def lora_shrink_t(x, A_t, idx, *, out_dtype=None):  # [T, R]
-    """One-hot LoRA shrink over slot-minor A_t ``[in, S, R]``.
-
-    *Semantics:* ``h[t] = x[t] @ A_t[:, idx[t], :]`` if ``idx[t]`` is a slot, else ``0``.
-    """
-    d_in, S, R = A_t.shape
-    check_idx(idx, x.shape[0])
-    if x.shape[1] != d_in:
-        raise ValueError(f"A_t is [in={d_in}, S, R] but x is [T, in={x.shape[1]}]")
-    cd = compute_dtype(x, A_t)
-    hs = jnp.dot(x.astype(cd), A_t.reshape(d_in, S * R).astype(cd), preferred_element_type=ACC_DTYPE)
-    hs = hs.reshape(x.shape[0], S, R)
-    h = jnp.where(one_hot_slots(idx, S)[:, :, None], hs, 0.0).sum(axis=1)  # [T, R]
-    return h.astype(shrink_out_dtype(x, out_dtype))
-
-
-def add_lora_slices_t(y, x, A_t, Bs: Sequence, idx):  # [T, sum(out_i)]
-    """Fused-projection LoRA with slot-minor A_t ``[in, S, n*R]``, Bs n × ``[S, R, out_i]``.
-
-    *Semantics:* identical to ``add_lora_slices(y, x, moveaxis(A_t, 1, 0), Bs, idx)``.
-    """
-    return lora_expand_slices(lora_shrink_t(x, A_t, idx, out_dtype=ACC_DTYPE), Bs, idx, y)

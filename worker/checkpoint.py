@@ -1,7 +1,7 @@
 """Load a Hugging Face Llama-family checkpoint folder (local path or fsspec URL) into stacked JAX arrays.
 
 The folder holds ``config.json`` and one or many ``*.safetensors`` (sharded checkpoints carry a
-``model.safetensors.index.json``). Weights are transposed to ``[in, out]``, kept as one dict per layer
+``model.safetensors.index.json``). Matrices keep Hugging Face's ``[out, in]`` layout, kept as one dict per layer
 (see ``worker.model`` for why not stacked), and q/k/v and gate/up are fused into one matmul each.
 """
 
@@ -92,13 +92,13 @@ def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> 
 
 
 def convert_hf_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-    """HF tensor dict -> our layout (float32 numpy, ``[in, out]`` matrices, ``layers``: one dict per layer)."""
+    """HF tensor dict -> our layout (float32 numpy, ``[out, in]`` matrices, ``layers``: one dict per layer)."""
     h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     tensors = dict(tensors)
     out: dict[str, np.ndarray] = {"embed": _take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, h))}
     out["final_norm"] = _take(tensors, "model.norm.weight", (h,))
     if "lm_head.weight" in tensors and not cfg.tie_word_embeddings:
-        out["lm_head"] = _take(tensors, "lm_head.weight", (cfg.vocab_size, h)).T.copy()
+        out["lm_head"] = _take(tensors, "lm_head.weight", (cfg.vocab_size, h))
     layers: dict[str, list[np.ndarray]] = {}
 
     def add(key: str, value: np.ndarray) -> None:
@@ -111,7 +111,7 @@ def convert_hf_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
         wq = _take(tensors, p + "self_attn.q_proj.weight", (q, h))
         wk = _take(tensors, p + "self_attn.k_proj.weight", (kv, h))
         wv = _take(tensors, p + "self_attn.v_proj.weight", (kv, h))
-        add("wqkv", np.concatenate([wq, wk, wv], axis=0).T)
+        add("wqkv", np.concatenate([wq, wk, wv], axis=0))
         if cfg.qkv_bias:
             add(
                 "bqkv",
@@ -123,13 +123,13 @@ def convert_hf_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
                     ]
                 ),
             )
-        add("wo", _take(tensors, p + "self_attn.o_proj.weight", (h, q)).T)
+        add("wo", _take(tensors, p + "self_attn.o_proj.weight", (h, q)))
         if cfg.o_bias:
             add("bo", _take(tensors, p + "self_attn.o_proj.bias", (h,)))
         wg = _take(tensors, p + "mlp.gate_proj.weight", (i, h))
         wu = _take(tensors, p + "mlp.up_proj.weight", (i, h))
-        add("w_gate_up", np.concatenate([wg, wu], axis=0).T)
-        add("w_down", _take(tensors, p + "mlp.down_proj.weight", (h, i)).T)
+        add("w_gate_up", np.concatenate([wg, wu], axis=0))
+        add("w_down", _take(tensors, p + "mlp.down_proj.weight", (h, i)))
         if cfg.mlp_bias:
             add(
                 "b_gate_up",

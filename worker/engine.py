@@ -65,8 +65,8 @@ def _prefill_sample(cfg, backend, params, pools, tokens, length, slot, row, cach
     return token, cache
 
 
-def _decode_sample(cfg, backend, params, pools, tokens, positions, slots, cache, inv_freq, samp):
-    logits, cache = M.decode(cfg, params, pools, tokens, positions, slots, cache, inv_freq, backend)
+def _decode_sample(cfg, backend, params, pools, tokens, positions, plan, cache, inv_freq, samp):
+    logits, cache = M.decode(cfg, params, pools, tokens, positions, plan, cache, inv_freq, backend)
     return sample(logits, *samp), cache
 
 
@@ -188,16 +188,18 @@ class Engine:
             )
         b = self.config.max_batch_size
         zeros = np.zeros(b, np.int32)
-        out, self.cache = self._decode(
-            self.params,
-            self.pools.pools,
-            zeros,
-            zeros,
-            zeros - 1,
-            self.cache,
-            self.inv_freq,
-            SamplingArrays.empty(b).as_tuple(),
-        )
+        # one decode compilation per LoRA grouping variant (M.lora_plan picks one per step)
+        for plan in M.warmup_plans(b, self.config.max_loras, self.config.kernel_backend):
+            out, self.cache = self._decode(
+                self.params,
+                self.pools.pools,
+                zeros,
+                zeros,
+                plan,
+                self.cache,
+                self.inv_freq,
+                SamplingArrays.empty(b).as_tuple(),
+            )
         self.pools.zero(0)
         jax.block_until_ready(out)
 
@@ -454,7 +456,7 @@ class Engine:
             self.pools.pools,
             tokens,
             positions,
-            slots,
+            M.lora_plan(slots, self.config.max_loras, self.config.kernel_backend),
             self.cache,
             self.inv_freq,
             samp.as_tuple(),

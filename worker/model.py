@@ -1,8 +1,9 @@
 """The Llama-family decoder in JAX: prefill one prompt into the KV cache, decode one token for every row.
 
-Parameters come from ``worker.checkpoint`` (one dict per layer, matrices ``[in, out]``, q/k/v and
-gate/up fused); LoRA slot pools come from ``worker.slots`` (per layer ``A_*: [S, in, n*R]``, or ``[in, S, n*R]``
-for the XLA backend (see ``slot_axis``), ``B_*: [S, R, out]``, scaling folded into B); the KV cache is one ``(k, v)`` pair of
+Parameters come from ``worker.checkpoint`` (one dict per layer, matrices ``[out, in]`` as in Hugging Face,
+q/k/v and gate/up fused); LoRA slot pools come from ``worker.slots`` (per layer one ``A_<group>`` with the
+ranks of the group's modules side by side and one ``B_<module>`` per module, scaling folded into B; the
+layout depends on the kernel backend, see ``weights_first``); the KV cache is one ``(k, v)`` pair of
 ``[rows, kv_heads, max_seq, head_dim]`` per layer, updated in place (donated). Heads before positions
 keeps both attention einsums plain batched matmuls over (row, head): with positions first, XLA:CPU
 transposed the whole cache every step (8 ms of a 33 ms step on the bench model).
@@ -22,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 import kernels
-from kernels import xla as xla_kernels
+from kernels import grouped
+from kernels.grouped import GroupPlan
 from worker.model_config import ModelConfig
 
 Array = jax.Array
@@ -59,8 +61,28 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
+# Up to this many rows, XLA:CPU multiplies faster as ``w [out, in] @ x.T`` than as ``x @ w.T`` (the
+# narrow side of the GEMM in the kernel's favoured place): 3.2 vs 6.1 ms for one bench-model layer at
+# 16 rows, 9.1 vs 12.3 ms for its lm_head. From about 64 rows on both forms are even.
+WEIGHTS_FIRST_MAX_ROWS = 32
+
+
+def linear(x: Array, w: Array) -> Array:
+    """x [..., in], w [out, in] (Hugging Face layout) -> [..., out] in f32. Semantics: ``x @ w.T``."""
+    lead, rows = x.shape[:-1], x.size // x.shape[-1]
+    x2 = x.reshape(rows, x.shape[-1])
+    contract = (((1,), (1,)), ((), ()))
+    if rows <= WEIGHTS_FIRST_MAX_ROWS and jax.default_backend() == "cpu":
+        # The barrier keeps XLA from folding the transpose back into the dot (which undoes the gain).
+        yt = jax.lax.dot_general(w, x2, contract, preferred_element_type=jnp.float32)  # [out, rows]
+        y = jax.lax.optimization_barrier(yt).T
+    else:
+        y = jax.lax.dot_general(x2, w, contract, preferred_element_type=jnp.float32)
+    return y.reshape(*lead, w.shape[0])
+
+
 def _matmul(x: Array, w: Array, b: Array | None) -> Array:
-    y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    y = linear(x, w).astype(x.dtype)
     return y if b is None else y + b
 
 
@@ -95,9 +117,7 @@ def _out_proj(lp: dict[str, Array], ll: Lora, h: Array, attn: Array, lora_fn: Lo
 def logits_from_hidden(cfg: ModelConfig, params: Params, h: Array) -> Array:
     """h [..., H] -> logits [..., V] in f32. Semantics: final norm, then lm_head (or tied embeddings)."""
     x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    if "lm_head" in params:
-        return jnp.dot(x, params["lm_head"], preferred_element_type=jnp.float32)
-    return jnp.einsum("...h,vh->...v", x, params["embed"], preferred_element_type=jnp.float32)
+    return linear(x, params["lm_head"] if "lm_head" in params else params["embed"])
 
 
 def prefill(
@@ -119,15 +139,10 @@ def prefill(
     """
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
-    seg_lens = jnp.reshape(t, (1,)).astype(jnp.int32)
-    seg_slots = jnp.where(slot >= 0, 0, -1).reshape(1)  # index into the one gathered slot below
     take = jnp.maximum(slot, 0)
-    a_axis = slot_axis(backend)
 
     def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
-        a_one = jax.lax.dynamic_index_in_dim(a, take, axis=a_axis, keepdims=False)[None]  # [1, in, n*R]
-        bs_one = tuple(jax.lax.dynamic_index_in_dim(b, take, axis=0, keepdims=True) for b in bs)
-        return kernels.add_lora_slices_sgmv(y, x, a_one, bs_one, seg_slots, seg_lens, backend="xla")
+        return add_lora_one_slot(y, x, a, bs, slot, take, backend)
 
     causal = (positions[None, :] <= positions[:, None]) & (positions[None, :] < length)  # [T, S]
     scale = cfg.head_dim**-0.5
@@ -151,20 +166,46 @@ def prefill(
     return logits_from_hidden(cfg, params, last), new_cache
 
 
+def add_lora_one_slot(
+    y: Array, x: Array, a: Array, bs: tuple[Array, ...], slot: Array, take: Array, backend: str
+) -> Array:
+    """Every row of x [T, in] with the adapter in ``slot`` (-1: none; ``take`` = max(slot, 0)) -> [T, out].
+
+    Semantics: ``y + x @ A[slot] @ B[slot]`` per fused slice, or ``y`` when slot is -1.
+    """
+    if weights_first(backend):
+        a_s = jax.lax.dynamic_index_in_dim(a, take, axis=0, keepdims=False)  # [n*R, in]
+        h = linear(x, a_s)  # [T, n*R] f32
+        r = bs[0].shape[2]
+        parts = [
+            linear(h[:, i * r : (i + 1) * r].astype(b.dtype), jax.lax.dynamic_index_in_dim(b, take, 0, False))
+            for i, b in enumerate(bs)
+        ]
+        delta = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+        return jnp.where(slot >= 0, (y.astype(jnp.float32) + delta).astype(y.dtype), y)
+    # one segment of all T tokens, slot index 0 of the one gathered slot (or -1)
+    seg_lens = jnp.reshape(x.shape[0], (1,)).astype(jnp.int32)
+    seg_slots = jnp.where(slot >= 0, 0, -1).reshape(1)
+    a_one = jax.lax.dynamic_index_in_dim(a, take, axis=0, keepdims=True)  # [1, in, n*R]
+    bs_one = tuple(jax.lax.dynamic_index_in_dim(b, take, axis=0, keepdims=True) for b in bs)
+    return kernels.add_lora_slices_sgmv(y, x, a_one, bs_one, seg_slots, seg_lens, backend="xla")
+
+
 def decode(
     cfg: ModelConfig,
     params: Params,
     lora: Lora,
     tokens: Array,  # [B] int32, the last token of each row
     positions: Array,  # [B] int32, the position of that token
-    slots: Array,  # [B] int32, adapter slot per row or -1
+    plan: GroupPlan | None,  # from lora_plan(); None = no row has an adapter
     cache: Cache,
     inv_freq: Array,  # [D/2] f32
     backend: str = "xla",
 ) -> tuple[Array, Cache]:
     """One decode step for every row; returns logits [B, V] and the cache with each row's new k/v.
 
-    Semantics: row b attends to cache positions 0..positions[b] of its own row, with adapter slots[b].
+    Semantics: row b attends to cache positions 0..positions[b] of its own row, with adapter
+    ``plan.slots[b]`` (none when -1 or when ``plan`` is None, which compiles no LoRA code at all).
     """
     b = tokens.shape[0]
     rows = jnp.arange(b)
@@ -172,17 +213,13 @@ def decode(
     group = cfg.num_heads // cfg.num_kv_heads
     max_seq = cache[0][0].shape[2]
     visible = jnp.arange(max_seq)[None, :] <= positions[:, None]  # [B, M]
-    any_adapter = jnp.any(slots >= 0)
 
     def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
-        # A batch with no adapter row skips the pools entirely (the one-hot path reads every slot).
-        if slot_axis(backend) == 1:
-            return jax.lax.cond(
-                any_adapter, lambda: xla_kernels.add_lora_slices_t(y, x, a, bs, slots), lambda: y
-            )
-        return jax.lax.cond(
-            any_adapter, lambda: kernels.add_lora_slices(y, x, a, bs, slots, backend=backend), lambda: y
-        )
+        if plan is None:
+            return y
+        if weights_first(backend):
+            return grouped.add_lora_slices_grouped(y, x, a, bs, plan)
+        return kernels.add_lora_slices(y, x, a, bs, plan.slots, backend=backend)
 
     h = params["embed"][tokens]
     new_cache: Cache = []
@@ -203,10 +240,25 @@ def decode(
     return logits_from_hidden(cfg, params, h), new_cache
 
 
-def slot_axis(backend: str) -> int:
-    """Axis of the slot index in the A pools: 1 (``[in, S, n*R]``, one GEMM per shrink) for the XLA
-    backend, 0 (``[S, in, n*R]``, DESIGN.md §6) for reference and Pallas. B pools are ``[S, R, out]``."""
-    return 1 if backend == "xla" else 0
+def weights_first(backend: str) -> bool:
+    """Pool layout. True for the XLA backend: ``A_t [S, n*R, in]``, ``B_t [S, out, R]`` (Hugging Face's LoRA
+    layout with a slot axis; see ``kernels.grouped``). False for reference and Pallas: ``A [S, in, n*R]``,
+    ``B [S, R, out]`` (DESIGN.md §6)."""
+    return backend == "xla"
+
+
+def lora_plan(slots: Any, max_loras: int, backend: str) -> GroupPlan | None:
+    """Host-side grouping of one decode batch's rows by slot (``None`` when no row has an adapter).
+
+    The XLA backend picks one of ``kernels.grouped.LIGHT_J`` per batch; the others only read ``slots``.
+    """
+    return grouped.plan_groups(slots, max_loras, grouped.LIGHT_J if weights_first(backend) else (0,))
+
+
+def warmup_plans(rows: int, max_loras: int, backend: str) -> list[GroupPlan | None]:
+    """One plan per compiled decode variant: serving any batch after these never compiles."""
+    lights = grouped.LIGHT_J if weights_first(backend) else (0,)
+    return [None] + [grouped.empty_plan(rows, max_loras, j) for j in lights]
 
 
 def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, backend: str = "xla") -> Lora:
@@ -217,13 +269,13 @@ def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, back
     for _ in range(cfg.num_layers):
         pools: dict[str, Array] = {}
         for group, modules in LORA_GROUPS.items():
-            fan_in = shapes[modules[0]][0]
-            a_shape = (S, fan_in, len(modules) * R)
-            if slot_axis(backend) == 1:
-                a_shape = (fan_in, S, len(modules) * R)
-            pools[f"A_{group}"] = jnp.zeros(a_shape, dtype)
+            fan_in, nr = shapes[modules[0]][0], len(modules) * R
+            pools[f"A_{group}"] = jnp.zeros(
+                (S, nr, fan_in) if weights_first(backend) else (S, fan_in, nr), dtype
+            )
             for m in modules:
-                pools[b_name(m)] = jnp.zeros((S, R, shapes[m][1]), dtype)
+                out = shapes[m][1]
+                pools[b_name(m)] = jnp.zeros((S, out, R) if weights_first(backend) else (S, R, out), dtype)
         layers.append(pools)
     return layers
 

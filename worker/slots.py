@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from worker.adapters import LoraWeights
-from worker.model import LORA_GROUPS, Lora, b_name, empty_lora, slot_axis
+from worker.model import LORA_GROUPS, Lora, b_name, empty_lora, weights_first
 from worker.model_config import ModelConfig
 
 
@@ -151,35 +151,37 @@ def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotVa
 
 
 @partial(jax.jit, donate_argnums=0, static_argnums=3)
-def _write_slot(pools: Lora, slot: jax.Array, values: Lora, a_axis: int) -> Lora:
-    def put(name: str, pool: jax.Array, value: jax.Array) -> jax.Array:
+def _write_slot(pools: Lora, slot: jax.Array, values: Lora, transpose: bool) -> Lora:
+    def put(pool: jax.Array, value: jax.Array) -> jax.Array:
         value = value.astype(pool.dtype)
-        if name.startswith("A_") and a_axis == 1:
-            return pool.at[:, slot].set(value)
-        return pool.at[slot].set(value)
+        return pool.at[slot].set(value.T if transpose else value)
 
-    return [{k: put(k, layer[k], vals[k]) for k in layer} for layer, vals in zip(pools, values, strict=True)]
+    return [{k: put(layer[k], vals[k]) for k in layer} for layer, vals in zip(pools, values, strict=True)]
 
 
 class SlotPools:
-    """The device-resident pools. Only the engine thread calls ``write``/``zero``."""
+    """The device-resident pools. Only the engine thread calls ``write``/``zero``.
+
+    Slot values are always given as ``A [in, n*R]`` / ``B [R, out]`` (``slot_arrays``); pools of a
+    weights-first backend (``worker.model.weights_first``) store them transposed.
+    """
 
     def __init__(
         self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: jnp.dtype, backend: str = "xla"
     ) -> None:
         self.cfg, self.max_loras, self.max_rank, self.dtype = cfg, max_loras, max_rank, dtype
-        self.a_axis = slot_axis(backend)
+        self.transpose = weights_first(backend)
         self.pools: Lora = empty_lora(cfg, max_loras, max_rank, dtype, backend)
         self._zeros = [
             {
-                k: np.zeros(np.delete(v.shape, self.a_axis if k.startswith("A_") else 0), np.float32)
+                k: np.zeros(v.shape[1:][::-1] if self.transpose else v.shape[1:], np.float32)
                 for k, v in layer.items()
             }
             for layer in self.pools
         ]
 
     def write(self, slot: int, values: SlotValues) -> None:
-        self.pools = _write_slot(self.pools, jnp.int32(slot), values, self.a_axis)
+        self.pools = _write_slot(self.pools, jnp.int32(slot), values, self.transpose)
 
     def zero(self, slot: int) -> None:
         self.write(slot, self._zeros)

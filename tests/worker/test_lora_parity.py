@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import grouped
 from tests.conftest import ADAPTERS
 from worker import model as M
 from worker.adapters import parse_adapter, read_adapter_files
@@ -35,8 +36,11 @@ def _reference_logits(llama_dir, adapter_dir, seq):
         return model(torch.tensor([seq])).logits[0].numpy()
 
 
-@pytest.mark.parametrize("backend", ["xla", "reference"])  # slot-minor and slot-major A pools
-def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs, backend: str) -> None:
+# The XLA backend (weights-first pools) under each grouping of kernels.grouped — every row through
+# the heavy-slot loop (J=0), one row per slot in place plus heavy slots 2 and 0 (J=1), all in place
+# (J=4) — and the reference backend (DESIGN.md §6 pools).
+@pytest.mark.parametrize(("backend", "light"), [("xla", 0), ("xla", 1), ("xla", 4), ("reference", 0)])
+def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs, backend: str, light: int) -> None:
     ck = load_checkpoint(str(llama_dir))
     cfg = ck.config
     names = list(ADAPTERS)
@@ -49,11 +53,17 @@ def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs, backend: str)
             max_rank=16,
         )
         pools.write(slot, slot_arrays(cfg, weights, 16))
-    # rows 0..3 use slots 0..3 in a shuffled order, row 4 has no adapter
-    row_slots = np.array([2, 0, 3, 1, -1], np.int32)
+    # every slot in a shuffled order, a row with no adapter, slot 2 on three rows and slot 0 on two
+    row_slots = np.array([2, 0, 3, 1, -1, 2, 0, 2], np.int32)
+    plan = grouped.plan_groups(row_slots, len(names), lights=(light,))
+    assert plan is not None and plan.light == light
     rng = np.random.default_rng(0)
     seq = PROMPT + rng.integers(3, cfg.vocab_size, STEPS).tolist()  # teacher-forced continuation
-    refs = [_reference_logits(llama_dir, None if s < 0 else adapter_dirs[names[s]], seq) for s in row_slots]
+    by_slot = {
+        s: _reference_logits(llama_dir, None if s < 0 else adapter_dirs[names[s]], seq)
+        for s in set(row_slots.tolist())
+    }
+    refs = [by_slot[s] for s in row_slots]
     rows = len(row_slots)
     cache = M.init_cache(cfg, rows, 32, jnp.float32)
     inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
@@ -71,14 +81,14 @@ def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs, backend: str)
     for step in range(STEPS):
         pos = len(PROMPT) + step
         toks = np.full(rows, seq[pos], np.int32)
-        got, cache = decode(ck.params, pools.pools, toks, np.full(rows, pos, np.int32), row_slots, cache, inv)
+        got, cache = decode(ck.params, pools.pools, toks, np.full(rows, pos, np.int32), plan, cache, inv)
         for row in range(rows):
             np.testing.assert_allclose(
                 np.asarray(got[row]), refs[row][pos], atol=ATOL, err_msg=f"row {row} step {step}"
             )
     # the adapters really change the output (otherwise the comparison above proves nothing)
-    for row in range(rows - 1):
-        assert np.abs(refs[row][-1] - refs[-1][-1]).max() > 1e-2
+    for slot in range(len(names)):
+        assert np.abs(by_slot[slot][-1] - by_slot[-1][-1]).max() > 1e-2
 
 
 def test_pattern_ranks_and_scaling_are_folded(llama_dir, adapter_dirs) -> None:

@@ -68,7 +68,7 @@ def test_prefill_and_decode_logits_match_transformers(model_dirs, family: str) -
             lora,
             jnp.asarray(toks),
             jnp.asarray(pos),
-            jnp.full(rows, -1, jnp.int32),
+            M.lora_plan(np.full(rows, -1), 2, "xla"),  # None: no row has an adapter
             cache,
             inv,
         )
