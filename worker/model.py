@@ -250,15 +250,18 @@ def weights_first(backend: str) -> bool:
 def lora_plan(slots: Any, max_loras: int, backend: str) -> GroupPlan | None:
     """Host-side grouping of one decode batch's rows by slot (``None`` when no row has an adapter).
 
-    The XLA backend picks one of ``kernels.grouped.LIGHT_J`` per batch; the others only read ``slots``.
+    The XLA backend picks one of ``kernels.grouped.VARIANTS`` per batch; the others only read
+    ``plan.slots`` and always get the same variant.
     """
-    return grouped.plan_groups(slots, max_loras, grouped.LIGHT_J if weights_first(backend) else (0,))
+    if weights_first(backend):
+        return grouped.plan_groups(slots, max_loras)
+    return grouped.plan_groups(slots, max_loras, lights=(0,), single=False)
 
 
 def warmup_plans(rows: int, max_loras: int, backend: str) -> list[GroupPlan | None]:
     """One plan per compiled decode variant: serving any batch after these never compiles."""
-    lights = grouped.LIGHT_J if weights_first(backend) else (0,)
-    return [None] + [grouped.empty_plan(rows, max_loras, j) for j in lights]
+    variants = grouped.VARIANTS if weights_first(backend) else ((0, False),)
+    return [None] + [grouped.empty_plan(rows, max_loras, j, single) for j, single in variants]
 
 
 def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, backend: str = "xla") -> Lora:

@@ -43,12 +43,13 @@ _run = jax.jit(grouped.add_lora_slices_grouped)
     S=st.integers(1, 20),
     R=st.integers(1, 16),
     outs=st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple),
-    light=st.sampled_from(grouped.LIGHT_J),
+    variant=st.sampled_from(grouped.VARIANTS),
     skew=st.sampled_from(["uniform", "one-hot-slot", "none"]),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_matches_reference_for_every_variant(T, d_in, S, R, outs, light, skew, dtype, seed) -> None:
+def test_matches_reference_for_every_variant(T, d_in, S, R, outs, variant, skew, dtype, seed) -> None:
+    light, single = variant
     x, A, Bs, y = _problem(seed, T, d_in, S, R, outs, dtype)
     rng = np.random.default_rng(seed + 1)
     idx = rng.integers(-1, S, size=T)
@@ -56,12 +57,14 @@ def test_matches_reference_for_every_variant(T, d_in, S, R, outs, light, skew, d
         idx = np.where(rng.random(T) < 0.7, rng.integers(0, S), idx)
     elif skew == "none":
         idx[:] = -1
-    plan = grouped.plan_groups(idx, S, lights=(light,))
+    if single:  # the single variant serves batches with one slot in use
+        idx = np.where(idx >= 0, idx[np.argmax(idx >= 0)], -1)
+    plan = grouped.plan_groups(idx, S, lights=(light,), single=single)
     want = np.asarray(reference.add_lora_slices(y, x, A, Bs, jnp.asarray(idx, jnp.int32)).astype(jnp.float32))
     if plan is None:
         assert (idx < 0).all()
         return
-    assert plan.light == light
+    assert plan.variant == variant
     got = np.asarray(_run(y, x, *_weights_first(A, Bs), plan).astype(jnp.float32))
     tol = tolerance(dtype)
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
@@ -75,8 +78,10 @@ def test_plan_picks_the_cheap_grouping() -> None:
     S, T = 16, 16
     distinct = grouped.plan_groups(np.arange(T) % S, S)
     assert distinct.light == 1 and int(distinct.n_heavy) == 0  # one row per slot: all in place
-    one = grouped.plan_groups(np.zeros(T, int), S)
-    assert one.light == 0 and int(one.n_heavy) == 1 and int(one.heavy[0]) == 0  # one slot: the loop
+    one = grouped.plan_groups(np.where(np.arange(T) % 3, 5, -1), S)
+    assert one.variant == (0, True) and int(one.heavy[0]) == 5  # one slot in use: straight-line code
+    two = grouped.plan_groups(np.arange(T) % 2, S)
+    assert two.variant == (0, False) and int(two.n_heavy) == 2  # two busy slots: the heavy loop
     skew = grouped.plan_groups(np.array([3] * 10 + [1, 2, 4, 5, 6, 7]), S)
     assert skew.light == 1 and int(skew.n_heavy) == 1 and int(skew.heavy[0]) == 3
     assert skew.flat[0] == -1 and skew.rows[1, 0] == 10  # slot 1's row sits at (1, 0)
@@ -86,17 +91,20 @@ def test_plan_picks_the_cheap_grouping() -> None:
     assert four.light == 4 and int(four.n_heavy) == 0
 
 
-@pytest.mark.parametrize("light", grouped.LIGHT_J)
-def test_new_mixes_never_compile(light: int) -> None:
+@pytest.mark.parametrize(("light", "single"), grouped.VARIANTS)
+def test_new_mixes_never_compile(light: int, single: bool) -> None:
     T, S, R, outs = 12, 6, 4, (16, 8)
     x, A, Bs, y = _problem(0, T, 24, S, R, outs, jnp.float32)
     At, Bts = _weights_first(A, Bs)
     step = jax.jit(grouped.add_lora_slices_grouped)
-    step(y, x, At, Bts, grouped.empty_plan(T, S, light)).block_until_ready()  # warm-up
+    step(y, x, At, Bts, grouped.empty_plan(T, S, light, single)).block_until_ready()  # warm-up
     rng = np.random.default_rng(light)
     plans = []
     for _ in range(8):
-        plan = grouped.plan_groups(rng.integers(-1, S, size=T), S, lights=(light,))
+        idx = rng.integers(-1, S, size=T)
+        if single:
+            idx = np.where(idx >= 0, rng.integers(0, S), -1)
+        plan = grouped.plan_groups(idx, S, lights=(light,), single=single)
         if plan is not None:
             plans.append(plan)
     with count_compilations() as count:

@@ -38,9 +38,14 @@ def _reference_logits(llama_dir, adapter_dir, seq):
 
 # The XLA backend (weights-first pools) under each grouping of kernels.grouped — every row through
 # the heavy-slot loop (J=0), one row per slot in place plus heavy slots 2 and 0 (J=1), all in place
-# (J=4) — and the reference backend (DESIGN.md §6 pools).
-@pytest.mark.parametrize(("backend", "light"), [("xla", 0), ("xla", 1), ("xla", 4), ("reference", 0)])
-def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs, backend: str, light: int) -> None:
+# (J=4), one adapter on every adapter row (single) — and the reference backend (DESIGN.md §6 pools).
+@pytest.mark.parametrize(
+    ("backend", "light", "single"),
+    [("xla", 0, False), ("xla", 1, False), ("xla", 4, False), ("xla", 0, True), ("reference", 0, False)],
+)
+def test_mixed_adapter_batch_matches_peft(
+    llama_dir, adapter_dirs, backend: str, light: int, single: bool
+) -> None:
     ck = load_checkpoint(str(llama_dir))
     cfg = ck.config
     names = list(ADAPTERS)
@@ -55,8 +60,10 @@ def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs, backend: str,
         pools.write(slot, slot_arrays(cfg, weights, 16))
     # every slot in a shuffled order, a row with no adapter, slot 2 on three rows and slot 0 on two
     row_slots = np.array([2, 0, 3, 1, -1, 2, 0, 2], np.int32)
-    plan = grouped.plan_groups(row_slots, len(names), lights=(light,))
-    assert plan is not None and plan.light == light
+    if single:  # ... or the third adapter on every row but one
+        row_slots = np.array([2, 2, -1, 2, 2], np.int32)
+    plan = grouped.plan_groups(row_slots, len(names), lights=(light,), single=single)
+    assert plan is not None and plan.variant == (light, single)
     rng = np.random.default_rng(0)
     seq = PROMPT + rng.integers(3, cfg.vocab_size, STEPS).tolist()  # teacher-forced continuation
     by_slot = {
@@ -87,7 +94,7 @@ def test_mixed_adapter_batch_matches_peft(llama_dir, adapter_dirs, backend: str,
                 np.asarray(got[row]), refs[row][pos], atol=ATOL, err_msg=f"row {row} step {step}"
             )
     # the adapters really change the output (otherwise the comparison above proves nothing)
-    for slot in range(len(names)):
+    for slot in set(row_slots.tolist()) - {-1}:
         assert np.abs(by_slot[slot][-1] - by_slot[-1][-1]).max() > 1e-2
 
 
