@@ -3,10 +3,11 @@
 Parameters come from ``worker.checkpoint`` (one dict per layer, matrices ``[out, in]`` as in Hugging Face,
 q/k/v and gate/up fused); LoRA slot pools come from ``worker.slots`` (per layer one ``A_<group>`` with the
 ranks of the group's modules side by side and one ``B_<module>`` per module, scaling folded into B; the
-layout depends on the kernel backend, see ``weights_first``); the KV cache is one ``(k, v)`` pair of
-``[rows, kv_heads, max_seq, head_dim]`` per layer, updated in place (donated). Heads before positions
-keeps both attention einsums plain batched matmuls over (row, head): with positions first, XLA:CPU
-transposed the whole cache every step (8 ms of a 33 ms step on the bench model).
+layout depends on the kernel backend, see ``weights_first``); the KV cache is one ``(k, v)`` pair per
+layer, keys ``[rows, kv_heads, head_dim, max_seq]`` and values ``[rows, kv_heads, max_seq, head_dim]``
+(see ``init_cache``), updated in place (donated). Heads before positions keeps the attention a batch over
+(row, head): with positions first, XLA:CPU transposed the whole cache every step (8 ms of a 33 ms step
+on the bench model).
 
 Layers are unrolled over separate per-layer arrays rather than scanned over stacked ones: on XLA:CPU a
 ``lax.scan`` slices each layer's weights out of the stack with a copy, which made the decode step 2.6x
@@ -30,7 +31,7 @@ from worker.model_config import ModelConfig
 Array = jax.Array
 Params = dict[str, Any]  # embed, final_norm, lm_head?, layers: list of per-layer dicts
 Lora = list[dict[str, Array]]  # per layer: A_qkv, B_q, ...
-Cache = list[tuple[Array, Array]]  # per layer: k, v [rows, kv_heads, max_seq, head_dim]
+Cache = list[tuple[Array, Array]]  # per layer: k [rows, kv_heads, D, max_seq], v [rows, kv_heads, max_seq, D]
 # (y, x, A, Bs) -> y + LoRA(x): the strategy differs between decode (per-row slots) and prefill (one slot).
 LoraFn = Callable[[Array, Array, Array, tuple[Array, ...]], Array]
 
@@ -63,8 +64,8 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
 
 # Up to this many rows, XLA:CPU multiplies faster as ``w [out, in] @ x.T`` than as ``x @ w.T`` (the
 # narrow side of the GEMM in the kernel's favoured place): 3.2 vs 6.1 ms for one bench-model layer at
-# 16 rows, 9.1 vs 12.3 ms for its lm_head. From about 64 rows on both forms are even.
-WEIGHTS_FIRST_MAX_ROWS = 32
+# 16 rows, 9.1 vs 12.3 ms for its lm_head; at 64 rows it is still even or a little ahead, at 256 behind.
+WEIGHTS_FIRST_MAX_ROWS = 64
 
 
 def linear(x: Array, w: Array) -> Array:
@@ -159,7 +160,8 @@ def prefill(
         h = _out_proj(lp, ll, h, attn, lora_fn)
         h = _layer_mlp(cfg, lp, ll, h, lora_fn)
         start = (row, jnp.int32(0), jnp.int32(0), jnp.int32(0))
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.swapaxes(0, 1)[None].astype(k_cache.dtype), start)
+        k_t = k.transpose(1, 2, 0)[None]  # [1, kv_heads, D, T]: keys are cached transposed
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k_t.astype(k_cache.dtype), start)
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.swapaxes(0, 1)[None].astype(v_cache.dtype), start)
         new_cache.append((k_cache, v_cache))
     last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
@@ -211,7 +213,7 @@ def decode(
     rows = jnp.arange(b)
     scale = cfg.head_dim**-0.5
     group = cfg.num_heads // cfg.num_kv_heads
-    max_seq = cache[0][0].shape[2]
+    max_seq = cache[0][1].shape[2]
     visible = jnp.arange(max_seq)[None, :] <= positions[:, None]  # [B, M]
 
     def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
@@ -227,13 +229,15 @@ def decode(
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn)  # [B, heads, D]
         q = apply_rope(q[:, None], positions[:, None], inv_freq)[:, 0]
         k = apply_rope(k[:, None], positions[:, None], inv_freq)[:, 0]
-        k_cache = k_cache.at[rows, :, positions].set(k.astype(k_cache.dtype))
+        k_cache = k_cache.at[rows, :, :, positions].set(k.astype(k_cache.dtype))  # [B, kv, D] columns
         v_cache = v_cache.at[rows, :, positions].set(v.astype(v_cache.dtype))
         qg = q.reshape(b, cfg.num_kv_heads, group, cfg.head_dim)
-        scores = jnp.einsum("bkgd,bkmd->bkgm", qg, k_cache, preferred_element_type=jnp.float32) * scale
+        scores = jnp.einsum("bkgd,bkdm->bkgm", qg, k_cache, preferred_element_type=jnp.float32) * scale
         scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-        attn = jnp.einsum("bkgm,bkmd->bkgd", probs, v_cache).reshape(b, cfg.q_size)
+        # multiply + reduce over positions: XLA:CPU runs this faster than the batched matmul of tiny
+        # [G, M] @ [M, D] blocks (5.2 vs 11.3 ms per step at 64 rows)
+        attn = jnp.sum(probs[..., None] * v_cache[:, :, None], axis=3).reshape(b, cfg.q_size)
         h = _out_proj(lp, ll, h, attn, lora_fn)
         h = _layer_mlp(cfg, lp, ll, h, lora_fn)
         new_cache.append((k_cache, v_cache))
@@ -289,6 +293,9 @@ def b_name(module: str) -> str:
 
 
 def init_cache(cfg: ModelConfig, rows: int, max_seq: int, dtype: Any) -> Cache:
-    """Zeroed KV cache: per layer, k and v of shape [rows, kv_heads, max_seq, head_dim]."""
-    shape = (rows, cfg.num_kv_heads, max_seq, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+    """Zeroed KV cache, per layer: keys ``[rows, kv_heads, head_dim, max_seq]`` (transposed: the score
+    matmul ``q @ K.T`` then runs as a plain NN matmul, 11 vs 19 ms per step at 64 rows on XLA:CPU) and
+    values ``[rows, kv_heads, max_seq, head_dim]``."""
+    k_shape = (rows, cfg.num_kv_heads, cfg.head_dim, max_seq)
+    v_shape = (rows, cfg.num_kv_heads, max_seq, cfg.head_dim)
+    return [(jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)) for _ in range(cfg.num_layers)]
