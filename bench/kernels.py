@@ -4,7 +4,9 @@ Run ``python bench/kernels.py`` (or ``make bench``). For one projection (in = ou
 slots of rank R = 16, f32) it times, per token count T:
 
 * ``dense``     — ``x @ W``: the merged-weight / no-LoRA peer;
-* ``xla``       — ``x @ W`` then ``add_lora(..., backend="xla")`` (one-hot, the CPU serving path);
+* ``xla``       — ``x @ W`` then ``add_lora(..., backend="xla")`` (one-hot over every slot);
+* ``grouped``   — decode only: ``x @ W`` then ``kernels.grouped`` (rows grouped by slot on the host,
+  weights-first pools: the worker's CPU decode path);
 * ``reference`` — ``x @ W`` then ``add_lora(..., backend="reference")`` (per-token gather);
 * ``sgmv``      — prefill only: ``x @ W`` then ``add_lora_sgmv`` (masked over G segments).
 
@@ -38,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kernels  # noqa: E402
+from kernels import grouped as grouped_kernels  # noqa: E402
 
 D_IN = D_OUT = 1024
 S, R, G = 16, 16, 4
@@ -78,6 +81,11 @@ def _with_lora(backend: str):
 
 
 @jax.jit
+def grouped(x, W, A_t, B_t, plan):  # [T, out]
+    return grouped_kernels.add_lora_slices_grouped(x @ W, x, A_t, (B_t,), plan)
+
+
+@jax.jit
 def sgmv(x, W, A, B, seg_slots, seg_lens):  # [T, out]
     return kernels.add_lora_sgmv(x @ W, x, A, B, seg_slots, seg_lens)
 
@@ -99,9 +107,13 @@ def bench_shape(T: int, prefill: bool, weights, rng) -> dict:
     }
     if prefill:
         fns["sgmv"] = lambda: sgmv(x, W, A, B, seg_slots, seg_lens)
+    else:
+        A_t, B_t = jnp.swapaxes(A, 1, 2), jnp.swapaxes(B, 1, 2)
+        plan = grouped_kernels.plan_groups(np.asarray(idx), S)
+        fns["grouped"] = lambda: grouped(x, W, A_t, B_t, plan)
     row = {"T": T, "kind": "prefill" if prefill else "decode", "runs": runs}
     row.update({f"{name}_ms": ms for name, ms in median_ms(fns, runs).items()})
-    for name in ("xla", "reference", "sgmv"):
+    for name in ("xla", "reference", "sgmv", "grouped"):
         if f"{name}_ms" in row:
             row[f"dense_over_{name}"] = round(row["dense_ms"] / row[f"{name}_ms"], 3)
     row["reference_over_xla"] = round(row["reference_ms"] / row["xla_ms"], 3)
@@ -127,7 +139,10 @@ def main() -> None:
         for T in Ts:
             row = bench_shape(T, prefill, (W, A, B), rng)
             rows.append(row)
-            extra = f"  sgmv {row['sgmv_ms']:8.3f} ms ({row['dense_over_sgmv']:.2f})" if prefill else ""
+            if prefill:
+                extra = f"  sgmv {row['sgmv_ms']:8.3f} ms ({row['dense_over_sgmv']:.2f})"
+            else:
+                extra = f"  grouped {row['grouped_ms']:8.3f} ms ({row['dense_over_grouped']:.2f})"
             print(
                 f"{row['kind']:7s} T={T:5d}  dense {row['dense_ms']:8.3f} ms  "
                 f"xla {row['xla_ms']:8.3f} ms ({row['dense_over_xla']:.2f})  "
@@ -139,6 +154,9 @@ def main() -> None:
         "platform": {"backend": jax.default_backend(), "cpus": os.cpu_count(), "machine": platform.machine()},
         "rows": rows,
         "geomean_dense_over_xla_decode": _geomean(r["dense_over_xla"] for r in rows if r["kind"] == "decode"),
+        "geomean_dense_over_grouped_decode": _geomean(
+            r["dense_over_grouped"] for r in rows if r["kind"] == "decode"
+        ),
         "geomean_dense_over_sgmv_prefill": _geomean(
             r["dense_over_sgmv"] for r in rows if r["kind"] == "prefill"
         ),
