@@ -71,18 +71,18 @@ def sample(
 ) -> Array:
     """Draw one token per row -> [B] int32. Semantics: argmax where temperature == 0, else a seeded draw."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)
-    scaled = logits / safe_t[:, None]
-    needs_filter = jnp.any((temperature > 0) & ((top_k > 0) | ((top_p > 0) & (top_p < 1))))
-    scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x, scaled, top_k, top_p)
 
     def draw(row_logits: Array, lo: Array, hi: Array, n: Array) -> Array:
         key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(0), lo), hi), n)
         return jax.random.categorical(key, row_logits).astype(jnp.int32)
 
-    # Greedy batches skip the draw: Gumbel noise over [B, V] costs milliseconds per step on a CPU.
-    return jax.lax.cond(
-        jnp.any(temperature > 0),
-        lambda: jnp.where(temperature > 0, jax.vmap(draw)(scaled, seed_lo, seed_hi, step), greedy),
-        lambda: greedy,
-    )
+    def sampled() -> Array:
+        safe_t = jnp.where(temperature > 0, temperature, 1.0)
+        scaled = logits / safe_t[:, None]
+        needs_filter = jnp.any((temperature > 0) & ((top_k > 0) | ((top_p > 0) & (top_p < 1))))
+        scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x, scaled, top_k, top_p)
+        return jnp.where(temperature > 0, jax.vmap(draw)(scaled, seed_lo, seed_hi, step), greedy)
+
+    # Greedy batches skip everything else: scaling, filtering and Gumbel noise over [B, V] cost
+    # milliseconds per step on a CPU.
+    return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
