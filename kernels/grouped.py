@@ -3,7 +3,7 @@
 The one-hot backend (:mod:`kernels.xla`) multiplies every row with every slot: ``S×`` the useful
 flops, which a TPU's MXU absorbs but a CPU does not (on the bench model, 16 rows × 16 slots of rank
 16: 20 ms of LoRA per decode step against a 45 ms base step). Here the rows are grouped by slot on
-the host (:func:`plan_groups`, a few microseconds of numpy per step) and two mechanisms split them:
+the host (:func:`plan_groups`, ~50 µs of numpy per step) and two mechanisms split them:
 
 * **light rows** (at most ``J`` per slot): in place, batched over the slot axis. Row b is column j
   of its slot's group, ``X[s] = [x[b] for the rows of s]`` padded to ``J`` with zeros, then for every
@@ -16,7 +16,7 @@ the host (:func:`plan_groups`, a few microseconds of numpy per step) and two mec
 
 ``plan_groups`` picks ``J`` from :data:`LIGHT_J` with a cost model measured on the bench model
 (docs/kernels.md): 16 distinct adapters → J=1 (6.9 ms instead of 20), one adapter for every row →
-J=0 with one heavy slot (4.6 ms). ``J`` is static (one compilation each, all made at warm-up); the
+``single`` (2.9 ms). ``J`` and ``single`` are static (one compilation each, all made at warm-up); the
 slot ids, row lists and the number of heavy slots are traced, so new adapter mixes never recompile.
 
 Pools are *weights first*, Hugging Face's LoRA layout with a leading slot axis: ``A_t [S, n*R, in]``
