@@ -8,6 +8,7 @@ gets a fresh database created for it and dropped afterwards, since the server ou
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,21 @@ import pytest
 from worker.testing import make_adapter, save_model
 
 POSTGRES_ENV = "LORASERVE_TEST_POSTGRES_URL"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One JAX persistent compilation cache for this run, shared with every process it starts.
+
+    Dozens of engines (in-process and in worker subprocesses) compile the same test-model programs;
+    each warm-up after the first reads them from disk. Set ``JAX_COMPILATION_CACHE_DIR`` to keep a
+    cache across runs. Compilation counting is unaffected: it counts lowerings, which still happen.
+    """
+    from worker.engine import enable_compilation_cache
+
+    path = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="loraserve-xla-cache-"))
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    enable_compilation_cache(path)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -94,6 +94,7 @@ class WorkerConfig:
     max_waiting: int = 256
     kernel_backend: str = "xla"
     dtype: str = "float32"
+    compilation_cache_dir: str = ""  # JAX persistent compilation cache: restarts warm up from disk
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> WorkerConfig:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from registry.config import RegistryConfig
@@ -31,3 +35,20 @@ def test_engine_config_validation_and_buckets() -> None:
     assert EngineConfig(max_seq_len=64).prefill_buckets() == (16, 32, 64)
     with pytest.raises(ValueError):
         EngineConfig(max_loras=0)
+
+
+def test_compilation_cache_dir_flag_stores_compiled_programs(tmp_path) -> None:
+    """--compilation-cache-dir / LORASERVE_WORKER_COMPILATION_CACHE_DIR puts every compiled program on
+    disk (a fresh process, so the test run's own cache setting does not interfere)."""
+    cache = tmp_path / "xla"
+    cfg = WorkerConfig.from_env({"LORASERVE_WORKER_COMPILATION_CACHE_DIR": str(cache)})
+    assert cfg.compilation_cache_dir == str(cache)
+    code = (
+        "import sys, jax, jax.numpy as jnp\n"
+        "from worker.engine import enable_compilation_cache\n"
+        "enable_compilation_cache(sys.argv[1])\n"
+        "jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)).block_until_ready()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    subprocess.run([sys.executable, "-c", code, str(cache)], check=True, env=env, timeout=120)
+    assert any(p.name.startswith("jit__lambda") for p in cache.iterdir())
