@@ -4,7 +4,8 @@
 slot ids) are traced, so serving a new mix of adapters never recompiles. Backends:
 
 * ``"reference"`` — gather + matmul, exact; the truth in tests.
-* ``"xla"``       — one-hot masked matmuls that XLA fuses; the default and the CPU serving path.
+* ``"xla"``       — one-hot masked matmuls that XLA fuses; the default. (The worker decodes with
+  :mod:`kernels.grouped` on this backend, which skips the one-hot's S× flops on CPUs.)
 * ``"pallas"``    — TPU kernels that skip unused slots (interpreted off-TPU, slow there).
 
 Shapes: ``x [T, in]``, ``A [S, in, R]``, ``B [S, R, out]``, ``idx [T]`` int (−1 = no adapter),

@@ -1,4 +1,4 @@
-"""The ``xla`` backend: one-hot masked matmuls over all slots, which XLA fuses (the CPU serving path).
+"""The ``xla`` backend: one-hot masked matmuls over all slots, which XLA fuses (TPU-style; see kernels.grouped for CPU decode).
 
 Instead of gathering per-token weights (``A[idx]`` is ``[T, in, R]``), each token is multiplied
 with *every* slot's matrix at once and the results of the slots it did not pick are masked out:
