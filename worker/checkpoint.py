@@ -1,7 +1,7 @@
 """Load a Hugging Face Llama-family checkpoint folder (local path or fsspec URL) into stacked JAX arrays.
 
 The folder holds ``config.json`` and one or many ``*.safetensors`` (sharded checkpoints carry a
-``model.safetensors.index.json``). Matrices keep Hugging Face's ``[out, in]`` layout, kept as one dict per layer
+``model.safetensors.index.json``). Matrices stay in Hugging Face's ``[out, in]`` layout, one dict per layer
 (see ``worker.model`` for why not stacked), and q/k/v and gate/up are fused into one matmul each.
 """
 

@@ -140,10 +140,9 @@ def prefill(
     """
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
-    take = jnp.maximum(slot, 0)
 
     def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
-        return add_lora_one_slot(y, x, a, bs, slot, take, backend)
+        return add_lora_one_slot(y, x, a, bs, slot, backend)
 
     causal = (positions[None, :] <= positions[:, None]) & (positions[None, :] < length)  # [T, S]
     scale = cfg.head_dim**-0.5
@@ -169,12 +168,13 @@ def prefill(
 
 
 def add_lora_one_slot(
-    y: Array, x: Array, a: Array, bs: tuple[Array, ...], slot: Array, take: Array, backend: str
+    y: Array, x: Array, a: Array, bs: tuple[Array, ...], slot: Array, backend: str
 ) -> Array:
-    """Every row of x [T, in] with the adapter in ``slot`` (-1: none; ``take`` = max(slot, 0)) -> [T, out].
+    """Every row of x [T, in] with the adapter in ``slot`` (-1: none) -> [T, out].
 
     Semantics: ``y + x @ A[slot] @ B[slot]`` per fused slice, or ``y`` when slot is -1.
     """
+    take = jnp.maximum(slot, 0)
     if weights_first(backend):
         a_s = jax.lax.dynamic_index_in_dim(a, take, axis=0, keepdims=False)  # [n*R, in]
         h = linear(x, a_s)  # [T, n*R] f32
