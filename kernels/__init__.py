@@ -1,7 +1,7 @@
 """Batched multi-LoRA ops (DESIGN.md §6): shrink/expand over per-token adapter slots.
 
 ``from kernels import add_lora`` — see :mod:`kernels.api` for the signatures and the backends
-(``reference``, ``xla``, ``pallas``), :mod:`kernels.sgmv` for the grouped prefill path.
+(``reference``, ``xla``, ``pallas``, ``cpu``), :mod:`kernels.sgmv` for the grouped prefill path.
 """
 
 from kernels.api import (

@@ -7,6 +7,8 @@ slot ids) are traced, so serving a new mix of adapters never recompiles. Backend
 * ``"xla"``       — one-hot masked matmuls that XLA fuses; the default. (The worker decodes with
   :mod:`kernels.grouped` on this backend, which skips the one-hot's S× flops on CPUs.)
 * ``"pallas"``    — TPU kernels that skip unused slots (interpreted off-TPU, slow there).
+* ``"cpu"``       — C++ kernels called through XLA's FFI (:mod:`kernels.cpu`): rows grouped by slot,
+  float32 or bfloat16 pools; CPU only, built with the system compiler on first use.
 
 Shapes: ``x [T, in]``, ``A [S, in, R]``, ``B [S, R, out]``, ``idx [T]`` int (−1 = no adapter),
 ``y [T, out]``. Results have y's dtype (shrink: x's dtype unless ``out_dtype``); math is f32.
@@ -17,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import ModuleType
 
-from kernels import pallas, reference, sgmv, xla
+from kernels import cpu, pallas, reference, sgmv, xla
 from kernels.shapes import ACC_DTYPE
 
-BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas")
+BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu")
 
-_MODULES: dict[str, ModuleType] = {"reference": reference, "xla": xla, "pallas": pallas}
+_MODULES: dict[str, ModuleType] = {"reference": reference, "xla": xla, "pallas": pallas, "cpu": cpu}
 
 
 def backend_module(backend: str) -> ModuleType:

@@ -1,0 +1,184 @@
+"""The ``cpu`` backend: grouped multi-LoRA as XLA FFI custom calls (``kernels/csrc/lora_cpu.cc``).
+
+On XLA:CPU the best pure-XLA form of a mixed-adapter batch still pays for its grouping in glue
+(``kernels.grouped``: masks, gathers, a loop over heavy slots), and XLA:CPU runs bfloat16 matmuls
+far slower than float32 ones. This backend is one C++ call per fused projection: rows are grouped
+by slot inside the call, each slot's matrices are read once for all of its rows, and pools may be
+float32 or bfloat16 (widened in registers, so bf16 pools halve the bytes a decode step streams —
+which is what bounds many distinct adapters on a CPU). Math is float32.
+
+The source is compiled on first use with the system C++ compiler (``$CXX``, else ``c++``/``g++``),
+``-O3 -march=native``, into ``$LORASERVE_KERNEL_CACHE_DIR`` (default ``~/.cache/loraserve/kernels``),
+keyed by the source, jaxlib's version and this CPU's feature flags; later processes load the cached
+library. :func:`available` says whether that works here; without a compiler the worker's ``auto``
+backend falls back to ``xla``.
+
+Layout and semantics are DESIGN.md §6's, like ``reference``: ``x [T, in]``, ``A [S, in, R]``,
+``B [S, R, out]``, ``idx [T]`` (−1 = no adapter). CPU only: it does not lower for TPU or GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from kernels.shapes import ACC_DTYPE, check_expand, check_shrink, check_slices
+
+SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.cc"
+TARGETS = {
+    "loraserve_lora_add": "LoraAdd",
+    "loraserve_lora_shrink": "LoraShrink",
+    "loraserve_lora_expand": "LoraExpand",
+}
+POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+class CpuKernelUnavailable(RuntimeError):
+    """The C++ kernels cannot be built or loaded here (no compiler, no jaxlib headers, ...)."""
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX", ""), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise CpuKernelUnavailable("no C++ compiler found (set CXX, or install g++)")
+
+
+def _cpu_flags() -> str:
+    """This CPU's feature flags: part of the cache key, since the library is built for -march=native."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("LORASERVE_KERNEL_CACHE_DIR") or Path.home() / ".cache" / "loraserve" / "kernels"
+    return Path(root)
+
+
+def _build() -> Path:
+    """Compile the kernels (or reuse the cached build); returns the shared library's path."""
+    import jaxlib
+
+    source = SOURCE.read_bytes()
+    cxx = _compiler()
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                source,
+                jaxlib.__version__.encode(),
+                _cpu_flags().encode(),
+                cxx.encode(),
+                *map(str.encode, flags),
+            ]
+        )
+    ).hexdigest()[:24]
+    lib = cache_dir() / f"lora_cpu-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    include = jax.ffi.include_dir()
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = Path(tmp) / lib.name
+        cmd = [cxx, *flags, "-I", include, str(SOURCE), "-o", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise CpuKernelUnavailable(
+                f"compiling {SOURCE.name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}"
+            )
+        os.replace(out, lib)  # atomic: concurrent builders each publish a complete file
+    return lib
+
+
+@functools.cache
+def _register() -> None:
+    lib = ctypes.cdll.LoadLibrary(str(_build()))
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+
+
+def ensure_registered() -> None:
+    """Build (first time), load and register the FFI targets; raises :class:`CpuKernelUnavailable`."""
+    try:
+        _register()
+    except CpuKernelUnavailable:
+        raise
+    except Exception as exc:  # a broken toolchain or library: report it the same way
+        raise CpuKernelUnavailable(f"loading the CPU LoRA kernels failed: {exc}") from exc
+
+
+@functools.cache
+def available() -> bool:
+    """True when the kernels build and load here and JAX runs on the CPU."""
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        ensure_registered()
+    except CpuKernelUnavailable:
+        return False
+    return True
+
+
+def _prepare(pool_dtype) -> None:
+    if jnp.dtype(pool_dtype) not in POOL_DTYPES:
+        raise ValueError(f"the cpu backend takes float32 or bfloat16 pools, got {jnp.dtype(pool_dtype)}")
+    ensure_registered()
+
+
+def _f32(a):
+    return a if a.dtype == ACC_DTYPE else a.astype(ACC_DTYPE)
+
+
+def lora_shrink(x, A, idx, *, out_dtype=None):  # [T, R]
+    check_shrink(x, A, idx)
+    _prepare(A.dtype)
+    call = jax.ffi.ffi_call(
+        "loraserve_lora_shrink", jax.ShapeDtypeStruct((x.shape[0], A.shape[2]), ACC_DTYPE)
+    )
+    return call(_f32(x), idx.astype(jnp.int32), A).astype(out_dtype or x.dtype)
+
+
+def lora_expand_slices(h, Bs: Sequence, idx, y):  # [T, sum(out_i)]
+    check_slices(h, Bs, idx, y)
+    _prepare(Bs[0].dtype)
+    if len({B.dtype for B in Bs}) != 1:
+        raise ValueError(f"all B pools must share one dtype, got {[str(B.dtype) for B in Bs]}")
+    call = jax.ffi.ffi_call("loraserve_lora_expand", jax.ShapeDtypeStruct(y.shape, ACC_DTYPE))
+    return call(_f32(y), _f32(h), idx.astype(jnp.int32), *Bs).astype(y.dtype)
+
+
+def lora_expand(h, B, idx, y):  # [T, out]
+    check_expand(h, B, idx, y)
+    return lora_expand_slices(h, (B,), idx, y)
+
+
+def add_lora_slices(y, x, A_cat, Bs: Sequence, idx):  # [T, sum(out_i)]
+    T, _, _, nR = check_shrink(x, A_cat, idx)
+    check_slices(jax.ShapeDtypeStruct((T, nR), ACC_DTYPE), Bs, idx, y)
+    _prepare(A_cat.dtype)
+    if any(B.dtype != A_cat.dtype for B in Bs):
+        raise ValueError("A and B pools must share one dtype")
+    call = jax.ffi.ffi_call(
+        "loraserve_lora_add", jax.ShapeDtypeStruct(y.shape, ACC_DTYPE), input_output_aliases={0: 0}
+    )
+    return call(_f32(y), _f32(x), idx.astype(jnp.int32), A_cat, *Bs).astype(y.dtype)
+
+
+def add_lora(y, x, A, B, idx):  # [T, out]
+    return add_lora_slices(y, x, A, (B,), idx)

@@ -1,0 +1,429 @@
+// Grouped multi-LoRA for CPUs, as XLA FFI custom calls (kernels/cpu.py builds and registers them).
+//
+// One call serves a whole batch: rows are grouped by slot (a counting sort over T <= a few hundred
+// rows), and each group reads its slot's matrices ONCE for all of its rows, so the work is what the
+// batch needs (Punica's BGMV for one row per slot, SGMV for many) and never the one-hot's S-fold
+// flops. Pools are DESIGN.md §6's layout, A [S, in, n*R] and n x B [S, R, out_i], in float32 or
+// bfloat16; activations, sums and results are float32. bf16 pools halve the bytes a decode step
+// streams, which is what bounds many distinct adapters on a CPU.
+//
+// Handlers (names as registered by kernels/cpu.py):
+//   loraserve_lora_add     (y [T, D], x [T, in], idx [T] i32, A, B_1..B_n) -> y + LoRA   [T, D]
+//   loraserve_lora_shrink  (x [T, in], idx [T] i32, A)                      -> x @ A[idx] [T, n*R]
+//   loraserve_lora_expand  (y [T, D], h [T, n*R], idx [T] i32, B_1..B_n)   -> y + h @ B  [T, D]
+// with D = sum(out_i); a row whose idx is outside [0, S) gets y (or zeros for shrink) unchanged.
+//
+// Parallelism: work items (a slot's rows, a range of output columns) go to XLA's intra-op thread
+// pool; the calling thread takes items too, so a busy pool only makes the call slower, never stuck.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using v8f = float __attribute__((vector_size(32)));
+using v8h = uint16_t __attribute__((vector_size(16)));
+using v8u = uint32_t __attribute__((vector_size(32)));
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) {  // bf16 -> f32: the bf16 bits are the high half of the f32 bits
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline v8f load8(const uint16_t* p) {
+#ifdef __AVX2__  // one vpmovzxwd + vpslld; GCC's generic lowering of the vector code below is slower
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<v8f>(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+#else
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  return reinterpret_cast<v8f>(__builtin_convertvector(h, v8u) << 16);
+#endif
+}
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
+
+constexpr int kMaxSlices = 8;
+
+struct Item {
+  int32_t slot;
+  int32_t row_begin, row_end;  // into Problem::rows
+  int64_t lo, hi;              // output columns [lo, hi) of the D = sum(out_i) columns
+};
+
+template <class W>
+struct Problem {
+  int64_t T = 0, in = 0, nR = 0, R = 0, n = 0, D = 0;
+  const float* x = nullptr;     // [T, in]      (add, shrink)
+  const float* y = nullptr;     // [T, D]       (add, expand)
+  const float* h_in = nullptr;  // [T, nR]      (expand)
+  const W* A = nullptr;         // [S, in, nR]  (add, shrink)
+  const W* B[kMaxSlices] = {};  // [S, R, out_i] (add, expand)
+  int64_t out[kMaxSlices] = {}, off[kMaxSlices] = {};
+  float* h_out = nullptr;  // [T, nR] (shrink)
+  float* o = nullptr;      // [T, D]  (add, expand)
+  std::vector<int32_t> rows;
+  std::vector<Item> items;
+};
+
+// h[g, c:c+8NV] = x[row_g] @ A[:, c:c+8NV] for RB rows; A is one slot's [in, nR]. U interleaved
+// partial sums over k keep at least 8 independent FMA chains in flight.
+template <class W, int RB, int NV>
+void shrink_block(const W* A, int64_t in, int64_t nR, int64_t c, const float* const* xr, float* h) {
+  constexpr int U = RB * NV >= 8 ? 1 : (8 + RB * NV - 1) / (RB * NV);
+  v8f acc[U][RB][NV] = {};
+  int64_t k = 0;
+  for (; k + U <= in; k += U)
+    for (int u = 0; u < U; ++u)
+      for (int v = 0; v < NV; ++v) {
+        const v8f a = load8(A + (k + u) * nR + c + 8 * v);
+        for (int g = 0; g < RB; ++g) acc[u][g][v] += xr[g][k + u] * a;
+      }
+  for (; k < in; ++k)
+    for (int v = 0; v < NV; ++v) {
+      const v8f a = load8(A + k * nR + c + 8 * v);
+      for (int g = 0; g < RB; ++g) acc[0][g][v] += xr[g][k] * a;
+    }
+  for (int g = 0; g < RB; ++g)
+    for (int v = 0; v < NV; ++v) {
+      v8f sum = acc[0][g][v];
+      for (int u = 1; u < U; ++u) sum += acc[u][g][v];
+      store8(h + g * nR + c + 8 * v, sum);
+    }
+}
+
+template <class W, int RB>
+void shrink_rows(const Problem<W>& p, const W* A, const float* const* xr, float* h) {
+  if (RB <= 2 && p.nR % 8 == 0 && p.nR <= 64) {  // one pass over A, every column at once
+    switch (p.nR / 8) {
+      case 1: return shrink_block<W, RB, 1>(A, p.in, p.nR, 0, xr, h);
+      case 2: return shrink_block<W, RB, 2>(A, p.in, p.nR, 0, xr, h);
+      case 3: return shrink_block<W, RB, 3>(A, p.in, p.nR, 0, xr, h);
+      case 4: return shrink_block<W, RB, 4>(A, p.in, p.nR, 0, xr, h);
+      case 5: return shrink_block<W, RB, 5>(A, p.in, p.nR, 0, xr, h);
+      case 6: return shrink_block<W, RB, 6>(A, p.in, p.nR, 0, xr, h);
+      case 7: return shrink_block<W, RB, 7>(A, p.in, p.nR, 0, xr, h);
+      case 8: return shrink_block<W, RB, 8>(A, p.in, p.nR, 0, xr, h);
+    }
+  }
+  int64_t c = 0;  // column blocks of 16 (then 8, then 1); later passes over A hit the cache
+  for (; c + 16 <= p.nR; c += 16) shrink_block<W, RB, 2>(A, p.in, p.nR, c, xr, h);
+  for (; c + 8 <= p.nR; c += 8) shrink_block<W, RB, 1>(A, p.in, p.nR, c, xr, h);
+  for (; c < p.nR; ++c)
+    for (int g = 0; g < RB; ++g) {
+      float s = 0;
+      for (int64_t k = 0; k < p.in; ++k) s += xr[g][k] * widen(A[k * p.nR + c]);
+      h[g * p.nR + c] = s;
+    }
+}
+
+// h [G, nR] = the group's rows of x @ A[slot], four rows at a time
+template <class W>
+void shrink(const Problem<W>& p, const Item& it, float* h) {
+  const W* A = p.A + static_cast<int64_t>(it.slot) * p.in * p.nR;
+  const int G = it.row_end - it.row_begin;
+  const float* xr[4];
+  for (int g0 = 0; g0 < G;) {
+    const int rb = G - g0 >= 4 ? 4 : G - g0 >= 2 ? 2 : 1;
+    for (int g = 0; g < rb; ++g) xr[g] = p.x + static_cast<int64_t>(p.rows[it.row_begin + g0 + g]) * p.in;
+    float* hg = h + static_cast<int64_t>(g0) * p.nR;
+    if (rb == 4) shrink_rows<W, 4>(p, A, xr, hg);
+    else if (rb == 2) shrink_rows<W, 2>(p, A, xr, hg);
+    else shrink_rows<W, 1>(p, A, xr, hg);
+    g0 += rb;
+  }
+}
+
+// o[row_g, c0:c0+8NV] = y + h[g, slice] @ B[:, col:col+8NV] for RB rows; B is one slot's [R, out]
+template <class W, int RB, int NV>
+void expand_block(const Problem<W>& p, const W* B, int64_t out, int64_t col, int64_t c0,
+                  const float* const* hr, const int64_t* row) {
+  v8f acc[RB][NV] = {};
+  for (int64_t j = 0; j < p.R; ++j)
+    for (int v = 0; v < NV; ++v) {
+      const v8f b = load8(B + j * out + col + 8 * v);
+      for (int g = 0; g < RB; ++g) acc[g][v] += hr[g][j] * b;
+    }
+  for (int g = 0; g < RB; ++g)
+    for (int v = 0; v < NV; ++v) {
+      const int64_t at = row[g] * p.D + c0 + 8 * v;
+      store8(p.o + at, load8(p.y + at) + acc[g][v]);
+    }
+}
+
+template <class W, int RB>
+void expand_rows(const Problem<W>& p, int i, const W* B, int64_t lo, int64_t hi, const float* const* hr,
+                 const int64_t* row) {
+  constexpr int NV = RB == 1 ? 8 : 4;  // 8 accumulators either way
+  const int64_t out = p.out[i], off = p.off[i];
+  int64_t c = lo;
+  for (; c + 8 * NV <= hi; c += 8 * NV) expand_block<W, RB, NV>(p, B, out, c - off, c, hr, row);
+  for (; c + 8 <= hi; c += 8) expand_block<W, RB, 1>(p, B, out, c - off, c, hr, row);
+  for (; c < hi; ++c)
+    for (int g = 0; g < RB; ++g) {
+      float s = 0;
+      for (int64_t j = 0; j < p.R; ++j) s += hr[g][j] * widen(B[j * out + c - off]);
+      p.o[row[g] * p.D + c] = p.y[row[g] * p.D + c] + s;
+    }
+}
+
+template <class W>
+void expand(const Problem<W>& p, const Item& it, const float* h) {
+  const int G = it.row_end - it.row_begin;
+  const float* hr[2];
+  int64_t row[2];
+  for (int i = 0; i < p.n; ++i) {
+    const int64_t lo = std::max(it.lo, p.off[i]), hi = std::min(it.hi, p.off[i] + p.out[i]);
+    if (lo >= hi) continue;
+    const W* B = p.B[i] + static_cast<int64_t>(it.slot) * p.R * p.out[i];
+    for (int g0 = 0; g0 < G;) {
+      const int rb = G - g0 >= 2 ? 2 : 1;
+      for (int g = 0; g < rb; ++g) {
+        hr[g] = h + static_cast<int64_t>(g0 + g) * p.nR + i * p.R;
+        row[g] = p.rows[it.row_begin + g0 + g];
+      }
+      if (rb == 2) expand_rows<W, 2>(p, i, B, lo, hi, hr, row);
+      else expand_rows<W, 1>(p, i, B, lo, hi, hr, row);
+      g0 += rb;
+    }
+  }
+}
+
+template <class W>
+void run_item(const Problem<W>& p, const Item& it, std::vector<float>& scratch) {
+  const int G = it.row_end - it.row_begin;
+  const float* h;
+  if (p.h_in != nullptr) {  // expand only: the group's rows of h, contiguous
+    scratch.resize(static_cast<size_t>(G) * p.nR);
+    for (int g = 0; g < G; ++g)
+      std::memcpy(scratch.data() + g * p.nR, p.h_in + static_cast<int64_t>(p.rows[it.row_begin + g]) * p.nR,
+                  sizeof(float) * p.nR);
+    h = scratch.data();
+  } else {
+    scratch.resize(static_cast<size_t>(G) * p.nR);
+    shrink(p, it, scratch.data());
+    h = scratch.data();
+  }
+  if (p.h_out != nullptr) {  // shrink only
+    for (int g = 0; g < G; ++g)
+      std::memcpy(p.h_out + static_cast<int64_t>(p.rows[it.row_begin + g]) * p.nR, h + g * p.nR,
+                  sizeof(float) * p.nR);
+    return;
+  }
+  expand(p, it, h);
+}
+
+// Group rows by slot, copy (or zero) the rows without one, cut the groups into work items, run them.
+template <class W>
+ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Problem<W>> p, const int32_t* idx, int64_t S) {
+  std::vector<int32_t> start(S + 1, 0);
+  for (int64_t t = 0; t < p->T; ++t) {
+    const int32_t s = idx[t];
+    if (s >= 0 && s < S) {
+      ++start[s + 1];
+    } else if (p->h_out != nullptr) {
+      std::memset(p->h_out + t * p->nR, 0, sizeof(float) * p->nR);
+    } else if (p->o != p->y) {
+      std::memcpy(p->o + t * p->D, p->y + t * p->D, sizeof(float) * p->D);
+    }
+  }
+  for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
+  p->rows.resize(start[S]);
+  std::vector<int32_t> fill(start.begin(), start.end() - 1);
+  for (int64_t t = 0; t < p->T; ++t) {
+    const int32_t s = idx[t];
+    if (s >= 0 && s < S) p->rows[fill[s]++] = static_cast<int32_t>(t);
+  }
+  int64_t groups = 0;
+  for (int64_t s = 0; s < S; ++s) groups += start[s + 1] > start[s];
+  if (groups == 0) return ffi::Error::Success();
+
+  // Fewer groups than threads (e.g. one adapter for the whole batch): split the output columns so
+  // every thread streams a share of B; each share recomputes its group's small shrink.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  int64_t chunks = 1;
+  if (p->h_out == nullptr && groups < threads)
+    chunks = std::min<int64_t>((threads + groups - 1) / groups, std::max<int64_t>(1, p->D / 256));
+  const int64_t step = chunks == 1 ? std::max<int64_t>(p->D, 1) : ((p->D + chunks - 1) / chunks + 63) / 64 * 64;
+  for (int64_t s = 0; s < S; ++s) {
+    if (start[s + 1] == start[s]) continue;
+    for (int64_t lo = 0; lo < std::max<int64_t>(p->D, 1); lo += step)
+      p->items.push_back({static_cast<int32_t>(s), start[s], start[s + 1], lo, std::min(p->D, lo + step)});
+  }
+
+  struct Progress {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto progress = std::make_shared<Progress>();
+  const int64_t n_items = static_cast<int64_t>(p->items.size());
+  auto work = [p, progress, n_items]() {
+    std::vector<float> scratch;
+    for (int64_t k; (k = progress->next.fetch_add(1)) < n_items;) {
+      run_item(*p, p->items[k], scratch);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 1; i < std::min(threads, n_items); ++i) pool.Schedule(decltype(work)(work));
+  work();
+  // Only items another thread has already claimed can be outstanding here.
+  while (progress->done.load(std::memory_order_acquire) < n_items) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+bool is_f32(const ffi::AnyBuffer& b) { return b.element_type() == ffi::DataType::F32; }
+bool is_pool(const ffi::AnyBuffer& b) {
+  return b.element_type() == ffi::DataType::F32 || b.element_type() == ffi::DataType::BF16;
+}
+
+// Reads the B pools (n of them, same S, same R, same dtype as `like`) into p; D = sum(out_i).
+template <class W>
+ffi::Error ReadBs(const ffi::RemainingArgs& bs, ffi::DataType like, int64_t S, Problem<W>& p) {
+  p.n = static_cast<int64_t>(bs.size());
+  if (p.n < 1 || p.n > kMaxSlices) return ffi::Error::InvalidArgument("lora: between 1 and 8 B pools");
+  int64_t off = 0;
+  for (int64_t i = 0; i < p.n; ++i) {
+    auto b = bs.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return ffi::Error::InvalidArgument("lora: a B pool is not a buffer");
+    auto d = b->dimensions();
+    if (d.size() != 3 || d[0] != S || b->element_type() != like || (i > 0 && d[1] != p.R))
+      return ffi::Error::InvalidArgument("lora: B pools must be [S, R, out] with A's S and dtype");
+    p.R = d[1];
+    p.B[i] = reinterpret_cast<const W*>(b->untyped_data());
+    p.out[i] = d[2];
+    p.off[i] = off;
+    off += d[2];
+  }
+  p.D = off;
+  return ffi::Error::Success();
+}
+
+template <class W>
+ffi::Error AddImpl(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer x, ffi::AnyBuffer idx, ffi::AnyBuffer A,
+                   ffi::RemainingArgs bs, ffi::Result<ffi::AnyBuffer> out) {
+  auto p = std::make_shared<Problem<W>>();
+  auto yd = y.dimensions(), xd = x.dimensions(), ad = A.dimensions();
+  if (yd.size() != 2 || xd.size() != 2 || ad.size() != 3 || idx.dimensions().size() != 1 || !is_f32(y) ||
+      !is_f32(x) || idx.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument("lora_add: y [T, D] f32, x [T, in] f32, idx [T] i32, A [S, in, nR]");
+  if (auto e = ReadBs(bs, A.element_type(), ad[0], *p); e.failure()) return e;
+  p->T = yd[0];
+  p->in = xd[1];
+  p->nR = ad[2];
+  if (xd[0] != p->T || idx.dimensions()[0] != p->T || ad[1] != p->in || p->nR != p->n * p->R || yd[1] != p->D)
+    return ffi::Error::InvalidArgument("lora_add: shapes do not line up");
+  p->y = static_cast<const float*>(y.untyped_data());
+  p->x = static_cast<const float*>(x.untyped_data());
+  p->A = static_cast<const W*>(A.untyped_data());
+  p->o = static_cast<float*>(out->untyped_data());
+  return Run(pool, p, static_cast<const int32_t*>(idx.untyped_data()), ad[0]);
+}
+
+template <class W>
+ffi::Error ShrinkImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer idx, ffi::AnyBuffer A,
+                      ffi::Result<ffi::AnyBuffer> h) {
+  auto p = std::make_shared<Problem<W>>();
+  auto xd = x.dimensions(), ad = A.dimensions();
+  if (xd.size() != 2 || ad.size() != 3 || idx.dimensions().size() != 1 || !is_f32(x) ||
+      idx.element_type() != ffi::DataType::S32 || idx.dimensions()[0] != xd[0] || ad[1] != xd[1])
+    return ffi::Error::InvalidArgument("lora_shrink: x [T, in] f32, idx [T] i32, A [S, in, R]");
+  p->T = xd[0];
+  p->in = xd[1];
+  p->nR = ad[2];
+  p->x = static_cast<const float*>(x.untyped_data());
+  p->A = static_cast<const W*>(A.untyped_data());
+  p->h_out = static_cast<float*>(h->untyped_data());
+  return Run(pool, p, static_cast<const int32_t*>(idx.untyped_data()), ad[0]);
+}
+
+template <class W>
+ffi::Error ExpandImpl(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer h, ffi::AnyBuffer idx,
+                      ffi::RemainingArgs bs, ffi::Result<ffi::AnyBuffer> out, ffi::DataType pool_type) {
+  auto p = std::make_shared<Problem<W>>();
+  auto yd = y.dimensions(), hd = h.dimensions();
+  if (yd.size() != 2 || hd.size() != 2 || idx.dimensions().size() != 1 || !is_f32(y) || !is_f32(h) ||
+      idx.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument("lora_expand: y [T, D] f32, h [T, nR] f32, idx [T] i32");
+  auto b0 = bs.get<ffi::AnyBuffer>(0);
+  if (!b0.has_value() || b0->dimensions().size() != 3)
+    return ffi::Error::InvalidArgument("lora_expand: B pools must be [S, R, out]");
+  const int64_t S = b0->dimensions()[0];
+  if (auto e = ReadBs(bs, pool_type, S, *p); e.failure()) return e;
+  p->T = yd[0];
+  p->nR = hd[1];
+  if (hd[0] != p->T || idx.dimensions()[0] != p->T || p->nR != p->n * p->R || yd[1] != p->D)
+    return ffi::Error::InvalidArgument("lora_expand: shapes do not line up");
+  p->y = static_cast<const float*>(y.untyped_data());
+  p->h_in = static_cast<const float*>(h.untyped_data());
+  p->o = static_cast<float*>(out->untyped_data());
+  return Run(pool, p, static_cast<const int32_t*>(idx.untyped_data()), S);
+}
+
+// dtype dispatch: float32 or bfloat16 pools
+ffi::Error Add(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer x, ffi::AnyBuffer idx, ffi::AnyBuffer A,
+               ffi::RemainingArgs bs, ffi::Result<ffi::AnyBuffer> out) {
+  if (!is_pool(A)) return ffi::Error::InvalidArgument("lora_add: pools must be float32 or bfloat16");
+  return is_f32(A) ? AddImpl<float>(pool, y, x, idx, A, bs, out) : AddImpl<uint16_t>(pool, y, x, idx, A, bs, out);
+}
+
+ffi::Error Shrink(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer idx, ffi::AnyBuffer A,
+                  ffi::Result<ffi::AnyBuffer> h) {
+  if (!is_pool(A)) return ffi::Error::InvalidArgument("lora_shrink: pools must be float32 or bfloat16");
+  return is_f32(A) ? ShrinkImpl<float>(pool, x, idx, A, h) : ShrinkImpl<uint16_t>(pool, x, idx, A, h);
+}
+
+ffi::Error Expand(ffi::ThreadPool pool, ffi::AnyBuffer y, ffi::AnyBuffer h, ffi::AnyBuffer idx,
+                  ffi::RemainingArgs bs, ffi::Result<ffi::AnyBuffer> out) {
+  auto b0 = bs.get<ffi::AnyBuffer>(0);
+  if (!b0.has_value() || !is_pool(*b0))
+    return ffi::Error::InvalidArgument("lora_expand: pools must be float32 or bfloat16");
+  const auto type = b0->element_type();
+  return is_f32(*b0) ? ExpandImpl<float>(pool, y, h, idx, bs, out, type)
+                     : ExpandImpl<uint16_t>(pool, y, h, idx, bs, out, type);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LoraAdd, Add,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // y
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // idx
+                                  .Arg<ffi::AnyBuffer>()  // A
+                                  .RemainingArgs()        // B_1..B_n
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LoraShrink, Shrink,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // idx
+                                  .Arg<ffi::AnyBuffer>()  // A
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LoraExpand, Expand,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // y
+                                  .Arg<ffi::AnyBuffer>()  // h
+                                  .Arg<ffi::AnyBuffer>()  // idx
+                                  .RemainingArgs()        // B_1..B_n
+                                  .Ret<ffi::AnyBuffer>());
