@@ -16,6 +16,7 @@ from kernels.api import (
     lora_expand_slices,
     lora_shrink,
     lora_shrink_sgmv,
+    resolve_backend,
 )
 from kernels.sgmv import segments_to_idx
 
@@ -31,5 +32,6 @@ __all__ = [
     "lora_expand_slices",
     "lora_shrink",
     "lora_shrink_sgmv",
+    "resolve_backend",
     "segments_to_idx",
 ]

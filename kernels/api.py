@@ -27,6 +27,15 @@ BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu")
 _MODULES: dict[str, ModuleType] = {"reference": reference, "xla": xla, "pallas": pallas, "cpu": cpu}
 
 
+def resolve_backend(name: str) -> str:
+    """``"auto"`` -> the fastest backend here: ``cpu`` on a CPU where its C++ kernels build, else ``xla``
+    (TPUs included, until the Pallas kernels are proven on one); any other name is checked and returned."""
+    if name == "auto":
+        return "cpu" if cpu.available() else "xla"
+    backend_module(name)
+    return name
+
+
 def backend_module(backend: str) -> ModuleType:
     """The module implementing ``backend``; ``ValueError`` naming the choices for anything else."""
     try:

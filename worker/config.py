@@ -22,15 +22,28 @@ class EngineConfig:
     prefill_per_step: int = 2  # prompts admitted between two decode steps
     min_prefill_bucket: int = 16
     default_max_tokens: int = 16
-    kernel_backend: str = "xla"  # reference | xla | pallas
+    kernel_backend: str = "auto"  # auto | cpu | xla | pallas | reference (kernels.resolve_backend)
     dtype: str = "float32"
+    lora_dtype: str = ""  # slot pools: float32 | bfloat16; empty = dtype
 
     def __post_init__(self) -> None:
+        from kernels import BACKENDS
+
+        if self.kernel_backend not in ("auto", *BACKENDS):
+            raise ValueError(f"kernel_backend must be auto or one of {BACKENDS}, got {self.kernel_backend!r}")
+        for name in ("dtype", "lora_dtype"):
+            value = getattr(self, name)
+            if value not in ("float32", "bfloat16") and not (name == "lora_dtype" and value == ""):
+                raise ValueError(f"{name} must be float32 or bfloat16, got {value!r}")
         for name in ("max_batch_size", "max_seq_len", "max_loras", "max_lora_rank", "prefill_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_seq_len < 2:
             raise ValueError("max_seq_len must be >= 2")
+
+    @property
+    def pool_dtype(self) -> str:
+        return self.lora_dtype or self.dtype
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Token-count buckets for prefill: powers of two from min_prefill_bucket, capped by max_seq_len."""
@@ -92,8 +105,9 @@ class WorkerConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int = 16
     max_waiting: int = 256
-    kernel_backend: str = "xla"
+    kernel_backend: str = "auto"
     dtype: str = "float32"
+    lora_dtype: str = ""  # slot pools; empty = dtype
     compilation_cache_dir: str = ""  # JAX persistent compilation cache: restarts warm up from disk
 
     @classmethod
@@ -110,4 +124,5 @@ class WorkerConfig:
             max_waiting=self.max_waiting,
             kernel_backend=self.kernel_backend,
             dtype=self.dtype,
+            lora_dtype=self.lora_dtype,
         )

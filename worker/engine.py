@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import kernels
 from worker import model as M
 from worker.adapters import AdapterError, parse_adapter
 from worker.checkpoint import Checkpoint
@@ -92,14 +93,18 @@ class Engine:
         self.params = checkpoint.params
         self.source: AdapterSource = source or LocalAdapterSource()
         dtype = jnp.dtype(config.dtype)
+        self.backend = backend = kernels.resolve_backend(config.kernel_backend)
+        log.info(
+            "multi-LoRA kernels: %s (%s), slot pools %s", backend, config.kernel_backend, config.pool_dtype
+        )
         self.table = SlotTable(config.max_loras)
-        self.pools = SlotPools(cfg, config.max_loras, config.max_lora_rank, dtype, config.kernel_backend)
+        pool_dtype = jnp.dtype(config.pool_dtype)
+        self.pools = SlotPools(cfg, config.max_loras, config.max_lora_rank, pool_dtype, backend)
         self.host_tier = HostTier(config.max_cpu_loras)
         self.cache = M.init_cache(cfg, config.max_batch_size, config.max_seq_len, dtype)
         self.inv_freq = jnp.asarray(cfg.inv_freq(), jnp.float32)
         self.eos_ids = frozenset(cfg.eos_token_ids)
         self.buckets = config.prefill_buckets()
-        backend = config.kernel_backend
         self._prefill = jax.jit(partial(_prefill_sample, cfg, backend), donate_argnums=(6,))
         self._decode = jax.jit(partial(_decode_sample, cfg, backend), donate_argnums=(5,))
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -200,7 +205,7 @@ class Engine:
         b = self.config.max_batch_size
         zeros = np.zeros(b, np.int32)
         # one decode compilation per LoRA grouping variant (M.lora_plan picks one per step)
-        for plan in M.warmup_plans(b, self.config.max_loras, self.config.kernel_backend):
+        for plan in M.warmup_plans(b, self.config.max_loras, self.backend):
             out, self.cache = self._decode(
                 self.params,
                 self.pools.pools,
@@ -467,7 +472,7 @@ class Engine:
             self.pools.pools,
             tokens,
             positions,
-            M.lora_plan(slots, self.config.max_loras, self.config.kernel_backend),
+            M.lora_plan(slots, self.config.max_loras, self.backend),
             self.cache,
             self.inv_freq,
             samp.as_tuple(),

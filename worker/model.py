@@ -174,6 +174,8 @@ def add_lora_one_slot(
 
     Semantics: ``y + x @ A[slot] @ B[slot]`` per fused slice, or ``y`` when slot is -1.
     """
+    if backend == "cpu":  # the kernel groups the rows itself: all T in one slot's group
+        return kernels.add_lora_slices(y, x, a, bs, jnp.full(x.shape[:1], slot, jnp.int32), backend="cpu")
     take = jnp.maximum(slot, 0)
     if weights_first(backend):
         a_s = jax.lax.dynamic_index_in_dim(a, take, axis=0, keepdims=False)  # [n*R, in]
@@ -246,7 +248,7 @@ def decode(
 
 def weights_first(backend: str) -> bool:
     """Pool layout. True for the XLA backend: ``A_t [S, n*R, in]``, ``B_t [S, out, R]`` (Hugging Face's LoRA
-    layout with a slot axis; see ``kernels.grouped``). False for reference and Pallas: ``A [S, in, n*R]``,
+    layout with a slot axis; see ``kernels.grouped``). False for cpu, reference and Pallas: ``A [S, in, n*R]``,
     ``B [S, R, out]`` (DESIGN.md §6)."""
     return backend == "xla"
 

@@ -35,6 +35,14 @@ def test_engine_config_validation_and_buckets() -> None:
     assert EngineConfig(max_seq_len=64).prefill_buckets() == (16, 32, 64)
     with pytest.raises(ValueError):
         EngineConfig(max_loras=0)
+    with pytest.raises(ValueError, match="kernel_backend must be auto or one of"):
+        EngineConfig(kernel_backend="cuda")
+    with pytest.raises(ValueError, match="lora_dtype must be float32 or bfloat16"):
+        EngineConfig(lora_dtype="float16")
+    assert EngineConfig().pool_dtype == "float32"  # pools follow the model dtype unless told
+    assert EngineConfig(dtype="bfloat16").pool_dtype == "bfloat16"
+    cfg = WorkerConfig.from_env({"LORASERVE_WORKER_LORA_DTYPE": "bfloat16"})
+    assert cfg.engine_config().pool_dtype == "bfloat16"
 
 
 def test_compilation_cache_dir_flag_stores_compiled_programs(tmp_path) -> None:

@@ -7,6 +7,7 @@ import uuid
 
 import pytest
 
+import kernels
 from kernels.testing import count_compilations
 from worker.checkpoint import load_checkpoint
 from worker.config import EngineConfig
@@ -160,8 +161,13 @@ def test_too_large_adapter_fails_precondition(llama_dir, adapter_dirs) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend", "lora_dtype"),
+    [("auto", ""), ("xla", ""), ("cpu", "bfloat16")],
+    ids=["auto", "xla-grouped", "cpu-bf16-pools"],
+)
 def test_no_compilation_after_warmup_over_200_requests_20_adapters_4_slots(
-    llama_dir, adapter_dirs, tmp_path
+    llama_dir, adapter_dirs, tmp_path, backend: str, lora_dtype: str
 ) -> None:
     src = LocalAdapterSource()
     names = list(adapter_dirs)
@@ -169,9 +175,18 @@ def test_no_compilation_after_warmup_over_200_requests_20_adapters_4_slots(
         src.register(f"a{i}", str(adapter_dirs[names[i % len(names)]]))
     eng = Engine(
         load_checkpoint(str(llama_dir)),
-        EngineConfig(max_batch_size=8, max_seq_len=64, max_loras=4, max_lora_rank=16, max_cpu_loras=0),
+        EngineConfig(
+            max_batch_size=8,
+            max_seq_len=64,
+            max_loras=4,
+            max_lora_rank=16,
+            max_cpu_loras=0,
+            kernel_backend=backend,
+            lora_dtype=lora_dtype,
+        ),
         source=src,
     )
+    assert eng.backend == kernels.resolve_backend(backend)
     eng.start()
     try:
         with count_compilations() as count:
