@@ -120,14 +120,26 @@ def engine_rates(runs: list[tuple[float, float]], w: dict) -> dict[str, float]:
 
 def _report(name: str, r: dict[str, float]) -> None:
     print(
-        f"{name:28s} decode {r['decode_tok_s']:8.1f} tok/s  e2e {r['e2e_tok_s']:8.1f} tok/s  "
+        f"{name:56s} decode {r['decode_tok_s']:8.1f} tok/s  e2e {r['e2e_tok_s']:8.1f} tok/s  "
         f"step {r['step_ms']:7.2f} ms",
         flush=True,
     )
 
 
-def run_engine(base: Path, adapters: list[Path], w: dict, rounds: int) -> dict[str, dict[str, float]]:
-    """loraserve's engine for base-only, 1 adapter and len(adapters) distinct adapters."""
+# Engine configurations run in the same script: (kernel_backend, lora_dtype) and the suffix of their keys.
+ENGINES = {"": ("auto", ""), "_bf16_pools": ("auto", "bfloat16"), "_xla": ("xla", "")}
+
+
+def run_engine(
+    base: Path,
+    adapters: list[Path],
+    w: dict,
+    rounds: int,
+    backend: str = "auto",
+    lora_dtype: str = "",
+    ttft: bool = True,
+) -> dict[str, dict[str, float]]:
+    """loraserve's engine for base-only, 1 adapter and len(adapters) distinct adapters (+ TTFTs)."""
     from worker.checkpoint import load_checkpoint
     from worker.config import EngineConfig
     from worker.engine import Engine
@@ -145,8 +157,11 @@ def run_engine(base: Path, adapters: list[Path], w: dict, rounds: int) -> dict[s
         prefill_per_step=w["batch"],
         min_prefill_bucket=w["prompt"],
         max_cpu_loras=0,  # every load reads the local store: the cold TTFT below is really cold
+        kernel_backend=backend,
+        lora_dtype=lora_dtype,
     )
     engine = Engine(load_checkpoint(str(base)), cfg, source=src)
+    label = f"loraserve[{engine.backend}, {cfg.pool_dtype} pools]"
     engine.start()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, w["vocab_size"], w["prompt"]).tolist() for _ in range(w["batch"])]
@@ -193,9 +208,10 @@ def run_engine(base: Path, adapters: list[Path], w: dict, rounds: int) -> dict[s
     for name, mix in mixes.items():
         one_round(mix, 2)  # loads the adapters before timing
         out[name] = engine_rates([one_round(mix, w["new"]) for _ in range(rounds)], w)
-        _report(f"loraserve {name}", out[name])
-    out["ttft"] = cold_vs_warm_ttft(engine, prompts[0], len(adapters))
-    print(f"TTFT warm {out['ttft']['warm_ms']:.1f} ms, cold {out['ttft']['cold_ms']:.1f} ms", flush=True)
+        _report(f"{label} {name}", out[name])
+    if ttft:
+        out["ttft"] = cold_vs_warm_ttft(engine, prompts[0], len(adapters))
+        print(f"TTFT warm {out['ttft']['warm_ms']:.1f} ms, cold {out['ttft']['cold_ms']:.1f} ms", flush=True)
     engine.stop()
     return out
 
@@ -284,15 +300,15 @@ def machine_peaks() -> dict[str, float]:
     return {"peak_gflops": gflops, "peak_gbs": gbs}
 
 
-def lora_bytes(w: dict) -> int:
-    """Bytes of the f32 slot pools one decode step must read: every adapter in the batch, all 7 modules."""
+def lora_bytes(w: dict, itemsize: int = 4) -> int:
+    """Bytes of the slot pools one decode step must read: every adapter in the batch, all 7 modules."""
     h, i, L = w["hidden_size"], w["intermediate_size"], w["num_hidden_layers"]
     kv = h // w["num_attention_heads"] * w["num_key_value_heads"]
     per_adapter = L * w["rank"] * ((h + h) + (h + kv) * 2 + (h + h) + (h + i) * 2 + (i + h))
-    return 4 * min(w["batch"], w["adapters"]) * per_adapter
+    return itemsize * min(w["batch"], w["adapters"]) * per_adapter
 
 
-def roofline_ms(w: dict, peaks: dict[str, float]) -> float:
+def roofline_ms(w: dict, peaks: dict[str, float], pool_itemsize: int = 4) -> float:
     """Lower bound of one decode step: max(flops / peak, bytes / bandwidth), LoRA and KV cache included."""
     h, i, L, v = w["hidden_size"], w["intermediate_size"], w["num_hidden_layers"], w["vocab_size"]
     kv = h // w["num_attention_heads"] * w["num_key_value_heads"]
@@ -301,15 +317,17 @@ def roofline_ms(w: dict, peaks: dict[str, float]) -> float:
     lora_per_adapter = lora_bytes({**w, "batch": 1, "adapters": 1}) // 4
     seq = w["prompt"] + w["new"] // 2
     flops = 2 * w["batch"] * (weights + lora_per_adapter) + 4 * w["batch"] * L * seq * h
-    bytes_ = 4 * (weights + 2 * w["batch"] * L * seq * kv) + lora_bytes(w)
+    bytes_ = 4 * (weights + 2 * w["batch"] * L * seq * kv) + lora_bytes(w, pool_itemsize)
     return 1000 * max(flops / (peaks["peak_gflops"] * 1e9), bytes_ / (peaks["peak_gbs"] * 1e9))
 
 
-def adapter_ratio_bound(base_step_ms: float, w: dict, peaks: dict[str, float]) -> float:
+def adapter_ratio_bound(
+    base_step_ms: float, w: dict, peaks: dict[str, float], pool_itemsize: int = 4
+) -> float:
     """The best distinct-adapters / base decode ratio this machine allows when the adapters' work runs
     after the base model's (as XLA:CPU schedules it): the measured base step, plus reading the batch's
-    f32 slot pools once at the measured peak bandwidth (their flops are negligible)."""
-    return base_step_ms / (base_step_ms + 1000 * lora_bytes(w) / (peaks["peak_gbs"] * 1e9))
+    slot pools once at the measured peak bandwidth (their flops are negligible)."""
+    return base_step_ms / (base_step_ms + 1000 * lora_bytes(w, pool_itemsize) / (peaks["peak_gbs"] * 1e9))
 
 
 def main() -> None:
@@ -325,10 +343,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         base, adapters = build(Path(tmp), w)
         peaks = machine_peaks()
-        ours = run_engine(base, adapters, w, args.rounds)
+        ours: dict[str, dict[str, float]] = {}
+        for suffix, (backend, lora_dtype) in ENGINES.items():
+            runs = run_engine(base, adapters, w, args.rounds, backend, lora_dtype, ttft=not suffix)
+            ours.update({name + suffix: r for name, r in runs.items()})
         peers = {} if args.skip_hf else run_hf(base, adapters, w, args.rounds)
-    roof = roofline_ms(w, peaks)
     ttft = ours.pop("ttft")
+    roof = roofline_ms(w, peaks)
+    roof_bf16 = roofline_ms(w, peaks, pool_itemsize=2)
     allruns = {**ours, **peers}
     dec = {k: v["decode_tok_s"] for k, v in allruns.items()}
     result = {
@@ -343,20 +365,29 @@ def main() -> None:
         "ttft_ms": {"warm": round(ttft["warm_ms"], 1), "cold": round(ttft["cold_ms"], 1)},
         "roofline_step_ms": round(roof, 2),
         "roofline_fraction": round(roof / ours["distinct_adapters"]["step_ms"], 3),
+        "roofline_fraction_bf16_pools": round(roof_bf16 / ours["distinct_adapters_bf16_pools"]["step_ms"], 3),
         "ratios": {
             "distinct_adapters_vs_base": round(dec["distinct_adapters"] / dec["base"], 3),
             "distinct_adapters_vs_base_bound": round(
                 adapter_ratio_bound(ours["base"]["step_ms"], w, peaks), 3
             ),
+            "distinct_adapters_bf16_pools_vs_base": round(
+                dec["distinct_adapters_bf16_pools"] / dec["base_bf16_pools"], 3
+            ),
+            "distinct_adapters_bf16_pools_vs_base_bound": round(
+                adapter_ratio_bound(ours["base_bf16_pools"]["step_ms"], w, peaks, pool_itemsize=2), 3
+            ),
+            "distinct_adapters_xla_vs_base": round(dec["distinct_adapters_xla"] / dec["base_xla"], 3),
             "one_adapter_vs_base": round(dec["one_adapter"] / dec["base"], 3),
             "cold_vs_warm_ttft": round(ttft["ratio"], 2),
         },
         **{k: round(v, 1) for k, v in peaks.items()},
     }
     if peers:
-        result["ratios"]["distinct_adapters_vs_peft_mixed"] = round(
-            dec["distinct_adapters"] / dec["peft_mixed"], 2
-        )
+        for suffix in ENGINES:
+            result["ratios"][f"distinct_adapters{suffix}_vs_peft_mixed"] = round(
+                dec["distinct_adapters" + suffix] / dec["peft_mixed"], 2
+            )
         result["ratios"]["base_vs_transformers"] = round(dec["base"] / dec["hf_base"], 2)
         result["ratios"]["e2e_distinct_adapters_vs_peft_mixed"] = round(
             allruns["distinct_adapters"]["e2e_tok_s"] / allruns["peft_mixed"]["e2e_tok_s"], 2

@@ -23,13 +23,12 @@ def _last_json(args: list[str]) -> dict:
 def test_decode_bench_tiny_prints_its_json_last() -> None:
     result = _last_json(["bench/decode.py", "--tiny", "--rounds", "1"])
     assert result["bench"] == "decode"
-    assert set(result["decode_tok_s"]) == {
-        "base",
-        "one_adapter",
-        "distinct_adapters",
-        "hf_base",
-        "peft_mixed",
+    engines = {
+        f"{mix}{suffix}"
+        for mix in ("base", "one_adapter", "distinct_adapters")
+        for suffix in ("", "_bf16_pools", "_xla")
     }
+    assert set(result["decode_tok_s"]) == engines | {"hf_base", "peft_mixed"}
     assert all(v > 0 for v in result["decode_tok_s"].values())
     ratios = {
         "distinct_adapters_vs_base",
@@ -37,9 +36,14 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
         "base_vs_transformers",
         "cold_vs_warm_ttft",
         "distinct_adapters_vs_base_bound",
+        "distinct_adapters_bf16_pools_vs_base",
+        "distinct_adapters_bf16_pools_vs_base_bound",
+        "distinct_adapters_xla_vs_base",
+        "distinct_adapters_bf16_pools_vs_peft_mixed",
     }
     assert ratios <= set(result["ratios"])
     assert 0 < result["ratios"]["distinct_adapters_vs_base_bound"] < 1
+    assert 0 < result["ratios"]["distinct_adapters_bf16_pools_vs_base_bound"] < 1
     assert result["ttft_ms"]["cold"] > 0 and result["ttft_ms"]["warm"] > 0
 
 
