@@ -33,11 +33,11 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from kernels.shapes import ACC_DTYPE, check_expand, check_shrink, check_slices
+from kernels.shapes import ACC_DTYPE, check_expand, check_shrink, check_slices, valid_rows
 
 SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.cc"
 TARGETS = {
-    "loraserve_lora_add": "LoraAdd",
+    "loraserve_lora_delta": "LoraDelta",
     "loraserve_lora_shrink": "LoraShrink",
     "loraserve_lora_expand": "LoraExpand",
 }
@@ -154,13 +154,19 @@ def lora_shrink(x, A, idx, *, out_dtype=None):  # [T, R]
     return call(_f32(x), idx.astype(jnp.int32), A).astype(out_dtype or x.dtype)
 
 
+def _plus_delta(y, delta, idx, num_slots: int):
+    """``y + delta`` on the rows with an adapter, ``y`` bit for bit on the others (delta is f32)."""
+    out = (y.astype(ACC_DTYPE) + delta).astype(y.dtype)
+    return jnp.where(valid_rows(idx, num_slots)[:, None], out, y)
+
+
 def lora_expand_slices(h, Bs: Sequence, idx, y):  # [T, sum(out_i)]
     check_slices(h, Bs, idx, y)
     _prepare(Bs[0].dtype)
     if len({B.dtype for B in Bs}) != 1:
         raise ValueError(f"all B pools must share one dtype, got {[str(B.dtype) for B in Bs]}")
     call = jax.ffi.ffi_call("loraserve_lora_expand", jax.ShapeDtypeStruct(y.shape, ACC_DTYPE))
-    return call(_f32(y), _f32(h), idx.astype(jnp.int32), *Bs).astype(y.dtype)
+    return _plus_delta(y, call(_f32(h), idx.astype(jnp.int32), *Bs), idx, Bs[0].shape[0])
 
 
 def lora_expand(h, B, idx, y):  # [T, out]
@@ -169,15 +175,14 @@ def lora_expand(h, B, idx, y):  # [T, out]
 
 
 def add_lora_slices(y, x, A_cat, Bs: Sequence, idx):  # [T, sum(out_i)]
-    T, _, _, nR = check_shrink(x, A_cat, idx)
+    """The delta does not depend on y, so XLA may run the call while y's matmul still runs."""
+    T, _, S, nR = check_shrink(x, A_cat, idx)
     check_slices(jax.ShapeDtypeStruct((T, nR), ACC_DTYPE), Bs, idx, y)
     _prepare(A_cat.dtype)
     if any(B.dtype != A_cat.dtype for B in Bs):
         raise ValueError("A and B pools must share one dtype")
-    call = jax.ffi.ffi_call(
-        "loraserve_lora_add", jax.ShapeDtypeStruct(y.shape, ACC_DTYPE), input_output_aliases={0: 0}
-    )
-    return call(_f32(y), _f32(x), idx.astype(jnp.int32), A_cat, *Bs).astype(y.dtype)
+    call = jax.ffi.ffi_call("loraserve_lora_delta", jax.ShapeDtypeStruct(y.shape, ACC_DTYPE))
+    return _plus_delta(y, call(_f32(x), idx.astype(jnp.int32), A_cat, *Bs), idx, S)
 
 
 def add_lora(y, x, A, B, idx):  # [T, out]
