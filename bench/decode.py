@@ -331,9 +331,10 @@ def roofline_ms(w: dict, peaks: dict[str, float], pool_itemsize: int = 4) -> flo
 def adapter_ratio_bound(
     base_step_ms: float, w: dict, peaks: dict[str, float], pool_itemsize: int = 4
 ) -> float:
-    """The best distinct-adapters / base decode ratio this machine allows when the adapters' work runs
-    after the base model's (as XLA:CPU schedules it): the measured base step, plus reading the batch's
-    slot pools once at the measured peak bandwidth (their flops are negligible)."""
+    """The distinct-adapters / base decode ratio this machine allows if the adapters' work runs after
+    the base model's: the measured base step plus reading the batch's slot pools once at the measured
+    read bandwidth (their flops are negligible). The xla backend runs that way; the cpu backend's call
+    does not wait for the base matmul, XLA overlaps the two, and the ratio can beat this number."""
     return base_step_ms / (base_step_ms + 1000 * lora_bytes(w, pool_itemsize) / (peaks["peak_gbs"] * 1e9))
 
 
@@ -375,13 +376,13 @@ def main() -> None:
         "roofline_fraction_bf16_pools": round(roof_bf16 / ours["distinct_adapters_bf16_pools"]["step_ms"], 3),
         "ratios": {
             "distinct_adapters_vs_base": round(dec["distinct_adapters"] / dec["base"], 3),
-            "distinct_adapters_vs_base_bound": round(
+            "distinct_adapters_vs_base_serial_bound": round(
                 adapter_ratio_bound(ours["base"]["step_ms"], w, peaks), 3
             ),
             "distinct_adapters_bf16_pools_vs_base": round(
                 dec["distinct_adapters_bf16_pools"] / dec["base_bf16_pools"], 3
             ),
-            "distinct_adapters_bf16_pools_vs_base_bound": round(
+            "distinct_adapters_bf16_pools_vs_base_serial_bound": round(
                 adapter_ratio_bound(ours["base_bf16_pools"]["step_ms"], w, peaks, pool_itemsize=2), 3
             ),
             "distinct_adapters_xla_vs_base": round(dec["distinct_adapters_xla"] / dec["base_xla"], 3),

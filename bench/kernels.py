@@ -8,6 +8,8 @@ slots of rank R = 16, f32) it times, per token count T:
 * ``grouped``   — decode only: ``x @ W`` then ``kernels.grouped`` (rows grouped by slot on the host,
   weights-first pools: the worker's CPU decode path);
 * ``reference`` — ``x @ W`` then ``add_lora(..., backend="reference")`` (per-token gather);
+* ``cpu``, ``cpu_bf16`` — ``x @ W`` then ``add_lora(..., backend="cpu")`` with f32 / bf16 pools (the C++
+  kernels, the worker's default on CPUs; left out where they do not build);
 * ``sgmv``      — prefill only: ``x @ W`` then ``add_lora_sgmv`` (masked over G segments).
 
 Decode batches (T = 16, 32, 64) give every token its own adapter (``idx = t mod S``); prefill
@@ -105,6 +107,10 @@ def bench_shape(T: int, prefill: bool, weights, rng) -> dict:
         "xla": lambda: _with_lora("xla")(x, W, A, B, idx),
         "reference": lambda: _with_lora("reference")(x, W, A, B, idx),
     }
+    if kernels.cpu.available():
+        A16, B16 = A.astype(jnp.bfloat16), B.astype(jnp.bfloat16)
+        fns["cpu"] = lambda: _with_lora("cpu")(x, W, A, B, idx)
+        fns["cpu_bf16"] = lambda: _with_lora("cpu")(x, W, A16, B16, idx)
     if prefill:
         fns["sgmv"] = lambda: sgmv(x, W, A, B, seg_slots, seg_lens)
     else:
@@ -113,7 +119,7 @@ def bench_shape(T: int, prefill: bool, weights, rng) -> dict:
         fns["grouped"] = lambda: grouped(x, W, A_t, B_t, plan)
     row = {"T": T, "kind": "prefill" if prefill else "decode", "runs": runs}
     row.update({f"{name}_ms": ms for name, ms in median_ms(fns, runs).items()})
-    for name in ("xla", "reference", "sgmv", "grouped"):
+    for name in ("xla", "reference", "sgmv", "grouped", "cpu", "cpu_bf16"):
         if f"{name}_ms" in row:
             row[f"dense_over_{name}"] = round(row["dense_ms"] / row[f"{name}_ms"], 3)
     row["reference_over_xla"] = round(row["reference_ms"] / row["xla_ms"], 3)
@@ -143,6 +149,8 @@ def main() -> None:
                 extra = f"  sgmv {row['sgmv_ms']:8.3f} ms ({row['dense_over_sgmv']:.2f})"
             else:
                 extra = f"  grouped {row['grouped_ms']:8.3f} ms ({row['dense_over_grouped']:.2f})"
+            if "cpu_ms" in row:
+                extra += f"  cpu {row['cpu_ms']:8.3f} ms  cpu_bf16 {row['cpu_bf16_ms']:8.3f} ms"
             print(
                 f"{row['kind']:7s} T={T:5d}  dense {row['dense_ms']:8.3f} ms  "
                 f"xla {row['xla_ms']:8.3f} ms ({row['dense_over_xla']:.2f})  "
@@ -156,6 +164,17 @@ def main() -> None:
         "geomean_dense_over_xla_decode": _geomean(r["dense_over_xla"] for r in rows if r["kind"] == "decode"),
         "geomean_dense_over_grouped_decode": _geomean(
             r["dense_over_grouped"] for r in rows if r["kind"] == "decode"
+        ),
+        **(
+            {
+                f"geomean_dense_over_{name}_{kind}": _geomean(
+                    r[f"dense_over_{name}"] for r in rows if r["kind"] == kind
+                )
+                for name in ("cpu", "cpu_bf16")
+                for kind in ("decode", "prefill")
+            }
+            if "cpu_ms" in rows[0]
+            else {}
         ),
         "geomean_dense_over_sgmv_prefill": _geomean(
             r["dense_over_sgmv"] for r in rows if r["kind"] == "prefill"
