@@ -33,6 +33,8 @@ def resolve_backend(name: str) -> str:
     if name == "auto":
         return "cpu" if cpu.available() else "xla"
     backend_module(name)
+    if name == "cpu":
+        cpu.ensure_registered()  # CpuKernelUnavailable says why (no compiler, build error), now
     return name
 
 
