@@ -17,11 +17,14 @@ TPU backend compiles as well.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import kernels
 from kernels import grouped
@@ -261,13 +264,24 @@ def lora_plan(slots: Any, max_loras: int, backend: str) -> GroupPlan | None:
     """
     if weights_first(backend):
         return grouped.plan_groups(slots, max_loras)
-    return grouped.plan_groups(slots, max_loras, lights=(0,), single=False)
+    slots = np.asarray(slots, np.int32)
+    valid = (slots >= 0) & (slots < max_loras)
+    if not valid.any():
+        return None
+    # only plan.slots is read: the rest of the pytree is a constant already on the device
+    return dataclasses.replace(_placeholder_plan(slots.shape[0], max_loras), slots=np.where(valid, slots, -1))
+
+
+@functools.cache
+def _placeholder_plan(rows: int, max_loras: int) -> GroupPlan:
+    return jax.tree.map(jnp.asarray, grouped.empty_plan(rows, max_loras, 0, False))
 
 
 def warmup_plans(rows: int, max_loras: int, backend: str) -> list[GroupPlan | None]:
     """One plan per compiled decode variant: serving any batch after these never compiles."""
-    variants = grouped.VARIANTS if weights_first(backend) else ((0, False),)
-    return [None] + [grouped.empty_plan(rows, max_loras, j, single) for j, single in variants]
+    if not weights_first(backend):  # also puts lora_plan's constant part on the device, now
+        return [None, _placeholder_plan(rows, max_loras)]
+    return [None] + [grouped.empty_plan(rows, max_loras, j, single) for j, single in grouped.VARIANTS]
 
 
 def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, backend: str = "xla") -> Lora:
