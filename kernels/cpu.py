@@ -76,22 +76,14 @@ def _build() -> Path:
     import jaxlib
 
     source = SOURCE.read_bytes()
-    cxx = _compiler()
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
     key = hashlib.sha256(
-        b"\0".join(
-            [
-                source,
-                jaxlib.__version__.encode(),
-                _cpu_flags().encode(),
-                cxx.encode(),
-                *map(str.encode, flags),
-            ]
-        )
+        b"\0".join([source, jaxlib.__version__.encode(), _cpu_flags().encode(), *map(str.encode, flags)])
     ).hexdigest()[:24]
     lib = cache_dir() / f"lora_cpu-{key}.so"
-    if lib.exists():
+    if lib.exists():  # a cached build needs no compiler (e.g. an image built with one, run without)
         return lib
+    cxx = _compiler()
     lib.parent.mkdir(parents=True, exist_ok=True)
     include = jax.ffi.include_dir()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:

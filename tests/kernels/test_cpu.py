@@ -138,3 +138,10 @@ def test_without_a_compiler_the_backend_reports_unavailable(tmp_path) -> None:
     lines = out.stdout.splitlines()
     assert lines[0] == "False"
     assert lines[1].startswith("ERR no C++ compiler found")
+    # ... but a cached build is used without any compiler (an image built with one, run without)
+    cpu.ensure_registered()
+    env["LORASERVE_KERNEL_CACHE_DIR"] = str(cpu.cache_dir())
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.splitlines() == ["True"]
