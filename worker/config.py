@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import TypeVar
 
 T = TypeVar("T")
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,10 @@ class EngineConfig:
 
         if self.kernel_backend not in ("auto", *BACKENDS):
             raise ValueError(f"kernel_backend must be auto or one of {BACKENDS}, got {self.kernel_backend!r}")
-        for name in ("dtype", "lora_dtype"):
-            value = getattr(self, name)
-            if value not in ("float32", "bfloat16") and not (name == "lora_dtype" and value == ""):
-                raise ValueError(f"{name} must be float32 or bfloat16, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.lora_dtype not in ("", *DTYPES):
+            raise ValueError(f"lora_dtype must be float32 or bfloat16 (or empty), got {self.lora_dtype!r}")
         for name in ("max_batch_size", "max_seq_len", "max_loras", "max_lora_rank", "prefill_per_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -208,22 +208,17 @@ void expand(const Problem<W>& p, const Item& it, const float* h) {
 template <class W>
 void run_item(const Problem<W>& p, const Item& it, std::vector<float>& scratch) {
   const int G = it.row_end - it.row_begin;
-  const float* h;
-  if (p.h_in != nullptr) {  // expand only: the group's rows of h, contiguous
-    scratch.resize(static_cast<size_t>(G) * p.nR);
+  scratch.resize(static_cast<size_t>(G) * p.nR);  // h [G, nR] of the group's rows
+  float* h = scratch.data();
+  if (p.h_in != nullptr) {  // expand only: gather the group's rows of h
     for (int g = 0; g < G; ++g)
-      std::memcpy(scratch.data() + g * p.nR, p.h_in + static_cast<int64_t>(p.rows[it.row_begin + g]) * p.nR,
-                  sizeof(float) * p.nR);
-    h = scratch.data();
+      std::memcpy(h + g * p.nR, p.h_in + static_cast<int64_t>(p.rows[it.row_begin + g]) * p.nR, sizeof(float) * p.nR);
   } else {
-    scratch.resize(static_cast<size_t>(G) * p.nR);
-    shrink(p, it, scratch.data());
-    h = scratch.data();
+    shrink(p, it, h);
   }
-  if (p.h_out != nullptr) {  // shrink only
+  if (p.h_out != nullptr) {  // shrink only: scatter h back to the rows
     for (int g = 0; g < G; ++g)
-      std::memcpy(p.h_out + static_cast<int64_t>(p.rows[it.row_begin + g]) * p.nR, h + g * p.nR,
-                  sizeof(float) * p.nR);
+      std::memcpy(p.h_out + static_cast<int64_t>(p.rows[it.row_begin + g]) * p.nR, h + g * p.nR, sizeof(float) * p.nR);
     return;
   }
   expand(p, it, h);
@@ -353,7 +348,7 @@ ffi::Error ShrinkImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer idx
 
 template <class W>
 ffi::Error ExpandImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::AnyBuffer idx, ffi::RemainingArgs bs,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::DataType pool_type) {
+                      ffi::Result<ffi::AnyBuffer> out) {
   auto p = std::make_shared<Problem<W>>();
   auto hd = h.dimensions(), od = out->dimensions();
   if (hd.size() != 2 || idx.dimensions().size() != 1 || !is_f32(h) || idx.element_type() != ffi::DataType::S32)
@@ -362,7 +357,7 @@ ffi::Error ExpandImpl(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::AnyBuffer idx
   if (!b0.has_value() || b0->dimensions().size() != 3)
     return ffi::Error::InvalidArgument("lora_expand: B pools must be [S, R, out]");
   const int64_t S = b0->dimensions()[0];
-  if (auto e = ReadBs(bs, pool_type, S, *p); e.failure()) return e;
+  if (auto e = ReadBs(bs, b0->element_type(), S, *p); e.failure()) return e;
   p->T = hd[0];
   p->nR = hd[1];
   if (idx.dimensions()[0] != p->T || p->nR != p->n * p->R || od.size() != 2 || od[0] != p->T || od[1] != p->D)
@@ -390,8 +385,7 @@ ffi::Error Expand(ffi::ThreadPool pool, ffi::AnyBuffer h, ffi::AnyBuffer idx, ff
   auto b0 = bs.get<ffi::AnyBuffer>(0);
   if (!b0.has_value() || !is_pool(*b0))
     return ffi::Error::InvalidArgument("lora_expand: pools must be float32 or bfloat16");
-  const auto type = b0->element_type();
-  return is_f32(*b0) ? ExpandImpl<float>(pool, h, idx, bs, out, type) : ExpandImpl<uint16_t>(pool, h, idx, bs, out, type);
+  return is_f32(*b0) ? ExpandImpl<float>(pool, h, idx, bs, out) : ExpandImpl<uint16_t>(pool, h, idx, bs, out);
 }
 
 }  // namespace
