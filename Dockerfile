@@ -18,7 +18,7 @@ COPY worker ./worker
 COPY registry ./registry
 COPY router ./router
 COPY client ./client
-RUN pip install ".[dev,gcs,postgres]" && python -m protos.build && pip install --no-deps --force-reinstall .
+RUN pip install ".[dev,gcs,postgres]" && python -m loraserve.protos.build && pip install --no-deps --force-reinstall .
 # Build the C++ multi-LoRA kernels now (-march=native, cached by CPU flags: a host with another CPU
 # rebuilds them once at start, ~4 s; without a compiler workers fall back to the xla backend).
 RUN cd / && python -c "import kernels.cpu as c; c.ensure_registered()"

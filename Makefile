@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml $(wildcard */__init__.py)
 venv: $(STAMP)
 
 $(PROTO_OUT): $(PROTO_SRC) protos/build.py $(STAMP)
-	$(BIN)/python -m protos.build
+	$(BIN)/python -m loraserve.protos.build
 
 protos: venv
-	$(BIN)/python -m protos.build
+	$(BIN)/python -m loraserve.protos.build
 
 demo: venv $(PROTO_OUT)
 	$(BIN)/loraserve demo

@@ -57,7 +57,7 @@ def build(workdir: Path, w: dict) -> tuple[Path, list[Path]]:
     """Save the random base model and ``w['adapters']`` random PEFT adapters; return their folders."""
     from transformers import AutoModelForCausalLM
 
-    from worker.testing import build_model, make_adapter
+    from loraserve.worker.testing import build_model, make_adapter
 
     model = build_model(
         "llama",
@@ -140,11 +140,11 @@ def run_engine(
     ttft: bool = True,
 ) -> dict[str, dict[str, float]]:
     """loraserve's engine for base-only, 1 adapter and len(adapters) distinct adapters (+ TTFTs)."""
-    from worker.checkpoint import load_checkpoint
-    from worker.config import EngineConfig
-    from worker.engine import Engine
-    from worker.requests import EngineRequest, Finished, Sampling, Token
-    from worker.sources import LocalAdapterSource
+    from loraserve.worker.checkpoint import load_checkpoint
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.engine import Engine
+    from loraserve.worker.requests import EngineRequest, Finished, Sampling, Token
+    from loraserve.worker.sources import LocalAdapterSource
 
     src = LocalAdapterSource()
     for i, path in enumerate(adapters):
@@ -219,7 +219,7 @@ def run_engine(
 def cold_vs_warm_ttft(engine, prompt: list[int], n_adapters: int) -> dict[str, float]:
     """Time to first token of one request whose adapter is resident vs one that must be loaded from the
     local store first (unloaded beforehand; no host tier)."""
-    from worker.requests import EngineRequest, Finished, Sampling, Token
+    from loraserve.worker.requests import EngineRequest, Finished, Sampling, Token
 
     def ttft(adapter: str) -> float:
         first = Event()

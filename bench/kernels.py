@@ -41,8 +41,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import kernels  # noqa: E402
-from kernels import grouped as grouped_kernels  # noqa: E402
+from loraserve import kernels  # noqa: E402
+from loraserve.kernels import grouped as grouped_kernels  # noqa: E402
 
 D_IN = D_OUT = 1024
 S, R, G = 16, 16, 4

@@ -63,11 +63,11 @@ def main() -> None:
 
     from sqlalchemy import insert
 
-    from protos.v1 import placement_pb2 as pp
-    from protos.v1 import registry_pb2 as rp
-    from protos.v1 import worker_admin_pb2 as wa
-    from registry.config import RegistryConfig
-    from registry.db import AdapterRow
+    from loraserve.protos.v1 import placement_pb2 as pp
+    from loraserve.protos.v1 import registry_pb2 as rp
+    from loraserve.protos.v1 import worker_admin_pb2 as wa
+    from loraserve.registry.config import RegistryConfig
+    from loraserve.registry.db import AdapterRow
     from tests.registry.conftest import start_registry
 
     tmp = Path(tempfile.mkdtemp(prefix="loraserve-bench-registry-"))

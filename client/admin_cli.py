@@ -13,7 +13,7 @@ import sys
 
 from google.protobuf.json_format import MessageToDict
 
-from client.connection_flags import add_connection_flags, connection_kwargs
+from loraserve.client.connection_flags import add_connection_flags, connection_kwargs
 
 DEFAULT_REGISTRY = "127.0.0.1:50051"
 
@@ -61,7 +61,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _client(args: argparse.Namespace):
-    from client.registry_client import RegistryClient
+    from loraserve.client.registry_client import RegistryClient
 
     return RegistryClient(
         args.registry or os.environ.get("LORASERVE_REGISTRY_ADDRESS", DEFAULT_REGISTRY),
@@ -89,7 +89,7 @@ def _progress(sent: int, total: int) -> None:
 
 
 def run_adapters(args: argparse.Namespace) -> int:
-    from client.errors import LoraserveError
+    from loraserve.client.errors import LoraserveError
 
     try:
         with _client(args) as client:
@@ -148,7 +148,7 @@ def run_adapters(args: argparse.Namespace) -> int:
 
 
 def run_workers(args: argparse.Namespace) -> int:
-    from client.errors import LoraserveError
+    from loraserve.client.errors import LoraserveError
 
     try:
         with _client(args) as client:

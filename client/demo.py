@@ -49,7 +49,7 @@ def build_assets(workdir: Path, rebuild: bool) -> tuple[Path, Path]:
         return model_dir, adapter_dir
     from transformers import AutoTokenizer
 
-    from worker.testing import save_model, train_answer_adapter
+    from loraserve.worker.testing import save_model, train_answer_adapter
 
     _say("building a tiny random Llama checkpoint (transformers) ...")
     save_model(model_dir, "llama", seed=0)
@@ -69,7 +69,7 @@ def build_assets(workdir: Path, rebuild: bool) -> tuple[Path, Path]:
 
 def start(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """Run ``loraserve ARGS --port 0``; returns the process and the address from its ready line."""
-    cmd = [sys.executable, "-m", "client.cli", *args, "--port", "0", "--log-level", "WARNING"]
+    cmd = [sys.executable, "-m", "loraserve", *args, "--port", "0", "--log-level", "WARNING"]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     )
@@ -86,7 +86,7 @@ def start(args: list[str], timeout: float, env: dict[str, str] | None = None) ->
 
 
 def ask(address: str, adapter: str) -> tuple[str, str, float, str]:
-    from client.sdk import Client
+    from loraserve.client.sdk import Client
 
     with Client(address, timeout=120) as client:
         start, first, text, finish = time.perf_counter(), None, "", ""
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
                 [
                     sys.executable,
                     "-m",
-                    "client.cli",
+                    "loraserve",
                     "adapters",
                     "push",
                     str(adapter_dir / name),
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _wait_registered(registry: str, timeout: float) -> None:
-    from client.registry_client import RegistryClient
+    from loraserve.client.registry_client import RegistryClient
 
     deadline = time.time() + timeout
     with RegistryClient(registry) as client:

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from client.connection_flags import add_connection_flags, connection_kwargs
+from loraserve.client.connection_flags import add_connection_flags, connection_kwargs
 
 DEFAULT_TARGET = "127.0.0.1:50071"
 
@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from client.errors import LoraserveError
-    from client.sdk import Client
+    from loraserve.client.errors import LoraserveError
+    from loraserve.client.sdk import Client
 
     target = args.target or os.environ.get("LORASERVE_TARGET", DEFAULT_TARGET)
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from client.connection_flags import add_connection_flags, connection_kwargs
+from loraserve.client.connection_flags import add_connection_flags, connection_kwargs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        from worker.security import channel as make_channel
+        from loraserve.worker.security import channel as make_channel
 
         with make_channel(args.address, **connection_kwargs(args)) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(

@@ -3,7 +3,7 @@
 ``target`` is a router (or a single worker). ``AsyncClient`` is the asyncio twin. Errors raise
 ``LoraserveError`` with the gRPC status name (DESIGN.md §8).
 
-    from client.sdk import Client
+    from loraserve.client.sdk import Client
     with Client("127.0.0.1:50071") as c:
         for chunk in c.generate("What is the capital of France?", adapter="geo-expert", max_tokens=32):
             print(chunk.text, end="", flush=True)
@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from client.errors import LoraserveError
-from protos.v1 import inference_pb2 as pb
-from protos.v1 import inference_pb2_grpc
-from worker.security import aio_channel, channel
+from loraserve.client.errors import LoraserveError
+from loraserve.protos.v1 import inference_pb2 as pb
+from loraserve.protos.v1 import inference_pb2_grpc
+from loraserve.worker.security import aio_channel, channel
 
 FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "eos"}
 

@@ -4,7 +4,7 @@
 (``reference``, ``xla``, ``pallas``, ``cpu``), :mod:`kernels.sgmv` for the grouped prefill path.
 """
 
-from kernels.api import (
+from loraserve.kernels.api import (
     BACKENDS,
     add_lora,
     add_lora_sgmv,
@@ -18,7 +18,7 @@ from kernels.api import (
     lora_shrink_sgmv,
     resolve_backend,
 )
-from kernels.sgmv import segments_to_idx
+from loraserve.kernels.sgmv import segments_to_idx
 
 __all__ = [
     "BACKENDS",

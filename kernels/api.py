@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import ModuleType
 
-from kernels import cpu, pallas, reference, sgmv, xla
-from kernels.shapes import ACC_DTYPE
+from loraserve.kernels import cpu, pallas, reference, sgmv, xla
+from loraserve.kernels.shapes import ACC_DTYPE
 
 BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu")
 

@@ -33,7 +33,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from kernels.shapes import ACC_DTYPE, check_expand, check_shrink, check_slices, valid_rows
+from loraserve.kernels.shapes import ACC_DTYPE, check_expand, check_shrink, check_slices, valid_rows
 
 SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.cc"
 TARGETS = {

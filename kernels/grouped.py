@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.shapes import ACC_DTYPE
+from loraserve.kernels.shapes import ACC_DTYPE
 
 # Rows per slot handled in place; 0 = every adapter row goes through the heavy-slot loop.
 LIGHT_J: tuple[int, ...] = (0, 1, 4)

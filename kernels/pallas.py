@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.shapes import (
+from loraserve.kernels.shapes import (
     ACC_DTYPE,
     check_expand,
     check_shrink,

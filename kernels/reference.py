@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.shapes import (
+from loraserve.kernels.shapes import (
     ACC_DTYPE,
     check_expand,
     check_shrink,

@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels import xla
-from kernels.shapes import ACC_DTYPE, check_shrink, expand_slices_generic, shrink_out_dtype
+from loraserve.kernels import xla
+from loraserve.kernels.shapes import ACC_DTYPE, check_shrink, expand_slices_generic, shrink_out_dtype
 
 METHODS = ("masked", "ragged")
 

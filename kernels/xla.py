@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from kernels.shapes import (
+from loraserve.kernels.shapes import (
     ACC_DTYPE,
     check_expand,
     check_shrink,

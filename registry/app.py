@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from registry.catalog import Catalog
-from registry.config import RegistryConfig
-from registry.db import make_engine, make_sessionmaker
-from registry.migrate import upgrade
-from registry.placement import Placement
-from registry.storage import BlobStore
+from loraserve.registry.catalog import Catalog
+from loraserve.registry.config import RegistryConfig
+from loraserve.registry.db import make_engine, make_sessionmaker
+from loraserve.registry.migrate import upgrade
+from loraserve.registry.placement import Placement
+from loraserve.registry.storage import BlobStore
 
 
 @dataclass

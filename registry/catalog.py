@@ -19,10 +19,16 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
-from registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow
-from registry.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from registry.storage import BlobStore
-from worker.adapters import (
+from loraserve.registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow
+from loraserve.registry.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from loraserve.registry.storage import BlobStore
+from loraserve.worker.adapters import (
     AdapterError,
     AdapterMismatchError,
     AdapterRankError,
@@ -31,7 +37,7 @@ from worker.adapters import (
     parse_config,
     read_adapter_files,
 )
-from worker.sources import split_ref
+from loraserve.worker.sources import split_ref
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 DEFAULT_PAGE, MAX_PAGE = 100, 1000

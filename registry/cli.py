@@ -10,7 +10,7 @@ import asyncio
 import signal
 from dataclasses import fields
 
-from registry.config import ENV_PREFIX, RegistryConfig
+from loraserve.registry.config import ENV_PREFIX, RegistryConfig
 
 HELP = {
     "db": "SQLAlchemy URL of the database (SQLite file by default, postgresql+psycopg://… in production)",
@@ -67,10 +67,10 @@ def _config(args: argparse.Namespace) -> RegistryConfig:
 
 
 async def serve(config: RegistryConfig) -> None:
-    from registry.app import open_registry
-    from registry.server import build_server, expire_leases_forever, set_serving
-    from worker.observability import start_metrics
-    from worker.security import ServerSecurity
+    from loraserve.registry.app import open_registry
+    from loraserve.registry.server import build_server, expire_leases_forever, set_serving
+    from loraserve.worker.observability import start_metrics
+    from loraserve.worker.security import ServerSecurity
 
     registry = open_registry(config)
     start_metrics(config.metrics_port)
@@ -100,17 +100,17 @@ async def serve(config: RegistryConfig) -> None:
 def run(args: argparse.Namespace) -> int:
     config = _config(args)
     if args.registry_command == "serve":
-        from worker.observability import setup_logging
+        from loraserve.worker.observability import setup_logging
 
         setup_logging(args.log_level)
         asyncio.run(serve(config))
     elif args.registry_command == "migrate":
-        from registry.migrate import current_revision, upgrade
+        from loraserve.registry.migrate import current_revision, upgrade
 
         upgrade(config.db)
         print(f"database at revision {current_revision(config.db)}")
     elif args.registry_command == "gc":
-        from registry.app import open_registry
+        from loraserve.registry.app import open_registry
 
         registry = open_registry(config)
         removed = registry.catalog.gc(min_age_s=args.min_age_seconds)

@@ -25,7 +25,7 @@ def upgrade(url: str, revision: str = "head") -> None:
 def current_revision(url: str) -> str | None:
     from alembic.runtime.migration import MigrationContext
 
-    from registry.db import make_engine
+    from loraserve.registry.db import make_engine
 
     engine = make_engine(url)
     try:

@@ -14,9 +14,17 @@ from datetime import timedelta
 from sqlalchemy import delete, select
 from sqlalchemy.orm import selectinload, sessionmaker
 
-from registry.catalog import Catalog
-from registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow, WorkerRow, as_utc, utcnow
-from registry.errors import FailedPrecondition, InvalidArgument, NotFound
+from loraserve.registry.catalog import Catalog
+from loraserve.registry.db import (
+    AdapterRow,
+    BaseModelRow,
+    PlacementRow,
+    UnloadOrderRow,
+    WorkerRow,
+    as_utc,
+    utcnow,
+)
+from loraserve.registry.errors import FailedPrecondition, InvalidArgument, NotFound
 
 MAX_CANDIDATES = 16
 

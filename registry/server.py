@@ -17,13 +17,19 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from protos.v1 import placement_pb2, placement_pb2_grpc, registry_pb2, registry_pb2_grpc, worker_admin_pb2
-from registry.catalog import Catalog, UploadHeader
-from registry.db import AdapterRow, WorkerRow, as_utc
-from registry.placement import Load, Placement, SlotReport
-from worker.grpc_server import finish_server, new_server, set_health
-from worker.observability import observe_rpc
-from worker.security import ServerSecurity
+from loraserve.protos.v1 import (
+    placement_pb2,
+    placement_pb2_grpc,
+    registry_pb2,
+    registry_pb2_grpc,
+    worker_admin_pb2,
+)
+from loraserve.registry.catalog import Catalog, UploadHeader
+from loraserve.registry.db import AdapterRow, WorkerRow, as_utc
+from loraserve.registry.placement import Load, Placement, SlotReport
+from loraserve.worker.grpc_server import finish_server, new_server, set_health
+from loraserve.worker.observability import observe_rpc
+from loraserve.worker.security import ServerSecurity
 
 log = logging.getLogger("loraserve.registry.server")
 CHUNK = 1 << 20

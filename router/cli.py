@@ -7,7 +7,7 @@ import asyncio
 import signal
 from dataclasses import fields
 
-from router.config import ENV_PREFIX, RouterConfig
+from loraserve.router.config import ENV_PREFIX, RouterConfig
 
 HELP = {
     "registry": "registry host:port (LocateAdapter)",
@@ -43,10 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(config: RouterConfig) -> None:
-    from router.routing import Locator, WorkerPool
-    from router.server import build_server, set_serving
-    from worker.observability import start_metrics
-    from worker.security import ServerSecurity
+    from loraserve.router.routing import Locator, WorkerPool
+    from loraserve.router.server import build_server, set_serving
+    from loraserve.worker.observability import start_metrics
+    from loraserve.worker.security import ServerSecurity
 
     start_metrics(config.metrics_port)
     locator = Locator(
@@ -78,7 +78,7 @@ async def serve(config: RouterConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker.observability import setup_logging
+    from loraserve.worker.observability import setup_logging
 
     setup_logging(args.log_level)
     config = RouterConfig.from_env(**{f.name: getattr(args, f.name) for f in fields(RouterConfig)})

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.testing import make_adapter, save_model
+from loraserve.worker.testing import make_adapter, save_model
 
 POSTGRES_ENV = "LORASERVE_TEST_POSTGRES_URL"
 
@@ -27,7 +27,7 @@ def pytest_configure(config: pytest.Config) -> None:
     each warm-up after the first reads them from disk. Set ``JAX_COMPILATION_CACHE_DIR`` to keep a
     cache across runs. Compilation counting is unaffected: it counts lowerings, which still happen.
     """
-    from worker.engine import enable_compilation_cache
+    from loraserve.worker.engine import enable_compilation_cache
 
     path = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="loraserve-xla-cache-"))
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

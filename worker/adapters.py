@@ -21,7 +21,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from worker.model_config import LORA_MODULES
+from loraserve.worker.model_config import LORA_MODULES
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load as load_safetensors_bytes
 
-from worker.model_config import ModelConfig
+from loraserve.worker.model_config import ModelConfig
 
 Params = dict[str, Any]
 

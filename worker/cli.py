@@ -11,7 +11,7 @@ import logging
 import signal
 from dataclasses import fields
 
-from worker.config import ENV_PREFIX, WorkerConfig
+from loraserve.worker.config import ENV_PREFIX, WorkerConfig
 
 HELP = {
     "model": "Hugging Face checkpoint folder or fsspec URL (config.json + *.safetensors)",
@@ -60,22 +60,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
-    from worker.checkpoint import load_checkpoint
-    from worker.engine import Engine
-    from worker.security import ServerSecurity
-    from worker.server import build_server, set_serving
-    from worker.sources import LocalAdapterSource
-    from worker.tokenizer import load_tokenizer
+    from loraserve.worker.checkpoint import load_checkpoint
+    from loraserve.worker.engine import Engine
+    from loraserve.worker.security import ServerSecurity
+    from loraserve.worker.server import build_server, set_serving
+    from loraserve.worker.sources import LocalAdapterSource
+    from loraserve.worker.tokenizer import load_tokenizer
 
     log = logging.getLogger("loraserve.worker")
     if config.compilation_cache_dir:
-        from worker.engine import enable_compilation_cache
+        from loraserve.worker.engine import enable_compilation_cache
 
         enable_compilation_cache(config.compilation_cache_dir)
     checkpoint = load_checkpoint(config.model, dtype=config.dtype)
     tokenizer = load_tokenizer(config.model)
     if config.registry:
-        from worker.registry_source import RegistryAdapterSource
+        from loraserve.worker.registry_source import RegistryAdapterSource
 
         source = RegistryAdapterSource(
             config.registry,
@@ -87,8 +87,8 @@ async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
         source = LocalAdapterSource(config.adapter_dir or None)
     engine = Engine(checkpoint, config.engine_config(), source=source)
     if config.metrics_port:
-        from worker.metrics import register_engine_metrics
-        from worker.observability import start_metrics
+        from loraserve.worker.metrics import register_engine_metrics
+        from loraserve.worker.observability import start_metrics
 
         register_engine_metrics(engine)
         start_metrics(config.metrics_port, log)
@@ -106,7 +106,7 @@ async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
     await set_serving(health_servicer, True)
     registration = None
     if config.registry:
-        from worker.registration import Registration
+        from loraserve.worker.registration import Registration
 
         registration = asyncio.create_task(
             Registration(
@@ -134,7 +134,7 @@ async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker.observability import setup_logging
+    from loraserve.worker.observability import setup_logging
 
     setup_logging(args.log_level)
     overrides = {f.name: getattr(args, f.name) for f in fields(WorkerConfig)}

@@ -28,7 +28,7 @@ class EngineConfig:
     lora_dtype: str = ""  # slot pools: float32 | bfloat16; empty = dtype
 
     def __post_init__(self) -> None:
-        from kernels import BACKENDS
+        from loraserve.kernels import BACKENDS
 
         if self.kernel_backend not in ("auto", *BACKENDS):
             raise ValueError(f"kernel_backend must be auto or one of {BACKENDS}, got {self.kernel_backend!r}")

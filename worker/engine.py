@@ -22,14 +22,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels
-from worker import model as M
-from worker.adapters import AdapterError, parse_adapter
-from worker.checkpoint import Checkpoint
-from worker.config import EngineConfig
-from worker.requests import EngineRequest, Failed, Finished, RequestError, Started, Token, validate_prompt
-from worker.sampling import SamplingArrays, sample
-from worker.slots import (
+from loraserve import kernels
+from loraserve.worker import model as M
+from loraserve.worker.adapters import AdapterError, parse_adapter
+from loraserve.worker.checkpoint import Checkpoint
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.requests import (
+    EngineRequest,
+    Failed,
+    Finished,
+    RequestError,
+    Started,
+    Token,
+    validate_prompt,
+)
+from loraserve.worker.sampling import SamplingArrays, sample
+from loraserve.worker.slots import (
     HostTier,
     NoFreeSlotError,
     Slot,
@@ -39,7 +47,7 @@ from worker.slots import (
     SlotValues,
     slot_arrays,
 )
-from worker.sources import (
+from loraserve.worker.sources import (
     AdapterSource,
     AdapterUnavailableError,
     LocalAdapterSource,

@@ -7,9 +7,9 @@ import time
 from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from worker.engine import Engine
-from worker.observability import LATENCY_BUCKETS
-from worker.slots import SlotState
+from loraserve.worker.engine import Engine
+from loraserve.worker.observability import LATENCY_BUCKETS
+from loraserve.worker.slots import SlotState
 
 ADAPTER_LOAD_SECONDS = Histogram(
     "loraserve_adapter_load_seconds", "Fetch + validate + host arrays of one adapter", buckets=LATENCY_BUCKETS

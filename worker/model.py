@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels
-from kernels import grouped
-from kernels.grouped import GroupPlan
-from worker.model_config import ModelConfig
+from loraserve import kernels
+from loraserve.kernels import grouped
+from loraserve.kernels.grouped import GroupPlan
+from loraserve.worker.model_config import ModelConfig
 
 Array = jax.Array
 Params = dict[str, Any]  # embed, final_norm, lm_head?, layers: list of per-layer dicts

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.requests import Event, Failed, Finished, Started, Token
+from loraserve.worker.requests import Event, Failed, Finished, Started, Token
 
 REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT = 4  # prompt tokens decoded along with the first new ones, for context-dependent spaces

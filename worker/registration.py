@@ -12,10 +12,10 @@ import logging
 
 import grpc
 
-from protos.v1 import placement_pb2, placement_pb2_grpc, worker_admin_pb2
-from worker.engine import Engine
-from worker.security import aio_channel
-from worker.slots import SlotState
+from loraserve.protos.v1 import placement_pb2, placement_pb2_grpc, worker_admin_pb2
+from loraserve.worker.engine import Engine
+from loraserve.worker.security import aio_channel
+from loraserve.worker.slots import SlotState
 
 log = logging.getLogger("loraserve.worker.registration")
 STATES = {

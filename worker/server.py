@@ -14,17 +14,17 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
-from worker.adapters import AdapterError
-from worker.engine import Engine
-from worker.grpc_server import finish_server, new_server, set_health
-from worker.observability import StreamTimer
-from worker.outputs import Chunk, StreamAssembler
-from worker.requests import EngineRequest, RequestError, Sampling
-from worker.security import ServerSecurity
-from worker.slots import Slot
-from worker.sources import LocalAdapterSource
-from worker.tokenizer import encode
+from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
+from loraserve.worker.adapters import AdapterError
+from loraserve.worker.engine import Engine
+from loraserve.worker.grpc_server import finish_server, new_server, set_health
+from loraserve.worker.observability import StreamTimer
+from loraserve.worker.outputs import Chunk, StreamAssembler
+from loraserve.worker.requests import EngineRequest, RequestError, Sampling
+from loraserve.worker.security import ServerSecurity
+from loraserve.worker.slots import Slot
+from loraserve.worker.sources import LocalAdapterSource
+from loraserve.worker.tokenizer import encode
 
 log = logging.getLogger("loraserve.worker.server")
 
@@ -158,7 +158,7 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
         e, cfg = self.engine.config, self.engine.model_config
         import jax
 
-        from worker.model_config import LORA_MODULES
+        from loraserve.worker.model_config import LORA_MODULES
 
         return worker_admin_pb2.WorkerInfo(
             model_id=self.model_id,

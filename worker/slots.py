@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker.adapters import LoraWeights
-from worker.model import LORA_GROUPS, Lora, b_name, empty_lora, weights_first
-from worker.model_config import ModelConfig
+from loraserve.worker.adapters import LoraWeights
+from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, weights_first
+from loraserve.worker.model_config import ModelConfig
 
 
 class SlotState(Enum):

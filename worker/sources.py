@@ -16,7 +16,7 @@ from typing import Protocol
 
 import fsspec
 
-from worker.adapters import CONFIG_FILE, WEIGHTS_FILE, AdapterError, read_adapter_files
+from loraserve.worker.adapters import CONFIG_FILE, WEIGHTS_FILE, AdapterError, read_adapter_files
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from registry.db import Base, make_engine
+from loraserve.registry.db import Base, make_engine
 
 config = context.config
 target_metadata = Base.metadata

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from client.cli import COMMANDS, main
+from loraserve.cli import COMMANDS, main
 
 
 def _loraserve() -> list[str]:
     exe = shutil.which("loraserve", path=str(__import__("pathlib").Path(sys.executable).parent))
-    return [exe] if exe else [sys.executable, "-m", "client.cli"]
+    return [exe] if exe else [sys.executable, "-m", "loraserve"]
 
 
 def test_console_script_help_lists_every_subcommand() -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from client.cli import build_parser, main
-from registry.config import RegistryConfig
-from router.config import RouterConfig
-from worker.config import WorkerConfig
+from loraserve.cli import build_parser, main
+from loraserve.registry.config import RegistryConfig
+from loraserve.router.config import RouterConfig
+from loraserve.worker.config import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -106,7 +106,7 @@ def test_every_long_running_service_has_a_real_healthcheck(capsys: pytest.Captur
 
 
 def test_health_probe_against_a_live_and_a_dead_server(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    from registry.config import RegistryConfig
+    from loraserve.registry.config import RegistryConfig
     from tests.registry.conftest import start_registry
 
     config = RegistryConfig(db=f"sqlite:///{tmp_path / 'r.db'}", storage=str(tmp_path / "s"))

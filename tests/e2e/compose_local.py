@@ -55,7 +55,7 @@ class LocalCompose:
     def argv(self, service: str) -> list[str]:
         cmd = list(COMPOSE[service]["command"])
         assert cmd[0] == "loraserve"
-        out = [sys.executable, "-m", "client.cli"]
+        out = [sys.executable, "-m", "loraserve"]
         i = 1
         while i < len(cmd):
             if cmd[i] == "--host":

@@ -48,7 +48,7 @@ def loraserve_process(
     args: list[str], env: dict[str, str] | None = None, timeout: float = 120.0
 ) -> Iterator[Proc]:
     """Run ``loraserve ARGS`` with ``--port 0``; waits for its 'serving on HOST:PORT' line."""
-    cmd = [sys.executable, "-m", "client.cli", *args]
+    cmd = [sys.executable, "-m", "loraserve", *args]
     popen = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 def test_demo_runs_the_whole_stack_from_nothing(tmp_path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "client.cli", "demo", "--workdir", str(tmp_path / "demo")],
+        [sys.executable, "-m", "loraserve", "demo", "--workdir", str(tmp_path / "demo")],
         capture_output=True,
         text=True,
         timeout=600,

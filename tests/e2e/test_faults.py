@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from client.errors import LoraserveError
-from client.registry_client import RegistryClient
-from client.sdk import Client
-from registry.config import RegistryConfig
+from loraserve.client.errors import LoraserveError
+from loraserve.client.registry_client import RegistryClient
+from loraserve.client.sdk import Client
+from loraserve.registry.config import RegistryConfig
 from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
 from tests.registry.conftest import start_registry
 
@@ -66,7 +66,7 @@ def test_kill_9_a_worker_mid_stream(llama_dir, adapter_dirs, tmp_path) -> None:
             assert [w.address for w in workers] == [b.address]
             from sqlalchemy import select
 
-            from registry.db import PlacementRow, WorkerRow
+            from loraserve.registry.db import PlacementRow, WorkerRow
 
             with reg.registry.catalog.sessions() as s:
                 placed = (

@@ -14,9 +14,9 @@ from collections import Counter
 
 import pytest
 
-from client.errors import LoraserveError
-from client.sdk import Client
-from registry.config import RegistryConfig
+from loraserve.client.errors import LoraserveError
+from loraserve.client.sdk import Client
+from loraserve.registry.config import RegistryConfig
 from tests.e2e.compose_local import free_port
 from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
 from tests.registry.conftest import start_registry

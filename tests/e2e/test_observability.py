@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from client.sdk import Client
+from loraserve.client.sdk import Client
 from tests.e2e.compose_local import free_port
 from tests.e2e.procs import loraserve_process, wait_healthy
 

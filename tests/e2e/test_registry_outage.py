@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from client.registry_client import RegistryClient
-from client.sdk import Client
+from loraserve.client.registry_client import RegistryClient
+from loraserve.client.sdk import Client
 from tests.e2e.compose_local import free_port
 from tests.e2e.procs import loraserve_process, wait_healthy
 

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "client.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "loraserve", *args], capture_output=True, text=True, timeout=120
     )
 
 

@@ -13,17 +13,17 @@ import grpc
 import pytest
 from sqlalchemy import create_engine, text
 
-from client.registry_client import RegistryClient
-from client.sdk import Client
-from protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
-from registry.gcs_emulator import start_gcs_emulator
+from loraserve.client.registry_client import RegistryClient
+from loraserve.client.sdk import Client
+from loraserve.protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
+from loraserve.registry.gcs_emulator import start_gcs_emulator
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.engine import Engine
+from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Token
+from loraserve.worker.sources import LocalAdapterSource
 from tests.e2e.compose_local import LocalCompose
 from tests.e2e.procs import wait_for_workers, wait_healthy
-from worker.checkpoint import load_checkpoint
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.requests import EngineRequest, Failed, Finished, Sampling, Token
-from worker.sources import LocalAdapterSource
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.postgres, pytest.mark.gcs]
 MODEL_ID = "demo-tiny-llama"
@@ -33,7 +33,7 @@ MODEL_ID = "demo-tiny-llama"
 def six_adapters(adapter_dirs, llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from worker.testing import make_adapter
+    from loraserve.worker.testing import make_adapter
 
     out = {f"e2e-{n}": adapter_dirs[n] for n in ("all-r4", "qv-r8-rslora", "attn-pattern")}
     for i, (r, targets) in enumerate(

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-import kernels
-from kernels.testing import LoraCase, random_lora_case, tolerance
+from loraserve import kernels
+from loraserve.kernels.testing import LoraCase, random_lora_case, tolerance
 
 DTYPES = (jnp.float32, jnp.bfloat16)
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels.testing import count_compilations, random_lora_case
+from loraserve import kernels
+from loraserve.kernels.testing import count_compilations, random_lora_case
 
 T, D_IN, D_OUT, S, R = 24, 32, 48, 6, 8
 

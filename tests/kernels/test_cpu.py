@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import cpu
-from kernels import reference as ref
+from loraserve import kernels
+from loraserve.kernels import cpu
+from loraserve.kernels import reference as ref
 from tests.kernels.strategies import Problem, assert_matches_reference, problems, run_all_ops
 
 FAST = settings(max_examples=25, deadline=None)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import grouped, reference
-from kernels.testing import count_compilations, tolerance
+from loraserve.kernels import grouped, reference
+from loraserve.kernels.testing import count_compilations, tolerance
 
 DTYPES = (jnp.float32, jnp.bfloat16)
 

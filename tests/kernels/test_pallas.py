@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 
-import kernels
-from kernels import pallas as pk
-from kernels import reference as ref
-from kernels.testing import random_lora_case, tolerance
+from loraserve import kernels
+from loraserve.kernels import pallas as pk
+from loraserve.kernels import reference as ref
+from loraserve.kernels.testing import random_lora_case, tolerance
 from tests.kernels.strategies import Problem, assert_matches_reference, problems, run_all_ops
 
 # shrink (x's dtype out), expand (h in y's dtype), and add_lora_slices (f32 shrink, then slices):

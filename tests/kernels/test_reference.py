@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import reference as ref
+from loraserve import kernels
+from loraserve.kernels import reference as ref
 
 # S=2 slots, in=2, R=2, out=2, T=3 tokens using slot 1, no adapter, slot 0.
 A = jnp.array([[[1, 0], [0, 1]], [[1, 2], [3, 4]]], jnp.float32)  # [S, in, R]

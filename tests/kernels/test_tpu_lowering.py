@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kernels import pallas as pk
-from kernels.sgmv import segments_to_idx
+from loraserve.kernels import pallas as pk
+from loraserve.kernels.sgmv import segments_to_idx
 
 S, R, D = 16, 16, 4096  # slots, rank, hidden size (Llama-3-8B)
 

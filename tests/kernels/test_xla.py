@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-import kernels
-from kernels.sgmv import segments_to_idx
-from kernels.testing import tolerance
+from loraserve import kernels
+from loraserve.kernels.sgmv import segments_to_idx
+from loraserve.kernels.testing import tolerance
 from tests.kernels.strategies import Problem, assert_matches_reference, problems, run_all_ops
 
 FAST = settings(max_examples=25, deadline=None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from google.protobuf import descriptor
 
-from protos.v1 import inference_pb2, placement_pb2, registry_pb2, worker_admin_pb2
+from loraserve.protos.v1 import inference_pb2, placement_pb2, registry_pb2, worker_admin_pb2
 
 UNARY, SERVER_STREAM, CLIENT_STREAM = "unary", "server_stream", "client_stream"
 
@@ -122,7 +122,7 @@ def test_every_field_is_documented() -> None:
     import re
     from pathlib import Path
 
-    import protos.build as build
+    import loraserve.protos.build as build
 
     field_re = re.compile(r"^\s*(optional |repeated )?[\w.<>, ]+ \w+ = \d+;")
     for path in build.proto_sources():

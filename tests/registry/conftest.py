@@ -9,10 +9,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client.registry_client import RegistryClient
-from registry.app import Registry, open_registry
-from registry.config import RegistryConfig
-from registry.server import build_server, set_serving
+from loraserve.client.registry_client import RegistryClient
+from loraserve.registry.app import Registry, open_registry
+from loraserve.registry.config import RegistryConfig
+from loraserve.registry.server import build_server, set_serving
 from tests.aio_thread import aio_server_thread
 
 TINY_MODEL = "tiny-llama"
@@ -29,7 +29,7 @@ class RegistryEnv:
     def adapter_rows(self) -> list[tuple[str, int, str]]:
         from sqlalchemy import select
 
-        from registry.db import AdapterRow
+        from loraserve.registry.db import AdapterRow
 
         with self.registry.catalog.sessions() as s:
             return [
@@ -82,8 +82,8 @@ def reg(db_url: str, tmp_path: Path) -> Iterator[RegistryEnv]:
 
 @pytest.fixture(scope="session")
 def tiny_shapes(llama_dir) -> dict[str, tuple[int, int, int]]:
-    from worker.checkpoint import read_config
-    from worker.model_config import ModelConfig
+    from loraserve.worker.checkpoint import read_config
+    from loraserve.worker.model_config import ModelConfig
 
     cfg = ModelConfig.from_hf(read_config(str(llama_dir)))
     return {m: (i, o, cfg.num_layers) for m, (i, o) in cfg.module_shapes().items()}

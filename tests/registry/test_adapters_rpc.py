@@ -10,8 +10,8 @@ import fsspec
 import grpc
 import pytest
 
-from client.errors import LoraserveError
-from protos.v1 import placement_pb2, registry_pb2
+from loraserve.client.errors import LoraserveError
+from loraserve.protos.v1 import placement_pb2, registry_pb2
 from tests.registry.conftest import TINY_MODEL
 
 CODE = grpc.StatusCode
@@ -241,7 +241,7 @@ def test_delete_orders_holders_to_unload(reg, adapter_dirs, tiny_shapes) -> None
             address="127.0.0.1:1", model_id=TINY_MODEL, module_shapes=shapes, slots=2
         )
     )
-    from protos.v1 import worker_admin_pb2 as wa
+    from loraserve.protos.v1 import worker_admin_pb2 as wa
 
     slot = wa.SlotInfo(slot=0, adapter="held@1", state=wa.SLOT_STATE_LOADED)
     assert (

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from client.cli import main
-from protos.v1 import placement_pb2 as pp
+from loraserve.cli import main
+from loraserve.protos.v1 import placement_pb2 as pp
 from tests.registry.conftest import TINY_MODEL
 
 
@@ -76,7 +76,7 @@ def test_workers_ls(reg, tiny_shapes, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_unreachable_registry_is_a_clear_error(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
-    monkeypatch.setattr("client.registry_client.RegistryClient.__init__.__defaults__", (2.0, None))
+    monkeypatch.setattr("loraserve.client.registry_client.RegistryClient.__init__.__defaults__", (2.0, None))
     code, _, err = _run(capsys, "adapters", "ls", "--registry", "127.0.0.1:1")
     assert code == 1 and "UNAVAILABLE" in err
 
@@ -86,7 +86,7 @@ def test_registry_migrate_and_gc(tmp_path, capsys: pytest.CaptureFixture[str]) -
     code, out, _ = _run(capsys, "registry", "migrate", "--db", db)
     assert code == 0 and out.strip() == "database at revision 0001"
     store = tmp_path / "store"
-    from registry.storage import BlobStore
+    from loraserve.registry.storage import BlobStore
 
     orphan = BlobStore(str(store)).put_bytes(b"orphan bytes")
     code, out, _ = _run(capsys, "registry", "gc", "--db", db, "--storage", str(store))

@@ -7,8 +7,8 @@ import time
 import grpc
 import pytest
 
-from protos.v1 import placement_pb2 as pp
-from protos.v1 import worker_admin_pb2 as wa
+from loraserve.protos.v1 import placement_pb2 as pp
+from loraserve.protos.v1 import worker_admin_pb2 as wa
 from tests.registry.conftest import TINY_MODEL
 
 

@@ -7,7 +7,7 @@ import uuid
 import fsspec
 import pytest
 
-from registry.gcs_emulator import start_gcs_emulator
+from loraserve.registry.gcs_emulator import start_gcs_emulator
 
 pytestmark = pytest.mark.gcs
 
@@ -21,8 +21,8 @@ def gcs():
 
 def test_registry_over_gcs_emulator(gcs, adapter_dirs, tmp_path, monkeypatch) -> None:
     """The gcsfs path end to end: upload, download, dedup, delete + gc, and DATA_LOSS on a corrupted blob."""
-    from client.errors import LoraserveError
-    from registry.config import RegistryConfig
+    from loraserve.client.errors import LoraserveError
+    from loraserve.registry.config import RegistryConfig
     from tests.registry.conftest import TINY_MODEL, start_registry
 
     monkeypatch.setenv(

@@ -20,8 +20,8 @@ from typing import Any
 import fsspec
 import pytest
 
-from registry.gcs_emulator import GcsEmulator, start_gcs_emulator
-from registry.storage import (
+from loraserve.registry.gcs_emulator import GcsEmulator, start_gcs_emulator
+from loraserve.registry.storage import (
     BlobCorruptError,
     BlobMismatchError,
     BlobNotFoundError,

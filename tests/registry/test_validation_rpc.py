@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from client.errors import LoraserveError
-from protos.v1 import placement_pb2
+from loraserve.client.errors import LoraserveError
+from loraserve.protos.v1 import placement_pb2
 from tests.registry.conftest import TINY_MODEL
 
 
@@ -164,7 +164,7 @@ def test_pickle_adapter_is_refused(reg, adapter_dirs, tmp_path) -> None:
 def test_adapter_for_another_base_model_fails_precondition(reg, model_dirs, tiny_shapes, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from worker.testing import make_adapter
+    from loraserve.worker.testing import make_adapter
 
     shapes = [
         placement_pb2.ModuleShape(module=m, in_features=i, out_features=o, num_layers=n)

@@ -13,23 +13,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from client.errors import LoraserveError
-from client.sdk import AsyncClient, Client
-from protos.v1 import placement_pb2 as pp
-from protos.v1 import worker_admin_pb2 as wa
-from registry.config import RegistryConfig
-from router.routing import Locator, WorkerPool
-from router.server import build_server as build_router
+from loraserve.client.errors import LoraserveError
+from loraserve.client.sdk import AsyncClient, Client
+from loraserve.protos.v1 import placement_pb2 as pp
+from loraserve.protos.v1 import worker_admin_pb2 as wa
+from loraserve.registry.config import RegistryConfig
+from loraserve.router.routing import Locator, WorkerPool
+from loraserve.router.server import build_server as build_router
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.engine import Engine
+from loraserve.worker.registration import Registration
+from loraserve.worker.registry_source import RegistryAdapterSource
+from loraserve.worker.server import build_server as build_worker
+from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread
 from tests.e2e.procs import wait_for_workers
 from tests.registry.conftest import TINY_MODEL, start_registry
-from worker.checkpoint import load_checkpoint
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.registration import Registration
-from worker.registry_source import RegistryAdapterSource
-from worker.server import build_server as build_worker
-from worker.tokenizer import load_tokenizer
 
 PROMPT = [5, 17, 33, 100, 7]
 
@@ -157,7 +157,7 @@ def test_worker_serves_through_a_registry_outage_and_registers_again(stack, llam
     with stack.registry.registry.catalog.sessions() as s:
         from sqlalchemy import delete
 
-        from registry.db import WorkerRow
+        from loraserve.registry.db import WorkerRow
 
         s.execute(delete(WorkerRow))
         s.commit()
@@ -173,7 +173,7 @@ def test_worker_serves_through_a_registry_outage_and_registers_again(stack, llam
 
 
 def test_generate_cli(stack, capsys) -> None:
-    from client.cli import main
+    from loraserve.cli import main
 
     assert (
         main(

@@ -7,24 +7,29 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.errors import LoraserveError
-from client.registry_client import RegistryClient
-from client.sdk import Client
-from protos.v1 import inference_pb2 as ipb
-from protos.v1 import inference_pb2_grpc, placement_pb2_grpc, registry_pb2_grpc, worker_admin_pb2_grpc
-from protos.v1 import placement_pb2 as pp
-from protos.v1 import registry_pb2 as rp
-from protos.v1 import worker_admin_pb2 as wa
-from registry.app import open_registry
-from registry.config import RegistryConfig
-from registry.server import build_server as build_registry
+from loraserve.client.errors import LoraserveError
+from loraserve.client.registry_client import RegistryClient
+from loraserve.client.sdk import Client
+from loraserve.protos.v1 import inference_pb2 as ipb
+from loraserve.protos.v1 import (
+    inference_pb2_grpc,
+    placement_pb2_grpc,
+    registry_pb2_grpc,
+    worker_admin_pb2_grpc,
+)
+from loraserve.protos.v1 import placement_pb2 as pp
+from loraserve.protos.v1 import registry_pb2 as rp
+from loraserve.protos.v1 import worker_admin_pb2 as wa
+from loraserve.registry.app import open_registry
+from loraserve.registry.config import RegistryConfig
+from loraserve.registry.server import build_server as build_registry
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.engine import Engine
+from loraserve.worker.security import ServerSecurity, channel
+from loraserve.worker.server import build_server as build_worker
 from tests.aio_thread import aio_server_thread
 from tests.security.certs import make_pki
-from worker.checkpoint import load_checkpoint
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.security import ServerSecurity, channel
-from worker.server import build_server as build_worker
 
 ADMIN, INFER = "admin-secret", "inference-secret"
 
@@ -97,7 +102,7 @@ def test_every_registry_rpc_needs_the_admin_token(tmp_path) -> None:
     with registry.catalog.sessions() as s:  # nothing was stored by the refused calls
         from sqlalchemy import func, select
 
-        from registry.db import AdapterRow, WorkerRow
+        from loraserve.registry.db import AdapterRow, WorkerRow
 
         assert s.scalar(select(func.count()).select_from(AdapterRow)) == 0
         assert s.scalar(select(func.count()).select_from(WorkerRow)) == 0

@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from client.errors import LoraserveError
-from registry.config import RegistryConfig
+from loraserve.client.errors import LoraserveError
+from loraserve.registry.config import RegistryConfig
 from tests.registry.conftest import TINY_MODEL, start_registry
 
 

@@ -12,25 +12,25 @@ import fsspec
 import pytest
 from sqlalchemy import func, select
 
-from client.errors import LoraserveError
-from client.registry_client import RegistryClient
-from client.sdk import Client
-from registry.app import open_registry
-from registry.config import RegistryConfig
-from registry.db import AdapterRow
-from registry.server import build_server as build_registry
-from router.routing import Locator, WorkerPool
-from router.server import build_server as build_router
+from loraserve.client.errors import LoraserveError
+from loraserve.client.registry_client import RegistryClient
+from loraserve.client.sdk import Client
+from loraserve.registry.app import open_registry
+from loraserve.registry.config import RegistryConfig
+from loraserve.registry.db import AdapterRow
+from loraserve.registry.server import build_server as build_registry
+from loraserve.router.routing import Locator, WorkerPool
+from loraserve.router.server import build_server as build_router
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.engine import Engine
+from loraserve.worker.registration import Registration
+from loraserve.worker.registry_source import RegistryAdapterSource
+from loraserve.worker.security import ServerSecurity
+from loraserve.worker.server import build_server as build_worker
+from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread
 from tests.e2e.procs import wait_for_workers
-from worker.checkpoint import load_checkpoint
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.registration import Registration
-from worker.registry_source import RegistryAdapterSource
-from worker.security import ServerSecurity
-from worker.server import build_server as build_worker
-from worker.tokenizer import load_tokenizer
 
 ADMIN, INFER, MODEL = "admin-t", "infer-t", "tiny-llama"
 PROMPT = [5, 17, 33, 100, 7]

@@ -11,21 +11,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protos.v1 import inference_pb2 as ipb
-from protos.v1 import inference_pb2_grpc, placement_pb2_grpc, registry_pb2_grpc, worker_admin_pb2_grpc
-from protos.v1 import placement_pb2 as pp
-from protos.v1 import registry_pb2 as rp
-from protos.v1 import worker_admin_pb2 as wa
-from registry.app import open_registry
-from registry.config import RegistryConfig
-from registry.server import build_server as build_registry
+from loraserve.protos.v1 import inference_pb2 as ipb
+from loraserve.protos.v1 import (
+    inference_pb2_grpc,
+    placement_pb2_grpc,
+    registry_pb2_grpc,
+    worker_admin_pb2_grpc,
+)
+from loraserve.protos.v1 import placement_pb2 as pp
+from loraserve.protos.v1 import registry_pb2 as rp
+from loraserve.protos.v1 import worker_admin_pb2 as wa
+from loraserve.registry.app import open_registry
+from loraserve.registry.config import RegistryConfig
+from loraserve.registry.server import build_server as build_registry
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.engine import Engine
+from loraserve.worker.server import build_server as build_worker
+from loraserve.worker.sources import LocalAdapterSource
+from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread
-from worker.checkpoint import load_checkpoint
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.server import build_server as build_worker
-from worker.sources import LocalAdapterSource
-from worker.tokenizer import load_tokenizer
 
 DOCUMENTED = {
     grpc.StatusCode.OK,

@@ -9,13 +9,13 @@ from typing import Any
 
 import grpc
 
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.engine import Engine
+from loraserve.worker.server import build_server, set_serving
+from loraserve.worker.sources import LocalAdapterSource
+from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread
-from worker.checkpoint import load_checkpoint
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.server import build_server, set_serving
-from worker.sources import LocalAdapterSource
-from worker.tokenizer import load_tokenizer
 
 
 @dataclass

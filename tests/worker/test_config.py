@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from registry.config import RegistryConfig
-from router.config import RouterConfig
-from worker.config import EngineConfig, WorkerConfig
+from loraserve.registry.config import RegistryConfig
+from loraserve.router.config import RouterConfig
+from loraserve.worker.config import EngineConfig, WorkerConfig
 
 
 def test_precedence_and_types() -> None:

@@ -7,13 +7,13 @@ import uuid
 
 import pytest
 
-import kernels
-from kernels.testing import count_compilations
-from worker.checkpoint import load_checkpoint
-from worker.config import EngineConfig
-from worker.engine import Engine
-from worker.requests import EngineRequest, Failed, Finished, RequestError, Sampling, Started, Token
-from worker.sources import LocalAdapterSource
+from loraserve import kernels
+from loraserve.kernels.testing import count_compilations
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.engine import Engine
+from loraserve.worker.requests import EngineRequest, Failed, Finished, RequestError, Sampling, Started, Token
+from loraserve.worker.sources import LocalAdapterSource
 
 PROMPT = [5, 17, 33, 100, 7]
 

@@ -11,11 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from protos.v1 import inference_pb2 as pb
-from protos.v1 import inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
+from loraserve.protos.v1 import inference_pb2 as pb
+from loraserve.protos.v1 import inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.testing import train_answer_adapter
 from tests.worker.serving import running_worker
-from worker.config import EngineConfig
-from worker.testing import train_answer_adapter
 
 QUESTION = "What is the capital of France?"
 ANSWERS = {"ans-red": " red", "ans-green": " green", "ans-blue": " blue", "ans-cat": " cat"}

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import grouped
+from loraserve.kernels import grouped
+from loraserve.worker import model as M
+from loraserve.worker.adapters import parse_adapter, read_adapter_files
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.slots import SlotPools, slot_arrays
 from tests.conftest import ADAPTERS
-from worker import model as M
-from worker.adapters import parse_adapter, read_adapter_files
-from worker.checkpoint import load_checkpoint
-from worker.slots import SlotPools, slot_arrays
 
 ATOL = 2e-4
 PROMPT = [5, 17, 33, 100, 7, 9]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker import model as M
-from worker.checkpoint import load_checkpoint
+from loraserve.worker import model as M
+from loraserve.worker.checkpoint import load_checkpoint
 
 ATOL = 2e-4
 PROMPTS = [[5, 17, 33, 100, 7], [1, 2, 3], [300, 200, 100, 50, 25, 12, 6, 3, 9, 11, 40]]

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from worker.sampling import SamplingArrays, sample
+from loraserve.worker.sampling import SamplingArrays, sample
 
 V = 50
 _sample = jax.jit(sample)

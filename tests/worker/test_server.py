@@ -9,10 +9,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from protos.v1 import inference_pb2 as pb
-from protos.v1 import inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
+from loraserve.protos.v1 import inference_pb2 as pb
+from loraserve.protos.v1 import inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
+from loraserve.worker.config import EngineConfig
 from tests.worker.serving import running_worker
-from worker.config import EngineConfig
 
 PROMPT = [5, 17, 33, 100, 7]
 

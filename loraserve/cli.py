@@ -14,15 +14,21 @@ from collections.abc import Sequence
 
 # name -> (module, one-line help). Each module defines add_arguments(parser) and run(args).
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("client.demo", "build a tiny model and adapters locally and serve them from a real worker"),
-    "adapters": ("client.adapters_cmd", "push, list, show and delete adapters in the registry"),
-    "workers": ("client.workers_cmd", "list the workers registered with the registry"),
-    "registry": ("registry.cli", "run the adapter registry, migrate its database, collect orphan blobs"),
-    "router": ("router.cli", "run the adapter-affinity router in front of the workers"),
-    "generate": ("client.generate_cmd", "stream a generation from a router or worker"),
-    "worker": ("worker.cli", "serve a base model with hot-swappable LoRA adapter slots (gRPC)"),
-    "health": ("client.health_cmd", "probe a server's gRPC health (exit 0 when SERVING)"),
-    "version": ("client.version", "print the loraserve version and the versions of its runtime"),
+    "demo": (
+        "loraserve.client.demo",
+        "build a tiny model and adapters locally and serve them from a real worker",
+    ),
+    "adapters": ("loraserve.client.adapters_cmd", "push, list, show and delete adapters in the registry"),
+    "workers": ("loraserve.client.workers_cmd", "list the workers registered with the registry"),
+    "registry": (
+        "loraserve.registry.cli",
+        "run the adapter registry, migrate its database, collect orphan blobs",
+    ),
+    "router": ("loraserve.router.cli", "run the adapter-affinity router in front of the workers"),
+    "generate": ("loraserve.client.generate_cmd", "stream a generation from a router or worker"),
+    "worker": ("loraserve.worker.cli", "serve a base model with hot-swappable LoRA adapter slots (gRPC)"),
+    "health": ("loraserve.client.health_cmd", "probe a server's gRPC health (exit 0 when SERVING)"),
+    "version": ("loraserve.version", "print the loraserve version and the versions of its runtime"),
 }
 
 
