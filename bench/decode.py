@@ -57,7 +57,7 @@ def build(workdir: Path, w: dict) -> tuple[Path, list[Path]]:
     """Save the random base model and ``w['adapters']`` random PEFT adapters; return their folders."""
     from transformers import AutoModelForCausalLM
 
-    from loraserve.worker.testing import build_model, make_adapter
+    from loraserve.testing import build_model, make_adapter
 
     model = build_model(
         "llama",
@@ -140,11 +140,11 @@ def run_engine(
     ttft: bool = True,
 ) -> dict[str, dict[str, float]]:
     """loraserve's engine for base-only, 1 adapter and len(adapters) distinct adapters (+ TTFTs)."""
+    from loraserve.adapters.sources import LocalAdapterSource
     from loraserve.worker.checkpoint import load_checkpoint
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.engine import Engine
     from loraserve.worker.requests import EngineRequest, Finished, Sampling, Token
-    from loraserve.worker.sources import LocalAdapterSource
 
     src = LocalAdapterSource()
     for i, path in enumerate(adapters):

@@ -20,7 +20,7 @@ def run(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        from loraserve.worker.security import channel as make_channel
+        from loraserve.common.security import channel as make_channel
 
         with make_channel(args.address, **connection_kwargs(args)) as channel:
             resp = health_pb2_grpc.HealthStub(channel).Check(

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import grpc
 
+from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE, read_adapter_files
 from loraserve.client.errors import LoraserveError
+from loraserve.common.security import channel as make_channel
 from loraserve.protos.v1 import placement_pb2, placement_pb2_grpc, registry_pb2, registry_pb2_grpc
-from loraserve.worker.adapters import CONFIG_FILE, WEIGHTS_FILE, read_adapter_files
-from loraserve.worker.security import channel as make_channel
 
 CHUNK = 1 << 20
 Progress = Callable[[int, int], None]  # (bytes sent, total bytes)

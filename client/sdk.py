@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from loraserve.client.errors import LoraserveError
+from loraserve.common.security import aio_channel, channel
 from loraserve.protos.v1 import inference_pb2 as pb
 from loraserve.protos.v1 import inference_pb2_grpc
-from loraserve.worker.security import aio_channel, channel
 
 FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "eos"}
 

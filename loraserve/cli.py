@@ -15,7 +15,7 @@ from collections.abc import Sequence
 # name -> (module, one-line help). Each module defines add_arguments(parser) and run(args).
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": (
-        "loraserve.client.demo",
+        "loraserve.demo",
         "build a tiny model and adapters locally and serve them from a real worker",
     ),
     "adapters": ("loraserve.client.adapters_cmd", "push, list, show and delete adapters in the registry"),

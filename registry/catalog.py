@@ -19,6 +19,10 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
+from loraserve.adapters.errors import AdapterError, AdapterMismatchError, AdapterRankError, UnknownModuleError
+from loraserve.adapters.files import read_adapter_files
+from loraserve.adapters.peft import parse_adapter, parse_config
+from loraserve.adapters.refs import split_ref
 from loraserve.registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow
 from loraserve.registry.errors import (
     AlreadyExists,
@@ -28,16 +32,6 @@ from loraserve.registry.errors import (
     ResourceExhausted,
 )
 from loraserve.registry.storage import BlobStore
-from loraserve.worker.adapters import (
-    AdapterError,
-    AdapterMismatchError,
-    AdapterRankError,
-    UnknownModuleError,
-    parse_adapter,
-    parse_config,
-    read_adapter_files,
-)
-from loraserve.worker.sources import split_ref
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 DEFAULT_PAGE, MAX_PAGE = 100, 1000

@@ -67,10 +67,10 @@ def _config(args: argparse.Namespace) -> RegistryConfig:
 
 
 async def serve(config: RegistryConfig) -> None:
+    from loraserve.common.observability import start_metrics
+    from loraserve.common.security import ServerSecurity
     from loraserve.registry.app import open_registry
     from loraserve.registry.server import build_server, expire_leases_forever, set_serving
-    from loraserve.worker.observability import start_metrics
-    from loraserve.worker.security import ServerSecurity
 
     registry = open_registry(config)
     start_metrics(config.metrics_port)
@@ -100,7 +100,7 @@ async def serve(config: RegistryConfig) -> None:
 def run(args: argparse.Namespace) -> int:
     config = _config(args)
     if args.registry_command == "serve":
-        from loraserve.worker.observability import setup_logging
+        from loraserve.common.observability import setup_logging
 
         setup_logging(args.log_level)
         asyncio.run(serve(config))

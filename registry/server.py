@@ -17,6 +17,9 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from loraserve.common.observability import observe_rpc
+from loraserve.common.security import ServerSecurity
+from loraserve.common.server import finish_server, new_server, set_health
 from loraserve.protos.v1 import (
     placement_pb2,
     placement_pb2_grpc,
@@ -27,9 +30,6 @@ from loraserve.protos.v1 import (
 from loraserve.registry.catalog import Catalog, UploadHeader
 from loraserve.registry.db import AdapterRow, WorkerRow, as_utc
 from loraserve.registry.placement import Load, Placement, SlotReport
-from loraserve.worker.grpc_server import finish_server, new_server, set_health
-from loraserve.worker.observability import observe_rpc
-from loraserve.worker.security import ServerSecurity
 
 log = logging.getLogger("loraserve.registry.server")
 CHUNK = 1 << 20

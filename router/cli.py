@@ -43,10 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(config: RouterConfig) -> None:
+    from loraserve.common.observability import start_metrics
+    from loraserve.common.security import ServerSecurity
     from loraserve.router.routing import Locator, WorkerPool
     from loraserve.router.server import build_server, set_serving
-    from loraserve.worker.observability import start_metrics
-    from loraserve.worker.security import ServerSecurity
 
     start_metrics(config.metrics_port)
     locator = Locator(
@@ -78,7 +78,7 @@ async def serve(config: RouterConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loraserve.worker.observability import setup_logging
+    from loraserve.common.observability import setup_logging
 
     setup_logging(args.log_level)
     config = RouterConfig.from_env(**{f.name: getattr(args, f.name) for f in fields(RouterConfig)})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraserve.worker.config import config_from_env
+from loraserve.common.config import config_from_env
 
 ENV_PREFIX = "LORASERVE_ROUTER_"
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from loraserve.common.security import aio_channel
 from loraserve.protos.v1 import inference_pb2_grpc, placement_pb2, placement_pb2_grpc
-from loraserve.worker.security import aio_channel
 
 
 class RouteError(Exception):

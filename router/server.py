@@ -12,11 +12,11 @@ from typing import Any
 
 import grpc
 
+from loraserve.common.observability import StreamTimer
+from loraserve.common.security import ServerSecurity
+from loraserve.common.server import finish_server, new_server, set_health
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc
 from loraserve.router.routing import Locator, RouteError, WorkerPool
-from loraserve.worker.grpc_server import finish_server, new_server, set_health
-from loraserve.worker.observability import StreamTimer
-from loraserve.worker.security import ServerSecurity
 
 log = logging.getLogger("loraserve.router")
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from loraserve.worker.testing import make_adapter, save_model
+from loraserve.testing import make_adapter, save_model
 
 POSTGRES_ENV = "LORASERVE_TEST_POSTGRES_URL"
 

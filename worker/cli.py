@@ -60,11 +60,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
+    from loraserve.adapters.sources import LocalAdapterSource
+    from loraserve.common.security import ServerSecurity
     from loraserve.worker.checkpoint import load_checkpoint
     from loraserve.worker.engine import Engine
-    from loraserve.worker.security import ServerSecurity
     from loraserve.worker.server import build_server, set_serving
-    from loraserve.worker.sources import LocalAdapterSource
     from loraserve.worker.tokenizer import load_tokenizer
 
     log = logging.getLogger("loraserve.worker")
@@ -87,8 +87,8 @@ async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
         source = LocalAdapterSource(config.adapter_dir or None)
     engine = Engine(checkpoint, config.engine_config(), source=source)
     if config.metrics_port:
+        from loraserve.common.observability import start_metrics
         from loraserve.worker.metrics import register_engine_metrics
-        from loraserve.worker.observability import start_metrics
 
         register_engine_metrics(engine)
         start_metrics(config.metrics_port, log)
@@ -134,7 +134,7 @@ async def serve(config: WorkerConfig, ready_line: bool = True) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loraserve.worker.observability import setup_logging
+    from loraserve.common.observability import setup_logging
 
     setup_logging(args.log_level)
     overrides = {f.name: getattr(args, f.name) for f in fields(WorkerConfig)}

@@ -23,8 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from loraserve import kernels
+from loraserve.adapters.errors import AdapterError, AdapterUnavailableError
+from loraserve.adapters.peft import parse_adapter
+from loraserve.adapters.refs import split_ref
+from loraserve.adapters.sources import AdapterSource, LocalAdapterSource, verify_sha256
 from loraserve.worker import model as M
-from loraserve.worker.adapters import AdapterError, parse_adapter
 from loraserve.worker.checkpoint import Checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.requests import (
@@ -46,13 +49,6 @@ from loraserve.worker.slots import (
     SlotTable,
     SlotValues,
     slot_arrays,
-)
-from loraserve.worker.sources import (
-    AdapterSource,
-    AdapterUnavailableError,
-    LocalAdapterSource,
-    split_ref,
-    verify_sha256,
 )
 
 log = logging.getLogger("loraserve.worker.engine")

@@ -7,8 +7,8 @@ import time
 from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from loraserve.common.observability import LATENCY_BUCKETS
 from loraserve.worker.engine import Engine
-from loraserve.worker.observability import LATENCY_BUCKETS
 from loraserve.worker.slots import SlotState
 
 ADAPTER_LOAD_SECONDS = Histogram(

@@ -14,7 +14,6 @@ import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Every module an adapter may target, in the order the slot pools keep them.
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class UnsupportedModelError(ValueError):

@@ -12,9 +12,9 @@ import logging
 
 import grpc
 
+from loraserve.common.security import aio_channel
 from loraserve.protos.v1 import placement_pb2, placement_pb2_grpc, worker_admin_pb2
 from loraserve.worker.engine import Engine
-from loraserve.worker.security import aio_channel
 from loraserve.worker.slots import SlotState
 
 log = logging.getLogger("loraserve.worker.registration")

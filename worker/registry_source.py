@@ -15,10 +15,11 @@ from pathlib import Path
 import fsspec
 import grpc
 
+from loraserve.adapters.errors import AdapterError, AdapterNotFoundError, AdapterUnavailableError
+from loraserve.adapters.refs import split_ref
+from loraserve.adapters.sources import FetchedAdapter
+from loraserve.common.security import channel
 from loraserve.protos.v1 import registry_pb2, registry_pb2_grpc
-from loraserve.worker.adapters import AdapterError
-from loraserve.worker.security import channel
-from loraserve.worker.sources import AdapterNotFoundError, AdapterUnavailableError, FetchedAdapter, split_ref
 
 log = logging.getLogger("loraserve.worker.registry_source")
 RESOLVE_TTL = 2.0  # seconds a "name" -> "name@version" answer is reused
@@ -123,7 +124,7 @@ class RegistryAdapterSource:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise AdapterNotFoundError(exc.details()) from None
             if exc.code() == grpc.StatusCode.DATA_LOSS:
-                from loraserve.worker.sources import AdapterDataLossError
+                from loraserve.adapters.errors import AdapterDataLossError
 
                 raise AdapterDataLossError(exc.details()) from None
             raise AdapterUnavailableError(

@@ -14,16 +14,16 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from loraserve.adapters.errors import AdapterError
+from loraserve.adapters.sources import LocalAdapterSource
+from loraserve.common.observability import StreamTimer
+from loraserve.common.security import ServerSecurity
+from loraserve.common.server import finish_server, new_server, set_health
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
-from loraserve.worker.adapters import AdapterError
 from loraserve.worker.engine import Engine
-from loraserve.worker.grpc_server import finish_server, new_server, set_health
-from loraserve.worker.observability import StreamTimer
 from loraserve.worker.outputs import Chunk, StreamAssembler
 from loraserve.worker.requests import EngineRequest, RequestError, Sampling
-from loraserve.worker.security import ServerSecurity
 from loraserve.worker.slots import Slot
-from loraserve.worker.sources import LocalAdapterSource
 from loraserve.worker.tokenizer import encode
 
 log = logging.getLogger("loraserve.worker.server")
@@ -158,7 +158,7 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
         e, cfg = self.engine.config, self.engine.model_config
         import jax
 
-        from loraserve.worker.model_config import LORA_MODULES
+        from loraserve.adapters.peft import LORA_MODULES
 
         return worker_admin_pb2.WorkerInfo(
             model_id=self.model_id,

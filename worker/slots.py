@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loraserve.worker.adapters import LoraWeights
+from loraserve.adapters.peft import LoraWeights
 from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, weights_first
 from loraserve.worker.model_config import ModelConfig
 

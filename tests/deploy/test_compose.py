@@ -26,7 +26,7 @@ KNOWN_ENV = (
     | {f"LORASERVE_REGISTRY_{f.name.upper()}" for f in fields(RegistryConfig)}
     | {f"LORASERVE_ROUTER_{f.name.upper()}" for f in fields(RouterConfig)}
     | {"LORASERVE_REGISTRY_ADDRESS", "LORASERVE_TARGET"}  # the admin CLI and SDK's defaults
-    | {"LORASERVE_LOG_FORMAT"}  # worker.observability.setup_logging
+    | {"LORASERVE_LOG_FORMAT"}  # common.observability.setup_logging
     | {"STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}  # read by gcsfs (DESIGN.md §3)
 )
 THIRD_PARTY_PROBES = {"pg_isready", "wget"}  # shipped in the postgres and fake-gcs-server images

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from sqlalchemy import create_engine, text
 
+from loraserve.adapters.sources import LocalAdapterSource
 from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
 from loraserve.protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
@@ -21,7 +22,6 @@ from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Token
-from loraserve.worker.sources import LocalAdapterSource
 from tests.e2e.compose_local import LocalCompose
 from tests.e2e.procs import wait_for_workers, wait_healthy
 
@@ -33,7 +33,7 @@ MODEL_ID = "demo-tiny-llama"
 def six_adapters(adapter_dirs, llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from loraserve.worker.testing import make_adapter
+    from loraserve.testing import make_adapter
 
     out = {f"e2e-{n}": adapter_dirs[n] for n in ("all-r4", "qv-r8-rslora", "attn-pattern")}
     for i, (r, targets) in enumerate(

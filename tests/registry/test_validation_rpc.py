@@ -164,7 +164,7 @@ def test_pickle_adapter_is_refused(reg, adapter_dirs, tmp_path) -> None:
 def test_adapter_for_another_base_model_fails_precondition(reg, model_dirs, tiny_shapes, tmp_path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from loraserve.worker.testing import make_adapter
+    from loraserve.testing import make_adapter
 
     shapes = [
         placement_pb2.ModuleShape(module=m, in_features=i, out_features=o, num_layers=n)

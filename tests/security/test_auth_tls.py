@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraserve.client.errors import LoraserveError
 from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
+from loraserve.common.security import ServerSecurity, channel
 from loraserve.protos.v1 import inference_pb2 as ipb
 from loraserve.protos.v1 import (
     inference_pb2_grpc,
@@ -26,7 +27,6 @@ from loraserve.registry.server import build_server as build_registry
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
-from loraserve.worker.security import ServerSecurity, channel
 from loraserve.worker.server import build_server as build_worker
 from tests.aio_thread import aio_server_thread
 from tests.security.certs import make_pki

@@ -15,6 +15,7 @@ from sqlalchemy import func, select
 from loraserve.client.errors import LoraserveError
 from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
+from loraserve.common.security import ServerSecurity
 from loraserve.registry.app import open_registry
 from loraserve.registry.config import RegistryConfig
 from loraserve.registry.db import AdapterRow
@@ -26,7 +27,6 @@ from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.registration import Registration
 from loraserve.worker.registry_source import RegistryAdapterSource
-from loraserve.worker.security import ServerSecurity
 from loraserve.worker.server import build_server as build_worker
 from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread

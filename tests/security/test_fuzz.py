@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loraserve.adapters.sources import LocalAdapterSource
 from loraserve.protos.v1 import inference_pb2 as ipb
 from loraserve.protos.v1 import (
     inference_pb2_grpc,
@@ -28,7 +29,6 @@ from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.server import build_server as build_worker
-from loraserve.worker.sources import LocalAdapterSource
 from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread
 

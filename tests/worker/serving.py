@@ -9,11 +9,11 @@ from typing import Any
 
 import grpc
 
+from loraserve.adapters.sources import LocalAdapterSource
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.server import build_server, set_serving
-from loraserve.worker.sources import LocalAdapterSource
 from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread
 

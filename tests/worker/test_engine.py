@@ -8,12 +8,12 @@ import uuid
 import pytest
 
 from loraserve import kernels
+from loraserve.adapters.sources import LocalAdapterSource
 from loraserve.kernels.testing import count_compilations
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.requests import EngineRequest, Failed, Finished, RequestError, Sampling, Started, Token
-from loraserve.worker.sources import LocalAdapterSource
 
 PROMPT = [5, 17, 33, 100, 7]
 

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from loraserve.adapters.files import read_adapter_files
+from loraserve.adapters.peft import parse_adapter
 from loraserve.kernels import grouped
 from loraserve.worker import model as M
-from loraserve.worker.adapters import parse_adapter, read_adapter_files
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slots import SlotPools, slot_arrays
 from tests.conftest import ADAPTERS

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from loraserve.testing import build_tokenizer
 from loraserve.worker.outputs import Detokenizer, StreamAssembler
 from loraserve.worker.requests import Failed, Finished, Started, Token
-from loraserve.worker.testing import build_tokenizer
 
 
 @pytest.fixture(scope="module")

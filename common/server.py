@@ -9,7 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from loraserve.worker.security import ServerSecurity
+from loraserve.common.security import ServerSecurity
 
 
 def new_server(security: ServerSecurity, max_message_bytes: int | None = None) -> grpc.aio.Server:

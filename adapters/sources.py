@@ -9,30 +9,15 @@ The registry client implements the same interface.
 from __future__ import annotations
 
 import hashlib
-import re
 import threading
 from dataclasses import dataclass
 from typing import Protocol
 
 import fsspec
 
-from loraserve.worker.adapters import CONFIG_FILE, WEIGHTS_FILE, AdapterError, read_adapter_files
-
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
-
-
-class AdapterNotFoundError(AdapterError):
-    code = "NOT_FOUND"
-
-
-class AdapterDataLossError(AdapterError):
-    code = "DATA_LOSS"
-
-
-class AdapterUnavailableError(AdapterError):
-    """The adapter's storage could not be read right now."""
-
-    code = "UNAVAILABLE"
+from loraserve.adapters.errors import AdapterDataLossError, AdapterNotFoundError
+from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE, read_adapter_files
+from loraserve.adapters.refs import split_ref
 
 
 @dataclass(frozen=True)
@@ -47,18 +32,6 @@ class AdapterSource(Protocol):
     def resolve(self, ref: str) -> str: ...
 
     def fetch(self, key: str) -> FetchedAdapter: ...
-
-
-def split_ref(ref: str) -> tuple[str, int | None]:
-    """``"name@3" -> ("name", 3)``, ``"name" -> ("name", None)``; INVALID_ARGUMENT for a malformed ref."""
-    name, sep, version = ref.partition("@")
-    if not NAME_RE.match(name):
-        raise AdapterError(f"adapter name {name[:64]!r} must match {NAME_RE.pattern}")
-    if not sep:
-        return name, None
-    if not version.isdigit() or int(version) < 1:
-        raise AdapterError(f"adapter version in {ref[:64]!r} must be a positive integer")
-    return name, int(version)
 
 
 def verify_sha256(fetched: FetchedAdapter) -> None:

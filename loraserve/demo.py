@@ -49,7 +49,7 @@ def build_assets(workdir: Path, rebuild: bool) -> tuple[Path, Path]:
         return model_dir, adapter_dir
     from transformers import AutoTokenizer
 
-    from loraserve.worker.testing import save_model, train_answer_adapter
+    from loraserve.testing import save_model, train_answer_adapter
 
     _say("building a tiny random Llama checkpoint (transformers) ...")
     save_model(model_dir, "llama", seed=0)

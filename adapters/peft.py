@@ -18,36 +18,15 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
 import numpy as np
 
-from loraserve.worker.model_config import LORA_MODULES
+from loraserve.adapters.errors import AdapterError, AdapterMismatchError, AdapterRankError, UnknownModuleError
+from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "adapter_model.ckpt")
+# The modules a LoRA slot can adapt, in the order pools and reports list them.
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served; ``code`` names the gRPC status (INVALID_ARGUMENT by default)."""
-
-    code = "INVALID_ARGUMENT"
-
-
-class AdapterMismatchError(AdapterError):
-    """A well-formed adapter that does not fit this base model or worker (FAILED_PRECONDITION)."""
-
-    code = "FAILED_PRECONDITION"
-
-
-class AdapterRankError(AdapterMismatchError):
-    """A rank above the largest slot rank (the registry refuses these uploads as INVALID_ARGUMENT)."""
-
-
-class UnknownModuleError(AdapterMismatchError):
-    """A target module the model family does not adapt (INVALID_ARGUMENT at upload)."""
 
 
 @dataclass(frozen=True)
@@ -246,17 +225,3 @@ def parse_adapter(
         config=cfg,
         base_model=str(cfg.get("base_model_name_or_path") or ""),
     )
-
-
-def read_adapter_files(url: str) -> tuple[bytes, bytes]:
-    """Read ``(adapter_config.json, adapter_model.safetensors)`` bytes from a folder path or fsspec URL."""
-    fs, root = fsspec.core.url_to_fs(url)
-    root = root.rstrip("/")
-    if not fs.exists(f"{root}/{WEIGHTS_FILE}"):
-        pickled = [name for name in PICKLE_FILES if fs.exists(f"{root}/{name}")]
-        if pickled:
-            raise AdapterError(f"{pickled[0]} is a pickle file, which is refused (loading it can run code)")
-        raise AdapterError(f"no {WEIGHTS_FILE} in {url}")
-    if not fs.exists(f"{root}/{CONFIG_FILE}"):
-        raise AdapterError(f"no {CONFIG_FILE} in {url}")
-    return fs.cat_file(f"{root}/{CONFIG_FILE}"), fs.cat_file(f"{root}/{WEIGHTS_FILE}")
