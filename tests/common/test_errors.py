@@ -25,7 +25,7 @@ def test_an_instance_may_name_another_status() -> None:
 
 
 def test_a_status_name_string_is_refused() -> None:
-    with pytest.raises(TypeError, match="grpc.StatusCode"):
+    with pytest.raises(TypeError, match=r"grpc\.StatusCode"):
         errors.LoraserveError("x", "NOT_FOUND")  # type: ignore[arg-type]
 
 
