@@ -1,27 +1,56 @@
-# loraserve: one image for the registry, the workers, the router and the admin CLI (CPU JAX).
-# The tiny demo model and adapters are built at start by the compose `assets` job (needs the dev extra:
-# torch, transformers, peft); a production image would install `.[gcs,postgres]` and mount real checkpoints.
-FROM python:3.11-slim
+# loraserve images, one per role (DESIGN.md §10.1): each installs the wheel with its role's extra only.
+#   docker build --target worker   -t loraserve-worker .    # JAX worker (CPU; use the tpu extra on TPU VMs)
+#   docker build --target registry -t loraserve-registry .  # SQLAlchemy/Alembic, PostgreSQL, GCS
+#   docker build --target router   -t loraserve-router .    # the base install: gRPC + metrics only
+#   docker build --target client   -t loraserve-client .    # the SDK and the `loraserve` CLI's client side
+#   docker build --target demo     -t loraserve-demo .      # builds the tiny demo model/adapters (torch, peft)
+# docker-compose.yml builds each service from its role's target.
 
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-WORKDIR /app
-RUN apt-get update && apt-get install -y --no-install-recommends build-essential && rm -rf /var/lib/apt/lists/*
-# torch is needed only to build the demo model and adapters. Point PIP_INDEX_URL/PIP_EXTRA_INDEX_URL
-# (build args) at a CPU wheel index to keep the image small; the default index serves a CUDA build.
-ARG PIP_INDEX_URL
-ARG PIP_EXTRA_INDEX_URL
-RUN pip install torch==2.13.0
+# ---- build: generate the gRPC modules and build one wheel (grpcio-tools lives here only)
+FROM python:3.11-slim AS build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+RUN pip install "grpcio-tools>=1.66,<2" "setuptools>=77" wheel
 COPY pyproject.toml README.md ./
+COPY loraserve ./loraserve
 COPY protos ./protos
+COPY common ./common
+COPY adapters ./adapters
 COPY kernels ./kernels
 COPY worker ./worker
 COPY registry ./registry
 COPY router ./router
 COPY client ./client
-RUN pip install ".[dev,gcs,postgres]" && python -m loraserve.protos.build && pip install --no-deps --force-reinstall .
-# Build the C++ multi-LoRA kernels now (-march=native, cached by CPU flags: a host with another CPU
-# rebuilds them once at start, ~4 s; without a compiler workers fall back to the xla backend).
-RUN cd / && python -c "import kernels.cpu as c; c.ensure_registered()"
-EXPOSE 50051 50061 50071
+RUN python protos/build.py && pip wheel --no-deps --no-build-isolation -w /wheels .
+
+# ---- the base every role starts from
+FROM python:3.11-slim AS base
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /app
+COPY --from=build /wheels /wheels
+EXPOSE 50051 50061 50071 9100
 ENTRYPOINT []
 CMD ["loraserve", "--help"]
+
+FROM base AS client
+RUN pip install /wheels/loraserve-*.whl
+
+FROM base AS router
+RUN pip install /wheels/loraserve-*.whl
+
+FROM base AS registry
+RUN pip install "$(ls /wheels/loraserve-*.whl)[registry,postgres,gcs]"
+
+FROM base AS worker
+# A C++ compiler for the CPU multi-LoRA kernels, built now (-march=native, cached by CPU flags: a host with
+# another CPU rebuilds them once at start, ~4 s; without a compiler workers fall back to the xla backend).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+RUN pip install "$(ls /wheels/loraserve-*.whl)[worker,gcs]"
+RUN python -c "from loraserve.kernels import cpu; cpu.ensure_registered()"
+
+FROM worker AS demo
+# torch only builds the demo's tiny model and adapters. Point PIP_INDEX_URL/PIP_EXTRA_INDEX_URL (build
+# args) at a CPU wheel index to keep the image small; the default index serves a CUDA build.
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+RUN pip install "$(ls /wheels/loraserve-*.whl)[demo]"

@@ -5,6 +5,7 @@ right conditions, and every healthcheck runs a command that exists."""
 from __future__ import annotations
 
 import shlex
+import tomllib
 from dataclasses import fields
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from loraserve.worker.config import WorkerConfig
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 SERVICES = COMPOSE["services"]
-OURS = {name: svc for name, svc in SERVICES.items() if svc.get("image") == "loraserve:dev"}
+OURS = {name: svc for name, svc in SERVICES.items() if str(svc.get("image", "")).startswith("loraserve-")}
 
 KNOWN_ENV = (
     {f"LORASERVE_WORKER_{f.name.upper()}" for f in fields(WorkerConfig)}
@@ -30,6 +31,47 @@ KNOWN_ENV = (
     | {"STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}  # read by gcsfs (DESIGN.md §3)
 )
 THIRD_PARTY_PROBES = {"pg_isready", "wget"}  # shipped in the postgres and fake-gcs-server images
+
+
+# The Dockerfile target each service must run from: the image of its role and nothing heavier.
+ROLE_OF = {"migrate": "registry", "registry": "registry", "worker-1": "worker", "worker-2": "worker"}
+ROLE_OF |= {"router": "router", "seed": "client", "assets": "demo"}
+# target -> the extras its `pip install` names (DESIGN.md §10.1: a role's image installs that role only)
+EXTRAS_OF = {"client": set(), "router": set(), "registry": {"registry", "postgres", "gcs"}}
+EXTRAS_OF |= {"worker": {"worker", "gcs"}, "demo": {"worker", "gcs", "demo"}}
+
+
+def dockerfile_stages() -> dict[str, dict]:
+    """``FROM … AS name`` stages of the Dockerfile: their parent and the extras their pip installs name."""
+    stages: dict[str, dict] = {}
+    current = None
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("FROM "):
+            parent, _, name = line.removeprefix("FROM ").partition(" AS ")
+            current = stages[name.strip()] = {"parent": parent.strip(), "extras": set()}
+        elif current is not None and line.startswith("RUN pip install") and "/wheels/loraserve" in line:
+            extras = line.split("]")[0].split("[")[1] if "[" in line else ""
+            current["extras"] |= {e for e in extras.split(",") if e}
+    return stages
+
+
+def stage_extras(stages: dict[str, dict], name: str) -> set[str]:
+    stage = stages[name]
+    inherited = stage_extras(stages, stage["parent"]) if stage["parent"] in stages else set()
+    return stage["extras"] | inherited
+
+
+def test_each_service_runs_the_image_of_its_role() -> None:
+    stages = dockerfile_stages()
+    assert set(ROLE_OF) == set(OURS)
+    for name, svc in OURS.items():
+        role = ROLE_OF[name]
+        assert svc["build"] == {"context": ".", "target": role}, name
+        assert svc["image"] == f"loraserve-{role}:dev", name
+        assert stage_extras(stages, role) == EXTRAS_OF[role], role
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for role in EXTRAS_OF.values():
+        assert role <= set(extras)
 
 
 def loraserve_commands(svc: dict) -> list[list[str]]:
