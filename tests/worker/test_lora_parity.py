@@ -76,7 +76,13 @@ def test_mixed_adapter_batch_matches_peft(
             num_layers=cfg.num_layers,
             max_rank=16,
         )
-        pools.write(slot, slot_arrays(cfg, weights, 16))
+        values = slot_arrays(cfg, weights, 16)
+        pools.write(slot, values)
+        for got, want in zip(pools.read(slot), values, strict=True):  # the backend's layout round-trips
+            for k, v in want.items():
+                np.testing.assert_array_equal(
+                    got[k].astype(np.float32), np.asarray(jnp.asarray(v).astype(pool_dtype), np.float32)
+                )
     # every slot in a shuffled order, a row with no adapter, slot 2 on three rows and slot 0 on two
     row_slots = np.array([2, 0, 3, 1, -1, 2, 0, 2], np.int32)
     if single:  # ... or the third adapter on every row but one
