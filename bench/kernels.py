@@ -4,9 +4,10 @@ Run ``python bench/kernels.py`` (or ``make bench``). For one projection (in = ou
 slots of rank R = 16, f32) it times, per token count T:
 
 * ``dense``     — ``x @ W``: the merged-weight / no-LoRA peer;
-* ``xla``       — ``x @ W`` then ``add_lora(..., backend="xla")`` (one-hot over every slot);
+* ``xla``       — ``x @ W`` then ``add_lora(..., backend="xla")`` (one-hot over every slot: the
+  ``xla-onehot`` backend object's decode op);
 * ``grouped``   — decode only: ``x @ W`` then ``kernels.grouped`` (rows grouped by slot on the host,
-  weights-first pools: the worker's CPU decode path);
+  weights-first pools: the ``xla-grouped`` backend object's decode op, ``--kernel-backend xla``);
 * ``reference`` — ``x @ W`` then ``add_lora(..., backend="reference")`` (per-token gather);
 * ``cpu``, ``cpu_bf16`` — ``x @ W`` then ``add_lora(..., backend="cpu")`` with f32 / bf16 pools (the C++
   kernels, the worker's default on CPUs; left out where they do not build);

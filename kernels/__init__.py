@@ -1,7 +1,12 @@
 """Batched multi-LoRA ops (DESIGN.md §6): shrink/expand over per-token adapter slots.
 
-``from kernels import add_lora`` — see :mod:`kernels.api` for the signatures and the backends
-(``reference``, ``xla``, ``pallas``, ``cpu``), :mod:`kernels.sgmv` for the grouped prefill path.
+Two levels:
+
+* the LoRA backend objects of :mod:`kernels.backends` (``reference``, ``xla-onehot``, ``xla-grouped``,
+  ``cpu``, ``pallas``): pool layout, host→pool conversion, per-batch plan and ops, what the worker's
+  model calls; ``resolve_backend("auto")`` picks one;
+* the function-level ops of :mod:`kernels.api` (``add_lora(..., backend="xla")`` etc., one signature,
+  DESIGN.md §6 layout), :mod:`kernels.sgmv` for the grouped prefill path.
 """
 
 from loraserve.kernels.api import (
@@ -16,17 +21,39 @@ from loraserve.kernels.api import (
     lora_expand_slices,
     lora_shrink,
     lora_shrink_sgmv,
+)
+from loraserve.kernels.backends import (
+    ALIASES,
+    KERNEL_BACKENDS,
+    LORA_BACKENDS,
+    CpuBackend,
+    LoraBackend,
+    PallasBackend,
+    ReferenceBackend,
+    XlaGroupedBackend,
+    XlaOneHotBackend,
+    get_backend,
     resolve_backend,
 )
 from loraserve.kernels.sgmv import segments_to_idx
 
 __all__ = [
+    "ALIASES",
     "BACKENDS",
+    "KERNEL_BACKENDS",
+    "LORA_BACKENDS",
+    "CpuBackend",
+    "LoraBackend",
+    "PallasBackend",
+    "ReferenceBackend",
+    "XlaGroupedBackend",
+    "XlaOneHotBackend",
     "add_lora",
     "add_lora_sgmv",
     "add_lora_slices",
     "add_lora_slices_sgmv",
     "backend_module",
+    "get_backend",
     "lora_expand",
     "lora_expand_sgmv",
     "lora_expand_slices",

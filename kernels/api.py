@@ -4,8 +4,9 @@
 slot ids) are traced, so serving a new mix of adapters never recompiles. Backends:
 
 * ``"reference"`` — gather + matmul, exact; the truth in tests.
-* ``"xla"``       — one-hot masked matmuls that XLA fuses; the default. (The worker decodes with
-  :mod:`kernels.grouped` on this backend, which skips the one-hot's S× flops on CPUs.)
+* ``"xla"``       — one-hot masked matmuls that XLA fuses; the default here. (The worker's
+  ``--kernel-backend xla`` is another thing: the ``xla-grouped`` backend object of
+  :mod:`kernels.backends`, which decodes with :mod:`kernels.grouped`.)
 * ``"pallas"``    — TPU kernels that skip unused slots (interpreted off-TPU, slow there).
 * ``"cpu"``       — C++ kernels called through XLA's FFI (:mod:`kernels.cpu`): rows grouped by slot,
   float32 or bfloat16 pools; CPU only, built with the system compiler on first use.
@@ -22,20 +23,10 @@ from types import ModuleType
 from loraserve.kernels import cpu, pallas, reference, sgmv, xla
 from loraserve.kernels.shapes import ACC_DTYPE
 
+# The function-level implementations; the worker picks a backend *object* (kernels.backends) instead.
 BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu")
 
 _MODULES: dict[str, ModuleType] = {"reference": reference, "xla": xla, "pallas": pallas, "cpu": cpu}
-
-
-def resolve_backend(name: str) -> str:
-    """``"auto"`` -> the fastest backend here: ``cpu`` on a CPU where its C++ kernels build, else ``xla``
-    (TPUs included, until the Pallas kernels are proven on one); any other name is checked and returned."""
-    if name == "auto":
-        return "cpu" if cpu.available() else "xla"
-    backend_module(name)
-    if name == "cpu":
-        cpu.ensure_registered()  # CpuKernelUnavailable says why (no compiler, build error), now
-    return name
 
 
 def backend_module(backend: str) -> ModuleType:

@@ -21,7 +21,8 @@ slot ids, row lists and the number of heavy slots are traced, so new adapter mix
 
 Pools are *weights first*, Hugging Face's LoRA layout with a leading slot axis: ``A_t [S, n*R, in]``
 and ``B_t [S, out, R]``; XLA:CPU multiplies ``W @ x.T`` faster than ``x @ W`` when ``x`` has few rows
-(see ``worker.model.linear``). Scaling is folded into B, as everywhere.
+(see :mod:`kernels.linear`). Scaling is folded into B, as everywhere. Prefill (every token of one
+prompt on one slot) multiplies that slot's matrices directly: :func:`add_lora_slices_one_slot`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loraserve.kernels.linear import linear
 from loraserve.kernels.shapes import ACC_DTYPE
 
 # Rows per slot handled in place; 0 = every adapter row goes through the heavy-slot loop.
@@ -186,3 +188,25 @@ def add_lora_slices_grouped(y, x, A_t, Bs_t: Sequence, plan: GroupPlan):  # [T, 
         delta = delta + jnp.where((plan.flat >= 0)[:, None], d[jnp.maximum(plan.flat, 0)], 0.0)
     out = (y.astype(ACC_DTYPE) + delta).astype(y.dtype)
     return jnp.where((plan.slots >= 0)[:, None], out, y)
+
+
+def add_lora_slices_one_slot(y, x, A_t, Bs_t: Sequence, slot):  # [T, sum(out_i)]
+    """Every token of one prompt with the adapter in ``slot`` (prefill of one request), weights-first pools.
+
+    Args:
+      y: ``[T, sum(out_i)]``; x: ``[T, in]``; A_t: ``[S, n*R, in]``; Bs_t: n × ``[S, out_i, R]``;
+      slot: ``[]`` int, −1 = no adapter.
+
+    *Semantics:* ``y + (x @ A_t[slot, i*R:(i+1)*R].T) @ Bs_t[i][slot].T`` per slice i (f32 math);
+    ``y`` exactly when slot is −1.
+    """
+    take = jnp.maximum(slot, 0)
+    a_s = jax.lax.dynamic_index_in_dim(A_t, take, axis=0, keepdims=False)  # [n*R, in]
+    h = linear(x, a_s)  # [T, n*R] f32
+    r = Bs_t[0].shape[2]
+    parts = [
+        linear(h[:, i * r : (i + 1) * r].astype(B.dtype), jax.lax.dynamic_index_in_dim(B, take, 0, False))
+        for i, B in enumerate(Bs_t)
+    ]
+    delta = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
+    return jnp.where(slot >= 0, (y.astype(ACC_DTYPE) + delta).astype(y.dtype), y)

@@ -156,3 +156,24 @@ def xla_expand_slices_sgmv(h, Bs: Sequence, seg_slots, seg_lens, y, *, method: s
         return xla_expand_sgmv(h_i, B_i, seg_slots, seg_lens, y_i, method=method)
 
     return expand_slices_generic(one, h, Bs, _token_ids(h.shape[0]), y)
+
+
+def xla_add_lora_slices_one_slot(y, x, A_cat, Bs: Sequence, slot):  # [T, sum(out_i)]
+    """Every token of one prompt with the adapter in ``slot`` (prefill of one request), DESIGN.md §6 pools.
+
+    Args:
+      y: ``[T, sum(out_i)]``; x: ``[T, in]``; A_cat: ``[S, in, n*R]``; Bs: n × ``[S, R, out_i]``;
+      slot: ``[]`` int, −1 = no adapter.
+
+    Gathers the one slot's matrices (``[1, in, n*R]``, cheap) and runs the masked SGMV over that one
+    segment of all T tokens: ``1/S`` of the per-token one-hot's work.
+
+    *Semantics:* ``y + x @ A_cat[slot][:, i*R:(i+1)*R] @ Bs[i][slot]`` per slice i; ``y`` when slot is −1.
+    """
+    take = jnp.maximum(slot, 0)
+    seg_lens = jnp.reshape(x.shape[0], (1,)).astype(jnp.int32)
+    seg_slots = jnp.where(slot >= 0, 0, -1).reshape(1)
+    a_one = lax.dynamic_index_in_dim(A_cat, take, axis=0, keepdims=True)  # [1, in, n*R]
+    bs_one = tuple(lax.dynamic_index_in_dim(B, take, axis=0, keepdims=True) for B in Bs)
+    h = xla_shrink_sgmv(x, a_one, seg_slots, seg_lens, out_dtype=ACC_DTYPE)
+    return xla_expand_slices_sgmv(h, bs_one, seg_slots, seg_lens, y)

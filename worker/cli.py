@@ -36,8 +36,9 @@ HELP = {
     "max_lora_rank": "largest adapter rank a slot holds",
     "max_cpu_loras": "adapters kept in host memory after eviction",
     "max_waiting": "queued requests before RESOURCE_EXHAUSTED",
-    "kernel_backend": "multi-LoRA kernels: auto (cpu on a CPU when its C++ kernels build, else xla), cpu,"
-    " xla, pallas or reference",
+    "kernel_backend": "multi-LoRA backend: auto (cpu on a CPU when its C++ kernels build, else xla-grouped),"
+    " cpu, xla (= xla-grouped: rows grouped by slot), xla-grouped, xla-onehot (one-hot over all slots),"
+    " pallas or reference",
     "dtype": "compute dtype: float32 or bfloat16",
     "lora_dtype": "dtype of the adapter slot pools, float32 or bfloat16 (empty: --dtype); bfloat16 halves"
     " the bytes each decode step reads for its adapters",

@@ -22,15 +22,17 @@ class EngineConfig:
     prefill_per_step: int = 2  # prompts admitted between two decode steps
     min_prefill_bucket: int = 16
     default_max_tokens: int = 16
-    kernel_backend: str = "auto"  # auto | cpu | xla | pallas | reference (kernels.resolve_backend)
+    # auto | cpu | xla (= xla-grouped) | xla-grouped | xla-onehot | pallas | reference (kernels.resolve_backend)
+    kernel_backend: str = "auto"
     dtype: str = "float32"
     lora_dtype: str = ""  # slot pools: float32 | bfloat16; empty = dtype
 
     def __post_init__(self) -> None:
-        from loraserve.kernels import BACKENDS
+        from loraserve.kernels import KERNEL_BACKENDS
 
-        if self.kernel_backend not in ("auto", *BACKENDS):
-            raise ValueError(f"kernel_backend must be auto or one of {BACKENDS}, got {self.kernel_backend!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            names = ", ".join(n for n in KERNEL_BACKENDS if n != "auto")
+            raise ValueError(f"kernel_backend must be auto or one of {names}, got {self.kernel_backend!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.lora_dtype not in ("", *DTYPES):

@@ -208,8 +208,8 @@ class Engine:
             )
         b = self.config.max_batch_size
         zeros = np.zeros(b, np.int32)
-        # one decode compilation per LoRA grouping variant (M.lora_plan picks one per step)
-        for plan in M.warmup_plans(b, self.config.max_loras, self.backend):
+        # one decode compilation per plan variant of the LoRA backend (backend.plan picks one per step)
+        for plan in self.backend.warmup_plans(b, self.config.max_loras):
             out, self.cache = self._decode(
                 self.params,
                 self.pools.pools,
@@ -476,7 +476,7 @@ class Engine:
             self.pools.pools,
             tokens,
             positions,
-            M.lora_plan(slots, self.config.max_loras, self.backend),
+            self.backend.plan(slots, self.config.max_loras),
             self.cache,
             self.inv_freq,
             samp.as_tuple(),

@@ -3,7 +3,8 @@
 Parameters come from ``worker.checkpoint`` (one dict per layer, matrices ``[out, in]`` as in Hugging Face,
 q/k/v and gate/up fused); LoRA slot pools come from ``worker.slots`` (per layer one ``A_<group>`` with the
 ranks of the group's modules side by side and one ``B_<module>`` per module, scaling folded into B; the
-layout depends on the kernel backend, see ``weights_first``); the KV cache is one ``(k, v)`` pair per
+layout and the ops belong to a LoRA backend object, ``kernels.backends``, which the model calls
+without knowing which one it is); the KV cache is one ``(k, v)`` pair per
 layer, keys ``[rows, kv_heads, head_dim, max_seq]`` and values ``[rows, kv_heads, max_seq, head_dim]``
 (see ``init_cache``), updated in place (donated). Heads before positions keeps the attention a batch over
 (row, head): with positions first, XLA:CPU transposed the whole cache every step (8 ms of a 33 ms step
@@ -17,18 +18,14 @@ TPU backend compiles as well.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from loraserve import kernels
-from loraserve.kernels import grouped
-from loraserve.kernels.grouped import GroupPlan
+from loraserve.kernels.backends import LoraBackend, Plan
+from loraserve.kernels.linear import linear
 from loraserve.worker.model_config import ModelConfig
 
 Array = jax.Array
@@ -63,26 +60,6 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     return (xf * cos + rotated * sin).astype(x.dtype)
-
-
-# Up to this many rows, XLA:CPU multiplies faster as ``w [out, in] @ x.T`` than as ``x @ w.T`` (the
-# narrow side of the GEMM in the kernel's favoured place): 3.2 vs 6.1 ms for one bench-model layer at
-# 16 rows, 9.1 vs 12.3 ms for its lm_head; at 64 rows it is still even or a little ahead, at 256 behind.
-WEIGHTS_FIRST_MAX_ROWS = 64
-
-
-def linear(x: Array, w: Array) -> Array:
-    """x [..., in], w [out, in] (Hugging Face layout) -> [..., out] in f32. Semantics: ``x @ w.T``."""
-    lead, rows = x.shape[:-1], x.size // x.shape[-1]
-    x2 = x.reshape(rows, x.shape[-1])
-    contract = (((1,), (1,)), ((), ()))
-    if rows <= WEIGHTS_FIRST_MAX_ROWS and jax.default_backend() == "cpu":
-        # The barrier keeps XLA from folding the transpose back into the dot (which undoes the gain).
-        yt = jax.lax.dot_general(w, x2, contract, preferred_element_type=jnp.float32)  # [out, rows]
-        y = jax.lax.optimization_barrier(yt).T
-    else:
-        y = jax.lax.dot_general(x2, w, contract, preferred_element_type=jnp.float32)
-    return y.reshape(*lead, w.shape[0])
 
 
 def _matmul(x: Array, w: Array, b: Array | None) -> Array:
@@ -134,7 +111,7 @@ def prefill(
     row: Array,  # [] int32, KV cache row to fill
     cache: Cache,
     inv_freq: Array,  # [D/2] f32
-    backend: str = "xla",
+    backend: LoraBackend,
 ) -> tuple[Array, Cache]:
     """Run one prompt, write its keys/values into ``cache`` row ``row``; returns last-token logits [V].
 
@@ -145,7 +122,7 @@ def prefill(
     positions = jnp.arange(t, dtype=jnp.int32)
 
     def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
-        return add_lora_one_slot(y, x, a, bs, slot, backend)
+        return backend.add_one_slot(y, x, a, bs, slot)
 
     causal = (positions[None, :] <= positions[:, None]) & (positions[None, :] < length)  # [T, S]
     scale = cfg.head_dim**-0.5
@@ -170,49 +147,22 @@ def prefill(
     return logits_from_hidden(cfg, params, last), new_cache
 
 
-def add_lora_one_slot(
-    y: Array, x: Array, a: Array, bs: tuple[Array, ...], slot: Array, backend: str
-) -> Array:
-    """Every row of x [T, in] with the adapter in ``slot`` (-1: none) -> [T, out].
-
-    Semantics: ``y + x @ A[slot] @ B[slot]`` per fused slice, or ``y`` when slot is -1.
-    """
-    if backend == "cpu":  # the kernel groups the rows itself: all T in one slot's group
-        return kernels.add_lora_slices(y, x, a, bs, jnp.full(x.shape[:1], slot, jnp.int32), backend="cpu")
-    take = jnp.maximum(slot, 0)
-    if weights_first(backend):
-        a_s = jax.lax.dynamic_index_in_dim(a, take, axis=0, keepdims=False)  # [n*R, in]
-        h = linear(x, a_s)  # [T, n*R] f32
-        r = bs[0].shape[2]
-        parts = [
-            linear(h[:, i * r : (i + 1) * r].astype(b.dtype), jax.lax.dynamic_index_in_dim(b, take, 0, False))
-            for i, b in enumerate(bs)
-        ]
-        delta = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=-1)
-        return jnp.where(slot >= 0, (y.astype(jnp.float32) + delta).astype(y.dtype), y)
-    # one segment of all T tokens, slot index 0 of the one gathered slot (or -1)
-    seg_lens = jnp.reshape(x.shape[0], (1,)).astype(jnp.int32)
-    seg_slots = jnp.where(slot >= 0, 0, -1).reshape(1)
-    a_one = jax.lax.dynamic_index_in_dim(a, take, axis=0, keepdims=True)  # [1, in, n*R]
-    bs_one = tuple(jax.lax.dynamic_index_in_dim(b, take, axis=0, keepdims=True) for b in bs)
-    return kernels.add_lora_slices_sgmv(y, x, a_one, bs_one, seg_slots, seg_lens, backend="xla")
-
-
 def decode(
     cfg: ModelConfig,
     params: Params,
     lora: Lora,
     tokens: Array,  # [B] int32, the last token of each row
     positions: Array,  # [B] int32, the position of that token
-    plan: GroupPlan | None,  # from lora_plan(); None = no row has an adapter
+    plan: Plan | None,  # from backend.plan(); None = no row has an adapter
     cache: Cache,
     inv_freq: Array,  # [D/2] f32
-    backend: str = "xla",
+    backend: LoraBackend,
 ) -> tuple[Array, Cache]:
     """One decode step for every row; returns logits [B, V] and the cache with each row's new k/v.
 
-    Semantics: row b attends to cache positions 0..positions[b] of its own row, with adapter
-    ``plan.slots[b]`` (none when -1 or when ``plan`` is None, which compiles no LoRA code at all).
+    Semantics: row b attends to cache positions 0..positions[b] of its own row, with the adapter
+    ``plan`` gives it (``backend.plan(slots)``; none for every row when ``plan`` is None, which
+    compiles no LoRA code at all).
     """
     b = tokens.shape[0]
     rows = jnp.arange(b)
@@ -222,11 +172,7 @@ def decode(
     visible = jnp.arange(max_seq)[None, :] <= positions[:, None]  # [B, M]
 
     def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
-        if plan is None:
-            return y
-        if weights_first(backend):
-            return grouped.add_lora_slices_grouped(y, x, a, bs, plan)
-        return kernels.add_lora_slices(y, x, a, bs, plan.slots, backend=backend)
+        return y if plan is None else backend.add_decode(y, x, a, bs, plan)
 
     h = params["embed"][tokens]
     new_cache: Cache = []
@@ -249,58 +195,24 @@ def decode(
     return logits_from_hidden(cfg, params, h), new_cache
 
 
-def weights_first(backend: str) -> bool:
-    """Pool layout. True for the XLA backend: ``A_t [S, n*R, in]``, ``B_t [S, out, R]`` (Hugging Face's LoRA
-    layout with a slot axis; see ``kernels.grouped``). False for cpu, reference and Pallas: ``A [S, in, n*R]``,
-    ``B [S, R, out]`` (DESIGN.md §6)."""
-    return backend == "xla"
+def lora_slot_shapes(cfg: ModelConfig, max_rank: int) -> dict[str, tuple[int, int]]:
+    """Pool name -> one slot's matrix in the canonical layout (DESIGN.md §6), the same for every layer.
 
-
-def lora_plan(slots: Any, max_loras: int, backend: str) -> GroupPlan | None:
-    """Host-side grouping of one decode batch's rows by slot (``None`` when no row has an adapter).
-
-    The XLA backend picks one of ``kernels.grouped.VARIANTS`` per batch; the others only read
-    ``plan.slots`` and always get the same variant.
+    Semantics: ``A_<group>`` is ``[in, n*R]`` (the group's n modules side by side on the rank axis),
+    ``B_<module>`` is ``[R, out]``; a backend's pools store them in its own layout.
     """
-    if weights_first(backend):
-        return grouped.plan_groups(slots, max_loras)
-    slots = np.asarray(slots, np.int32)
-    valid = (slots >= 0) & (slots < max_loras)
-    if not valid.any():
-        return None
-    # only plan.slots is read: the rest of the pytree is a constant already on the device
-    return dataclasses.replace(_placeholder_plan(slots.shape[0], max_loras), slots=np.where(valid, slots, -1))
-
-
-@functools.cache
-def _placeholder_plan(rows: int, max_loras: int) -> GroupPlan:
-    return jax.tree.map(jnp.asarray, grouped.empty_plan(rows, max_loras, 0, False))
-
-
-def warmup_plans(rows: int, max_loras: int, backend: str) -> list[GroupPlan | None]:
-    """One plan per compiled decode variant: serving any batch after these never compiles."""
-    if not weights_first(backend):  # also puts lora_plan's constant part on the device, now
-        return [None, _placeholder_plan(rows, max_loras)]
-    return [None] + [grouped.empty_plan(rows, max_loras, j, single) for j, single in grouped.VARIANTS]
-
-
-def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, backend: str = "xla") -> Lora:
-    """Zeroed slot pools for ``max_loras`` adapters of rank up to ``max_rank`` on all seven modules."""
     shapes = cfg.module_shapes()
-    S, R = max_loras, max_rank
-    layers: Lora = []
-    for _ in range(cfg.num_layers):
-        pools: dict[str, Array] = {}
-        for group, modules in LORA_GROUPS.items():
-            fan_in, nr = shapes[modules[0]][0], len(modules) * R
-            pools[f"A_{group}"] = jnp.zeros(
-                (S, nr, fan_in) if weights_first(backend) else (S, fan_in, nr), dtype
-            )
-            for m in modules:
-                out = shapes[m][1]
-                pools[b_name(m)] = jnp.zeros((S, out, R) if weights_first(backend) else (S, R, out), dtype)
-        layers.append(pools)
-    return layers
+    out: dict[str, tuple[int, int]] = {}
+    for group, modules in LORA_GROUPS.items():
+        out[f"A_{group}"] = (shapes[modules[0]][0], len(modules) * max_rank)
+        out.update({b_name(m): (max_rank, shapes[m][1]) for m in modules})
+    return out
+
+
+def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, backend: LoraBackend) -> Lora:
+    """Zeroed slot pools, in ``backend``'s layout, for ``max_loras`` adapters of rank up to ``max_rank``
+    on all seven modules."""
+    return backend.init_pools(lora_slot_shapes(cfg, max_rank), cfg.num_layers, max_loras, dtype)
 
 
 def b_name(module: str) -> str:

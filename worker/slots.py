@@ -1,6 +1,7 @@
 """Adapter slots: preallocated device pools, which adapter sits where, LRU eviction, pinning, a host tier.
 
-The pools (per layer ``A_*: [S, in, n*R]``, ``B_*: [S, R, out]``) are allocated once; a swap writes one
+The pools (per layer one ``A_<group>`` and one ``B_<module>`` per module, in the layout of the LoRA
+backend object, ``kernels.backends``) are allocated once; a swap writes one
 slot through a jitted ``.at[slot].set`` on donated buffers, so shapes never change and nothing compiles.
 ``SlotTable`` is the bookkeeping (thread-safe, no JAX); ``SlotPools`` owns the device arrays and is
 touched only by the engine thread, which applies writes between decode steps.
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from loraserve.adapters.peft import LoraWeights
-from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, weights_first
+from loraserve.kernels.backends import LoraBackend
+from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, lora_slot_shapes
 from loraserve.worker.model_config import ModelConfig
 
 
@@ -125,7 +127,8 @@ SlotValues = list[dict[str, np.ndarray]]  # per layer, pool name -> one slot's a
 
 
 def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotValues:
-    """Host arrays for one slot (per layer, pool shapes without the S axis), rank zero-padded to ``max_rank``.
+    """Host arrays for one slot, per layer, in the canonical layout of ``model.lora_slot_shapes``
+    (``A_<group> [in, n*R]``, ``B_<module> [R, out]``), rank zero-padded to ``max_rank``.
 
     Semantics: untargeted modules (and layers) are zero, so they add exactly nothing.
     """
@@ -151,10 +154,9 @@ def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotVa
 
 
 @partial(jax.jit, donate_argnums=0, static_argnums=3)
-def _write_slot(pools: Lora, slot: jax.Array, values: Lora, transpose: bool) -> Lora:
+def _write_slot(pools: Lora, slot: jax.Array, values: Lora, backend: LoraBackend) -> Lora:
     def put(pool: jax.Array, value: jax.Array) -> jax.Array:
-        value = value.astype(pool.dtype)
-        return pool.at[slot].set(value.T if transpose else value)
+        return pool.at[slot].set(backend.to_pool_layout(value.astype(pool.dtype)))
 
     return [{k: put(layer[k], vals[k]) for k in layer} for layer, vals in zip(pools, values, strict=True)]
 
@@ -162,26 +164,28 @@ def _write_slot(pools: Lora, slot: jax.Array, values: Lora, transpose: bool) -> 
 class SlotPools:
     """The device-resident pools. Only the engine thread calls ``write``/``zero``.
 
-    Slot values are always given as ``A [in, n*R]`` / ``B [R, out]`` (``slot_arrays``); pools of a
-    weights-first backend (``worker.model.weights_first``) store them transposed.
+    Slot values are always given in the canonical layout (``slot_arrays``); ``backend`` decides how
+    the pools store them (``to_pool_layout`` runs inside the jitted write).
     """
 
     def __init__(
-        self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: jnp.dtype, backend: str = "xla"
+        self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: jnp.dtype, backend: LoraBackend
     ) -> None:
         self.cfg, self.max_loras, self.max_rank, self.dtype = cfg, max_loras, max_rank, dtype
-        self.transpose = weights_first(backend)
+        self.backend = backend
         self.pools: Lora = empty_lora(cfg, max_loras, max_rank, dtype, backend)
-        self._zeros = [
-            {
-                k: np.zeros(v.shape[1:][::-1] if self.transpose else v.shape[1:], np.float32)
-                for k, v in layer.items()
-            }
-            for layer in self.pools
-        ]
+        zeros = {k: np.zeros(s, np.float32) for k, s in lora_slot_shapes(cfg, max_rank).items()}
+        self._zeros: SlotValues = [zeros] * cfg.num_layers
 
     def write(self, slot: int, values: SlotValues) -> None:
-        self.pools = _write_slot(self.pools, jnp.int32(slot), values, self.transpose)
+        self.pools = _write_slot(self.pools, jnp.int32(slot), values, self.backend)
+
+    def read(self, slot: int) -> SlotValues:
+        """One slot's values back in the canonical layout (host arrays in the pools' dtype)."""
+        return [
+            {k: np.asarray(self.backend.from_pool_layout(pool[slot])) for k, pool in layer.items()}
+            for layer in self.pools
+        ]
 
     def zero(self, slot: int) -> None:
         self.write(slot, self._zeros)

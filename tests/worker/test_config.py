@@ -37,6 +37,12 @@ def test_engine_config_validation_and_buckets() -> None:
         EngineConfig(max_loras=0)
     with pytest.raises(ValueError, match="kernel_backend must be auto or one of"):
         EngineConfig(kernel_backend="cuda")
+    with pytest.raises(
+        ValueError, match="one of cpu, pallas, reference, xla, xla-grouped, xla-onehot, got 'cuda'"
+    ):
+        EngineConfig(kernel_backend="cuda")
+    for name in ("auto", "cpu", "xla", "xla-grouped", "xla-onehot", "pallas", "reference"):
+        assert EngineConfig(kernel_backend=name).kernel_backend == name  # every --kernel-backend value
     with pytest.raises(ValueError, match="lora_dtype must be float32 or bfloat16"):
         EngineConfig(lora_dtype="float16")
     assert EngineConfig().pool_dtype == "float32"  # pools follow the model dtype unless told

@@ -16,7 +16,7 @@ import torch
 
 from loraserve.adapters.files import read_adapter_files
 from loraserve.adapters.peft import parse_adapter
-from loraserve.kernels import grouped
+from loraserve.kernels import XlaGroupedBackend, get_backend, grouped
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slots import SlotPools, slot_arrays
@@ -37,23 +37,25 @@ def _reference_logits(llama_dir, adapter_dir, seq):
         return model(torch.tensor([seq])).logits[0].numpy()
 
 
-# The XLA backend (weights-first pools) under each grouping of kernels.grouped — every row through
-# the heavy-slot loop (J=0), one row per slot in place plus heavy slots 2 and 0 (J=1), all in place
-# (J=4), one adapter on every adapter row (single) — the reference backend (DESIGN.md §6 pools), and
-# the cpu backend (C++ kernels, DESIGN.md §6 pools) with f32 pools and with bf16 pools. bf16 pools
-# round every adapter weight to 8 mantissa bits (relative 2^-9); on these adapters that moves the
-# logits by up to 2.0e-3 (measured), so those rows get ATOL_BF16_POOLS instead.
+# The xla-grouped backend (weights-first pools) under each grouping of kernels.grouped — every row
+# through the heavy-slot loop (J=0), one row per slot in place plus heavy slots 2 and 0 (J=1), all in
+# place (J=4), one adapter on every adapter row (single) — and every backend with DESIGN.md §6 pools:
+# reference, xla-onehot, pallas (interpreted off-TPU) and cpu (C++ kernels) with f32 pools and with
+# bf16 pools. bf16 pools round every adapter weight to 8 mantissa bits (relative 2^-9); on these
+# adapters that moves the logits by up to 2.0e-3 (measured), so those rows get ATOL_BF16_POOLS instead.
 ATOL_BF16_POOLS = 4e-3
 
 
 @pytest.mark.parametrize(
     ("backend", "light", "single", "pool_dtype"),
     [
-        ("xla", 0, False, "float32"),
-        ("xla", 1, False, "float32"),
-        ("xla", 4, False, "float32"),
-        ("xla", 0, True, "float32"),
+        ("xla-grouped", 0, False, "float32"),
+        ("xla-grouped", 1, False, "float32"),
+        ("xla-grouped", 4, False, "float32"),
+        ("xla-grouped", 0, True, "float32"),
         ("reference", 0, False, "float32"),
+        ("xla-onehot", 0, False, "float32"),
+        ("pallas", 0, False, "float32"),
         ("cpu", 0, False, "float32"),
         ("cpu", 0, False, "bfloat16"),
     ],
@@ -65,7 +67,8 @@ def test_mixed_adapter_batch_matches_peft(
     cfg = ck.config
     names = list(ADAPTERS)
     atol = ATOL if pool_dtype == "float32" else ATOL_BF16_POOLS
-    pools = SlotPools(cfg, max_loras=len(names), max_rank=16, dtype=jnp.dtype(pool_dtype), backend=backend)
+    lora = get_backend(backend)
+    pools = SlotPools(cfg, max_loras=len(names), max_rank=16, dtype=jnp.dtype(pool_dtype), backend=lora)
     for slot, name in enumerate(names):
         weights = parse_adapter(
             *read_adapter_files(str(adapter_dirs[name])),
@@ -73,13 +76,23 @@ def test_mixed_adapter_batch_matches_peft(
             num_layers=cfg.num_layers,
             max_rank=16,
         )
-        pools.write(slot, slot_arrays(cfg, weights, 16))
+        values = slot_arrays(cfg, weights, 16)
+        pools.write(slot, values)
+        for got, want in zip(pools.read(slot), values, strict=True):  # the backend's layout round-trips
+            for k, v in want.items():
+                np.testing.assert_array_equal(
+                    got[k].astype(np.float32), np.asarray(jnp.asarray(v).astype(pool_dtype), np.float32)
+                )
     # every slot in a shuffled order, a row with no adapter, slot 2 on three rows and slot 0 on two
     row_slots = np.array([2, 0, 3, 1, -1, 2, 0, 2], np.int32)
     if single:  # ... or the third adapter on every row but one
         row_slots = np.array([2, 2, -1, 2, 2], np.int32)
-    plan = grouped.plan_groups(row_slots, len(names), lights=(light,), single=single)
-    assert plan is not None and plan.variant == (light, single)
+    if isinstance(lora, XlaGroupedBackend):  # force the variant under test
+        plan = grouped.plan_groups(row_slots, len(names), lights=(light,), single=single)
+        assert plan is not None and plan.variant == (light, single)
+    else:
+        plan = lora.plan(row_slots, len(names))
+        np.testing.assert_array_equal(plan, row_slots)  # the slot ids themselves
     rng = np.random.default_rng(0)
     seq = PROMPT + rng.integers(3, cfg.vocab_size, STEPS).tolist()  # teacher-forced continuation
     by_slot = {
@@ -90,8 +103,8 @@ def test_mixed_adapter_batch_matches_peft(
     rows = len(row_slots)
     cache = M.init_cache(cfg, rows, 32, jnp.float32)
     inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    prefill = jax.jit(partial(M.prefill, cfg, backend=backend))
-    decode = jax.jit(partial(M.decode, cfg, backend=backend))
+    prefill = jax.jit(partial(M.prefill, cfg, backend=lora))
+    decode = jax.jit(partial(M.decode, cfg, backend=lora))
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT
     for row, slot in enumerate(row_slots):

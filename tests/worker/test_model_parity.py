@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from loraserve.kernels import XlaGroupedBackend
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 
@@ -35,9 +36,11 @@ def test_prefill_and_decode_logits_match_transformers(model_dirs, family: str) -
     cfg = ck.config
     rows, max_seq = len(PROMPTS), 64
     cache = M.init_cache(cfg, rows, max_seq, jnp.float32)
-    lora = M.empty_lora(cfg, 2, 4, jnp.float32)
+    backend = XlaGroupedBackend()
+    lora = M.empty_lora(cfg, 2, 4, jnp.float32, backend)
     inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    prefill, decode = jax.jit(partial(M.prefill, cfg)), jax.jit(partial(M.decode, cfg))
+    prefill = jax.jit(partial(M.prefill, cfg, backend=backend))
+    decode = jax.jit(partial(M.decode, cfg, backend=backend))
     # HF greedy continuations give the teacher-forced decode inputs and the reference logits.
     refs = []
     for p in PROMPTS:
@@ -68,7 +71,7 @@ def test_prefill_and_decode_logits_match_transformers(model_dirs, family: str) -
             lora,
             jnp.asarray(toks),
             jnp.asarray(pos),
-            M.lora_plan(np.full(rows, -1), 2, "xla"),  # None: no row has an adapter
+            backend.plan(np.full(rows, -1), 2),  # None: no row has an adapter
             cache,
             inv,
         )

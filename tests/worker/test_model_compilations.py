@@ -1,0 +1,82 @@
+"""Every LoRA backend object, through the model: after warm-up (each prefill bucket, each of the backend's
+warm-up plans, one slot write), slot swaps, prefills on any slot and decode steps over any slot mix
+compile nothing (DESIGN.md §5). The engine's own count over 200 requests is in test_engine.py."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from loraserve.adapters.files import read_adapter_files
+from loraserve.adapters.peft import parse_adapter
+from loraserve.kernels import LORA_BACKENDS, get_backend
+from loraserve.kernels.testing import count_compilations
+from loraserve.worker import model as M
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.slots import SlotPools, slot_arrays
+
+PROMPT = [5, 17, 33, 100, 7, 9]
+ROWS, SLOTS, RANK, BUCKET = 4, 3, 16, 16
+
+
+@pytest.mark.parametrize("name", tuple(LORA_BACKENDS))
+def test_serving_after_warmup_compiles_nothing(llama_dir, adapter_dirs, name: str) -> None:
+    ck = load_checkpoint(str(llama_dir))
+    cfg = ck.config
+    backend = get_backend(name)
+    values = [
+        slot_arrays(
+            cfg,
+            parse_adapter(
+                *read_adapter_files(str(path)),
+                module_shapes=cfg.module_shapes(),
+                num_layers=cfg.num_layers,
+                max_rank=RANK,
+            ),
+            RANK,
+        )
+        for path in adapter_dirs.values()
+    ]
+    pools = SlotPools(cfg, SLOTS, RANK, jnp.dtype(jnp.float32), backend)
+    cache = M.init_cache(cfg, ROWS, 32, jnp.float32)
+    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    prefill = jax.jit(partial(M.prefill, cfg, backend=backend), donate_argnums=(6,))
+    decode = jax.jit(partial(M.decode, cfg, backend=backend), donate_argnums=(5,))
+    tokens = np.zeros(BUCKET, np.int32)
+    tokens[: len(PROMPT)] = PROMPT
+    n, same = np.int32(len(PROMPT)), np.full(ROWS, len(PROMPT), np.int32)
+    # warm-up, as the engine does it
+    pools.zero(0)
+    _, cache = prefill(ck.params, pools.pools, tokens, n, np.int32(0), np.int32(0), cache, inv)
+    for plan in backend.warmup_plans(ROWS, SLOTS):
+        _, cache = decode(ck.params, pools.pools, np.full(ROWS, 9, np.int32), same, plan, cache, inv)
+    jax.block_until_ready(cache)
+
+    mixes = [[0, 1, 2, -1], [1, 1, 1, 1], [-1, -1, -1, -1], [2, 2, 0, -1], [0, 1, 1, 2]]
+    with count_compilations() as count:
+        for i, v in enumerate(values):  # more adapters than slots: swaps
+            pools.write(i % SLOTS, v)
+        for row, slot in enumerate(mixes[0]):
+            _, cache = prefill(ck.params, pools.pools, tokens, n, np.int32(slot), np.int32(row), cache, inv)
+        for row in range(ROWS):  # one history for every row (slot 1's prompt): rows then differ by slot only
+            _, cache = prefill(ck.params, pools.pools, tokens, n, np.int32(1), np.int32(row), cache, inv)
+        logits = []
+        for mix in mixes:
+            out, cache = decode(
+                ck.params, pools.pools, np.full(ROWS, 9, np.int32), same,
+                backend.plan(np.array(mix, np.int32), SLOTS), cache, inv,
+            )  # fmt: skip
+            logits.append(np.asarray(out))
+    assert count.compilations == 0, count.names
+    # each step used its own mix: every step rewrites the same position, so a row's logits depend on its
+    # slot in that step only — equal for equal slots across rows and steps, different for another slot
+    np.testing.assert_allclose(logits[1][0], logits[1][3], atol=1e-5)
+    np.testing.assert_allclose(logits[0][1], logits[1][2], atol=1e-5)  # slot 1 in both
+    np.testing.assert_allclose(logits[0][2], logits[3][1], atol=1e-5)  # slot 2 in both
+    np.testing.assert_allclose(logits[0][3], logits[2][0], atol=1e-5)  # no adapter in both
+    assert np.abs(logits[0][2] - logits[0][1]).max() > 1e-2
+    assert np.abs(logits[0][3] - logits[0][1]).max() > 1e-2
