@@ -13,8 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from loraserve.client.errors import LoraserveError
 from loraserve.client.sdk import AsyncClient, Client
+from loraserve.common.errors import LoraserveError
 from loraserve.protos.v1 import placement_pb2 as pp
 from loraserve.protos.v1 import worker_admin_pb2 as wa
 from loraserve.registry.config import RegistryConfig
@@ -98,10 +98,10 @@ def test_router_errors(stack) -> None:
     with Client(stack.router_address) as client:
         with pytest.raises(LoraserveError) as exc:
             client.complete(PROMPT, adapter="no-such-adapter")
-        assert exc.value.code == "NOT_FOUND"
+        assert exc.value.code_name == "NOT_FOUND"
         with pytest.raises(LoraserveError) as exc:
             client.complete([], adapter="all-r4")
-        assert exc.value.code == "INVALID_ARGUMENT"  # the worker's answer reaches the client as-is
+        assert exc.value.code_name == "INVALID_ARGUMENT"  # the worker's answer reaches the client as-is
 
 
 def test_unreachable_worker_is_skipped_before_the_first_token(stack) -> None:
@@ -209,4 +209,4 @@ def test_router_without_workers_is_unavailable(tmp_path) -> None:
         with aio_server_thread(router) as port, Client(f"127.0.0.1:{port}") as client:
             with pytest.raises(LoraserveError) as exc:
                 client.complete(PROMPT)
-            assert exc.value.code == "UNAVAILABLE" and "no worker" in exc.value.message
+            assert exc.value.code_name == "UNAVAILABLE" and "no worker" in exc.value.message
