@@ -3,6 +3,7 @@ exit status 1, never a traceback (loraserve.cli documents the exit statuses)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,10 +27,15 @@ def _push(folder: Path, registry: str = DEAD) -> list[str]:
 
 
 def _refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one line a refused command prints (servers may log before it: the line is the last one)."""
     assert main(argv) == EXIT_REFUSED
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err.rstrip("\n")
+    assert "Traceback" not in err and err.endswith("\n"), err
+    lines = err.splitlines()
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:], err
+    if argv[0] not in ("worker", "registry", "router"):  # clients print nothing else
+        assert len(lines) == 1, err
+    return lines[-1]
 
 
 def test_pickle_only_folder_is_invalid_argument(tmp_path, capsys) -> None:
@@ -92,3 +98,36 @@ def test_the_console_script_prints_one_line_and_exits_1(tmp_path) -> None:
     assert out.stderr == (
         "error: INVALID_ARGUMENT: adapter_model.pt is a pickle file, which is refused (loading it can run code)\n"
     )
+
+
+def test_servers_refuse_what_they_cannot_start_with(tmp_path, monkeypatch, capsys) -> None:
+    missing = tmp_path / "no-model"
+    assert (
+        _refusal(["worker", "--model", str(missing)], capsys)
+        == f"error: INVALID_ARGUMENT: no config.json in {missing}"
+    )
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        db = ["--db", f"sqlite:///{tmp_path / 'r.db'}", "--storage", str(tmp_path / "s")]
+        line = _refusal(["registry", "serve", "--port", str(port), *db], capsys)
+        assert line.startswith(f"error: UNAVAILABLE: cannot bind 127.0.0.1:{port}: "), line
+        line = _refusal(["router", "serve", "--port", "0", "--metrics-port", str(port)], capsys)
+        assert line.startswith(f"error: UNAVAILABLE: cannot serve /metrics on port {port}: "), line
+    line = _refusal(["router", "serve", "--port", "0", "--tls-cert", str(tmp_path / "c.pem")], capsys)
+    assert line == "error: INVALID_ARGUMENT: a TLS certificate needs its key (--tls-key)"
+    line = _refusal(
+        [
+            "router",
+            "serve",
+            "--port",
+            "0",
+            "--tls-cert",
+            str(tmp_path / "c.pem"),
+            "--tls-key",
+            str(tmp_path / "k"),
+        ],
+        capsys,
+    )
+    assert line.startswith("error: INVALID_ARGUMENT: cannot read a TLS file: "), line

@@ -84,6 +84,8 @@ def stack(llama_dir, adapter_dirs, tmp_path_factory) -> Iterator[RouterStack]:
             return server, port
 
         worker_port = es.enter_context(aio_server_thread(worker))
+        task = worker_side["task"]  # cancelled on its own loop before that loop stops
+        es.callback(lambda: task.get_loop().call_soon_threadsafe(task.cancel))
 
         async def router():
             server, port, _ = build_router(
@@ -98,7 +100,7 @@ def stack(llama_dir, adapter_dirs, tmp_path_factory) -> Iterator[RouterStack]:
             source,
             engine,
             worker_side["registration"],
-            worker_side["task"],
+            task,
             f"127.0.0.1:{worker_port}",
             f"127.0.0.1:{router_port}",
         )
