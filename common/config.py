@@ -66,7 +66,8 @@ def add_config_flags(
     """One ``--field-name`` flag per field of ``cls`` (or of ``only``), default None so the environment and the
     field default apply; the help names the environment twin and the default."""
     wanted = None if only is None else set(only)
-    for f in fields(cls):
+    own = set(vars(cls).get("__annotations__", {}))  # own fields lead --help, inherited ones follow
+    for f in sorted(fields(cls), key=lambda f: f.name not in own):
         if wanted is not None and f.name not in wanted:
             continue
         kind = type(f.default)
