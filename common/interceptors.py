@@ -37,7 +37,7 @@ def _status(exc: BaseException | None, context: grpc.aio.ServicerContext) -> grp
         return exc.code
     if isinstance(exc, asyncio.CancelledError | GeneratorExit):
         return grpc.StatusCode.CANCELLED
-    set_code = context.code()  # what the handler set or aborted with (an int-free StatusCode or None)
+    set_code = context.code()  # what the handler set with set_code() or abort(), else None
     if isinstance(set_code, grpc.StatusCode):
         return set_code
     if exc is None:

@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import logging
 import signal
+import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,7 +95,7 @@ async def run_server(
     grace: float = 5.0,
     stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve ``services`` on ``host:port`` until SIGTERM/SIGINT (or ``stop`` is set), then drain.
+    """Serve ``services`` on ``host:port`` until SIGTERM/SIGINT (main thread only) or ``stop`` is set, then drain.
 
     ``background`` coroutines get the bound port (e.g. a worker advertises it) and are cancelled at drain;
     ``cleanup`` callbacks (sync or async) run after the server stopped, even when start-up failed.
@@ -105,18 +106,22 @@ async def run_server(
         await set_health(health_servicer, services.names, False)
         await server.start()
         tasks: list[asyncio.Task] = []
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        signals = (
+            (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+        )
+        for sig in signals:  # installed before warm-up: a SIGTERM while warming up skips straight to drain
+            loop.add_signal_handler(sig, stop.set)
         try:
             if warmup is not None:
                 log.info("%s bound to %s:%d; warming up", services.role, host, bound)
                 await warmup()
-            await set_health(health_servicer, services.names, True)
-            tasks = [asyncio.create_task(task(bound)) for task in background]
-            print(f"loraserve {services.role} serving on {host}:{bound}", flush=True)
-            stop = stop or asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            await stop.wait()
+            if not stop.is_set():
+                await set_health(health_servicer, services.names, True)
+                tasks = [asyncio.create_task(task(bound)) for task in background]
+                print(f"loraserve {services.role} serving on {host}:{bound}", flush=True)
+                await stop.wait()
             log.info("%s draining", services.role)
         finally:
             await set_health(health_servicer, services.names, False)
@@ -126,6 +131,8 @@ async def run_server(
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             await server.stop(grace=grace)
+            for sig in signals:
+                loop.remove_signal_handler(sig)
     finally:
         for fn in cleanup:
             await _call(fn)

@@ -134,3 +134,36 @@ def test_health_is_not_serving_during_warm_up() -> None:
         return seen
 
     assert asyncio.run(scenario()) == [NOT_SERVING, SERVING]
+
+
+def test_stop_during_warm_up_drains_without_ever_serving(capsys) -> None:
+    events: list[str] = []
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+
+        async def warmup() -> None:
+            stop.set()  # e.g. SIGTERM while the worker compiles
+            events.append("warmed up")
+
+        async def never(port: int) -> None:
+            events.append("background started")
+
+        await asyncio.wait_for(
+            run_server(
+                Services("stopped-test", _add, (SERVICE,)),
+                "127.0.0.1",
+                0,
+                ServerSecurity(),
+                warmup=warmup,
+                background=[never],
+                cleanup=[lambda: events.append("cleanup")],
+                stop=stop,
+                grace=1,
+            ),
+            10,
+        )
+
+    asyncio.run(scenario())
+    assert events == ["warmed up", "cleanup"]
+    assert "serving on" not in capsys.readouterr().out
