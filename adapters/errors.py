@@ -1,18 +1,25 @@
-"""Adapter errors: each names the gRPC status a server answers with (DESIGN.md §8)."""
+"""Adapter errors: each is a ``LoraserveError`` carrying the gRPC status a server answers with (DESIGN.md §8).
+
+They keep ``ValueError`` as a second base: parsing callers catch bad input as ``ValueError``.
+"""
 
 from __future__ import annotations
 
+import grpc
 
-class AdapterError(ValueError):
-    """An adapter that cannot be served; ``code`` names the gRPC status (INVALID_ARGUMENT by default)."""
+from loraserve.common.errors import LoraserveError
 
-    code = "INVALID_ARGUMENT"
+
+class AdapterError(LoraserveError, ValueError):
+    """An adapter that cannot be served (INVALID_ARGUMENT unless a subclass says otherwise)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class AdapterMismatchError(AdapterError):
     """A well-formed adapter that does not fit this base model or worker (FAILED_PRECONDITION)."""
 
-    code = "FAILED_PRECONDITION"
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class AdapterRankError(AdapterMismatchError):
@@ -24,14 +31,14 @@ class UnknownModuleError(AdapterMismatchError):
 
 
 class AdapterNotFoundError(AdapterError):
-    code = "NOT_FOUND"
+    code = grpc.StatusCode.NOT_FOUND
 
 
 class AdapterDataLossError(AdapterError):
-    code = "DATA_LOSS"
+    code = grpc.StatusCode.DATA_LOSS
 
 
 class AdapterUnavailableError(AdapterError):
     """The adapter's storage could not be read right now."""
 
-    code = "UNAVAILABLE"
+    code = grpc.StatusCode.UNAVAILABLE

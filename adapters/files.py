@@ -13,7 +13,17 @@ PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth", "a
 
 
 def read_adapter_files(url: str) -> tuple[bytes, bytes]:
-    """Read ``(adapter_config.json, adapter_model.safetensors)`` bytes from a folder path or fsspec URL."""
+    """Read ``(adapter_config.json, adapter_model.safetensors)`` bytes from a folder path or fsspec URL.
+
+    A missing, pickle-only or unreadable folder raises ``AdapterError`` (INVALID_ARGUMENT).
+    """
+    try:
+        return _read(url)
+    except OSError as exc:  # permissions, a directory where a file should be, an fsspec backend error
+        raise AdapterError(f"cannot read the adapter folder {url}: {exc}") from exc
+
+
+def _read(url: str) -> tuple[bytes, bytes]:
     fs, root = fsspec.core.url_to_fs(url)
     root = root.rstrip("/")
     if not fs.exists(f"{root}/{WEIGHTS_FILE}"):

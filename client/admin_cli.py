@@ -89,73 +89,61 @@ def _progress(sent: int, total: int) -> None:
 
 
 def run_adapters(args: argparse.Namespace) -> int:
-    from loraserve.client.errors import LoraserveError
-
-    try:
-        with _client(args) as client:
-            cmd = args.adapters_command
-            if cmd == "push":
-                labels = dict(item.split("=", 1) for item in args.label)
-                a = client.push(
-                    args.folder,
-                    args.name,
-                    args.base_model,
-                    description=args.description,
-                    labels=labels,
-                    version=args.version,
-                    progress=None if args.json else _progress,
-                )
-                print(
-                    json.dumps(_dict(a))
-                    if args.json
-                    else f"pushed {a.name}@{a.version} ({a.size_bytes} bytes, sha256 {a.sha256[:12]}…)"
-                )
-            elif cmd == "ls":
-                adapters = list(client.list(base_model=args.base_model, name_prefix=args.prefix))
-                if args.json:
-                    print(json.dumps([_dict(a) for a in adapters]))
-                else:
-                    _table(
+    with _client(args) as client:
+        cmd = args.adapters_command
+        if cmd == "push":
+            labels = dict(item.split("=", 1) for item in args.label)
+            a = client.push(
+                args.folder,
+                args.name,
+                args.base_model,
+                description=args.description,
+                labels=labels,
+                version=args.version,
+                progress=None if args.json else _progress,
+            )
+            print(
+                json.dumps(_dict(a))
+                if args.json
+                else f"pushed {a.name}@{a.version} ({a.size_bytes} bytes, sha256 {a.sha256[:12]}…)"
+            )
+        elif cmd == "ls":
+            adapters = list(client.list(base_model=args.base_model, name_prefix=args.prefix))
+            if args.json:
+                print(json.dumps([_dict(a) for a in adapters]))
+            else:
+                _table(
+                    [
                         [
-                            [
-                                f"{a.name}@{a.version}",
-                                a.base_model,
-                                a.rank,
-                                f"{a.alpha:g}",
-                                ",".join(a.target_modules),
-                                a.size_bytes,
-                            ]
-                            for a in adapters
-                        ],
-                        ["ADAPTER", "BASE MODEL", "RANK", "ALPHA", "TARGETS", "BYTES"],
-                    )
-            elif cmd == "show":
-                a = client.get(args.adapter)
-                d = _dict(a)
-                print(json.dumps(d) if args.json else "\n".join(f"{k:15s} {v}" for k, v in d.items()))
-            elif cmd == "rm":
-                resp = client.delete(args.adapter)
-                if args.json:
-                    print(json.dumps(_dict(resp)))
-                else:
-                    print(
-                        f"deleted {', '.join(f'{a.name}@{a.version}' for a in resp.deleted)}; {resp.unload_orders} unload order(s) sent"
-                    )
-    except LoraserveError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+                            f"{a.name}@{a.version}",
+                            a.base_model,
+                            a.rank,
+                            f"{a.alpha:g}",
+                            ",".join(a.target_modules),
+                            a.size_bytes,
+                        ]
+                        for a in adapters
+                    ],
+                    ["ADAPTER", "BASE MODEL", "RANK", "ALPHA", "TARGETS", "BYTES"],
+                )
+        elif cmd == "show":
+            a = client.get(args.adapter)
+            d = _dict(a)
+            print(json.dumps(d) if args.json else "\n".join(f"{k:15s} {v}" for k, v in d.items()))
+        elif cmd == "rm":
+            resp = client.delete(args.adapter)
+            if args.json:
+                print(json.dumps(_dict(resp)))
+            else:
+                print(
+                    f"deleted {', '.join(f'{a.name}@{a.version}' for a in resp.deleted)}; {resp.unload_orders} unload order(s) sent"
+                )
     return 0
 
 
 def run_workers(args: argparse.Namespace) -> int:
-    from loraserve.client.errors import LoraserveError
-
-    try:
-        with _client(args) as client:
-            workers = client.workers(model_id=args.model_id, include_expired=args.all)
-    except LoraserveError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    with _client(args) as client:
+        workers = client.workers(model_id=args.model_id, include_expired=args.all)
     if args.json:
         print(json.dumps([_dict(w) for w in workers]))
         return 0

@@ -33,13 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loraserve.client.errors import LoraserveError
     from loraserve.client.sdk import Client
 
     target = args.target or os.environ.get("LORASERVE_TARGET", DEFAULT_TARGET)
+    last, finished = None, False
     try:
         with Client(target, **connection_kwargs(args)) as client:
-            last = None
             for chunk in client.generate(
                 args.prompt,
                 adapter=args.adapter,
@@ -56,9 +55,10 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
-    except LoraserveError as exc:
-        print(f"\nerror: {exc}", file=sys.stderr)
-        return 1
+        finished = True
+    finally:
+        if not args.json and last is not None and not finished:
+            sys.stdout.write("\n")  # a stream cut short: the CLI's error line starts on a line of its own
     if not args.json and last is not None:
         sys.stdout.write("\n")
         print(

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 
 from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE, read_adapter_files
-from loraserve.client.errors import LoraserveError
+from loraserve.common.errors import DataLoss, error_from_rpc
 from loraserve.common.security import channel as make_channel
 from loraserve.protos.v1 import placement_pb2, placement_pb2_grpc, registry_pb2, registry_pb2_grpc
 
@@ -49,7 +49,7 @@ class RegistryClient:
         try:
             return fn(*args, timeout=self.timeout, **kwargs)
         except grpc.RpcError as exc:
-            raise LoraserveError.from_rpc(exc) from None
+            raise error_from_rpc(exc) from None
 
     def push(
         self,
@@ -127,9 +127,9 @@ class RegistryClient:
                 else:
                     data += msg.chunk
         except grpc.RpcError as exc:
-            raise LoraserveError.from_rpc(exc) from None
+            raise error_from_rpc(exc) from None
         if header is None or hashlib.sha256(data).hexdigest() != header.adapter.sha256:
-            raise LoraserveError("DATA_LOSS", f"download of {ref} does not match its sha256")
+            raise DataLoss(f"download of {ref} does not match its sha256")
         dest = Path(dest)
         dest.mkdir(parents=True, exist_ok=True)
         (dest / CONFIG_FILE).write_bytes(header.adapter_config_json)

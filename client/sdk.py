@@ -1,7 +1,8 @@
 """The Python SDK: ``Client(target).generate(prompt, adapter=..., **sampling)`` streams chunks.
 
-``target`` is a router (or a single worker). ``AsyncClient`` is the asyncio twin. Errors raise
-``LoraserveError`` with the gRPC status name (DESIGN.md §8).
+``target`` is a router (or a single worker). ``AsyncClient`` is the asyncio twin. Both raise
+``loraserve.common.errors.LoraserveError`` from ``error_from_rpc``: ``.code`` is the ``grpc.StatusCode``
+(DESIGN.md §8), ``.message`` the server's message.
 
     from loraserve.client.sdk import Client
     with Client("127.0.0.1:50071") as c:
@@ -16,12 +17,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from loraserve.client.errors import LoraserveError
+from loraserve.common.errors import error_from_rpc
+from loraserve.common.finish_reasons import FINISH_FROM_PROTO
 from loraserve.common.security import aio_channel, channel
 from loraserve.protos.v1 import inference_pb2 as pb
 from loraserve.protos.v1 import inference_pb2_grpc
-
-FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "eos"}
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def to_chunk(r: pb.GenerateResponse) -> Chunk:
     return Chunk(
         text=r.text,
         token_ids=list(r.token_ids),
-        finish_reason=FINISH.get(r.finish_reason, ""),
+        finish_reason=FINISH_FROM_PROTO.get(r.finish_reason, ""),
         prompt_tokens=r.usage.prompt_tokens,
         completion_tokens=r.usage.completion_tokens,
         adapter=r.adapter,
@@ -104,7 +104,7 @@ class Client:
             for r in call:
                 yield to_chunk(r)
         except grpc.RpcError as exc:
-            raise LoraserveError.from_rpc(exc) from None
+            raise error_from_rpc(exc) from None
         finally:
             call.cancel()
 
@@ -152,8 +152,8 @@ class AsyncClient:
         try:
             async for r in call:
                 yield to_chunk(r)
-        except grpc.aio.AioRpcError as exc:
-            raise LoraserveError(exc.code().name, exc.details() or "") from None
+        except grpc.RpcError as exc:  # AioRpcError is one
+            raise error_from_rpc(exc) from None
         finally:
             call.cancel()
 

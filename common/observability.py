@@ -14,6 +14,8 @@ import time
 
 from prometheus_client import Counter, Histogram, start_http_server
 
+from loraserve.common.errors import Unavailable
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 RPCS = Counter(
@@ -70,7 +72,10 @@ def observe_rpc(server: str, method: str, code: str, started: float) -> None:
 def start_metrics(port: int, log: logging.Logger | None = None) -> int:
     """Serve /metrics on ``port`` (0 = off); returns the port."""
     if port:
-        start_http_server(port)
+        try:
+            start_http_server(port)
+        except OSError as exc:
+            raise Unavailable(f"cannot serve /metrics on port {port}: {exc}") from exc
         (log or logging.getLogger("loraserve")).info("metrics on :%d/metrics", port)
     return port
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import grpc
 
+from loraserve.common.errors import InvalidArgument, Unavailable
+
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 INFERENCE_PREFIXES = ("/loraserve.v1.Inference/",)
 
@@ -54,16 +56,24 @@ class ServerSecurity:
         return [AuthInterceptor(self.inference_tokens, self.admin_tokens)]
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
-        if not self.tls_cert:
-            return server.add_insecure_port(address)
-        if not self.tls_key:
-            raise ValueError("a TLS certificate needs its key (--tls-key)")
-        creds = grpc.ssl_server_credentials(
-            [(Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes())],
-            root_certificates=Path(self.tls_client_ca).read_bytes() if self.tls_client_ca else None,
-            require_client_auth=bool(self.tls_client_ca),
-        )
-        return server.add_secure_port(address, creds)
+        """Bind ``address`` (TLS when configured); returns the port. Refusals: a certificate without its key
+        or an unreadable PEM file (INVALID_ARGUMENT), an address that cannot be bound (UNAVAILABLE)."""
+        try:
+            if not self.tls_cert:
+                return server.add_insecure_port(address)
+            if not self.tls_key:
+                raise InvalidArgument("a TLS certificate needs its key (--tls-key)")
+            try:
+                creds = grpc.ssl_server_credentials(
+                    [(Path(self.tls_key).read_bytes(), Path(self.tls_cert).read_bytes())],
+                    root_certificates=Path(self.tls_client_ca).read_bytes() if self.tls_client_ca else None,
+                    require_client_auth=bool(self.tls_client_ca),
+                )
+            except OSError as exc:
+                raise InvalidArgument(f"cannot read a TLS file: {exc}") from exc
+            return server.add_secure_port(address, creds)
+        except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+            raise Unavailable(f"cannot bind {address}: {exc}") from exc
 
 
 def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str:

@@ -1,40 +1,138 @@
-"""What every loraserve gRPC server shares: interceptors, message limits, health, reflection, the port."""
+"""What every loraserve gRPC server shares: one build (interceptors, message limits, health, reflection, the
+port) and one serve lifecycle, ``run_server``, used by the worker, registry and router CLIs.
+
+Lifecycle: build the server with security and the ``StatusInterceptor``, bind, start with health
+NOT_SERVING, run the optional warm-up, turn health SERVING, start the background tasks, print the ready line
+``loraserve <role> serving on host:port``; on SIGTERM/SIGINT (or ``stop``) turn health NOT_SERVING, cancel the
+background tasks, drain in-flight RPCs for ``grace`` seconds, then run the cleanup callbacks in order.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import contextlib
+import inspect
+import logging
+import signal
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from loraserve.common.interceptors import StatusInterceptor
+from loraserve.common.observability import start_metrics
 from loraserve.common.security import ServerSecurity
 
+log = logging.getLogger("loraserve.server")
 
-def new_server(security: ServerSecurity, max_message_bytes: int | None = None) -> grpc.aio.Server:
+
+@dataclass(frozen=True)
+class Services:
+    """What one server serves: ``role`` (metric label and ready line), ``add`` puts its servicers on a server,
+    ``names`` are their full service names (health and reflection)."""
+
+    role: str
+    add: Callable[[grpc.aio.Server], None]
+    names: tuple[str, ...]
+    max_message_bytes: int | None = None
+
+
+def new_server(role: str, security: ServerSecurity, max_message_bytes: int | None = None) -> grpc.aio.Server:
+    """A grpc.aio server whose outermost interceptor maps errors and records metrics, then auth."""
     options = []
     if max_message_bytes:
         options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
-    return grpc.aio.server(interceptors=security.interceptors(), options=options)
+    return grpc.aio.server(interceptors=[StatusInterceptor(role), *security.interceptors()], options=options)
 
 
-def finish_server(
-    server: grpc.aio.Server, security: ServerSecurity, address: str, service_names: Sequence[str]
-) -> tuple[int, Any]:
-    """Add health (NOT_SERVING until told otherwise) and reflection, bind ``address``; returns (port, health)."""
+def build_server(
+    services: Services, address: str, security: ServerSecurity | None = None
+) -> tuple[grpc.aio.Server, int, Any]:
+    """Servicers + health (NOT_SERVING until told otherwise) + reflection, bound to ``address``.
+
+    Returns (server, bound port, health servicer); the server is not started.
+    """
+    security = security or ServerSecurity()
+    server = new_server(services.role, security, services.max_message_bytes)
+    services.add(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (*service_names, reflection.SERVICE_NAME, health.SERVICE_NAME), server
+        (*services.names, reflection.SERVICE_NAME, health.SERVICE_NAME), server
     )
-    return security.add_port(server, address), health_servicer
+    return server, security.add_port(server, address), health_servicer
 
 
 async def set_health(health_servicer: Any, service_names: Sequence[str], serving: bool) -> None:
     state = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", *service_names):
         await health_servicer.set(name, state)
+
+
+async def _call(fn: Callable[[], Any]) -> None:
+    result = fn()
+    if inspect.isawaitable(result):
+        await result
+
+
+async def run_server(
+    services: Services,
+    host: str,
+    port: int,
+    security: ServerSecurity,
+    *,
+    metrics_port: int = 0,
+    warmup: Callable[[], Awaitable[None]] | None = None,
+    background: Sequence[Callable[[int], Coroutine[Any, Any, None]]] = (),
+    cleanup: Sequence[Callable[[], Any]] = (),
+    grace: float = 5.0,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve ``services`` on ``host:port`` until SIGTERM/SIGINT (main thread only) or ``stop`` is set, then drain.
+
+    ``background`` coroutines get the bound port (e.g. a worker advertises it) and are cancelled at drain;
+    ``cleanup`` callbacks (sync or async) run after the server stopped, even when start-up failed.
+    """
+    try:
+        start_metrics(metrics_port)
+        server, bound, health_servicer = build_server(services, f"{host}:{port}", security)
+        await set_health(health_servicer, services.names, False)
+        await server.start()
+        tasks: list[asyncio.Task] = []
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        signals = (
+            (signal.SIGTERM, signal.SIGINT) if threading.current_thread() is threading.main_thread() else ()
+        )
+        for sig in signals:  # installed before warm-up: a SIGTERM while warming up skips straight to drain
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            if warmup is not None:
+                log.info("%s bound to %s:%d; warming up", services.role, host, bound)
+                await warmup()
+            if not stop.is_set():
+                await set_health(health_servicer, services.names, True)
+                tasks = [asyncio.create_task(task(bound)) for task in background]
+                print(f"loraserve {services.role} serving on {host}:{bound}", flush=True)
+                await stop.wait()
+            log.info("%s draining", services.role)
+        finally:
+            await set_health(health_servicer, services.names, False)
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            await server.stop(grace=grace)
+            for sig in signals:
+                loop.remove_signal_handler(sig)
+    finally:
+        for fn in cleanup:
+            await _call(fn)

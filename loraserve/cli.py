@@ -3,6 +3,11 @@
 Subcommands are declared in ``COMMANDS`` as ``name -> "module:function"`` so that ``loraserve --help``
 imports nothing heavy (JAX, SQLAlchemy): each subcommand's module is imported only when it runs.
 Every subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+
+Refusals, local (a pickle-only adapter folder, a bad flag value) or remote (any gRPC status from a server),
+print one line ``error: CODE: message`` on stderr and exit with status 1, never a traceback. Exit statuses:
+0 done; 1 refused (``error: CODE: …``; ``loraserve health`` also exits 1 for NOT_SERVING); 2 usage error
+(argparse); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -46,10 +51,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_REFUSED = 1
+EXIT_INTERRUPTED = 130
+
+
+def refusal_line(exc: BaseException) -> str:
+    """``error: CODE: message`` for a ``LoraserveError`` or a ``grpc.RpcError``."""
+
+    from loraserve.common.errors import LoraserveError, error_from_rpc
+
+    err = exc if isinstance(exc, LoraserveError) else error_from_rpc(exc)  # type: ignore[arg-type]
+    return f"error: {err.code_name}: {err.message}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import grpc
+
+    from loraserve.common.errors import LoraserveError
+
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (LoraserveError, grpc.RpcError) as exc:
+        print(refusal_line(exc), file=sys.stderr, flush=True)
+        return EXIT_REFUSED
+    except KeyboardInterrupt:
+        print("error: CANCELLED: interrupted", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

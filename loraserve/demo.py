@@ -16,10 +16,12 @@ import argparse
 import os
 import shutil
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from loraserve.common.errors import Unavailable
+from loraserve.common.processes import ServerProcess, loraserve_argv, start_server
 
 QUESTION = "What is the capital of France?"
 ANSWERS = {"demo-red": " red", "demo-green": " green", "demo-blue": " blue"}
@@ -67,22 +69,9 @@ def build_assets(workdir: Path, rebuild: bool) -> tuple[Path, Path]:
     return model_dir, adapter_dir
 
 
-def start(args: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """Run ``loraserve ARGS --port 0``; returns the process and the address from its ready line."""
-    cmd = [sys.executable, "-m", "loraserve", *args, "--port", "0", "--log-level", "WARNING"]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-    )
-    deadline = time.time() + timeout
-    assert proc.stdout is not None
-    while time.time() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        if "serving on" in line:
-            return proc, line.strip().rsplit(" ", 1)[-1]
-    proc.kill()
-    raise SystemExit(f"`loraserve {' '.join(args)}` did not come up")
+def start(args: list[str], timeout: float) -> ServerProcess:
+    """Run ``loraserve ARGS --port 0`` and wait for its ready line (``proc.address``)."""
+    return start_server([*args, "--port", "0", "--log-level", "WARNING"], timeout=timeout)
 
 
 def ask(address: str, adapter: str) -> tuple[str, str, float, str]:
@@ -105,10 +94,10 @@ def run(args: argparse.Namespace) -> int:
         _say(f"model in {model_dir}, adapters in {adapter_dir}")
         return 0
     run_dir = workdir / f"run-{os.getpid()}"
-    procs: list[subprocess.Popen] = []
+    procs: list[ServerProcess] = []
     try:
         _say("starting the registry (SQLite + local folder store) ...")
-        registry, reg_addr = start(
+        registry = start(
             [
                 "registry",
                 "serve",
@@ -120,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
             args.timeout,
         )
         procs.append(registry)
+        reg_addr = registry.address
         _say(f"registry on {reg_addr}; starting a worker (2 adapter slots for 3 adapters) and the router ...")
-        worker, worker_addr = start(
+        worker = start(
             [
                 "worker",
                 "--model",
@@ -142,31 +132,31 @@ def run(args: argparse.Namespace) -> int:
             args.timeout,
         )
         procs.append(worker)
-        router, router_addr = start(["router", "serve", "--registry", reg_addr], args.timeout)
+        router = start(["router", "serve", "--registry", reg_addr], args.timeout)
         procs.append(router)
+        worker_addr, router_addr = worker.address, router.address
         _say(f"worker on {worker_addr}, router on {router_addr}")
         for name in ANSWERS:
             out = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "loraserve",
-                    "adapters",
-                    "push",
-                    str(adapter_dir / name),
-                    "--name",
-                    name,
-                    "--base-model",
-                    "demo-tiny-llama",
-                    "--registry",
-                    reg_addr,
-                ],
+                loraserve_argv(
+                    [
+                        "adapters",
+                        "push",
+                        str(adapter_dir / name),
+                        "--name",
+                        name,
+                        "--base-model",
+                        "demo-tiny-llama",
+                        "--registry",
+                        reg_addr,
+                    ]
+                ),
                 capture_output=True,
                 text=True,
                 timeout=120,
             )
             if out.returncode != 0:
-                raise SystemExit(f"push of {name} failed: {out.stderr}")
+                raise Unavailable(f"push of {name} failed: {out.stderr.strip()}")
             _say(f"$ loraserve adapters push {adapter_dir / name} --name {name}  ->  {out.stdout.strip()}")
         _wait_registered(reg_addr, args.timeout)
         _say(f"asking {QUESTION!r} with every adapter at once, through the router")
@@ -202,4 +192,4 @@ def _wait_registered(registry: str, timeout: float) -> None:
             if client.workers():
                 return
             time.sleep(0.1)
-    raise SystemExit("the worker did not register with the registry")
+    raise Unavailable("the worker did not register with the registry")

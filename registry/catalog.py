@@ -23,14 +23,14 @@ from loraserve.adapters.errors import AdapterError, AdapterMismatchError, Adapte
 from loraserve.adapters.files import read_adapter_files
 from loraserve.adapters.peft import parse_adapter, parse_config
 from loraserve.adapters.refs import split_ref
-from loraserve.registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow
-from loraserve.registry.errors import (
+from loraserve.common.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
 )
+from loraserve.registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow
 from loraserve.registry.storage import BlobStore
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import signal
-from dataclasses import fields
 
+from loraserve.common.config import SECURITY_HELP, add_config_flags, config_from_args
 from loraserve.registry.config import ENV_PREFIX, RegistryConfig
 
 HELP = {
@@ -22,37 +21,20 @@ HELP = {
     "max_lora_rank": "largest adapter rank accepted (the largest slot rank of the fleet)",
     "migrate": "run database migrations at start",
     "metrics_port": "Prometheus /metrics port (0 = off)",
-    "admin_tokens": "comma-separated bearer tokens accepted for every RPC (empty: no auth)",
-    "tls_cert": "PEM certificate: serve TLS",
-    "tls_key": "PEM key of --tls-cert",
-    "tls_client_ca": "PEM CA: require client certificates (mTLS)",
+    **SECURITY_HELP,
 }
-
-
-def _add_config_flags(parser: argparse.ArgumentParser, names: tuple[str, ...]) -> None:
-    for f in fields(RegistryConfig):
-        if f.name not in names:
-            continue
-        env = ENV_PREFIX + f.name.upper()
-        kind = type(f.default)
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=(lambda v: v.lower() in ("1", "true", "yes", "on")) if kind is bool else kind,
-            default=None,
-            help=f"{HELP[f.name]} (env {env}; default {f.default!r})",
-        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="registry_command", metavar="ACTION")
     sub.required = True
     serve = sub.add_parser("serve", help="serve AdapterRegistry and Placement over gRPC")
-    _add_config_flags(serve, tuple(f.name for f in fields(RegistryConfig)))
+    add_config_flags(serve, RegistryConfig, ENV_PREFIX, HELP)
     serve.add_argument("--log-level", default="INFO")
     migrate = sub.add_parser("migrate", help="create or upgrade the database schema (Alembic)")
-    _add_config_flags(migrate, ("db",))
+    add_config_flags(migrate, RegistryConfig, ENV_PREFIX, HELP, only=("db",))
     gc = sub.add_parser("gc", help="delete stored blobs that no adapter references")
-    _add_config_flags(gc, ("db", "storage"))
+    add_config_flags(gc, RegistryConfig, ENV_PREFIX, HELP, only=("db", "storage"))
     gc.add_argument(
         "--min-age-seconds",
         type=float,
@@ -61,44 +43,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _config(args: argparse.Namespace) -> RegistryConfig:
-    overrides = {f.name: getattr(args, f.name, None) for f in fields(RegistryConfig)}
-    return RegistryConfig.from_env(**overrides)
-
-
-async def serve(config: RegistryConfig) -> None:
-    from loraserve.common.observability import start_metrics
-    from loraserve.common.security import ServerSecurity
+async def serve(config: RegistryConfig, stop: asyncio.Event | None = None) -> None:
+    from loraserve.common.server import run_server
     from loraserve.registry.app import open_registry
-    from loraserve.registry.server import build_server, expire_leases_forever, set_serving
+    from loraserve.registry.server import expire_leases_forever, registry_services
 
     registry = open_registry(config)
-    start_metrics(config.metrics_port)
-    security = ServerSecurity.from_strings(
-        "", config.admin_tokens, config.tls_cert, config.tls_key, config.tls_client_ca
+    await run_server(
+        registry_services(registry.catalog, registry.placement),
+        config.host,
+        config.port,
+        config.security(),
+        metrics_port=config.metrics_port,
+        background=[
+            lambda port: expire_leases_forever(registry.placement, max(0.5, config.lease_seconds / 3))
+        ],
+        cleanup=[registry.close],
+        stop=stop,
     )
-    server, port, health_servicer = build_server(
-        registry.catalog, registry.placement, f"{config.host}:{config.port}", security
-    )
-    await server.start()
-    await set_serving(health_servicer, True)
-    print(f"loraserve registry serving on {config.host}:{port}", flush=True)
-    sweeper = asyncio.create_task(
-        expire_leases_forever(registry.placement, max(0.5, config.lease_seconds / 3))
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await set_serving(health_servicer, False)
-    sweeper.cancel()
-    await server.stop(grace=5)
-    registry.close()
 
 
 def run(args: argparse.Namespace) -> int:
-    config = _config(args)
+    config = config_from_args(RegistryConfig, ENV_PREFIX, args)
     if args.registry_command == "serve":
         from loraserve.common.observability import setup_logging
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraserve.common.config import config_from_env
+from loraserve.common.config import ServerSecurityConfig, config_from_env
 
 ENV_PREFIX = "LORASERVE_REGISTRY_"
 
 
 @dataclass(frozen=True)
-class RegistryConfig:
+class RegistryConfig(ServerSecurityConfig):
+    """Also ``admin_tokens`` and ``tls_cert``/``tls_key``/``tls_client_ca`` from ``ServerSecurityConfig``."""
+
     db: str = "sqlite:///loraserve-registry.db"  # any SQLAlchemy URL
     storage: str = "./loraserve-store"  # fsspec root URL for adapter blobs
     host: str = "127.0.0.1"
@@ -20,10 +22,6 @@ class RegistryConfig:
     max_lora_rank: int = 256  # largest rank accepted at upload (the largest slot rank of the fleet)
     migrate: bool = True  # run migrations at start
     metrics_port: int = 0  # Prometheus /metrics port (0 = off)
-    admin_tokens: str = ""  # comma-separated tokens accepted for every RPC (empty: no auth)
-    tls_cert: str = ""  # PEM certificate: serve TLS
-    tls_key: str = ""  # PEM key of tls_cert
-    tls_client_ca: str = ""  # PEM CA: require client certificates (mTLS)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> RegistryConfig:

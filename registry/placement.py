@@ -14,6 +14,7 @@ from datetime import timedelta
 from sqlalchemy import delete, select
 from sqlalchemy.orm import selectinload, sessionmaker
 
+from loraserve.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from loraserve.registry.catalog import Catalog
 from loraserve.registry.db import (
     AdapterRow,
@@ -24,7 +25,6 @@ from loraserve.registry.db import (
     as_utc,
     utcnow,
 )
-from loraserve.registry.errors import FailedPrecondition, InvalidArgument, NotFound
 
 MAX_CANDIDATES = 16
 

@@ -1,6 +1,6 @@
 """The registry's gRPC servicers (AdapterRegistry, Placement) plus health and reflection.
 
-Thin: proto <-> rows/dataclasses and status mapping. Catalog and placement calls do blocking SQL and
+Thin: proto <-> rows/dataclasses; errors are ``LoraserveError``s that ``common.interceptors`` maps to statuses. Catalog and placement calls do blocking SQL and
 storage I/O, so they run on worker threads (``asyncio.to_thread``), never on the event loop.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
@@ -17,9 +16,10 @@ from typing import Any
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from loraserve.common.observability import observe_rpc
+from loraserve.common.errors import InvalidArgument, Unavailable
 from loraserve.common.security import ServerSecurity
-from loraserve.common.server import finish_server, new_server, set_health
+from loraserve.common.server import Services, set_health
+from loraserve.common.server import build_server as common_build_server
 from loraserve.protos.v1 import (
     placement_pb2,
     placement_pb2_grpc,
@@ -99,24 +99,21 @@ def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
 
 
 async def _call(context: grpc.aio.ServicerContext, fn, *args: Any) -> Any:
-    """Run blocking catalog/placement work on a thread; map every known error to its status."""
-    started = time.perf_counter()
+    """Run blocking catalog/placement work on a thread. ``LoraserveError``s pass to the interceptor as they
+    are; a database or network outage becomes UNAVAILABLE."""
     try:
-        result = await asyncio.to_thread(fn, *args)
-        observe_rpc("registry", fn.__name__, "OK", started)
-        return result
-    except Exception as exc:  # every error gets a status; unknown ones are INTERNAL
-        code = getattr(exc, "code", None)
-        observe_rpc("registry", fn.__name__, code if isinstance(code, str) else "INTERNAL", started)
-        if isinstance(code, str):
-            await context.abort(getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL), str(exc))
-        if isinstance(exc, ConnectionError | TimeoutError) or type(exc).__name__ == "OperationalError":
-            log.warning("backend unavailable: %s", exc)
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"registry backend unavailable: {type(exc).__name__}"
-            )
-        log.exception("unexpected registry error")
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        return await asyncio.to_thread(fn, *args)
+    except (ConnectionError, TimeoutError) as exc:
+        raise _backend_unavailable(exc) from exc
+    except Exception as exc:
+        if type(exc).__name__ == "OperationalError":  # SQLAlchemy: the database is unreachable
+            raise _backend_unavailable(exc) from exc
+        raise
+
+
+def _backend_unavailable(exc: Exception) -> Unavailable:
+    log.warning("backend unavailable: %s", exc)
+    return Unavailable(f"registry backend unavailable: {type(exc).__name__}")
 
 
 class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
@@ -126,9 +123,7 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
     async def UploadAdapter(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext):
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("payload") != "header":
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "the first upload message must carry the header"
-            )
+            raise InvalidArgument("the first upload message must carry the header")
         h = first.header
         header = UploadHeader(
             name=h.name,
@@ -144,14 +139,11 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
         buf = bytearray()
         async for msg in request_iterator:
             if msg.WhichOneof("payload") != "chunk":
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, "only the first upload message may carry a header"
-                )
+                raise InvalidArgument("only the first upload message may carry a header")
             buf += msg.chunk
             if len(buf) > header.weights_size:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"upload sent more than the {header.weights_size} bytes its header promised",
+                raise InvalidArgument(
+                    f"upload sent more than the {header.weights_size} bytes its header promised"
                 )
         row = await _call(context, self.catalog.create, header, bytes(buf))
         return adapter_to_proto(row)
@@ -270,15 +262,18 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
         )
 
 
+def registry_services(catalog: Catalog, placement: Placement) -> Services:
+    def add(server: grpc.aio.Server) -> None:
+        registry_pb2_grpc.add_AdapterRegistryServicer_to_server(AdapterRegistryServicer(catalog), server)
+        placement_pb2_grpc.add_PlacementServicer_to_server(PlacementServicer(placement), server)
+
+    return Services("registry", add, SERVICE_NAMES, MAX_MESSAGE_BYTES)
+
+
 def build_server(
     catalog: Catalog, placement: Placement, address: str, security: ServerSecurity | None = None
 ) -> tuple[grpc.aio.Server, int, Any]:
-    security = security or ServerSecurity()
-    server = new_server(security, MAX_MESSAGE_BYTES)
-    registry_pb2_grpc.add_AdapterRegistryServicer_to_server(AdapterRegistryServicer(catalog), server)
-    placement_pb2_grpc.add_PlacementServicer_to_server(PlacementServicer(placement), server)
-    port, health_servicer = finish_server(server, security, address, SERVICE_NAMES)
-    return server, port, health_servicer
+    return common_build_server(registry_services(catalog, placement), address, security)
 
 
 async def set_serving(health_servicer: Any, serving: bool) -> None:

@@ -25,7 +25,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
+import grpc
 from fsspec.implementations.local import LocalFileSystem
+
+from loraserve.common.errors import LoraserveError
 
 log = logging.getLogger(__name__)
 
@@ -43,34 +46,32 @@ _PERMANENT_OS_ERRORS = (
 )
 
 
-class StorageError(Exception):
-    """Base of blob-store errors; ``code`` names the gRPC status the servicers return."""
-
-    code = "INTERNAL"
+class StorageError(LoraserveError):
+    """Base of blob-store errors; ``code`` is the gRPC status the servicers return."""
 
 
 class InvalidDigestError(StorageError, ValueError):
-    code = "INVALID_ARGUMENT"
+    code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class BlobMismatchError(StorageError, ValueError):
-    code = "INVALID_ARGUMENT"
+    code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class BlobTooLargeError(StorageError, ValueError):
-    code = "RESOURCE_EXHAUSTED"
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class BlobNotFoundError(StorageError, LookupError):
-    code = "NOT_FOUND"
+    code = grpc.StatusCode.NOT_FOUND
 
 
 class BlobCorruptError(StorageError):
-    code = "DATA_LOSS"
+    code = grpc.StatusCode.DATA_LOSS
 
 
 class StorageUnavailableError(StorageError):
-    code = "UNAVAILABLE"
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraserve.common.config import config_from_env
+from loraserve.common.config import InferenceSecurityConfig, config_from_env
 
 ENV_PREFIX = "LORASERVE_ROUTER_"
 
 
 @dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(InferenceSecurityConfig):
+    """Also ``auth_tokens``, ``admin_tokens`` and the TLS fields from ``InferenceSecurityConfig``."""
+
     registry: str = "127.0.0.1:50051"  # host:port of the registry (LocateAdapter)
     host: str = "127.0.0.1"
     port: int = 50071
@@ -18,11 +20,6 @@ class RouterConfig:
     max_candidates: int = 3  # workers tried, best first, before giving up with UNAVAILABLE
     metrics_port: int = 0  # Prometheus /metrics port (0 = off)
     max_concurrency: int = 1024  # streams in flight; more get RESOURCE_EXHAUSTED at once
-    auth_tokens: str = ""  # comma-separated tokens accepted for Generate (empty: no auth)
-    admin_tokens: str = ""  # comma-separated admin tokens (also accepted for Generate)
-    tls_cert: str = ""  # PEM certificate: serve TLS
-    tls_key: str = ""  # PEM key of tls_cert
-    tls_client_ca: str = ""  # PEM CA: require client certificates (mTLS)
     registry_token: str = ""  # token presented to the registry
     worker_token: str = ""  # token presented to the workers
     upstream_tls_ca: str = ""  # PEM CA of the registry's and workers' certificates

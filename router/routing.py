@@ -7,14 +7,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from loraserve.common.errors import Unavailable, error_from_rpc
 from loraserve.common.security import aio_channel
 from loraserve.protos.v1 import inference_pb2_grpc, placement_pb2, placement_pb2_grpc
-
-
-class RouteError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 @dataclass(frozen=True)
@@ -47,12 +42,10 @@ class Locator:
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
-                raise RouteError(exc.code(), exc.details()) from None
+                raise error_from_rpc(exc) from None
             if cached is not None:  # registry down: keep routing to where the adapter was
                 return cached
-            raise RouteError(
-                grpc.StatusCode.UNAVAILABLE, f"registry unavailable: {exc.code().name}"
-            ) from None
+            raise Unavailable(f"registry unavailable: {exc.code().name}") from None
         route = Route(
             resp.adapter,
             tuple(c.address for c in resp.candidates),

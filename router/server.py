@@ -12,11 +12,13 @@ from typing import Any
 
 import grpc
 
+from loraserve.common.errors import ResourceExhausted, Unavailable, error_from_rpc
 from loraserve.common.observability import StreamTimer
 from loraserve.common.security import ServerSecurity
-from loraserve.common.server import finish_server, new_server, set_health
+from loraserve.common.server import Services, set_health
+from loraserve.common.server import build_server as common_build_server
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc
-from loraserve.router.routing import Locator, RouteError, WorkerPool
+from loraserve.router.routing import Locator, WorkerPool
 
 log = logging.getLogger("loraserve.router")
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -30,10 +32,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         if self.active >= self.max_concurrency:  # admission: refuse at once, never queue without bound
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"router is at its limit of {self.max_concurrency} streams",
-            )
+            raise ResourceExhausted(f"router is at its limit of {self.max_concurrency} streams")
         self.active += 1
         try:
             async for msg in self._generate(request, context):
@@ -42,14 +41,9 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             self.active -= 1
 
     async def _generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        try:
-            route = await self.locator.locate(request.adapter)
-        except RouteError as exc:
-            await context.abort(exc.code, exc.message)
+        route = await self.locator.locate(request.adapter)  # LoraserveError: NOT_FOUND, UNAVAILABLE, ...
         if not route.addresses:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, f"no worker can serve {request.adapter or 'the base model'}"
-            )
+            raise Unavailable(f"no worker can serve {request.adapter or 'the base model'}")
         forward = inference_pb2.GenerateRequest()
         forward.CopyFrom(request)
         forward.adapter = route.adapter
@@ -67,7 +61,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                     tried.append(f"{address}: {exc.code().name}")
                     self.locator.forget(request.adapter)
                     continue
-                await context.abort(exc.code(), exc.details())
+                raise error_from_rpc(exc) from None
             try:
                 msg = first
                 while msg is not grpc.aio.EOF:  # read() only: grpc forbids mixing it with iteration
@@ -78,13 +72,19 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                     msg = await call.read()
                 return
             except grpc.aio.AioRpcError as exc:
-                await context.abort(exc.code(), exc.details())
+                raise error_from_rpc(exc) from None
             finally:
                 self.pool.inflight[address] -= 1
                 call.cancel()  # no-op when finished; frees the worker's row when the client left
-        await context.abort(
-            grpc.StatusCode.UNAVAILABLE, f"no worker could serve the request ({'; '.join(tried)})"
-        )
+        raise Unavailable(f"no worker could serve the request ({'; '.join(tried)})")
+
+
+def router_services(locator: Locator, pool: WorkerPool, max_concurrency: int = 1024) -> Services:
+    def add(server: grpc.aio.Server) -> None:
+        servicer = RouterServicer(locator, pool, max_concurrency)
+        inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+
+    return Services("router", add, (SERVICE_NAME,))
 
 
 def build_server(
@@ -94,11 +94,7 @@ def build_server(
     security: ServerSecurity | None = None,
     max_concurrency: int = 1024,
 ) -> tuple[grpc.aio.Server, int, Any]:
-    security = security or ServerSecurity()
-    server = new_server(security)
-    inference_pb2_grpc.add_InferenceServicer_to_server(RouterServicer(locator, pool, max_concurrency), server)
-    port, health_servicer = finish_server(server, security, address, (SERVICE_NAME,))
-    return server, port, health_servicer
+    return common_build_server(router_services(locator, pool, max_concurrency), address, security)
 
 
 async def set_serving(health_servicer: Any, serving: bool) -> None:

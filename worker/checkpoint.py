@@ -18,13 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load as load_safetensors_bytes
 
+from loraserve.common.errors import InvalidArgument
 from loraserve.worker.model_config import ModelConfig
 
 Params = dict[str, Any]
 
 
-class CheckpointError(ValueError):
-    """The checkpoint folder is missing files or tensors, or they have the wrong shape."""
+class CheckpointError(InvalidArgument, ValueError):
+    """The checkpoint folder is missing files or tensors, or they have the wrong shape (INVALID_ARGUMENT)."""
 
 
 @dataclass(frozen=True)

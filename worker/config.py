@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from loraserve.common.config import config_from_env
+from loraserve.common.config import InferenceSecurityConfig, config_from_env
 
 DTYPES = ("float32", "bfloat16")
 
@@ -61,8 +61,12 @@ ENV_PREFIX = "LORASERVE_WORKER_"
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    """Everything ``loraserve worker`` needs; every field maps to ``LORASERVE_WORKER_<FIELD>``."""
+class WorkerConfig(InferenceSecurityConfig, EngineConfig):
+    """Everything ``loraserve worker`` needs; every field maps to ``LORASERVE_WORKER_<FIELD>``.
+
+    The engine's fields come from ``EngineConfig`` (validated the same way), the token and TLS fields from
+    ``InferenceSecurityConfig``; only what the worker process itself needs is declared here.
+    """
 
     model: str = ""  # checkpoint folder or fsspec URL
     model_id: str = ""  # name reported to the registry; defaults to the model path
@@ -73,22 +77,8 @@ class WorkerConfig:
     advertise_address: str = ""  # host:port others use to reach this worker (default: host:bound port)
     cache_dir: str = ""  # local disk cache of adapter blobs, keyed by sha256
     metrics_port: int = 0  # Prometheus /metrics port (0 = off)
-    auth_tokens: str = ""  # comma-separated tokens accepted for Inference.Generate (empty: no auth)
-    admin_tokens: str = ""  # comma-separated tokens accepted for everything (WorkerAdmin too)
-    tls_cert: str = ""  # PEM certificate: serve TLS
-    tls_key: str = ""  # PEM key of tls_cert
-    tls_client_ca: str = ""  # PEM CA: require client certificates (mTLS)
     registry_token: str = ""  # token this worker presents to the registry
     registry_tls_ca: str = ""  # PEM CA of the registry's certificate (TLS to the registry)
-    max_batch_size: int = 8
-    max_seq_len: int = 256
-    max_loras: int = 4
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 16
-    max_waiting: int = 256
-    kernel_backend: str = "auto"
-    dtype: str = "float32"
-    lora_dtype: str = ""  # slot pools; empty = dtype
     compilation_cache_dir: str = ""  # JAX persistent compilation cache: restarts warm up from disk
 
     @classmethod
@@ -96,14 +86,4 @@ class WorkerConfig:
         return config_from_env(cls, ENV_PREFIX, env, overrides)
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            max_batch_size=self.max_batch_size,
-            max_seq_len=self.max_seq_len,
-            max_loras=self.max_loras,
-            max_lora_rank=self.max_lora_rank,
-            max_cpu_loras=self.max_cpu_loras,
-            max_waiting=self.max_waiting,
-            kernel_backend=self.kernel_backend,
-            dtype=self.dtype,
-            lora_dtype=self.lora_dtype,
-        )
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})

@@ -12,12 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from loraserve.common.errors import FailedPrecondition
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 # Every module an adapter may target, in the order the slot pools keep them.
 
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint is not of an architecture this worker serves."""
+class UnsupportedModelError(FailedPrecondition, ValueError):
+    """The checkpoint is not of an architecture this worker serves (FAILED_PRECONDITION)."""
 
 
 @dataclass(frozen=True)

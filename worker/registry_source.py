@@ -15,7 +15,7 @@ from pathlib import Path
 import fsspec
 import grpc
 
-from loraserve.adapters.errors import AdapterError, AdapterNotFoundError, AdapterUnavailableError
+from loraserve.adapters.errors import AdapterError, AdapterUnavailableError
 from loraserve.adapters.refs import split_ref
 from loraserve.adapters.sources import FetchedAdapter
 from loraserve.common.security import channel
@@ -23,6 +23,22 @@ from loraserve.protos.v1 import registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger("loraserve.worker.registry_source")
 RESOLVE_TTL = 2.0  # seconds a "name" -> "name@version" answer is reused
+
+
+NOT_FOUND, INVALID_ARGUMENT, DATA_LOSS = (
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.DATA_LOSS,
+)
+
+
+def _adapter_error(exc: grpc.RpcError, doing: str, passed: tuple[grpc.StatusCode, ...]) -> AdapterError:
+    """The registry's answer as an adapter error: a status in ``passed`` keeps its code and message; any
+    other means the registry could not answer (UNAVAILABLE)."""
+    code = exc.code()
+    if code in passed:
+        return AdapterError(exc.details() or code.name, code)
+    return AdapterUnavailableError(f"registry unavailable while {doing}: {code.name}")
 
 
 class RegistryAdapterSource:
@@ -55,13 +71,7 @@ class RegistryAdapterSource:
         try:
             return self.stub.GetAdapter(registry_pb2.GetAdapterRequest(adapter=ref), timeout=self.timeout)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise AdapterNotFoundError(exc.details()) from None
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise AdapterError(exc.details()) from None
-            raise AdapterUnavailableError(
-                f"registry unavailable while resolving {ref!r}: {exc.code().name}"
-            ) from None
+            raise _adapter_error(exc, f"resolving {ref!r}", (NOT_FOUND, INVALID_ARGUMENT)) from None
 
     def resolve(self, ref: str) -> str:
         name, version = split_ref(ref)
@@ -121,15 +131,7 @@ class RegistryAdapterSource:
                 else:
                     buf += msg.chunk
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise AdapterNotFoundError(exc.details()) from None
-            if exc.code() == grpc.StatusCode.DATA_LOSS:
-                from loraserve.adapters.errors import AdapterDataLossError
-
-                raise AdapterDataLossError(exc.details()) from None
-            raise AdapterUnavailableError(
-                f"registry unavailable while downloading {key}: {exc.code().name}"
-            ) from None
+            raise _adapter_error(exc, f"downloading {key}", (NOT_FOUND, DATA_LOSS)) from None
         self.stats["download"] += 1
         assert header is not None
         return header.adapter_config_json, bytes(buf)

@@ -16,9 +16,12 @@ from google.protobuf.timestamp_pb2 import Timestamp
 
 from loraserve.adapters.errors import AdapterError
 from loraserve.adapters.sources import LocalAdapterSource
+from loraserve.common.errors import InvalidArgument, LoraserveError, Unavailable
+from loraserve.common.finish_reasons import FINISH_TO_PROTO
 from loraserve.common.observability import StreamTimer
 from loraserve.common.security import ServerSecurity
-from loraserve.common.server import finish_server, new_server, set_health
+from loraserve.common.server import Services, set_health
+from loraserve.common.server import build_server as common_build_server
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.worker.engine import Engine
 from loraserve.worker.outputs import Chunk, StreamAssembler
@@ -28,16 +31,16 @@ from loraserve.worker.tokenizer import encode
 
 log = logging.getLogger("loraserve.worker.server")
 
-FINISH = {
-    "length": inference_pb2.FINISH_REASON_LENGTH,
-    "stop": inference_pb2.FINISH_REASON_STOP,
-    "eos": inference_pb2.FINISH_REASON_EOS,
-}
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
-def status(code: str) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
+def refusal(exc: Any) -> LoraserveError:
+    """A worker refusal (a ``RequestError`` or a ``Failed`` event: ``code`` + ``message``) as the
+    ``LoraserveError`` the interceptor turns into the RPC's status; ``code`` is a StatusCode or its name."""
+    if isinstance(exc, LoraserveError):
+        return exc
+    code = exc.code if isinstance(exc.code, grpc.StatusCode) else getattr(grpc.StatusCode, exc.code, None)
+    return LoraserveError(exc.message, code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN)
 
 
 def sampling_from_proto(p: inference_pb2.SamplingParams) -> Sampling:
@@ -57,7 +60,7 @@ def chunk_to_proto(request_id: str, chunk: Chunk) -> inference_pb2.GenerateRespo
         request_id=request_id, token_ids=chunk.token_ids, text=chunk.text, adapter=chunk.adapter
     )
     if chunk.finish_reason:
-        out.finish_reason = FINISH[chunk.finish_reason]
+        out.finish_reason = FINISH_TO_PROTO[chunk.finish_reason]
         out.usage.prompt_tokens = chunk.prompt_tokens
         out.usage.completion_tokens = chunk.completion_tokens
     return out
@@ -88,15 +91,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             return list(request.tokens.ids)
         if kind == "text" and request.text:
             if self.tokenizer is None:
-                raise RequestError("INVALID_ARGUMENT", "this model has no tokenizer: send token ids")
+                raise InvalidArgument("this model has no tokenizer: send token ids")
             return encode(self.tokenizer, request.text)
-        raise RequestError("INVALID_ARGUMENT", "prompt is empty: set text or tokens")
+        raise InvalidArgument("prompt is empty: set text or tokens")
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         if not self.engine.ready.is_set():
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is warming up")
+            raise Unavailable("worker is warming up")
         request_id = request.request_id or uuid.uuid4().hex
         internal_id = uuid.uuid4().hex  # client ids may repeat; cancellation must not hit a stranger
         events: asyncio.Queue = asyncio.Queue()
@@ -112,7 +115,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             )
             self.engine.submit(engine_req)
         except RequestError as exc:
-            await context.abort(status(exc.code), exc.message)
+            raise refusal(exc) from None
         assembler = StreamAssembler(self.tokenizer, prompt, tuple(request.sampling.stop))
         timer = StreamTimer("worker")
         try:
@@ -121,7 +124,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     timer.chunk(len(chunk.token_ids))
                     yield chunk_to_proto(request_id, chunk)
             if assembler.error is not None:
-                await context.abort(status(assembler.error.code), assembler.error.message)
+                raise refusal(assembler.error)
             timer.done(len(prompt))
             log.info("finished", extra={"request_id": request_id, "adapter": assembler.adapter})
         finally:
@@ -140,15 +143,15 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
                     raise AdapterError("source_uri is only accepted by workers serving local adapters")
                 self.engine.source.register(request.adapter, request.source_uri)
             slot = await asyncio.wrap_future(self.engine.load_adapter(request.adapter, request.pin))
-        except (AdapterError, RequestError) as exc:
-            await context.abort(status(exc.code), str(exc))
+        except RequestError as exc:
+            raise refusal(exc) from None
         return slot_to_proto(slot)
 
     async def UnloadAdapter(self, request, context):
         try:
             old = await asyncio.wrap_future(self.engine.unload_adapter(request.adapter, request.force))
         except RequestError as exc:
-            await context.abort(status(exc.code), exc.message)
+            raise refusal(exc) from None
         return worker_admin_pb2.UnloadAdapterResponse(slot=old.index, adapter=old.adapter)
 
     async def ListSlots(self, request, context):
@@ -181,16 +184,19 @@ SERVICE_NAMES = (
 )
 
 
+def worker_services(engine: Engine, tokenizer: Any, model_id: str) -> Services:
+    def add(server: grpc.aio.Server) -> None:
+        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(engine, tokenizer), server)
+        worker_admin_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(engine, model_id), server)
+
+    return Services("worker", add, SERVICE_NAMES, MAX_MESSAGE_BYTES)
+
+
 def build_server(
     engine: Engine, tokenizer: Any, model_id: str, address: str, security: ServerSecurity | None = None
 ) -> tuple[grpc.aio.Server, int, Any]:
     """A grpc.aio server with every worker service; returns (server, bound port, health servicer)."""
-    security = security or ServerSecurity()
-    server = new_server(security, MAX_MESSAGE_BYTES)
-    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(engine, tokenizer), server)
-    worker_admin_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(engine, model_id), server)
-    port, health_servicer = finish_server(server, security, address, SERVICE_NAMES)
-    return server, port, health_servicer
+    return common_build_server(worker_services(engine, tokenizer, model_id), address, security)
 
 
 async def set_serving(health_servicer: Any, serving: bool) -> None:

@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
+
+from loraserve.common.processes import ServerProcess, loraserve_argv, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
@@ -52,10 +53,11 @@ class LocalCompose:
             value = str(self.workdir / f"cache-{service}")
         return value
 
-    def argv(self, service: str) -> list[str]:
+    def args(self, service: str) -> list[str]:
+        """The service's ``loraserve`` arguments, with this machine's addresses and folders."""
         cmd = list(COMPOSE[service]["command"])
         assert cmd[0] == "loraserve"
-        out = [sys.executable, "-m", "loraserve"]
+        out: list[str] = []
         i = 1
         while i < len(cmd):
             if cmd[i] == "--host":
@@ -73,17 +75,21 @@ class LocalCompose:
         env = {k: self._value(service, v) for k, v in (COMPOSE[service].get("environment") or {}).items()}
         for key in [k for k in env if k.endswith("_METRICS_PORT")]:
             env[key] = str(free_port())  # one host here, not one per container
-        return {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        return env
 
     def run_job(self, service: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            self.argv(service), env=self.env(service), capture_output=True, text=True, timeout=300
+            loraserve_argv(self.args(service)),
+            env={**os.environ, **self.env(service)},
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
 
-    def start(self, service: str) -> subprocess.Popen:
-        log = open(self.workdir / f"{service}.log", "w")  # noqa: SIM115 - lives as long as the process
-        return subprocess.Popen(
-            self.argv(service), env=self.env(service), stdout=log, stderr=subprocess.STDOUT
+    def start(self, service: str) -> ServerProcess:
+        """Launch a long-running service (not waiting for it; its output also goes to ``<service>.log``)."""
+        return start_server(
+            self.args(service), self.env(service), timeout=None, log_file=self.workdir / f"{service}.log"
         )
 
     def address(self, service: str) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from loraserve.client.errors import LoraserveError
 from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
+from loraserve.common.errors import LoraserveError
 from loraserve.registry.config import RegistryConfig
 from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
 from tests.registry.conftest import start_registry
@@ -50,11 +50,11 @@ def test_kill_9_a_worker_mid_stream(llama_dir, adapter_dirs, tmp_path) -> None:
             doomed = Client(a.address).generate([5], **long)
             survivor = Client(b.address).generate([5], **long)
             assert next(doomed).token_ids and next(survivor).token_ids  # both streams are running
-            a.stop(sig_kill=True)
+            a.stop(kill=True)
             with pytest.raises(LoraserveError) as exc:
                 for _ in doomed:
                     pass
-            assert exc.value.code == "UNAVAILABLE"
+            assert exc.value.code_name == "UNAVAILABLE"
             rest = list(survivor)
             assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 2000
             with Client(router.address) as client:  # requests that had not started are not lost

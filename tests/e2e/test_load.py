@@ -14,8 +14,8 @@ from collections import Counter
 
 import pytest
 
-from loraserve.client.errors import LoraserveError
 from loraserve.client.sdk import Client
+from loraserve.common.errors import LoraserveError
 from loraserve.registry.config import RegistryConfig
 from tests.e2e.compose_local import free_port
 from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
@@ -109,7 +109,7 @@ def test_64_streams_through_the_router(llama_dir, adapter_dirs, tmp_path) -> Non
                                 tokens["prompt"] += out.prompt_tokens
                         except LoraserveError as exc:
                             with lock:
-                                outcomes[exc.code] += 1
+                                outcomes[exc.code_name] += 1
 
             threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(STREAMS)]
             for t in threads:

@@ -1,19 +1,25 @@
-"""A worker process with --metrics-port and JSON logs: Prometheus text with real values, one JSON object per log line."""
+"""Processes with --metrics-port: a worker's Prometheus text with real values and one JSON object per log line;
+the RPC counters of the registry, worker and router after failing and succeeding calls."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import time
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
+from loraserve.common.errors import LoraserveError
 from tests.e2e.compose_local import free_port
-from tests.e2e.procs import loraserve_process, wait_healthy
+from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
 
 pytestmark = pytest.mark.e2e
+PROMPT = [5, 17, 33]
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
@@ -68,3 +74,97 @@ def test_worker_metrics_and_json_logs(llama_dir, adapter_dirs, tmp_path) -> None
     finished = [r for r in records if r["message"] == "finished"]
     assert len(finished) == 3 and {r["adapter"] for r in finished} == {"all-r4", ""}
     assert all(len(r["request_id"]) == 32 and r["level"] == "INFO" for r in finished)
+
+
+def _rpc_samples(port: int) -> dict[tuple[str, str, str], float]:
+    """``loraserve_rpc_requests_total`` of one process: (server, method, code) -> count."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "loraserve_rpc_requests_total":
+                out[(s.labels["server"], s.labels["method"], s.labels["code"])] = s.value
+            if s.name == "loraserve_rpc_seconds_count":
+                out[(s.labels["server"], s.labels["method"], "seconds_count")] = s.value
+    return out
+
+
+def _settled(port: int, want: dict[tuple[str, str, str], float], timeout: float = 10.0) -> dict:
+    """The samples of ``want``'s keys once they match (a stream is recorded just after its last message)."""
+    deadline = time.time() + timeout
+    while True:
+        got = _rpc_samples(port)
+        picked = {key: got.get(key, 0.0) for key in want}
+        if picked == want or time.time() > deadline:
+            return picked
+        time.sleep(0.1)
+
+
+def test_every_server_records_its_rpcs_with_status_codes(llama_dir, adapter_dirs, tmp_path) -> None:
+    """Registry, worker and router processes, one failing and one succeeding call each: each /metrics holds
+    exactly those loraserve_rpc_requests_total samples (the interceptor, not the servicers, records them)."""
+    metrics = {name: free_port() for name in ("registry", "worker", "router")}
+    reg_port = free_port()
+    registry_address = f"127.0.0.1:{reg_port}"
+    registry_args = ["registry", "serve", "--port", str(reg_port), "--metrics-port", str(metrics["registry"])]
+    registry_args += ["--db", f"sqlite:///{tmp_path / 'r.db'}", "--storage", str(tmp_path / "store")]
+    worker_args = ["worker", "--model", str(llama_dir), "--model-id", "tiny", "--port", "0"]
+    worker_args += [
+        "--registry",
+        registry_address,
+        "--max-seq-len",
+        "64",
+        "--metrics-port",
+        str(metrics["worker"]),
+    ]
+    router_args = ["router", "serve", "--port", "0", "--registry", registry_address]
+    router_args += ["--metrics-port", str(metrics["router"])]
+    with (
+        loraserve_process(registry_args),
+        loraserve_process(worker_args) as worker,
+        loraserve_process(router_args) as router,
+        RegistryClient(registry_address) as registry,
+    ):
+        with pytest.raises(LoraserveError) as exc:
+            registry.get("nope")
+        assert exc.value.code_name == "NOT_FOUND"
+        assert registry.push(adapter_dirs["all-r4"], "counted", "tiny").version == 1
+        with Client(worker.address) as client:
+            with pytest.raises(LoraserveError) as exc:
+                client.complete([], max_tokens=2)
+            assert exc.value.code_name == "INVALID_ARGUMENT"
+            assert client.complete(PROMPT, max_tokens=2, ignore_eos=True).completion_tokens == 2
+        assert len(wait_for_workers(registry, 1)) == 1
+        with Client(router.address) as client:
+            with pytest.raises(LoraserveError) as exc:
+                client.complete(PROMPT, adapter="nope", max_tokens=2)
+            assert exc.value.code_name == "NOT_FOUND"
+            assert client.complete(PROMPT, max_tokens=2, ignore_eos=True).completion_tokens == 2
+
+        want_registry = {
+            ("registry", "GetAdapter", "NOT_FOUND"): 1,
+            ("registry", "GetAdapter", "OK"): 0,
+            ("registry", "UploadAdapter", "OK"): 1,
+            ("registry", "RegisterWorker", "OK"): 1,
+            ("registry", "LocateAdapter", "NOT_FOUND"): 1,  # the router asking for "nope"
+            ("registry", "LocateAdapter", "OK"): 1,  # the router asking for the base model
+            ("registry", "GetAdapter", "seconds_count"): 1,
+        }
+        want_worker = {
+            ("worker", "Generate", "INVALID_ARGUMENT"): 1,
+            ("worker", "Generate", "OK"): 2,  # one direct, one through the router
+            ("worker", "Generate", "seconds_count"): 3,
+        }
+        want_router = {
+            ("router", "Generate", "NOT_FOUND"): 1,
+            ("router", "Generate", "OK"): 1,
+            ("router", "Generate", "seconds_count"): 2,
+        }
+        assert _settled(metrics["registry"], want_registry) == want_registry
+        assert _settled(metrics["worker"], want_worker) == want_worker
+        assert _settled(metrics["router"], want_router) == want_router
+        router_samples = _rpc_samples(metrics["router"])
+        assert {k for k in router_samples if k[2] != "seconds_count" and k[1] == "Generate"} == {
+            ("router", "Generate", "NOT_FOUND"),
+            ("router", "Generate", "OK"),
+        }

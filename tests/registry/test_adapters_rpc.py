@@ -10,7 +10,7 @@ import fsspec
 import grpc
 import pytest
 
-from loraserve.client.errors import LoraserveError
+from loraserve.common.errors import LoraserveError
 from loraserve.protos.v1 import placement_pb2, registry_pb2
 from tests.registry.conftest import TINY_MODEL
 
@@ -75,7 +75,7 @@ def test_push_get_list_download_delete(reg, adapter_dirs, tmp_path) -> None:
     assert [(d.name, d.version) for d in resp.deleted] == [("sql-helper", 1)]
     with pytest.raises(LoraserveError) as exc:
         reg.client.get("sql-helper@1")
-    assert exc.value.code == "NOT_FOUND"
+    assert exc.value.code_name == "NOT_FOUND"
     assert reg.client.get("sql-helper").version == 2
     reg.client.delete("sql-helper")
     assert reg.adapter_rows() == [("sql-helper", 1, "DELETED"), ("sql-helper", 2, "DELETED")]
@@ -89,7 +89,7 @@ def test_explicit_version_conflict_and_lookup_errors(reg, adapter_dirs) -> None:
     assert reg.client.push(folder, "a", TINY_MODEL, version=7).version == 7
     with pytest.raises(LoraserveError) as exc:
         reg.client.push(folder, "a", TINY_MODEL, version=7)
-    assert exc.value.code == "ALREADY_EXISTS"
+    assert exc.value.code_name == "ALREADY_EXISTS"
     assert reg.client.push(folder, "a", TINY_MODEL).version == 8
     for ref, code in [
         ("nope", "NOT_FOUND"),
@@ -100,7 +100,7 @@ def test_explicit_version_conflict_and_lookup_errors(reg, adapter_dirs) -> None:
     ]:
         with pytest.raises(LoraserveError) as exc:
             reg.client.get(ref)
-        assert exc.value.code == code, ref
+        assert exc.value.code_name == code, ref
 
 
 def test_list_pages_and_filters(reg, adapter_dirs) -> None:
@@ -134,7 +134,7 @@ def test_corrupted_blob_is_data_loss(reg, adapter_dirs, tmp_path) -> None:
         f.write(b"\0" * a.size_bytes)
     with pytest.raises(LoraserveError) as exc:
         reg.client.download("x", tmp_path / "dl")
-    assert exc.value.code == "DATA_LOSS"
+    assert exc.value.code_name == "DATA_LOSS"
     assert not (tmp_path / "dl").exists()
 
 
@@ -144,7 +144,7 @@ def test_import_from_uri(reg, adapter_dirs) -> None:
     assert a.sha256 == hashlib.sha256(_weights(adapter_dirs["mlp-r16"])).hexdigest()
     with pytest.raises(LoraserveError) as exc:
         reg.client.import_uri("/does/not/exist", "imported", TINY_MODEL)
-    assert exc.value.code == "INVALID_ARGUMENT"
+    assert exc.value.code_name == "INVALID_ARGUMENT"
     assert reg.adapter_rows() == [("imported", 1, "READY")]
 
 
@@ -156,7 +156,7 @@ def test_concurrent_uploads_get_distinct_versions(reg, adapter_dirs) -> None:
         try:
             results.append(reg.client.push(folder, "race", TINY_MODEL, version=version).version)
         except LoraserveError as exc:
-            results.append(exc.code)
+            results.append(exc.code_name)
 
     threads = [threading.Thread(target=push, args=(0,)) for _ in range(4)]
     for t in threads:

@@ -21,7 +21,7 @@ def gcs():
 
 def test_registry_over_gcs_emulator(gcs, adapter_dirs, tmp_path, monkeypatch) -> None:
     """The gcsfs path end to end: upload, download, dedup, delete + gc, and DATA_LOSS on a corrupted blob."""
-    from loraserve.client.errors import LoraserveError
+    from loraserve.common.errors import LoraserveError
     from loraserve.registry.config import RegistryConfig
     from tests.registry.conftest import TINY_MODEL, start_registry
 
@@ -43,6 +43,6 @@ def test_registry_over_gcs_emulator(gcs, adapter_dirs, tmp_path, monkeypatch) ->
             f.write(b"\0" * len(data))
         with pytest.raises(LoraserveError) as exc:
             env.client.download("gcs-adapter@2", tmp_path / "dl2")
-        assert exc.value.code == "DATA_LOSS"
+        assert exc.value.code_name == "DATA_LOSS"
         env.client.delete("gcs-adapter")
         assert env.registry.catalog.gc() == [a.sha256] and env.blobs() == []

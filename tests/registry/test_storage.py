@@ -165,7 +165,7 @@ def test_mismatch_is_refused_and_leaves_nothing(store: BlobStore, raw: Raw, how:
             store.put_bytes(data, expected_sha256=digest, expected_size=size)
         else:
             store.put_stream([data[:100], data[100:]], expected_sha256=digest, expected_size=size)
-    assert info.value.code == "INVALID_ARGUMENT" and isinstance(info.value, ValueError)
+    assert info.value.code_name == "INVALID_ARGUMENT" and isinstance(info.value, ValueError)
     assert raw.objects() == [] and store.list_blobs() == []
 
 
@@ -192,7 +192,7 @@ def test_max_bytes_is_enforced_and_nothing_stored(store: BlobStore, raw: Raw) ->
 
     with pytest.raises(BlobTooLargeError, match="limit of 1000 bytes") as info:
         store.put_stream(chunks(), max_bytes=1000)
-    assert info.value.code == "RESOURCE_EXHAUSTED" and len(pulled) == 11  # stopped reading at the limit
+    assert info.value.code_name == "RESOURCE_EXHAUSTED" and len(pulled) == 11  # stopped reading at the limit
     with pytest.raises(BlobTooLargeError):  # a promise over the limit is refused before reading anything
         store.put_stream(chunks(), expected_size=5000, max_bytes=1000)
     assert len(pulled) == 11
@@ -225,7 +225,7 @@ def test_corrupt_blob_is_data_loss_and_never_served(store: BlobStore, raw: Raw, 
     raw.overwrite(digest, bad)
     with pytest.raises(BlobCorruptError, match="no longer matches") as info:
         store.read_bytes(digest)
-    assert info.value.code == "DATA_LOSS"
+    assert info.value.code_name == "DATA_LOSS"
     seen: list[bytes] = []
     with pytest.raises(BlobCorruptError):
         for chunk in store.iter_chunks(digest, chunk_size=100):
@@ -244,7 +244,7 @@ def test_delete_and_missing_blobs(store: BlobStore, raw: Raw) -> None:
     assert store.delete(digest) is False
     with pytest.raises(BlobNotFoundError) as info:
         store.read_bytes(digest)
-    assert info.value.code == "NOT_FOUND"
+    assert info.value.code_name == "NOT_FOUND"
     with pytest.raises(BlobNotFoundError):
         store.iter_chunks(digest)
     with pytest.raises(InvalidDigestError):
@@ -293,7 +293,7 @@ def test_persistent_failure_is_unavailable(store: BlobStore, raw: Raw, op: str) 
             store.read_bytes(sha(data))
         else:
             store.iter_chunks(sha(data))
-    assert info.value.code == "UNAVAILABLE" and isinstance(info.value.__cause__, OSError)
+    assert info.value.code_name == "UNAVAILABLE" and isinstance(info.value.__cause__, OSError)
     assert sum(flaky.calls.values()) == 3 and time.monotonic() - start < 5
     assert raw.objects() == ([] if op == "put" else [blob_key(sha(data))])
 

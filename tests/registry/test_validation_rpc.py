@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from loraserve.client.errors import LoraserveError
+from loraserve.common.errors import LoraserveError
 from loraserve.protos.v1 import placement_pb2
 from tests.registry.conftest import TINY_MODEL
 
@@ -134,7 +134,7 @@ def test_broken_adapter_is_refused_and_nothing_is_stored(
     _break(kind, folder)
     with pytest.raises(LoraserveError) as exc:
         reg.client.push(folder, "broken", TINY_MODEL)
-    assert exc.value.code == code
+    assert exc.value.code_name == code
     assert needle in exc.value.message
     assert reg.adapter_rows() == [] and reg.blobs() == []
 
@@ -144,7 +144,7 @@ def test_rank_above_the_limit(reg, adapter_dirs) -> None:
     with pytest.raises(LoraserveError) as exc:
         reg.client.push(adapter_dirs["mlp-r16"], "too-big", TINY_MODEL)
     assert (
-        exc.value.code == "INVALID_ARGUMENT"
+        exc.value.code_name == "INVALID_ARGUMENT"
         and "rank 16 is above the largest slot rank 8" in exc.value.message
     )
     assert reg.adapter_rows() == [] and reg.blobs() == []
@@ -157,7 +157,7 @@ def test_pickle_adapter_is_refused(reg, adapter_dirs, tmp_path) -> None:
     (folder / "adapter_model.bin").write_bytes(b"\x80\x04pickle")
     with pytest.raises(LoraserveError) as exc:
         reg.client.import_uri(str(folder), "pickled", TINY_MODEL)
-    assert exc.value.code == "INVALID_ARGUMENT" and "pickle" in exc.value.message
+    assert exc.value.code_name == "INVALID_ARGUMENT" and "pickle" in exc.value.message
     assert reg.adapter_rows() == [] and reg.blobs() == []
 
 
@@ -179,7 +179,7 @@ def test_adapter_for_another_base_model_fails_precondition(reg, model_dirs, tiny
     make_adapter(other, tmp_path / "qwen-adapter", r=4, targets=("gate_proj",))
     with pytest.raises(LoraserveError) as exc:
         reg.client.push(tmp_path / "qwen-adapter", "wrong-base", TINY_MODEL)
-    assert exc.value.code == "FAILED_PRECONDITION" and "another base model" in exc.value.message
+    assert exc.value.code_name == "FAILED_PRECONDITION" and "another base model" in exc.value.message
     assert reg.adapter_rows() == [] and reg.blobs() == []
     # the same adapter is accepted for a base model whose shapes the registry does not know yet
     assert reg.client.push(tmp_path / "qwen-adapter", "right-base", "tiny-qwen2").version == 1

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
-from loraserve.client.errors import LoraserveError
 from loraserve.client.sdk import AsyncClient, Client
+from loraserve.common.errors import LoraserveError
 from loraserve.protos.v1 import placement_pb2 as pp
 from loraserve.protos.v1 import worker_admin_pb2 as wa
 from loraserve.registry.config import RegistryConfig
@@ -29,58 +33,77 @@ from loraserve.worker.server import build_server as build_worker
 from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread
 from tests.e2e.procs import wait_for_workers
-from tests.registry.conftest import TINY_MODEL, start_registry
+from tests.registry.conftest import TINY_MODEL, RegistryEnv, start_registry
 
 PROMPT = [5, 17, 33, 100, 7]
 
 
-class Stack:
-    pass
+@dataclass(frozen=True)
+class RouterStack:
+    """A registry, one registry-backed worker (registered, heartbeating) and a router, on loopback."""
+
+    registry: RegistryEnv
+    source: RegistryAdapterSource
+    engine: Engine
+    registration: Registration
+    registration_task: asyncio.Task
+    worker_address: str
+    router_address: str
 
 
 @pytest.fixture(scope="module")
-def stack(llama_dir, adapter_dirs, tmp_path_factory):
-    from contextlib import ExitStack
-
+def stack(llama_dir, adapter_dirs, tmp_path_factory) -> Iterator[RouterStack]:
     tmp = tmp_path_factory.mktemp("router-stack")
-    s = Stack()
     with ExitStack() as es:
-        s.registry = es.enter_context(
+        registry = es.enter_context(
             start_registry(
                 RegistryConfig(db=f"sqlite:///{tmp / 'r.db'}", storage=str(tmp / "store"), lease_seconds=3),
                 str(tmp / "store"),
             )
         )
         for name in ("all-r4", "qv-r8-rslora", "mlp-r16"):
-            s.registry.client.push(adapter_dirs[name], name, TINY_MODEL)
-        s.source = RegistryAdapterSource(s.registry.address, cache_dir=str(tmp / "cache"))
-        s.engine = Engine(
+            registry.client.push(adapter_dirs[name], name, TINY_MODEL)
+        source = RegistryAdapterSource(registry.address, cache_dir=str(tmp / "cache"))
+        engine = Engine(
             load_checkpoint(str(llama_dir)),
             EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2),
-            source=s.source,
+            source=source,
         )
-        s.engine.start()
-        es.callback(s.engine.stop)
+        engine.start()
+        es.callback(engine.stop)
         tokenizer = load_tokenizer(str(llama_dir))
+        worker_side: dict[str, Any] = {}  # filled on the worker's event loop
 
         async def worker():
-            server, port, _ = build_worker(s.engine, tokenizer, TINY_MODEL, "127.0.0.1:0")
-            s.worker_address = f"127.0.0.1:{port}"
-            s.registration = Registration(s.engine, s.registry.address, s.worker_address, TINY_MODEL)
-            s.registration_task = asyncio.get_running_loop().create_task(s.registration.run())
-            return server, port
-
-        es.enter_context(aio_server_thread(worker))
-
-        async def router():
-            server, port, _ = build_router(
-                Locator(s.registry.address, ttl=0.2, max_candidates=3), WorkerPool(), "127.0.0.1:0"
+            server, port, _ = build_worker(engine, tokenizer, TINY_MODEL, "127.0.0.1:0")
+            registration = Registration(engine, registry.address, f"127.0.0.1:{port}", TINY_MODEL)
+            worker_side.update(
+                registration=registration,
+                task=asyncio.get_running_loop().create_task(registration.run()),
             )
             return server, port
 
-        s.router_address = f"127.0.0.1:{es.enter_context(aio_server_thread(router))}"
-        wait_for_workers(s.registry.client, 1)
-        yield s
+        worker_port = es.enter_context(aio_server_thread(worker))
+        task = worker_side["task"]  # cancelled on its own loop before that loop stops
+        es.callback(lambda: task.get_loop().call_soon_threadsafe(task.cancel))
+
+        async def router():
+            server, port, _ = build_router(
+                Locator(registry.address, ttl=0.2, max_candidates=3), WorkerPool(), "127.0.0.1:0"
+            )
+            return server, port
+
+        router_port = es.enter_context(aio_server_thread(router))
+        wait_for_workers(registry.client, 1)
+        yield RouterStack(
+            registry,
+            source,
+            engine,
+            worker_side["registration"],
+            task,
+            f"127.0.0.1:{worker_port}",
+            f"127.0.0.1:{router_port}",
+        )
 
 
 def test_router_streams_through_the_registered_worker(stack) -> None:
@@ -98,10 +121,10 @@ def test_router_errors(stack) -> None:
     with Client(stack.router_address) as client:
         with pytest.raises(LoraserveError) as exc:
             client.complete(PROMPT, adapter="no-such-adapter")
-        assert exc.value.code == "NOT_FOUND"
+        assert exc.value.code_name == "NOT_FOUND"
         with pytest.raises(LoraserveError) as exc:
             client.complete([], adapter="all-r4")
-        assert exc.value.code == "INVALID_ARGUMENT"  # the worker's answer reaches the client as-is
+        assert exc.value.code_name == "INVALID_ARGUMENT"  # the worker's answer reaches the client as-is
 
 
 def test_unreachable_worker_is_skipped_before_the_first_token(stack) -> None:
@@ -209,4 +232,4 @@ def test_router_without_workers_is_unavailable(tmp_path) -> None:
         with aio_server_thread(router) as port, Client(f"127.0.0.1:{port}") as client:
             with pytest.raises(LoraserveError) as exc:
                 client.complete(PROMPT)
-            assert exc.value.code == "UNAVAILABLE" and "no worker" in exc.value.message
+            assert exc.value.code_name == "UNAVAILABLE" and "no worker" in exc.value.message

@@ -7,9 +7,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from loraserve.client.errors import LoraserveError
 from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
+from loraserve.common.errors import LoraserveError
 from loraserve.common.security import ServerSecurity, channel
 from loraserve.protos.v1 import inference_pb2 as ipb
 from loraserve.protos.v1 import (
@@ -98,7 +98,7 @@ def test_every_registry_rpc_needs_the_admin_token(tmp_path) -> None:
                 assert list(client.list()) == []
                 with pytest.raises(LoraserveError) as exc:
                     client.get("x")
-                assert exc.value.code == "NOT_FOUND"  # authenticated: the call really ran
+                assert exc.value.code_name == "NOT_FOUND"  # authenticated: the call really ran
     with registry.catalog.sessions() as s:  # nothing was stored by the refused calls
         from sqlalchemy import func, select
 

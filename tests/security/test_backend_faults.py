@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from loraserve.client.errors import LoraserveError
+from loraserve.common.errors import LoraserveError
 from loraserve.registry.config import RegistryConfig
 from tests.registry.conftest import TINY_MODEL, start_registry
 
@@ -43,10 +43,10 @@ def test_storage_errors_are_retried_then_unavailable_with_no_partial_rows(
     store.fs.failing = 10_000  # storage down
     with pytest.raises(LoraserveError) as exc:
         reg.client.push(adapter_dirs["qv-r8-rslora"], "while-down", TINY_MODEL)
-    assert exc.value.code == "UNAVAILABLE"
+    assert exc.value.code_name == "UNAVAILABLE"
     with pytest.raises(LoraserveError) as exc:
         reg.client.download("survives-a-blip", tmp_path / "dl")
-    assert exc.value.code == "UNAVAILABLE" and not (tmp_path / "dl").exists()
+    assert exc.value.code_name == "UNAVAILABLE" and not (tmp_path / "dl").exists()
     assert [n for n, _, _ in reg.adapter_rows()] == ["survives-a-blip"]  # no row for the failed upload
     store.fs.failing = 0  # storage is back
     assert reg.client.push(adapter_dirs["qv-r8-rslora"], "while-down", TINY_MODEL).version == 1

@@ -12,9 +12,9 @@ import fsspec
 import pytest
 from sqlalchemy import func, select
 
-from loraserve.client.errors import LoraserveError
 from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
+from loraserve.common.errors import LoraserveError
 from loraserve.common.security import ServerSecurity
 from loraserve.registry.app import open_registry
 from loraserve.registry.config import RegistryConfig
@@ -118,7 +118,7 @@ def _generate_code(address: str, token: str = INFER, timeout: float = 30, **kw) 
     try:
         Client(address, token=token, timeout=timeout).complete(prompt, **kw)
     except LoraserveError as exc:
-        return exc.code
+        return exc.code_name
     return "OK"
 
 
@@ -160,7 +160,7 @@ def test_admission_deadline_and_auth(env) -> None:
     assert _generate_code(env.worker_address, token="") == "UNAUTHENTICATED"
     with RegistryClient(env.registry_address, token=INFER) as client, pytest.raises(LoraserveError) as exc:
         list(client.list())  # an inference token opens no admin RPC
-    assert exc.value.code == "UNAUTHENTICATED"
+    assert exc.value.code_name == "UNAUTHENTICATED"
     deadline = time.time() + 5
     while env.engine.load()["running"] and time.time() < deadline:
         time.sleep(0.02)
@@ -175,16 +175,16 @@ def test_registry_rows_of_the_table(env, adapter_dirs, tmp_path) -> None:
     before = (_rows(env), sorted(env.registry.catalog.store.list_blobs()))
     with pytest.raises(LoraserveError) as exc:
         env.admin.push(adapter_dirs["all-r4"], "all-r4", MODEL, version=1)
-    assert exc.value.code == "ALREADY_EXISTS"
+    assert exc.value.code_name == "ALREADY_EXISTS"
     for bad in ("a" * 10_000, "Ünïcode", "a/b", ".."):
         with pytest.raises(LoraserveError) as exc:
             env.admin.push(adapter_dirs["all-r4"], bad, MODEL)
-        assert exc.value.code == "INVALID_ARGUMENT", bad
+        assert exc.value.code_name == "INVALID_ARGUMENT", bad
     env.registry.catalog.max_upload_bytes = 100
     try:
         with pytest.raises(LoraserveError) as exc:
             env.admin.push(adapter_dirs["all-r4"], "too-big", MODEL)
-        assert exc.value.code == "RESOURCE_EXHAUSTED"
+        assert exc.value.code_name == "RESOURCE_EXHAUSTED"
     finally:
         env.registry.catalog.max_upload_bytes = 1 << 20
     assert (_rows(env), sorted(env.registry.catalog.store.list_blobs())) == before

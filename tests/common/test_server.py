@@ -1,0 +1,169 @@
+"""common.server.run_server: NOT_SERVING through warm-up, SERVING after, the ready line, background tasks that
+get the bound port and are cancelled at drain, cleanup callbacks in order, and the StatusInterceptor on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import REGISTRY
+
+from loraserve.common.errors import NotFound
+from loraserve.common.security import ServerSecurity
+from loraserve.common.server import Services, run_server
+from tests.e2e.compose_local import free_port
+
+SERVICE = "loraserve.test.Lifecycle"
+NOT_SERVING, SERVING = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+
+
+async def _missing(request: bytes, context) -> bytes:
+    raise NotFound(f"no {request.decode()}")
+
+
+def _add(server: grpc.aio.Server) -> None:
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE, {"Get": grpc.unary_unary_rpc_method_handler(_missing)}
+            ),
+        )
+    )
+
+
+async def _status(address: str, service: str = "") -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        resp = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=5
+        )
+        return resp.status
+
+
+def test_run_server_lifecycle(capsys) -> None:
+    events: list[str] = []
+
+    async def scenario() -> None:
+        warming, release, stop, bound = asyncio.Event(), asyncio.Event(), asyncio.Event(), asyncio.Future()
+
+        async def warmup() -> None:
+            warming.set()
+            await release.wait()
+            events.append("warmed up")
+
+        async def heartbeat(port: int) -> None:
+            bound.set_result(port)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                events.append("background cancelled")
+                raise
+
+        async def close_async() -> None:
+            events.append("cleanup 2 (async)")
+
+        services = Services("lifecycle-test", _add, (SERVICE,))
+        serving = asyncio.create_task(
+            run_server(
+                services,
+                "127.0.0.1",
+                0,
+                ServerSecurity(),
+                warmup=warmup,
+                background=[heartbeat],
+                cleanup=[lambda: events.append("cleanup 1"), close_async],
+                grace=1,
+                stop=stop,
+            )
+        )
+        await warming.wait()
+        out = capsys.readouterr().out
+        assert "serving on" not in out  # no ready line before warm-up ends
+        release.set()
+        port = await asyncio.wait_for(bound, 10)
+        address = f"127.0.0.1:{port}"
+        assert capsys.readouterr().out == f"loraserve lifecycle-test serving on 127.0.0.1:{port}\n"
+        assert await _status(address) == SERVING and await _status(address, SERVICE) == SERVING
+        async with grpc.aio.insecure_channel(address) as channel:
+            try:
+                await channel.unary_unary(f"/{SERVICE}/Get")(b"thing", timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                assert (exc.code(), exc.details()) == (grpc.StatusCode.NOT_FOUND, "no thing")
+            else:
+                raise AssertionError("Get answered")
+        stop.set()
+        await asyncio.wait_for(serving, 10)
+
+    asyncio.run(scenario())
+    assert events == ["warmed up", "background cancelled", "cleanup 1", "cleanup 2 (async)"]
+    assert (
+        REGISTRY.get_sample_value(
+            "loraserve_rpc_requests_total", {"server": "lifecycle-test", "method": "Get", "code": "NOT_FOUND"}
+        )
+        == 1
+    )
+
+
+def test_health_is_not_serving_during_warm_up() -> None:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+
+    async def scenario() -> list[int]:
+        stop, seen = asyncio.Event(), []
+
+        async def warmup() -> None:  # the server is bound and started before warm-up: probe it from here
+            seen.append(await _status(address))
+
+        task = asyncio.create_task(
+            run_server(
+                Services("warmup-test", _add, (SERVICE,)),
+                "127.0.0.1",
+                port,
+                ServerSecurity(),
+                warmup=warmup,
+                stop=stop,
+                grace=1,
+            )
+        )
+        while len(seen) < 1:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # let the warm-up return and the server turn SERVING
+        seen.append(await _status(address))
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        return seen
+
+    assert asyncio.run(scenario()) == [NOT_SERVING, SERVING]
+
+
+def test_stop_during_warm_up_drains_without_ever_serving(capsys) -> None:
+    events: list[str] = []
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+
+        async def warmup() -> None:
+            stop.set()  # e.g. SIGTERM while the worker compiles
+            events.append("warmed up")
+
+        async def never(port: int) -> None:
+            events.append("background started")
+
+        await asyncio.wait_for(
+            run_server(
+                Services("stopped-test", _add, (SERVICE,)),
+                "127.0.0.1",
+                0,
+                ServerSecurity(),
+                warmup=warmup,
+                background=[never],
+                cleanup=[lambda: events.append("cleanup")],
+                stop=stop,
+                grace=1,
+            ),
+            10,
+        )
+
+    asyncio.run(scenario())
+    assert events == ["warmed up", "cleanup"]
+    assert "serving on" not in capsys.readouterr().out
