@@ -7,23 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from loraserve.adapters.errors import AdapterError
 from loraserve.adapters.sources import LocalAdapterSource
+from loraserve.common.errors import InvalidArgument, LoraserveError
 from loraserve.common.observability import StreamTimer
 from loraserve.common.security import ServerSecurity
 from loraserve.common.server import finish_server, new_server, set_health
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.worker.engine import Engine
 from loraserve.worker.outputs import Chunk, StreamAssembler
-from loraserve.worker.requests import EngineRequest, RequestError, Sampling
-from loraserve.worker.slots import Slot
+from loraserve.worker.requests import EngineRequest, Sampling, status_error
+from loraserve.worker.snapshot import slot_info
 from loraserve.worker.tokenizer import encode
 
 log = logging.getLogger("loraserve.worker.server")
@@ -34,10 +35,6 @@ FINISH = {
     "eos": inference_pb2.FINISH_REASON_EOS,
 }
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-
-
-def status(code: str) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN)
 
 
 def sampling_from_proto(p: inference_pb2.SamplingParams) -> Sampling:
@@ -63,19 +60,10 @@ def chunk_to_proto(request_id: str, chunk: Chunk) -> inference_pb2.GenerateRespo
     return out
 
 
-def slot_to_proto(slot: Slot) -> worker_admin_pb2.SlotInfo:
-    info = worker_admin_pb2.SlotInfo(
-        slot=slot.index,
-        adapter=slot.adapter,
-        state=slot.state.value,
-        pinned=slot.pinned,
-        refcount=slot.refcount,
-        rank=slot.rank,
-        sha256=slot.sha256,
-    )
-    if slot.last_used:
-        info.last_used.CopyFrom(Timestamp(seconds=int(slot.last_used), nanos=int(slot.last_used % 1 * 1e9)))
-    return info
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline on the engine's clock (time.monotonic), or None when the client set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -88,9 +76,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             return list(request.tokens.ids)
         if kind == "text" and request.text:
             if self.tokenizer is None:
-                raise RequestError("INVALID_ARGUMENT", "this model has no tokenizer: send token ids")
+                raise InvalidArgument("this model has no tokenizer: send token ids")
             return encode(self.tokenizer, request.text)
-        raise RequestError("INVALID_ARGUMENT", "prompt is empty: set text or tokens")
+        raise InvalidArgument("prompt is empty: set text or tokens")
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -109,10 +97,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 prompt=prompt,
                 sampling=sampling_from_proto(request.sampling),
                 sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                deadline=_deadline(context),
             )
             self.engine.submit(engine_req)
-        except RequestError as exc:
-            await context.abort(status(exc.code), exc.message)
+        except LoraserveError as exc:
+            await context.abort(exc.code, exc.message)
         assembler = StreamAssembler(self.tokenizer, prompt, tuple(request.sampling.stop))
         timer = StreamTimer("worker")
         try:
@@ -121,7 +110,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     timer.chunk(len(chunk.token_ids))
                     yield chunk_to_proto(request_id, chunk)
             if assembler.error is not None:
-                await context.abort(status(assembler.error.code), assembler.error.message)
+                await context.abort(assembler.error.code, assembler.error.message)
             timer.done(len(prompt))
             log.info("finished", extra={"request_id": request_id, "adapter": assembler.adapter})
         finally:
@@ -140,19 +129,20 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
                     raise AdapterError("source_uri is only accepted by workers serving local adapters")
                 self.engine.source.register(request.adapter, request.source_uri)
             slot = await asyncio.wrap_future(self.engine.load_adapter(request.adapter, request.pin))
-        except (AdapterError, RequestError) as exc:
-            await context.abort(status(exc.code), str(exc))
-        return slot_to_proto(slot)
+        except (AdapterError, LoraserveError) as exc:
+            err = status_error(exc)
+            await context.abort(err.code, err.message)
+        return slot_info(slot)
 
     async def UnloadAdapter(self, request, context):
         try:
             old = await asyncio.wrap_future(self.engine.unload_adapter(request.adapter, request.force))
-        except RequestError as exc:
-            await context.abort(status(exc.code), exc.message)
+        except LoraserveError as exc:
+            await context.abort(exc.code, exc.message)
         return worker_admin_pb2.UnloadAdapterResponse(slot=old.index, adapter=old.adapter)
 
     async def ListSlots(self, request, context):
-        return worker_admin_pb2.ListSlotsResponse(slots=[slot_to_proto(s) for s in self.engine.slots()])
+        return worker_admin_pb2.ListSlotsResponse(slots=[slot_info(s) for s in self.engine.snapshot().slots])
 
     async def GetWorkerInfo(self, request, context):
         e, cfg = self.engine.config, self.engine.model_config
