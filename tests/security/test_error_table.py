@@ -146,9 +146,8 @@ GENERATE_CASES = [
 def test_generate_errors_through_the_router(env, case, kwargs, code) -> None:
     assert _generate_code(env.router, **kwargs) == code
     assert _generate_code(env.router, adapter="all-r4", max_tokens=2) == "OK"  # nothing else was harmed
-    assert all(
-        s.adapter != "mlp-r16@1" for s in env.engine.snapshot().slots
-    )  # a refused adapter is never loaded
+    # a refused adapter is never loaded
+    assert all(s.adapter != "mlp-r16@1" for s in env.engine.snapshot().slots)
 
 
 def test_admission_deadline_and_auth(env) -> None:
