@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -149,13 +149,16 @@ class Residency:
 
     def want(self, ref: str) -> None:
         """Start one background load per ref, however many requests wait for it."""
-        if ref not in self._inflight:
+        if ref not in self._inflight and all(p.ref != ref for p in self._pending):
             self._inflight.add(ref)
             self._spawn(self._prepare, ref)
 
-    def place_pending(self) -> list[Outcome]:
-        """Write prepared adapters into slots (evicting LRU ones); those without a free slot wait."""
-        out: list[Outcome] = []
+    def place_pending(self) -> Iterator[Outcome]:
+        """Write prepared adapters into slots (evicting LRU ones); those without a free slot wait.
+
+        Lazy: the caller acts on each ``Resident`` before the next placement, so the requests waiting
+        for an adapter take their references before another prepared adapter may evict it.
+        """
         for _ in range(len(self._pending)):
             p = self._pending.popleft()
             resident = self.table.find(p.key)
@@ -172,8 +175,7 @@ class Residency:
                 self.table.mark_loaded(index)
                 self.adapter_loads += 1
             self._settle(p.ref, p.key)
-            out.append(Resident(p.key))
-        return out
+            yield Resident(p.key)
 
     def _prepared(self, p: Prepared) -> list[Outcome]:
         self._inflight.discard(p.ref)

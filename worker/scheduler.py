@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -178,7 +178,7 @@ class Scheduler:
                 return
         self._drop(lambda r: r.request_id == request_id, CANCELLED)
 
-    def _apply(self, outcomes: list[Outcome]) -> None:
+    def _apply(self, outcomes: Iterable[Outcome]) -> None:
         for outcome in outcomes:
             match outcome:
                 case Resident():

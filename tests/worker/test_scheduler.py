@@ -130,6 +130,16 @@ def test_lru_eviction_respects_pins() -> None:
     assert snap.adapter_loads == 5 and snap.host_tier == ("b", "d")  # max_cpu_loras=2, oldest first
 
 
+def test_adapters_prepared_in_the_same_step_do_not_evict_each_others_waiters() -> None:
+    h = harness(EngineConfig(max_batch_size=4, max_seq_len=32, max_loras=1, max_lora_rank=4), "a", "b")
+    a, b = h.submit("a", max_tokens=2), h.submit("b", max_tokens=2)
+    h.step(2)  # both prepared; "a" takes the one slot and its request holds it, "b" waits for it
+    assert (a.tokens, b.tokens) == ([7, 9], [])
+    h.run(a, b)
+    assert b.events == [Started("b"), Token(7), Finished("length", 1, 2, token_id=9)]
+    assert [i for i, _ in h.runner.writes] == [0, 0] and h.source.fetches == ["a", "b"]
+
+
 def test_lru_picks_the_least_recently_used_unpinned_slot() -> None:
     h = harness(CFG, "a", "b", "c")
     for name in ("a", "b", "a", "c"):  # "a" used after "b": "b" is the LRU victim for "c"
