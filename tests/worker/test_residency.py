@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -118,3 +120,14 @@ def test_engine_thread_cancel_while_decoding_and_cold_adapter_delays_only_its_ow
         assert engine.snapshot().running == 0
     finally:
         engine.stop()
+
+
+def test_host_side_modules_import_no_jax() -> None:
+    code = (
+        "import sys\n"
+        "import loraserve.worker.engine, loraserve.worker.scheduler, loraserve.worker.residency\n"
+        "import loraserve.worker.fake_runner, loraserve.worker.snapshot\n"
+        "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
