@@ -13,15 +13,11 @@ import logging
 import grpc
 
 from loraserve.common.security import aio_channel
-from loraserve.protos.v1 import placement_pb2, placement_pb2_grpc, worker_admin_pb2
+from loraserve.protos.v1 import placement_pb2, placement_pb2_grpc
 from loraserve.worker.engine import Engine
-from loraserve.worker.slots import SlotState
+from loraserve.worker.snapshot import occupied_slot_infos, worker_load
 
 log = logging.getLogger("loraserve.worker.registration")
-STATES = {
-    SlotState.LOADING: worker_admin_pb2.SLOT_STATE_LOADING,
-    SlotState.LOADED: worker_admin_pb2.SLOT_STATE_LOADED,
-}
 
 
 class Registration:
@@ -50,30 +46,9 @@ class Registration:
         )
 
     def _heartbeat_request(self) -> placement_pb2.HeartbeatRequest:
-        load = self.engine.load()
-        slots = [
-            worker_admin_pb2.SlotInfo(
-                slot=s.index,
-                adapter=s.adapter,
-                state=STATES[s.state],
-                pinned=s.pinned,
-                refcount=s.refcount,
-                rank=s.rank,
-                sha256=s.sha256,
-            )
-            for s in self.engine.slots()
-            if s.state in STATES
-        ]
-        b = self.engine.config.max_batch_size
+        snap = self.engine.snapshot()
         return placement_pb2.HeartbeatRequest(
-            worker_id=self.worker_id,
-            slots=slots,
-            load=placement_pb2.WorkerLoad(
-                running=load["running"],
-                waiting=load["waiting"],
-                free_slots=load["free_slots"],
-                utilization=load["running"] / b,
-            ),
+            worker_id=self.worker_id, slots=occupied_slot_infos(snap), load=worker_load(snap)
         )
 
     async def run(self) -> None:

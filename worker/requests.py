@@ -8,13 +8,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import grpc
 
-class RequestError(Exception):
-    """A request the engine refuses; ``code`` is the gRPC status name (DESIGN.md §8)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
+from loraserve.common.errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -29,20 +25,18 @@ class Sampling:
 
     def validate(self, vocab_size: int) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise RequestError(
-                "INVALID_ARGUMENT", f"temperature must be finite and >= 0, got {self.temperature}"
-            )
+            raise InvalidArgument(f"temperature must be finite and >= 0, got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0 <= self.top_p <= 1:
-            raise RequestError("INVALID_ARGUMENT", f"top_p must be in [0, 1], got {self.top_p}")
+            raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise RequestError("INVALID_ARGUMENT", f"top_k must be >= 0, got {self.top_k}")
+            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
         if self.max_tokens < 0:
-            raise RequestError("INVALID_ARGUMENT", f"max_tokens must be >= 0, got {self.max_tokens}")
+            raise InvalidArgument(f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise RequestError("INVALID_ARGUMENT", f"seed must fit in 64 bits, got {self.seed}")
+            raise InvalidArgument(f"seed must fit in 64 bits, got {self.seed}")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise RequestError("INVALID_ARGUMENT", f"stop_token_ids {bad[:5]} are outside the vocabulary")
+            raise InvalidArgument(f"stop_token_ids {bad[:5]} are outside the vocabulary")
 
     def resolved_seed(self) -> int:
         return self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little")
@@ -72,7 +66,9 @@ class Finished:
 
 @dataclass(frozen=True)
 class Failed:
-    code: str
+    """The request ended with an error; ``code`` is the gRPC status the stream ends with."""
+
+    code: grpc.StatusCode
     message: str
 
 
@@ -88,6 +84,7 @@ class EngineRequest:
     prompt: list[int]
     sampling: Sampling
     sink: Callable[[Event], None]
+    deadline: float | None = None  # absolute time.monotonic() seconds; past it the request fails
     # engine-thread state
     key: str = ""
     slot: int = -1
@@ -110,16 +107,29 @@ class EngineRequest:
             )
 
 
+@dataclass(frozen=True)
+class SamplingRow:
+    """One row's sampling inputs as the runner takes them: parameters, seed halves, tokens drawn so far."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int = 0
+    step: int = 0
+
+    @classmethod
+    def of(cls, req: EngineRequest) -> SamplingRow:
+        s = req.sampling
+        return cls(s.temperature, s.top_k, s.top_p, req.seed, len(req.generated))
+
+
 def validate_prompt(prompt: list[int], vocab_size: int, max_seq_len: int) -> None:
     if not prompt:
-        raise RequestError("INVALID_ARGUMENT", "prompt is empty")
+        raise InvalidArgument("prompt is empty")
     if len(prompt) >= max_seq_len:
-        raise RequestError(
-            "INVALID_ARGUMENT",
+        raise InvalidArgument(
             f"prompt has {len(prompt)} tokens; this worker's context is {max_seq_len} (prompt + at least 1 new token)",
         )
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     if bad:
-        raise RequestError(
-            "INVALID_ARGUMENT", f"prompt token ids {bad[:5]} are outside the vocabulary of {vocab_size}"
-        )
+        raise InvalidArgument(f"prompt token ids {bad[:5]} are outside the vocabulary of {vocab_size}")

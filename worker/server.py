@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from google.protobuf.timestamp_pb2 import Timestamp
 
 from loraserve.adapters.errors import AdapterError
 from loraserve.adapters.sources import LocalAdapterSource
@@ -25,22 +25,13 @@ from loraserve.common.server import build_server as common_build_server
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.worker.engine import Engine
 from loraserve.worker.outputs import Chunk, StreamAssembler
-from loraserve.worker.requests import EngineRequest, RequestError, Sampling
-from loraserve.worker.slots import Slot
+from loraserve.worker.requests import EngineRequest, Sampling
+from loraserve.worker.snapshot import slot_info
 from loraserve.worker.tokenizer import encode
 
 log = logging.getLogger("loraserve.worker.server")
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-
-
-def refusal(exc: Any) -> LoraserveError:
-    """A worker refusal (a ``RequestError`` or a ``Failed`` event: ``code`` + ``message``) as the
-    ``LoraserveError`` the interceptor turns into the RPC's status; ``code`` is a StatusCode or its name."""
-    if isinstance(exc, LoraserveError):
-        return exc
-    code = exc.code if isinstance(exc.code, grpc.StatusCode) else getattr(grpc.StatusCode, exc.code, None)
-    return LoraserveError(exc.message, code if isinstance(code, grpc.StatusCode) else grpc.StatusCode.UNKNOWN)
 
 
 def sampling_from_proto(p: inference_pb2.SamplingParams) -> Sampling:
@@ -66,19 +57,10 @@ def chunk_to_proto(request_id: str, chunk: Chunk) -> inference_pb2.GenerateRespo
     return out
 
 
-def slot_to_proto(slot: Slot) -> worker_admin_pb2.SlotInfo:
-    info = worker_admin_pb2.SlotInfo(
-        slot=slot.index,
-        adapter=slot.adapter,
-        state=slot.state.value,
-        pinned=slot.pinned,
-        refcount=slot.refcount,
-        rank=slot.rank,
-        sha256=slot.sha256,
-    )
-    if slot.last_used:
-        info.last_used.CopyFrom(Timestamp(seconds=int(slot.last_used), nanos=int(slot.last_used % 1 * 1e9)))
-    return info
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    """The call's deadline on the engine's clock (time.monotonic), or None when the client set none."""
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -104,18 +86,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         internal_id = uuid.uuid4().hex  # client ids may repeat; cancellation must not hit a stranger
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        try:
-            prompt = self._prompt(request)
-            engine_req = EngineRequest(
-                request_id=internal_id,
-                adapter=request.adapter,
-                prompt=prompt,
-                sampling=sampling_from_proto(request.sampling),
-                sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-            )
-            self.engine.submit(engine_req)
-        except RequestError as exc:
-            raise refusal(exc) from None
+        prompt = self._prompt(request)
+        engine_req = EngineRequest(
+            request_id=internal_id,
+            adapter=request.adapter,
+            prompt=prompt,
+            sampling=sampling_from_proto(request.sampling),
+            sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+            deadline=_deadline(context),
+        )
+        self.engine.submit(engine_req)  # refusals raise LoraserveError: the interceptor maps them
         assembler = StreamAssembler(self.tokenizer, prompt, tuple(request.sampling.stop))
         timer = StreamTimer("worker")
         try:
@@ -124,7 +104,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                     timer.chunk(len(chunk.token_ids))
                     yield chunk_to_proto(request_id, chunk)
             if assembler.error is not None:
-                raise refusal(assembler.error)
+                raise LoraserveError(assembler.error.message, assembler.error.code)
             timer.done(len(prompt))
             log.info("finished", extra={"request_id": request_id, "adapter": assembler.adapter})
         finally:
@@ -137,25 +117,19 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
         self.engine, self.model_id, self.worker_id = engine, model_id, worker_id
 
     async def LoadAdapter(self, request, context):
-        try:
-            if request.source_uri:
-                if not isinstance(self.engine.source, LocalAdapterSource):
-                    raise AdapterError("source_uri is only accepted by workers serving local adapters")
-                self.engine.source.register(request.adapter, request.source_uri)
-            slot = await asyncio.wrap_future(self.engine.load_adapter(request.adapter, request.pin))
-        except RequestError as exc:
-            raise refusal(exc) from None
-        return slot_to_proto(slot)
+        if request.source_uri:
+            if not isinstance(self.engine.source, LocalAdapterSource):
+                raise AdapterError("source_uri is only accepted by workers serving local adapters")
+            self.engine.source.register(request.adapter, request.source_uri)
+        slot = await asyncio.wrap_future(self.engine.load_adapter(request.adapter, request.pin))
+        return slot_info(slot)
 
     async def UnloadAdapter(self, request, context):
-        try:
-            old = await asyncio.wrap_future(self.engine.unload_adapter(request.adapter, request.force))
-        except RequestError as exc:
-            raise refusal(exc) from None
+        old = await asyncio.wrap_future(self.engine.unload_adapter(request.adapter, request.force))
         return worker_admin_pb2.UnloadAdapterResponse(slot=old.index, adapter=old.adapter)
 
     async def ListSlots(self, request, context):
-        return worker_admin_pb2.ListSlotsResponse(slots=[slot_to_proto(s) for s in self.engine.slots()])
+        return worker_admin_pb2.ListSlotsResponse(slots=[slot_info(s) for s in self.engine.snapshot().slots])
 
     async def GetWorkerInfo(self, request, context):
         e, cfg = self.engine.config, self.engine.model_config

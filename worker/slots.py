@@ -1,19 +1,15 @@
-"""Adapter slots: preallocated device pools, which adapter sits where, LRU eviction, pinning, a host tier.
+"""Adapter slots on the device: preallocated pools and the host arrays written into one slot.
 
 The pools (per layer one ``A_<group>`` and one ``B_<module>`` per module, in the layout of the LoRA
 backend object, ``kernels.backends``) are allocated once; a swap writes one
 slot through a jitted ``.at[slot].set`` on donated buffers, so shapes never change and nothing compiles.
-``SlotTable`` is the bookkeeping (thread-safe, no JAX); ``SlotPools`` owns the device arrays and is
-touched only by the engine thread, which applies writes between decode steps.
+The bookkeeping (which adapter is where, LRU, pins, host tier) is ``worker.slot_table`` (no JAX);
+``SlotPools`` owns the device arrays and is touched only by the JAX runner on the engine thread, which
+applies writes between decode steps.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import OrderedDict
-from dataclasses import dataclass
-from enum import Enum
 from functools import partial
 
 import jax
@@ -24,104 +20,6 @@ from loraserve.adapters.peft import LoraWeights
 from loraserve.kernels.backends import LoraBackend
 from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, lora_slot_shapes
 from loraserve.worker.model_config import ModelConfig
-
-
-class SlotState(Enum):
-    EMPTY = 1
-    LOADING = 2
-    LOADED = 3
-
-
-class NoFreeSlotError(RuntimeError):
-    """Every slot is pinned or in use by a running request."""
-
-
-@dataclass
-class Slot:
-    index: int
-    state: SlotState = SlotState.EMPTY
-    adapter: str = ""  # resolved "name@version"
-    sha256: str = ""
-    rank: int = 0
-    pinned: bool = False
-    refcount: int = 0
-    last_used: float = 0.0
-
-
-class SlotTable:
-    """Which adapter is in which slot; LRU over unreferenced, unpinned slots. Thread-safe."""
-
-    def __init__(self, num_slots: int) -> None:
-        self._slots = [Slot(i) for i in range(num_slots)]
-        self._lock = threading.Lock()
-
-    def snapshot(self) -> list[Slot]:
-        with self._lock:
-            return [Slot(**vars(s)) for s in self._slots]
-
-    def find(self, adapter: str) -> Slot | None:
-        with self._lock:
-            return self._find(adapter)
-
-    def _find(self, adapter: str) -> Slot | None:
-        return next((s for s in self._slots if s.adapter == adapter and s.state != SlotState.EMPTY), None)
-
-    def acquire(self, adapter: str) -> int | None:
-        """Take a reference on a LOADED slot holding ``adapter``; None when it is not resident."""
-        with self._lock:
-            slot = self._find(adapter)
-            if slot is None or slot.state != SlotState.LOADED:
-                return None
-            slot.refcount += 1
-            slot.last_used = time.time()
-            return slot.index
-
-    def release(self, index: int) -> None:
-        with self._lock:
-            slot = self._slots[index]
-            slot.refcount = max(0, slot.refcount - 1)
-            slot.last_used = time.time()
-
-    def reserve(self, adapter: str, *, sha256: str = "", rank: int = 0, pin: bool = False) -> tuple[int, str]:
-        """Claim a slot for ``adapter`` (state LOADING); returns ``(slot, evicted adapter or "")``.
-
-        Prefers an empty slot, else the least recently used loaded slot with refcount 0 that is not pinned.
-        """
-        with self._lock:
-            empty = [s for s in self._slots if s.state == SlotState.EMPTY]
-            victims = [
-                s for s in self._slots if s.state == SlotState.LOADED and s.refcount == 0 and not s.pinned
-            ]
-            if empty:
-                slot = empty[0]
-            elif victims:
-                slot = min(victims, key=lambda s: s.last_used)
-            else:
-                raise NoFreeSlotError(f"all {len(self._slots)} adapter slots are pinned or in use")
-            evicted = slot.adapter if slot.state == SlotState.LOADED else ""
-            slot.state, slot.adapter, slot.sha256, slot.rank = SlotState.LOADING, adapter, sha256, rank
-            slot.pinned, slot.refcount, slot.last_used = pin, 0, time.time()
-            return slot.index, evicted
-
-    def mark_loaded(self, index: int) -> None:
-        with self._lock:
-            self._slots[index].state = SlotState.LOADED
-
-    def set_pinned(self, index: int, pinned: bool) -> None:
-        with self._lock:
-            self._slots[index].pinned = pinned
-
-    def clear(self, index: int) -> Slot:
-        """Empty a slot (load failed, or unloaded); returns what it held."""
-        with self._lock:
-            old = Slot(**vars(self._slots[index]))
-            self._slots[index] = Slot(index)
-            return old
-
-    def free_count(self) -> int:
-        with self._lock:
-            return sum(s.state == SlotState.EMPTY for s in self._slots)
-
 
 SlotValues = list[dict[str, np.ndarray]]  # per layer, pool name -> one slot's array
 
@@ -189,32 +87,3 @@ class SlotPools:
 
     def zero(self, slot: int) -> None:
         self.write(slot, self._zeros)
-
-
-class HostTier:
-    """Recently evicted adapters' slot arrays in host memory (vLLM's max_cpu_loras), LRU. Thread-safe."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict[str, tuple[LoraWeights, SlotValues]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> tuple[LoraWeights, SlotValues] | None:
-        with self._lock:
-            item = self._items.get(key)
-            if item is not None:
-                self._items.move_to_end(key)
-            return item
-
-    def put(self, key: str, item: tuple[LoraWeights, SlotValues]) -> None:
-        if self.capacity <= 0:
-            return
-        with self._lock:
-            self._items[key] = item
-            self._items.move_to_end(key)
-            while len(self._items) > self.capacity:
-                self._items.popitem(last=False)
-
-    def keys(self) -> list[str]:
-        with self._lock:
-            return list(self._items)

@@ -149,7 +149,7 @@ def test_unreachable_worker_is_skipped_before_the_first_token(stack) -> None:
 
 
 def test_concurrent_requests_for_a_cold_adapter_load_it_once(stack) -> None:
-    loads, fetches = stack.engine.counters["adapter_loads"], dict(stack.source.stats)
+    loads, fetches = stack.engine.snapshot().adapter_loads, dict(stack.source.stats)
     with Client(stack.router_address) as client, ThreadPoolExecutor(6) as pool:
         outs = list(
             pool.map(
@@ -157,7 +157,7 @@ def test_concurrent_requests_for_a_cold_adapter_load_it_once(stack) -> None:
             )
         )
     assert len({tuple(o.token_ids) for o in outs}) == 1
-    assert stack.engine.counters["adapter_loads"] - loads == 1
+    assert stack.engine.snapshot().adapter_loads - loads == 1
     fetched = sum(stack.source.stats.values()) - sum(fetches.values())
     assert fetched == 1 and stack.source.stats["direct"] > fetches["direct"]  # read straight from the store
 

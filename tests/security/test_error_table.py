@@ -146,7 +146,8 @@ GENERATE_CASES = [
 def test_generate_errors_through_the_router(env, case, kwargs, code) -> None:
     assert _generate_code(env.router, **kwargs) == code
     assert _generate_code(env.router, adapter="all-r4", max_tokens=2) == "OK"  # nothing else was harmed
-    assert all(s.adapter != "mlp-r16@1" for s in env.engine.slots())  # a refused adapter is never loaded
+    # a refused adapter is never loaded
+    assert all(s.adapter != "mlp-r16@1" for s in env.engine.snapshot().slots)
 
 
 def test_admission_deadline_and_auth(env) -> None:
@@ -162,13 +163,10 @@ def test_admission_deadline_and_auth(env) -> None:
         list(client.list())  # an inference token opens no admin RPC
     assert exc.value.code_name == "UNAUTHENTICATED"
     deadline = time.time() + 5
-    while env.engine.load()["running"] and time.time() < deadline:
+    while env.engine.snapshot().running and time.time() < deadline:
         time.sleep(0.02)
-    load = env.engine.load()
-    assert (load["running"], load["waiting"]) == (
-        0,
-        0,
-    )  # the expired and refused requests left nothing behind
+    snap = env.engine.snapshot()
+    assert (snap.running, snap.waiting) == (0, 0)  # the expired and refused requests left nothing behind
 
 
 def test_registry_rows_of_the_table(env, adapter_dirs, tmp_path) -> None:
@@ -213,19 +211,19 @@ def test_corrupted_blob_is_data_loss_and_never_loaded(env, adapter_dirs, tmp_pat
     with fsspec.open(a.uri, "wb") as f:
         f.write(b"\0" * a.size_bytes)
     assert _generate_code(env.router, adapter="soon-corrupt") == "DATA_LOSS"
-    assert all(not s.adapter.startswith("soon-corrupt") for s in env.engine.slots())
+    assert all(not s.adapter.startswith("soon-corrupt") for s in env.engine.snapshot().slots)
 
 
 def test_deleted_adapter_in_flight(env) -> None:
     assert _generate_code(env.router, adapter="qv-r8-rslora", max_tokens=2) == "OK"
-    assert any(s.adapter == "qv-r8-rslora@1" for s in env.engine.slots())
+    assert any(s.adapter == "qv-r8-rslora@1" for s in env.engine.snapshot().slots)
     env.admin.delete("qv-r8-rslora")
     time.sleep(0.3)  # the router's cached route expires
     assert _generate_code(env.router, adapter="qv-r8-rslora") == "NOT_FOUND"
     deadline = time.time() + 5  # the next heartbeat carries the unload order
-    while any(s.adapter == "qv-r8-rslora@1" for s in env.engine.slots()) and time.time() < deadline:
+    while any(s.adapter == "qv-r8-rslora@1" for s in env.engine.snapshot().slots) and time.time() < deadline:
         time.sleep(0.05)
-    assert all(s.adapter != "qv-r8-rslora@1" for s in env.engine.slots())
+    assert all(s.adapter != "qv-r8-rslora@1" for s in env.engine.snapshot().slots)
     assert _generate_code(env.router, adapter="all-r4", max_tokens=2) == "OK"
 
 

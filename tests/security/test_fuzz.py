@@ -248,4 +248,4 @@ def test_servers_still_serve_after_fuzzing(servers) -> None:
         )
     )
     assert out[-1].usage.completion_tokens == 3
-    assert servers["engine"].load()["running"] == 0
+    assert servers["engine"].snapshot().running == 0

@@ -58,7 +58,7 @@ def test_every_request_gets_its_own_adapters_answer(llama_dir, trained) -> None:
                 assert text == base_text and served == ""
         assert base_text not in ANSWERS.values()
         # 4 adapters through 2 slots: at least 2 evictions while other requests were queued or running
-        assert worker.engine.counters["adapter_loads"] >= 4
+        assert worker.engine.snapshot().adapter_loads >= 4
         admin = worker_admin_pb2_grpc.WorkerAdminStub(worker.channel)
         slots = admin.ListSlots(worker_admin_pb2.ListSlotsRequest()).slots
         assert len(slots) == 2 and all(s.refcount == 0 for s in slots)

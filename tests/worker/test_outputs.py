@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from loraserve.testing import build_tokenizer
@@ -64,5 +65,5 @@ def test_no_stop_match_flushes_everything(tokenizer) -> None:
 
 def test_failure_ends_the_stream(tokenizer) -> None:
     asm = StreamAssembler(tokenizer, [1], ())
-    assert asm.feed(Failed("NOT_FOUND", "gone")) == []
-    assert asm.done and asm.error == Failed("NOT_FOUND", "gone")
+    assert asm.feed(Failed(grpc.StatusCode.NOT_FOUND, "gone")) == []
+    assert asm.done and asm.error == Failed(grpc.StatusCode.NOT_FOUND, "gone")

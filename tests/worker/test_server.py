@@ -112,7 +112,7 @@ def _wait_refcounts_zero(worker, timeout=10.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
         slots = _admin(worker).ListSlots(worker_admin_pb2.ListSlotsRequest()).slots
-        if all(s.refcount == 0 for s in slots) and worker.engine.load()["running"] == 0:
+        if all(s.refcount == 0 for s in slots) and worker.engine.snapshot().running == 0:
             return slots
         time.sleep(0.02)
     raise AssertionError(f"refcounts not released: {slots}")

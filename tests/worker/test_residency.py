@@ -1,0 +1,133 @@
+"""Adapter residency (loads in flight, host tier, pins) and the engine thread over the FakeRunner."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+
+import grpc
+import pytest
+
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.engine import Engine
+from loraserve.worker.fake_runner import FakeRunner
+from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Token
+from loraserve.worker.residency import Load
+from tests.worker.fake_engine import TINY, Collector, Harness, MemorySource, source_of
+
+
+def config(**kw) -> EngineConfig:
+    return EngineConfig(**{"max_batch_size": 2, "max_seq_len": 32, "max_loras": 1, "max_lora_rank": 4, **kw})
+
+
+def test_one_fetch_for_many_waiting_requests() -> None:
+    h = Harness(config(max_batch_size=4), source_of("a"))
+    requests = [h.submit("a", max_tokens=2) for _ in range(3)]
+    h.run(*requests)
+    assert h.source.fetches == ["a"]
+    assert [c.tokens for c in requests] == [[7, 9]] * 3
+    assert h.scheduler.snapshot().adapter_loads == 1
+
+
+@pytest.mark.parametrize(
+    ("capacity", "fetches", "tier"), [(1, ["a", "b", "a"], ("a",)), (2, ["a", "b"], ("b", "a"))]
+)
+def test_host_tier_serves_evicted_adapters_without_fetching(capacity, fetches, tier) -> None:
+    h = Harness(config(max_cpu_loras=capacity), source_of("a", "b"))
+    for name in ("a", "b", "a"):
+        c = h.submit(name, max_tokens=1)
+        h.run(c)
+        assert c.end == Finished("length", 1, 1, token_id=7)
+    assert h.source.fetches == fetches
+    snap = h.scheduler.snapshot()
+    assert snap.host_tier == tier and snap.adapter_loads == 3  # every swap writes the slot again
+
+
+def test_load_of_a_resident_adapter_pins_it_in_the_same_step() -> None:
+    h = Harness(config(max_loras=2), source_of("a", "b"))
+    first, again = Future(), Future()
+    h.post(Load("a", False, first))
+    h.step(2)
+    assert (first.result(0).index, first.result(0).pinned) == (0, False)
+    h.post(Load("a", True, again))
+    h.step()
+    assert (again.result(0).index, again.result(0).pinned) == (0, True)
+    assert h.source.fetches == ["a"] and [i for i, _ in h.runner.writes] == [0]
+
+
+def _engine(source: MemorySource, **kw) -> tuple[Engine, FakeRunner]:
+    cfg = config(**kw)
+    runner = FakeRunner(TINY.vocab_size, cfg.max_loras)
+    engine = Engine(None, cfg, source, runner=runner, model_config=TINY)
+    engine.start()
+    return engine, runner
+
+
+def _submit(engine: Engine, adapter: str = "", **sampling) -> Collector:
+    c = Collector(uuid.uuid4().hex)
+    engine.submit(EngineRequest(c.request_id, adapter, [5], Sampling(**sampling), c))
+    return c
+
+
+def test_engine_thread_publishes_the_snapshot_before_the_events_it_explains() -> None:
+    engine, runner = _engine(source_of("a"))
+    seen: list[float] = []
+    engine.load_observer = seen.append
+    try:
+        before = engine.snapshot()
+        c = _submit(engine, "a", max_tokens=3)
+        assert c.done.wait(5)
+        snap = engine.snapshot()  # read right after the Finished arrived
+        assert c.tokens == [7, 9, 11] and runner.warmed_up
+        assert (snap.requests_done - before.requests_done, snap.tokens_out - before.tokens_out) == (1, 3)
+        assert (snap.running, snap.waiting, snap.slots[0].refcount, snap.adapter_loads) == (0, 0, 0, 1)
+        assert len(seen) == 1 and 0 <= seen[0] < 5  # one adapter prepared, its seconds observed
+        assert engine.unload_adapter("a").result(5).adapter == "a"
+        assert engine.snapshot().free_slots == 1  # the unload's effect is visible once its future is done
+    finally:
+        engine.stop()
+
+
+def test_engine_thread_cancel_while_decoding_and_cold_adapter_delays_only_its_own() -> None:
+    source = source_of("a")
+    source.gate = threading.Event()  # the loader blocks on "a" until we let it go
+    engine, runner = _engine(source)
+    try:
+        cold = _submit(engine, "a", max_tokens=2)
+        base = _submit(engine, max_tokens=4)
+        assert base.done.wait(5) and base.tokens == [6, 7, 8, 9]
+        assert not cold.done.is_set() and engine.snapshot().waiting_adapters == ("a",)
+        source.gate.set()
+        assert cold.done.wait(5) and cold.tokens == [7, 9]
+        runner.gate = threading.Event()  # hold the next decode step
+        long = _submit(engine, max_tokens=20)
+        deadline = time.monotonic() + 5
+        while len(runner.prefills) < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert runner.prefills[-1] == (0, -1, (5,))  # prefilled (token 6); now held inside its first decode
+        engine.cancel(long.request_id)
+        runner.gate.set()
+        assert long.done.wait(5)
+        assert long.events[1:] == [
+            Token(6),
+            Token(7),
+            Failed(grpc.StatusCode.CANCELLED, "cancelled by the client"),
+        ]
+        assert engine.snapshot().running == 0
+    finally:
+        engine.stop()
+
+
+def test_host_side_modules_import_no_jax() -> None:
+    code = (
+        "import sys\n"
+        "import loraserve.worker.engine, loraserve.worker.scheduler, loraserve.worker.residency\n"
+        "import loraserve.worker.fake_runner, loraserve.worker.snapshot\n"
+        "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,248 @@
+"""Adapter residency: loads in flight, prepared host arrays, the host tier, pins and the slot table.
+
+One object on the engine thread, driven by typed commands (``Load``, ``Unload``, ``Prepared``) through
+``handle``; an unknown command is a ``TypeError``. Fetching, validating and preparing host arrays runs on
+loader threads (``spawn``), which post a ``Prepared`` back; the engine thread only writes the slot, so a
+cold adapter delays its own requests and nobody else's. ``handle`` and ``place_pending`` return what the
+scheduler must act on: ``Resident`` (wake waiting requests), ``LoadFailed`` (fail them), ``Evicted``
+(fail the requests that were using the slot). Futures complete from ``outbox`` once the engine has
+published the snapshot that shows their effect. No JAX here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from loraserve.adapters.errors import AdapterUnavailableError
+from loraserve.adapters.peft import parse_adapter
+from loraserve.adapters.sources import AdapterSource, verify_sha256
+from loraserve.common.errors import FailedPrecondition, LoraserveError, NotFound
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.runner import Runner
+from loraserve.worker.slot_table import HostTier, NoFreeSlotError, Slot, SlotState, SlotTable
+
+log = logging.getLogger("loraserve.worker.residency")
+
+
+@dataclass(frozen=True)
+class Load:
+    """Make ``ref`` resident (pinned if ``pin``); ``future`` gets its ``Slot`` or a ``LoraserveError``."""
+
+    ref: str
+    pin: bool
+    future: Future
+
+
+@dataclass(frozen=True)
+class Unload:
+    """Empty the slot holding ``ref``; refused while requests use it unless ``force``."""
+
+    ref: str
+    force: bool
+    future: Future
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A loader thread's result for ``ref``: host values for a slot, or the error that stopped it."""
+
+    ref: str
+    key: str = ""
+    sha256: str = ""
+    rank: int = 0
+    values: Any = None
+    error: LoraserveError | None = None
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Resident:
+    key: str
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    ref: str
+    error: LoraserveError
+
+
+@dataclass(frozen=True)
+class Evicted:
+    index: int
+    key: str
+
+
+Outcome = Resident | LoadFailed | Evicted
+
+
+class Residency:
+    def __init__(
+        self,
+        runner: Runner,
+        source: AdapterSource,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        post: Callable[[Prepared], None],
+        spawn: Callable[[Callable[[str], None], str], Any],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.runner, self.source, self.model_config, self.config = runner, source, model_config, config
+        self._post, self._spawn = post, spawn
+        self.table = SlotTable(config.max_loras, clock)
+        self.host_tier = HostTier(config.max_cpu_loras)
+        self._loads: dict[str, list[tuple[Future, bool]]] = {}  # ref -> LoadAdapter callers
+        self._pending: deque[Prepared] = deque()  # prepared, waiting for a free slot
+        self._resolved: dict[str, str] = {}  # ref -> key, once a load succeeded
+        self._inflight: set[str] = set()
+        self.adapter_loads = 0
+        self.outbox: list[Callable[[], None]] = []  # future completions, run after the next snapshot
+        self.load_observer: Callable[[float], None] | None = None  # seconds per prepared adapter
+
+    # ----------------------------------------------------------------- engine thread
+    def handle(self, command: Load | Unload | Prepared) -> list[Outcome]:
+        match command:
+            case Load(ref, pin, future):
+                self._loads.setdefault(ref, []).append((future, pin))
+                key = self._resolved.get(ref)
+                slot = self.table.find(key) if key else None
+                if slot is not None and slot.state == SlotState.LOADED:
+                    self._settle(ref, key)
+                    return []
+                self.want(ref)
+                return []
+            case Unload(ref, force, future):
+                return self._unload(ref, force, future)
+            case Prepared():
+                return self._prepared(command)
+            case _:
+                raise TypeError(f"residency has no command {type(command).__name__}")
+
+    def _later(self, future: Future, value: Any) -> None:
+        """Complete ``future`` with ``value`` (an exception fails it) at the next flush."""
+
+        def complete() -> None:
+            if future.done():  # the caller gave up (cancelled)
+                return
+            if isinstance(value, BaseException):
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+
+        self.outbox.append(complete)
+
+    def acquire(self, ref: str) -> tuple[str, int] | None:
+        """A reference on ``ref``'s slot as ``(key, slot)``, or None when it is not resident."""
+        key = self._resolved.get(ref)
+        slot = self.table.acquire(key) if key else None
+        return None if slot is None else (key, slot)
+
+    def release(self, index: int) -> None:
+        self.table.release(index)
+
+    def want(self, ref: str) -> None:
+        """Start one background load per ref, however many requests wait for it."""
+        if ref not in self._inflight and all(p.ref != ref for p in self._pending):
+            self._inflight.add(ref)
+            self._spawn(self._prepare, ref)
+
+    def place_pending(self) -> Iterator[Outcome]:
+        """Write prepared adapters into slots (evicting LRU ones); those without a free slot wait.
+
+        Lazy: the caller acts on each ``Resident`` before the next placement, so the requests waiting
+        for an adapter take their references before another prepared adapter may evict it.
+        """
+        for _ in range(len(self._pending)):
+            p = self._pending.popleft()
+            resident = self.table.find(p.key)
+            if resident is None or resident.state != SlotState.LOADED:
+                pin = any(pin for _, pin in self._loads.get(p.ref, []))
+                try:
+                    index, evicted = self.table.reserve(p.key, sha256=p.sha256, rank=p.rank, pin=pin)
+                except NoFreeSlotError:
+                    self._pending.append(p)
+                    continue
+                if evicted:
+                    log.info("evicted adapter %s from slot %d for %s", evicted, index, p.key)
+                self.runner.write_slot(index, p.values)
+                self.table.mark_loaded(index)
+                self.adapter_loads += 1
+            self._settle(p.ref, p.key)
+            yield Resident(p.key)
+
+    def _prepared(self, p: Prepared) -> list[Outcome]:
+        self._inflight.discard(p.ref)
+        if p.error is not None:
+            for future, _ in self._loads.pop(p.ref, []):
+                self._later(future, p.error)
+            return [LoadFailed(p.ref, p.error)]
+        self._resolved[p.ref] = p.key
+        if self.load_observer is not None:
+            self.load_observer(p.seconds)
+        slot = self.table.find(p.key)
+        if slot is not None and slot.state == SlotState.LOADED:
+            self._settle(p.ref, p.key)
+            return [Resident(p.key)]
+        self._pending.append(p)
+        return []
+
+    def _unload(self, ref: str, force: bool, future: Future) -> list[Outcome]:
+        key = self._resolved.get(ref, ref)
+        slot = self.table.find(key)
+        if slot is None or slot.state != SlotState.LOADED:
+            self._later(future, NotFound(f"adapter {ref!r} is not loaded on this worker"))
+            return []
+        if slot.refcount and not force:
+            self._later(future, FailedPrecondition(f"adapter {key} is used by {slot.refcount} request(s)"))
+            return []
+        self.runner.zero_slot(slot.index)
+        self._later(future, self.table.clear(slot.index))
+        return [Evicted(slot.index, key)]
+
+    def _settle(self, ref: str, key: str) -> None:
+        """Resolve the LoadAdapter futures of ``ref`` (pinning first when any asked)."""
+        callers = self._loads.pop(ref, [])
+        slot = self.table.find(key)
+        if slot is not None and any(pin for _, pin in callers):
+            self.table.set_pinned(slot.index, True)
+        result: Slot | None = self.table.find(key)
+        for future, _ in callers:
+            self._later(future, result)
+
+    # ----------------------------------------------------------------- loader threads
+    def _prepare(self, ref: str) -> None:
+        """Resolve, fetch (or take from the host tier), validate and prepare host values; post the result."""
+        started = time.perf_counter()
+        try:
+            key = self.source.resolve(ref)
+            cached = self.host_tier.get(key)
+            if cached is not None:
+                weights, values = cached
+            else:
+                fetched = self.source.fetch(key)
+                verify_sha256(fetched)
+                cfg = self.model_config
+                weights = parse_adapter(
+                    fetched.config_bytes,
+                    fetched.weights_bytes,
+                    module_shapes=cfg.module_shapes(),
+                    num_layers=cfg.num_layers,
+                    max_rank=self.config.max_lora_rank,
+                )
+                values = self.runner.prepare(weights)
+                self.host_tier.put(key, (weights, values))
+            result = Prepared(
+                ref, key, weights.sha256, weights.rank, values, seconds=time.perf_counter() - started
+            )
+        except LoraserveError as exc:  # adapter errors included: each carries its status
+            result = Prepared(ref, error=exc)
+        except Exception as exc:  # storage errors and the like
+            log.exception("loading adapter %s failed", ref)
+            result = Prepared(ref, error=AdapterUnavailableError(f"loading adapter {ref!r} failed: {exc}"))
+        self._post(result)

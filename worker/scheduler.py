@@ -1,0 +1,286 @@
+"""The host side of the engine: queues, decode rows, admission, cancellation, deadlines, finishes.
+
+Requests live in one of three places: ``waiting`` (their adapter is not resident yet), ``ready`` (they
+hold a slot reference and wait for a free decode row) or ``rows`` (decoding). ``handle`` applies one
+command (``Submit``, ``Cancel``, or a residency command); ``step`` places prepared adapters, expires
+deadlines, admits up to ``prefill_per_step`` prompts and runs one decode step on the ``Runner``.
+Events and future results wait in ``outbox`` until ``flush``: the engine publishes the snapshot first, so
+whoever sees an event also sees its effect in ``engine.snapshot()``. Everything here runs on the engine
+thread, except ``accept`` (callers' threads). No JAX here.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from loraserve.adapters.refs import split_ref
+from loraserve.common.errors import ResourceExhausted
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.requests import (
+    EngineRequest,
+    Failed,
+    Finished,
+    SamplingRow,
+    Started,
+    Token,
+    validate_prompt,
+)
+from loraserve.worker.residency import (
+    Evicted,
+    Load,
+    LoadFailed,
+    Outcome,
+    Prepared,
+    Residency,
+    Resident,
+    Unload,
+)
+from loraserve.worker.runner import Runner
+from loraserve.worker.snapshot import EngineSnapshot
+
+CANCELLED = Failed(grpc.StatusCode.CANCELLED, "cancelled by the client")
+DEADLINE = Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+
+
+@dataclass(frozen=True)
+class Submit:
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class Cancel:
+    request_id: str
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: Runner,
+        residency: Residency,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.runner, self.residency, self.model_config, self.config = runner, residency, model_config, config
+        self.clock = clock
+        self.eos_ids = frozenset(model_config.eos_token_ids)
+        self.waiting: deque[EngineRequest] = deque()
+        self.ready: deque[EngineRequest] = deque()
+        self.rows: list[EngineRequest | None] = [None] * config.max_batch_size
+        self.steps = self.tokens_out = self.requests_done = 0
+        self.outbox: list[Callable[[], None]] = []  # events, delivered by flush() after the snapshot
+        self._queued = 0  # accepted, not yet in a row nor ended (guarded by _lock: accept runs anywhere)
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- any thread
+    def accept(self, req: EngineRequest) -> Submit:
+        """Validate and count ``req`` against ``max_waiting``; raises InvalidArgument / ResourceExhausted."""
+        cfg = self.model_config
+        validate_prompt(req.prompt, cfg.vocab_size, self.config.max_seq_len)
+        req.sampling.validate(cfg.vocab_size)
+        if req.adapter:
+            split_ref(req.adapter)  # an AdapterError (INVALID_ARGUMENT) for a malformed ref
+        room = self.config.max_seq_len - len(req.prompt)
+        req.max_new_tokens = min(req.sampling.max_tokens or self.config.default_max_tokens, room)
+        req.seed = req.sampling.resolved_seed()
+        with self._lock:
+            if self._queued >= self.config.max_waiting:
+                raise ResourceExhausted(f"queue is full ({self.config.max_waiting} waiting)")
+            self._queued += 1
+        return Submit(req)
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    # ----------------------------------------------------------------- engine thread
+    def handle(self, command: Submit | Cancel | Load | Unload | Prepared) -> None:
+        match command:
+            case Submit(req):
+                self._submit(req)
+            case Cancel(request_id):
+                self._cancel(request_id)
+            case Load() | Unload() | Prepared():
+                self._apply(self.residency.handle(command))
+            case _:
+                raise TypeError(f"the scheduler has no command {type(command).__name__}")
+
+    def step(self) -> bool:
+        """One round; returns whether a decode step ran (False = idle)."""
+        self._apply(self.residency.place_pending())
+        self._expire()
+        self._admit()
+        if not any(r is not None for r in self.rows):
+            return False
+        self._decode()
+        return True
+
+    def fail_running(self, event: Failed) -> None:
+        for i in range(len(self.rows)):
+            self._finish(i, event)
+
+    def flush(self) -> None:
+        """Deliver the events and future results of the last commands/step (after publishing a snapshot)."""
+        calls, self.outbox, self.residency.outbox = self.residency.outbox + self.outbox, [], []
+        for call in calls:
+            call()
+
+    def _emit(self, req: EngineRequest, event) -> None:
+        self.outbox.append(lambda: req.emit(event))
+
+    def snapshot(self) -> EngineSnapshot:
+        rows = [r for r in self.rows if r is not None]
+        res = self.residency
+        return EngineSnapshot(
+            step=self.steps,
+            slots=res.table.slots(),
+            running=len(rows),
+            waiting=self._queued,
+            running_adapters=tuple(sorted({r.key for r in rows if r.key})),
+            waiting_adapters=tuple(sorted({r.adapter for r in (*self.waiting, *self.ready) if r.adapter})),
+            adapter_loads=res.adapter_loads,
+            tokens_out=self.tokens_out,
+            requests_done=self.requests_done,
+            host_tier=res.host_tier.keys(),
+            max_batch_size=self.config.max_batch_size,
+        )
+
+    # ----------------------------------------------------------------- commands
+    def _submit(self, req: EngineRequest) -> None:
+        if not req.adapter:
+            self.ready.append(req)
+            return
+        held = self.residency.acquire(req.adapter)
+        if held is not None:
+            req.key, req.slot = held
+            self.ready.append(req)
+            return
+        self.waiting.append(req)
+        self.residency.want(req.adapter)
+
+    def _cancel(self, request_id: str) -> None:
+        for i, req in enumerate(self.rows):
+            if req is not None and req.request_id == request_id:
+                self._finish(i, CANCELLED)
+                return
+        self._drop(lambda r: r.request_id == request_id, CANCELLED)
+
+    def _apply(self, outcomes: Iterable[Outcome]) -> None:
+        for outcome in outcomes:
+            match outcome:
+                case Resident():
+                    for req in list(self.waiting):
+                        held = self.residency.acquire(req.adapter)
+                        if held is not None:
+                            self.waiting.remove(req)
+                            req.key, req.slot = held
+                            self.ready.append(req)
+                case LoadFailed(ref, err):
+                    failed = Failed(err.code, err.message)
+                    self._drop(lambda r, ref=ref: r.adapter == ref, failed, (self.waiting,))
+                case Evicted(index, key):
+                    gone = Failed(grpc.StatusCode.UNAVAILABLE, f"adapter {key} was unloaded")
+                    for i, req in enumerate(self.rows):
+                        if req is not None and req.slot == index:
+                            req.slot = -1  # the slot is already cleared: nothing to release
+                            self._finish(i, gone)
+                    holders = [r for r in self.ready if r.slot == index]
+                    for req in holders:
+                        req.slot = -1
+                    self._drop(lambda r, holders=holders: r in holders, gone, (self.ready,))
+                case _:
+                    raise TypeError(f"the scheduler has no outcome {type(outcome).__name__}")
+
+    def _drop(
+        self, match: Callable[[EngineRequest], bool], event: Failed, queues: tuple[deque, ...] = ()
+    ) -> None:
+        """End the queued (not running) requests that ``match`` selects with ``event``."""
+        for queue in queues or (self.ready, self.waiting):
+            for req in [r for r in queue if match(r)]:
+                queue.remove(req)
+                self._dequeued()
+                if req.slot >= 0:
+                    self.residency.release(req.slot)
+                    req.slot = -1
+                self._emit(req, event)
+
+    def _dequeued(self) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for i, req in enumerate(self.rows):
+            if req is not None and req.deadline is not None and req.deadline <= now:
+                self._finish(i, DEADLINE)
+        self._drop(lambda r: r.deadline is not None and r.deadline <= now, DEADLINE)
+
+    # ----------------------------------------------------------------- prefill / decode
+    def _admit(self) -> None:
+        admitted = 0
+        while self.ready and admitted < self.config.prefill_per_step:
+            try:
+                row = self.rows.index(None)
+            except ValueError:
+                return
+            req = self.ready.popleft()
+            self._dequeued()
+            token = self.runner.prefill(req.prompt, req.slot, row, SamplingRow.of(req))
+            req.row = row
+            self.rows[row] = req
+            self._emit(req, Started(req.key))
+            self._accept_token(row, token)
+            admitted += 1
+
+    def _decode(self) -> None:
+        b = self.config.max_batch_size
+        tokens, positions, slots = np.zeros(b, np.int32), np.zeros(b, np.int32), np.full(b, -1, np.int32)
+        sampling: list[SamplingRow | None] = [None] * b
+        for i, req in enumerate(self.rows):
+            if req is None:
+                continue
+            tokens[i] = req.generated[-1]
+            positions[i] = len(req.prompt) + len(req.generated) - 1
+            slots[i] = req.slot
+            sampling[i] = SamplingRow.of(req)
+        out = self.runner.decode(tokens, positions, slots, sampling)
+        self.steps += 1
+        for i, req in enumerate(self.rows):
+            if req is not None:
+                self._accept_token(i, int(out[i]))
+
+    def _accept_token(self, row: int, token: int) -> None:
+        req = self.rows[row]
+        assert req is not None
+        req.generated.append(token)
+        self.tokens_out += 1
+        s, n = req.sampling, len(req.generated)
+        reason = ""
+        if token in self.eos_ids and not s.ignore_eos:
+            reason = "eos"
+        elif token in s.stop_token_ids:
+            reason = "stop"
+        elif n >= req.max_new_tokens:
+            reason = "length"
+        if reason:  # the last token travels with the finish, in one message
+            self._finish(row, Finished(reason, len(req.prompt), n, token_id=token))
+        else:
+            self._emit(req, Token(token))
+
+    def _finish(self, row: int, event: Finished | Failed) -> None:
+        req = self.rows[row]
+        if req is None:
+            return
+        self.rows[row] = None
+        if req.slot >= 0:
+            self.residency.release(req.slot)
+        self.requests_done += 1
+        self._emit(req, event)

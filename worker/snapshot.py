@@ -1,0 +1,70 @@
+"""What the engine looks like after a step: one immutable value, and the ONE place it becomes protos.
+
+The engine thread publishes a new ``EngineSnapshot`` after every step and every batch of commands;
+the servicers (``ListSlots``), the registry heartbeat and the Prometheus collector read the latest one
+and never the engine's private state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from loraserve.protos.v1 import placement_pb2, worker_admin_pb2
+from loraserve.worker.slot_table import Slot, SlotState
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    step: int  # decode steps run so far
+    slots: tuple[Slot, ...]
+    running: int  # requests holding a decode row
+    waiting: int  # accepted, not yet running (queued or waiting for their adapter)
+    running_adapters: tuple[str, ...]  # resolved keys of running requests, sorted, unique
+    waiting_adapters: tuple[str, ...]  # refs of waiting requests, sorted, unique
+    adapter_loads: int  # adapters written into a slot
+    tokens_out: int
+    requests_done: int  # requests that ran and finished or failed
+    host_tier: tuple[str, ...]  # keys of adapters kept in host memory, oldest first
+    max_batch_size: int
+
+    @property
+    def free_slots(self) -> int:
+        return sum(s.state == SlotState.EMPTY for s in self.slots)
+
+    @property
+    def used_slots(self) -> int:
+        return len(self.slots) - self.free_slots
+
+    def slot_of(self, adapter: str) -> Slot | None:
+        return next((s for s in self.slots if s.adapter == adapter and s.state != SlotState.EMPTY), None)
+
+
+def slot_info(slot: Slot) -> worker_admin_pb2.SlotInfo:
+    info = worker_admin_pb2.SlotInfo(
+        slot=slot.index,
+        adapter=slot.adapter,
+        state=slot.state.value,  # SlotState's values are the proto enum's
+        pinned=slot.pinned,
+        refcount=slot.refcount,
+        rank=slot.rank,
+        sha256=slot.sha256,
+    )
+    if slot.last_used:
+        info.last_used.CopyFrom(Timestamp(seconds=int(slot.last_used), nanos=int(slot.last_used % 1 * 1e9)))
+    return info
+
+
+def occupied_slot_infos(snap: EngineSnapshot) -> list[worker_admin_pb2.SlotInfo]:
+    """The slots holding (or loading) an adapter, as the registry's heartbeat wants them."""
+    return [slot_info(s) for s in snap.slots if s.state != SlotState.EMPTY]
+
+
+def worker_load(snap: EngineSnapshot) -> placement_pb2.WorkerLoad:
+    return placement_pb2.WorkerLoad(
+        running=snap.running,
+        waiting=snap.waiting,
+        free_slots=snap.free_slots,
+        utilization=snap.running / snap.max_batch_size,
+    )
