@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import uuid
 from dataclasses import replace
 
@@ -16,28 +15,10 @@ from loraserve.kernels.testing import count_compilations
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
-from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Started, Token
+from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Started
+from tests.worker.fake_engine import Collector
 
 PROMPT = [5, 17, 33, 100, 7]
-
-
-class Collector:
-    def __init__(self) -> None:
-        self.events: list = []
-        self.done = threading.Event()
-
-    def __call__(self, event) -> None:
-        self.events.append(event)
-        if isinstance(event, Finished | Failed):
-            self.done.set()
-
-    @property
-    def tokens(self) -> list[int]:
-        return [e.token_id for e in self.events if isinstance(e, Token | Finished) and e.token_id is not None]
-
-    @property
-    def end(self):
-        return self.events[-1]
 
 
 def submit(engine: Engine, adapter: str = "", prompt=PROMPT, **sampling) -> Collector:
