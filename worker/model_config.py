@@ -15,7 +15,6 @@ import numpy as np
 from loraserve.common.errors import FailedPrecondition
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-# Every module an adapter may target, in the order the slot pools keep them.
 
 
 class UnsupportedModelError(FailedPrecondition, ValueError):
