@@ -88,6 +88,10 @@ FAMILIES = {
     "mistral": dict(),
     # qkv bias (always on for qwen2) and tied embeddings
     "qwen2": dict(tie_word_embeddings=True),
+    # the new families: their distinctive settings (windows, soft caps, RoPE tables) are in testing.TINY
+    "qwen3": dict(),
+    "gemma2": dict(),
+    "gemma3_text": dict(),
 }
 
 
