@@ -200,3 +200,48 @@ def test_each_feature_moves_the_logits(model_dirs, family: str, feature: str) ->
     np.testing.assert_allclose(_prefill_last_logits(ck, ck.config), want, atol=2e-4)
     wrong = _prefill_last_logits(ck, dataclasses.replace(ck.config, **{feature: OFF[family][feature]}))
     assert np.abs(wrong - want).max() > 1e-2, feature
+
+
+def test_engine_serves_gemma3_like_transformers_generates(model_dirs, family_adapter_dirs) -> None:
+    """The whole worker path (runner, its two RoPE tables, slots, scheduler) on Gemma 3: greedy tokens of
+    the base model and of an adapter, served concurrently, equal transformers' / peft's own greedy generate."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.adapters.sources import LocalAdapterSource
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.engine import Engine
+    from loraserve.worker.requests import EngineRequest, Sampling
+    from tests.worker.fake_engine import Collector
+
+    path, adapter = model_dirs["gemma3_text"], family_adapter_dirs("gemma3_text")["all-r4"]
+    steps = 16
+    want = {}
+    for name in ("", "all-r4"):
+        hf = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+        hf = hf if not name else PeftModel.from_pretrained(hf, str(adapter)).eval()
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([PROMPT]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False
+            )
+        want[name] = out[0, len(PROMPT) :].tolist()
+    assert want[""] != want["all-r4"]
+    source = LocalAdapterSource()
+    source.register("all-r4", str(adapter))
+    engine = Engine(
+        load_checkpoint(str(path)),
+        EngineConfig(max_batch_size=2, max_seq_len=64, max_loras=1, max_lora_rank=16),
+        source=source,
+    )
+    engine.start()
+    try:
+        got = {}
+        for name in want:
+            got[name] = Collector()
+            sampling = Sampling(max_tokens=steps, ignore_eos=True)
+            engine.submit(EngineRequest(f"r{len(got)}", name, list(PROMPT), sampling, got[name]))
+        for c in got.values():
+            assert c.done.wait(120), "request did not finish"
+    finally:
+        engine.stop()
+    assert {name: c.tokens for name, c in got.items()} == want
