@@ -1,8 +1,8 @@
 """Adapters served together in ONE batch each match peft; the row without an adapter matches the base model.
 
 Four PEFT adapters differ in rank (2..16, incl. rank_pattern), alpha (incl. alpha_pattern), rsLoRA and
-target modules; on Llama through every backend, on Qwen3, Gemma 2 and Gemma 3 through the default CPU
-backend in f32 and bf16. Tolerance: f32 logits within 2e-4 absolute; bf16 see ATOL_BF16.
+target modules; on Llama through every backend, on every family (Llama, Mistral, Qwen2, Qwen3, Gemma 2,
+Gemma 3) through the default CPU backend in f32 and bf16. Tolerance: f32 logits within 2e-4 absolute; bf16 see ATOL_BF16.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from loraserve.kernels import XlaGroupedBackend, get_backend, grouped
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slots import SlotPools, slot_arrays
-from tests.conftest import ADAPTERS
+from tests.conftest import ADAPTERS, FAMILIES
 
 ATOL = 2e-4
 PROMPT = [5, 17, 33, 100, 7, 9]
@@ -144,16 +144,17 @@ def test_mixed_adapter_batch_matches_peft(
         assert np.abs(by_slot[slot][-1] - by_slot[-1][-1]).max() > 1e-2
 
 
-# The new families with the default CPU backend: the four adapters (made on each family's base) and a
+# Every family with the default CPU backend: the four adapters (made on each family's base) and a
 # base-model row mixed in one batch, f32 model with f32 pools, and bf16 model with bf16 pools against
 # peft on the bf16 base (peft keeps its LoRA weights and math in f32: autocast_adapter_dtype). bf16
-# tolerance as for the base model (test_model_parity): 0.08; measured max |diff| 0.034 (Qwen3),
-# 0.033 (Gemma 2), 0.044 (Gemma 3). f32: ATOL (measured <= 3.4e-6).
+# tolerance as for the base model (test_model_parity): 0.08; measured max |diff| 0.025 (Llama), 0.028
+# (Mistral), 0.025 (Qwen2), 0.034 (Qwen3), 0.033 (Gemma 2), 0.044 (Gemma 3). f32: ATOL (measured
+# <= 3.4e-6).
 ATOL_BF16 = 0.08
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3_text"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_mixed_adapter_batch_matches_peft_per_family(
     model_dirs, family_adapter_dirs, family: str, dtype: str
 ):
@@ -172,9 +173,13 @@ def test_mixed_adapter_batch_matches_peft_per_family(
     }
     got = _serve_mixed(ck, lora, pools, row_slots, lora.plan(row_slots, len(names)), seq, dtype)
     atol = ATOL if dtype == "float32" else ATOL_BF16
+    worst: dict[int, float] = {}
     for row, slot in enumerate(row_slots):
         err = np.abs(got[row] - by_slot[slot][len(PROMPT) - 1 :]).max(axis=-1)
         assert err.max() <= atol, f"row {row} (slot {slot}): max |diff| per step {np.round(err, 5).tolist()}"
-    # every adapter moves the logits by about twice the bf16 tolerance or more (measured >= 0.20)
+        worst[slot] = max(worst.get(slot, 0.0), float(err.max()))
+    # every adapter moves peft's logits by > 0.1 (measured >= 0.13) and by more than twice our largest
+    # deviation on its rows: serving another adapter or none would have failed the check above
     for slot in set(row_slots.tolist()) - {-1}:
-        assert np.abs(by_slot[slot][len(PROMPT) - 1 :] - by_slot[-1][len(PROMPT) - 1 :]).max() > 2 * ATOL_BF16
+        effect = np.abs(by_slot[slot][len(PROMPT) - 1 :] - by_slot[-1][len(PROMPT) - 1 :]).max()
+        assert effect > max(0.1, 2 * worst[slot]), (slot, effect, worst[slot])
