@@ -130,11 +130,11 @@ def _qkv(cfg: ModelConfig, lp: dict[str, Array], ll: Lora, h: Array, lora_fn: Lo
 
 
 def _out_proj(
-    lp: dict[str, Array], ll: Lora, h: Array, attn: Array, lora_fn: LoraFn, cfg: ModelConfig | None = None
+    lp: dict[str, Array], ll: Lora, h: Array, attn: Array, lora_fn: LoraFn, cfg: ModelConfig
 ) -> Array:
     o = _matmul(attn, lp["wo"], lp.get("bo"))
     o = lora_fn(o, attn, ll["A_o"], (ll["B_o"],))
-    if cfg is not None and cfg.sandwich_norms:  # Gemma: norm the attention output before the residual
+    if cfg.sandwich_norms:  # Gemma: norm the attention output before the residual
         o = _norm(cfg, o, lp["post_attn_norm"])
     return h + o
 
