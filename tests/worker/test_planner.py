@@ -93,5 +93,10 @@ def test_cli_prints_the_plan_and_exits_3_when_it_does_not_fit(capsys: pytest.Cap
 
 def test_gemma2_9b_counts_its_four_norms_and_tied_embeddings() -> None:
     name, cfg = planner.load_model_config("gemma-2-9b")
-    assert (name, cfg.model_type, cfg.tie_word_embeddings, cfg.head_dim) == ("gemma-2-9b", "gemma2", True, 256)
+    assert (name, cfg.model_type, cfg.tie_word_embeddings, cfg.head_dim) == (
+        "gemma-2-9b",
+        "gemma2",
+        True,
+        256,
+    )
     assert planner.weight_bytes(cfg, 1, "bfloat16") == 2 * 9_241_705_984  # Gemma-2-9B's parameter count
