@@ -1,0 +1,124 @@
+"""The tensor-parallel runs of ``test_tensor_parallel.py``, in a process of their own.
+
+JAX must see several CPU devices, which needs ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+before it starts; the pytest process has already started JAX with one device, so the tests run this
+module with ``python -m tests.worker.tp_child`` and read the JSON it prints on its last line.
+
+``serve``: for each N, a ``JaxRunner`` with ``tensor_parallel_size=N`` serves one batch mixing four
+adapters and base rows (greedy), hot-swapping a slot no row uses between steps; reports the tokens,
+the logits of every decode step, the shardings of params, cache and pools, and the compilations
+counted over 200 slot swaps with decode steps in between after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from functools import partial
+
+import jax
+import numpy as np
+
+from loraserve.adapters.files import read_adapter_files
+from loraserve.adapters.peft import parse_adapter
+from loraserve.kernels.testing import count_compilations
+from loraserve.worker import model as M
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.jax_runner import JaxRunner
+from loraserve.worker.requests import SamplingRow
+
+PROMPTS = [[5, 17, 33, 100, 7, 9], [3, 4], [250, 11, 12, 13], [60, 61, 62, 63, 64], [8, 8, 8], [99, 1, 2]]
+ROW_SLOTS = [0, 1, 2, 3, -1, 0]  # four adapters, a base row, one adapter on two rows; slot 4 is swapped
+SLOTS, RANK = 5, 16
+
+
+def _spec(array: jax.Array) -> str:
+    sharding = array.sharding
+    return str(tuple(sharding.spec)) if hasattr(sharding, "spec") else "single"
+
+
+def serve(model: str, adapters: list[str], backend: str, n: int, steps: int, swaps: int) -> dict:
+    ck = load_checkpoint(model)
+    config = EngineConfig(
+        max_batch_size=len(PROMPTS), max_seq_len=32, max_loras=SLOTS, max_lora_rank=RANK,
+        kernel_backend=backend, tensor_parallel_size=n, min_prefill_bucket=16,
+    )  # fmt: skip
+    runner = JaxRunner(ck, config)
+    runner.warmup()
+    cfg = ck.config
+    weights = [
+        parse_adapter(
+            *read_adapter_files(path),
+            module_shapes=cfg.module_shapes(),
+            num_layers=cfg.num_layers,
+            max_rank=RANK,
+        )
+        for path in adapters
+    ]
+    prepared = [runner.prepare(w) for w in weights]
+    for slot, values in enumerate(prepared[:4]):
+        runner.write_slot(slot, values)
+    greedy = SamplingRow()
+    first = [
+        runner.prefill(p, s, row, greedy) for row, (p, s) in enumerate(zip(PROMPTS, ROW_SLOTS, strict=True))
+    ]
+    tokens = np.array(first, np.int32)
+    positions = np.array([len(p) for p in PROMPTS], np.int32)
+    slots = np.array(ROW_SLOTS, np.int32)
+    logits_fn = jax.jit(partial(M.decode, runner.model_config, backend=runner.backend))
+    out_tokens, out_logits = [first], []
+    for step in range(steps):
+        runner.write_slot(4, prepared[step % len(prepared)])  # hot swap of a slot no row uses
+        plan = runner.backend.plan(slots, SLOTS)
+        logits, _ = logits_fn(
+            runner.params, runner.pools.pools, tokens, positions, plan, runner.cache, runner.inv_freq
+        )
+        out_logits.append(np.asarray(logits).tolist())
+        tokens = runner.decode(tokens, positions, slots, [greedy] * len(PROMPTS)).astype(np.int32)
+        out_tokens.append(tokens.tolist())
+        positions = positions + 1
+    layer = runner.params["layers"][0]
+    shardings = {
+        "params": {k: _spec(v) for k, v in layer.items()},
+        "embed": _spec(runner.params["embed"]),
+        "cache": [_spec(runner.cache[0][0]), _spec(runner.cache[0][1])],
+        "pools": {k: _spec(v) for k, v in runner.pools.pools[0].items()},
+        "pool_shapes": {
+            k: list(v.addressable_shards[0].data.shape) for k, v in runner.pools.pools[0].items()
+        },
+    }
+    mixes = [[0, 1, 2, 3, -1, 4], [-1] * 6, [4] * 6, [2, 2, 0, -1, 1, 3]]
+    rows = len(PROMPTS)
+    with count_compilations() as count:
+        for i in range(swaps):
+            runner.write_slot(i % SLOTS, prepared[i % len(prepared)])
+            if i % 20 == 0:
+                mix = np.array(mixes[(i // 20) % len(mixes)], np.int32)
+                runner.decode(np.full(rows, 9, np.int32), np.full(rows, 20, np.int32), mix, [greedy] * rows)
+    after = {k: _spec(v) for k, v in runner.pools.pools[0].items()}
+    return {
+        "tokens": out_tokens, "logits": out_logits, "shardings": shardings, "pools_after_swaps": after,
+        "compilations": count.compilations, "compiled": count.names, "devices": len(jax.devices()),
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--adapters", required=True, help="comma-separated PEFT folders")
+    parser.add_argument("--backend", default="xla-grouped")
+    parser.add_argument("--sizes", default="1,2,4,8")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--swaps", type=int, default=200)
+    args = parser.parse_args()
+    adapters = args.adapters.split(",")
+    out = {
+        n: serve(args.model, adapters, args.backend, int(n), args.steps, args.swaps)
+        for n in args.sizes.split(",")
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
