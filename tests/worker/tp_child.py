@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from functools import partial
 
 import jax
@@ -27,6 +28,7 @@ from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.jax_runner import JaxRunner
 from loraserve.worker.requests import SamplingRow
+from loraserve.worker.sampling import SamplingArrays
 
 PROMPTS = [[5, 17, 33, 100, 7, 9], [3, 4], [250, 11, 12, 13], [60, 61, 62, 63, 64], [8, 8, 8], [99, 1, 2]]
 ROW_SLOTS = [0, 1, 2, 3, -1, 0]  # four adapters, a base row, one adapter on two rows; slot 4 is swapped
@@ -68,6 +70,9 @@ def serve(model: str, adapters: list[str], backend: str, n: int, steps: int, swa
     slots = np.array(ROW_SLOTS, np.int32)
     logits_fn = jax.jit(partial(M.decode, runner.model_config, backend=runner.backend))
     out_tokens, out_logits = [first], []
+    base, _ = logits_fn(
+        runner.params, runner.pools.pools, tokens, positions, None, runner.cache, runner.inv_freq
+    )
     for step in range(steps):
         runner.write_slot(4, prepared[step % len(prepared)])  # hot swap of a slot no row uses
         plan = runner.backend.plan(slots, SLOTS)
@@ -98,8 +103,50 @@ def serve(model: str, adapters: list[str], backend: str, n: int, steps: int, swa
                 runner.decode(np.full(rows, 9, np.int32), np.full(rows, 20, np.int32), mix, [greedy] * rows)
     after = {k: _spec(v) for k, v in runner.pools.pools[0].items()}
     return {
-        "tokens": out_tokens, "logits": out_logits, "shardings": shardings, "pools_after_swaps": after,
+        "tokens": out_tokens, "logits": out_logits, "base_logits": np.asarray(base).tolist(), "shardings": shardings, "pools_after_swaps": after,
         "compilations": count.compilations, "compiled": count.names, "devices": len(jax.devices()),
+    }  # fmt: skip
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_SHAPE = re.compile(r"[a-z]+[0-9]*\[([0-9,]*)\]")
+
+
+def collective_elements(hlo: str) -> dict[str, int]:
+    """Elements each collective op kind moves in compiled HLO text (async ``-start`` counted once)."""
+    out = dict.fromkeys(COLLECTIVES, 0)
+    for line in hlo.splitlines():
+        m = _OP.search(line)
+        if m is None:
+            continue
+        for dims in _SHAPE.findall(m.group(1)):
+            out[m.group(2)] += int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return out
+
+
+def hlo(model: str, backend: str, n: int) -> dict:
+    """Collective elements of the compiled decode step with no LoRA code and with each plan variant."""
+    ck = load_checkpoint(model)
+    config = EngineConfig(
+        max_batch_size=len(PROMPTS), max_seq_len=32, max_loras=SLOTS, max_lora_rank=RANK,
+        kernel_backend=backend, tensor_parallel_size=n,
+    )  # fmt: skip
+    runner = JaxRunner(ck, config)
+    rows = config.max_batch_size
+    zeros = np.zeros(rows, np.int32)
+    samp = SamplingArrays.empty(rows).as_tuple()
+
+    def count(plan) -> dict[str, int]:
+        lowered = runner._decode.lower(
+            runner.params, runner.pools.pools, zeros, zeros, plan, runner.cache, runner.inv_freq, samp
+        )
+        return collective_elements(lowered.compile().as_text())
+
+    plans = runner.backend.warmup_plans(rows, SLOTS)
+    return {
+        "base": count(None), "lora": [count(p) for p in plans if p is not None],
+        "layers": ck.config.num_layers, "batch": rows, "rank": RANK,
     }  # fmt: skip
 
 
@@ -111,7 +158,11 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--swaps", type=int, default=200)
+    parser.add_argument("--hlo", action="store_true", help="count the decode step's collectives instead")
     args = parser.parse_args()
+    if args.hlo:
+        print(json.dumps({n: hlo(args.model, args.backend, int(n)) for n in args.sizes.split(",")}))
+        return
     adapters = args.adapters.split(",")
     out = {
         n: serve(args.model, adapters, args.backend, int(n), args.steps, args.swaps)
