@@ -120,13 +120,14 @@ def host_layer_params(cfg: ModelConfig, layer: dict[str, Any], n: int) -> dict[s
 
 
 def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int) -> dict[str, Any]:
-    """The PartitionSpec tree of ``params`` (same structure) for N devices."""
+    """The PartitionSpec tree of ``params`` (same structure; leaves arrays or shape tuples) for N devices."""
     vocab = P(AXIS, None) if cfg.vocab_size % n == 0 else P()
     top = {k: (vocab if k in ("embed", "lm_head") else P()) for k in params if k != "layers"}
 
     def layer_spec(key: str, value: Any) -> P:
         dim = LAYER_SPLIT_DIM.get(key)
-        return P(*(AXIS if d == dim else None for d in range(np.ndim(value))))
+        rank = len(value) if isinstance(value, tuple) else np.ndim(value)  # a shape or an array
+        return P(*(AXIS if d == dim else None for d in range(rank)))
 
     top["layers"] = [{k: layer_spec(k, v) for k, v in layer.items()} for layer in params["layers"]]
     return top
@@ -177,28 +178,44 @@ def expand_slot_values(
     return [{k: (rep(v) if k in ("B_k", "B_v") else v) for k, v in layer.items()} for layer in values]
 
 
-def abstract_state(
-    cfg: ModelConfig,
-    params: dict[str, Any],
-    mesh: Mesh,
-    backend: LoraBackend,
-    *,
-    rows: int,
-    max_seq: int,
-    max_loras: int,
-    max_rank: int,
-    dtype: Any,
-    pool_dtype: Any,
-) -> dict[str, Any]:
-    """Abstract params, KV cache and slot pools (``jax.ShapeDtypeStruct`` with their shardings) of the
-    N-device model, for lowering the jitted decode/prefill ahead of time without allocating.
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The shapes of ``worker.checkpoint``'s params for ``cfg`` (one device's layout), as a params tree of
+    tuples: what :func:`abstract_state` needs when no checkpoint is loaded (the capacity planner)."""
+    h, q, kv, i, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
+    layer: dict[str, tuple[int, ...]] = {
+        "attn_norm": (h,), "mlp_norm": (h,), "wqkv": (q + 2 * kv, h), "wo": (h, q),
+        "w_gate_up": (2 * i, h), "w_down": (h, i),
+    }  # fmt: skip
+    if cfg.qkv_bias:
+        layer["bqkv"] = (q + 2 * kv,)
+    if cfg.o_bias:
+        layer["bo"] = (h,)
+    if cfg.mlp_bias:
+        layer.update(b_gate_up=(2 * i,), b_down=(h,))
+    out: dict[str, Any] = {"embed": (v, h), "final_norm": (h,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = (v, h)
+    out["layers"] = [dict(layer) for _ in range(cfg.num_layers)]
+    return out
 
-    ``params`` may itself be abstract (anything with ``shape``); returns ``{"params", "cache", "pools",
-    "model_config", "backend"}`` where ``backend`` is the ``ShardedBackend`` the model is traced with.
+
+def abstract_state(
+    cfg: ModelConfig, config: Any, mesh: Mesh, backend: LoraBackend, params: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Abstract params, KV cache and slot pools (``jax.ShapeDtypeStruct`` carrying their shardings) of the
+    model ``cfg`` served with ``config`` (an ``EngineConfig``) over ``mesh``, for lowering the jitted
+    decode/prefill ahead of time without allocating: ``jax.jit(f).lower(*abstract args)`` is one call.
+
+    ``params``: a params tree whose leaves have shapes (real arrays or ``jax.eval_shape`` output) in the
+    one-device layout; None = :func:`param_shapes` of ``cfg``. Returns ``{"params", "cache", "pools",
+    "model_config", "backend", "out_shardings"}``: the N-device model config and ``ShardedBackend`` the
+    model is traced with, and the ``(token(s), cache)`` output shardings of the jitted steps.
     """
     n = mesh.size
     tcfg = tp_model_config(cfg, n)
     sharded = backend if isinstance(backend, ShardedBackend) else ShardedBackend(backend, mesh)
+    dtype, pool_dtype = config.dtype, config.pool_dtype
+    shapes = jax.tree.map(np.shape, params) if params is not None else param_shapes(cfg)
 
     def sds(shape, dt, spec):
         return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dt), sharding=NamedSharding(mesh, spec))
@@ -208,21 +225,26 @@ def abstract_state(
             return (tcfg.q_size + 2 * tcfg.kv_size, *shape[1:])
         return tuple(shape)
 
-    specs = param_specs(cfg, params, n)
-    aparams = {k: sds(np.shape(v), dtype, specs[k]) for k, v in params.items() if k != "layers"}
+    specs = param_specs(cfg, shapes, n)
+    aparams: dict[str, Any] = {k: sds(v, dtype, specs[k]) for k, v in shapes.items() if k != "layers"}
     aparams["layers"] = [
-        {k: sds(tp_shape(k, np.shape(v)), dtype, ls[k]) for k, v in layer.items()}
-        for layer, ls in zip(params["layers"], specs["layers"], strict=True)
+        {k: sds(tp_shape(k, v), dtype, ls[k]) for k, v in layer.items()}
+        for layer, ls in zip(shapes["layers"], specs["layers"], strict=True)
     ]
+    rows, max_seq = config.max_batch_size, config.max_seq_len
     k_shape = (rows, tcfg.num_kv_heads, tcfg.head_dim, max_seq)
     v_shape = (rows, tcfg.num_kv_heads, max_seq, tcfg.head_dim)
     cache = [
         (sds(k_shape, dtype, CACHE_SPEC), sds(v_shape, dtype, CACHE_SPEC)) for _ in range(cfg.num_layers)
     ]
     pspecs = pool_specs(tcfg, sharded)
-    slot = lora_slot_shapes(tcfg, max_rank)
+    slot = lora_slot_shapes(tcfg, config.max_lora_rank)
     pools = [
-        {k: sds((max_loras, *sharded.slot_shape(s)), pool_dtype, pspecs[k]) for k, s in slot.items()}
+        {k: sds((config.max_loras, *sharded.slot_shape(s)), pool_dtype, pspecs[k]) for k, s in slot.items()}
         for _ in range(cfg.num_layers)
     ]
-    return {"params": aparams, "cache": cache, "pools": pools, "model_config": tcfg, "backend": sharded}
+    cache_out = [(NamedSharding(mesh, CACHE_SPEC),) * 2 for _ in range(cfg.num_layers)]
+    return {
+        "params": aparams, "cache": cache, "pools": pools, "model_config": tcfg, "backend": sharded,
+        "out_shardings": (NamedSharding(mesh, P()), cache_out),
+    }  # fmt: skip

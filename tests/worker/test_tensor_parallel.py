@@ -194,3 +194,16 @@ def test_runner_refuses_more_devices_than_visible(llama_dir) -> None:
         JaxRunner(load_checkpoint(str(llama_dir)), config)
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(tensor_parallel_size=0)
+
+
+def test_sharded_pallas_decode_lowers_for_tpu() -> None:
+    """DESIGN.md §6's TPU check for the N-device step: ``jax.export`` for the TPU platform runs the Mosaic
+    lowering of every Pallas kernel inside ``shard_map`` (block rules enforced) on abstract shapes from
+    ``sharding.abstract_state`` (bf16, 128-wide heads; nothing allocated)."""
+    out = run_child("--tpu-export", "--sizes", "2,4,8")
+    for n in ("2", "4", "8"):
+        got = out[n]
+        assert got["platforms"] == ["tpu"] and got["devices"] == int(n)
+        # per layer: qkv shrink + 3 expands, gate_up shrink + 2, o and down each shrink + expand twice
+        assert got["custom_calls"] == 15 * got["layers"], got
+        assert got["psums"] == 2 * got["layers"], got  # the row-parallel [batch, rank] reductions

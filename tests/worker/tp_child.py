@@ -150,16 +150,62 @@ def hlo(model: str, backend: str, n: int) -> dict:
     }  # fmt: skip
 
 
+def tpu_export(n: int) -> dict:
+    """Export the N-device decode step with the Pallas backend for TPU (Mosaic lowering, no TPU needed),
+    on abstract shapes from ``sharding.abstract_state``: a Llama-like bf16 model with 128-wide heads."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from loraserve.kernels import pallas as pk
+    from loraserve.kernels.backends import PallasBackend
+    from loraserve.worker import sharding
+    from loraserve.worker.model_config import ModelConfig
+
+    pk.default_interpret = lambda: False  # lower the real kernels, not the interpreter
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_layers=2,
+        num_heads=8, num_kv_heads=2, head_dim=128,
+    )  # fmt: skip
+    config = EngineConfig(
+        max_batch_size=16, max_seq_len=256, max_loras=8, max_lora_rank=16, dtype="bfloat16",
+        kernel_backend="pallas", tensor_parallel_size=n,
+    )  # fmt: skip
+    mesh = sharding.make_mesh(n)
+    st = sharding.abstract_state(cfg, config, mesh, PallasBackend())
+    tcfg, backend = st["model_config"], st["backend"]
+
+    def step(params, pools, tokens, positions, plan, cache, inv_freq):
+        return M.decode(tcfg, params, pools, tokens, positions, plan, cache, inv_freq, backend)
+
+    rep = NamedSharding(mesh, P())
+    rows = jax.ShapeDtypeStruct((16,), jnp.int32, sharding=rep)
+    inv = jax.ShapeDtypeStruct((tcfg.head_dim // 2,), jnp.float32, sharding=rep)
+    exported = jax.export.export(jax.jit(step, out_shardings=st["out_shardings"]), platforms=["tpu"])(
+        st["params"], st["pools"], rows, rows, rows, st["cache"], inv
+    )
+    mlir = exported.mlir_module()
+    return {
+        "platforms": list(exported.platforms), "devices": exported.nr_devices,
+        "custom_calls": mlir.count("tpu_custom_call"), "psums": mlir.count("all_reduce"),
+        "layers": cfg.num_layers,
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--adapters", required=True, help="comma-separated PEFT folders")
+    parser.add_argument("--model", default="")
+    parser.add_argument("--adapters", default="", help="comma-separated PEFT folders")
     parser.add_argument("--backend", default="xla-grouped")
     parser.add_argument("--sizes", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--swaps", type=int, default=200)
     parser.add_argument("--hlo", action="store_true", help="count the decode step's collectives instead")
+    parser.add_argument("--tpu-export", action="store_true", help="export the Pallas decode step for TPU")
     args = parser.parse_args()
+    if args.tpu_export:
+        print(json.dumps({n: tpu_export(int(n)) for n in args.sizes.split(",")}))
+        return
     if args.hlo:
         print(json.dumps({n: hlo(args.model, args.backend, int(n)) for n in args.sizes.split(",")}))
         return
