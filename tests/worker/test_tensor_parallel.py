@@ -207,3 +207,20 @@ def test_sharded_pallas_decode_lowers_for_tpu() -> None:
         # per layer: qkv shrink + 3 expands, gate_up shrink + 2, o and down each shrink + expand twice
         assert got["custom_calls"] == 15 * got["layers"], got
         assert got["psums"] == 2 * got["layers"], got  # the row-parallel [batch, rank] reductions
+
+
+def test_flag_and_environment_twin() -> None:
+    import argparse
+
+    from loraserve.common.config import config_from_args
+    from loraserve.worker.cli import HELP, add_arguments
+    from loraserve.worker.config import ENV_PREFIX, WorkerConfig
+
+    env = WorkerConfig.from_env({"LORASERVE_WORKER_TENSOR_PARALLEL_SIZE": "4"})
+    assert env.engine_config().tensor_parallel_size == 4
+    assert WorkerConfig.from_env({}).tensor_parallel_size == 1
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--tensor-parallel-size", "8"])
+    assert config_from_args(WorkerConfig, ENV_PREFIX, args).engine_config().tensor_parallel_size == 8
+    assert HELP["tensor_parallel_size"].startswith("devices one model is split over")
