@@ -40,11 +40,13 @@ def _spec(array: jax.Array) -> str:
     return str(tuple(sharding.spec)) if hasattr(sharding, "spec") else "single"
 
 
-def serve(model: str, adapters: list[str], backend: str, n: int, steps: int, swaps: int) -> dict:
-    ck = load_checkpoint(model)
+def serve(
+    model: str, adapters: list[str], backend: str, n: int, steps: int, swaps: int, dtype: str = "float32"
+) -> dict:
+    ck = load_checkpoint(model, dtype=dtype)
     config = EngineConfig(
         max_batch_size=len(PROMPTS), max_seq_len=32, max_loras=SLOTS, max_lora_rank=RANK,
-        kernel_backend=backend, tensor_parallel_size=n, min_prefill_bucket=16,
+        kernel_backend=backend, tensor_parallel_size=n, min_prefill_bucket=16, dtype=dtype,
     )  # fmt: skip
     runner = JaxRunner(ck, config)
     runner.warmup()
@@ -200,6 +202,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,2,4,8")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--swaps", type=int, default=200)
+    parser.add_argument("--dtype", default="float32")
     parser.add_argument("--hlo", action="store_true", help="count the decode step's collectives instead")
     parser.add_argument("--tpu-export", action="store_true", help="export the Pallas decode step for TPU")
     args = parser.parse_args()
@@ -211,7 +214,7 @@ def main() -> None:
         return
     adapters = args.adapters.split(",")
     out = {
-        n: serve(args.model, adapters, args.backend, int(n), args.steps, args.swaps)
+        n: serve(args.model, adapters, args.backend, int(n), args.steps, args.swaps, args.dtype)
         for n in args.sizes.split(",")
     }
     print(json.dumps(out))
