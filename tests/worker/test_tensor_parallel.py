@@ -111,6 +111,8 @@ def test_sizes_serve_the_same_tokens(tp_model, backend: str, sizes: tuple[int, .
         if n == 1:
             assert set(got["pools_after_swaps"].values()) == {"single"}
             continue
+        # sharding.abstract_state (the planner's AOT shapes) has the runner's shapes, dtypes and specs
+        assert got["abstract_matches"] == {"params": True, "cache": True, "pools": True}
         sh = got["shardings"]
         assert sh["params"] == {
             "attn_norm": "(None,)", "mlp_norm": "(None,)", "bqkv": "('model',)", "wqkv": SPLIT,

@@ -24,6 +24,7 @@ from loraserve.adapters.files import read_adapter_files
 from loraserve.adapters.peft import parse_adapter
 from loraserve.kernels.testing import count_compilations
 from loraserve.worker import model as M
+from loraserve.worker import sharding
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.jax_runner import JaxRunner
@@ -38,6 +39,11 @@ SLOTS, RANK = 5, 16
 def _spec(array: jax.Array) -> str:
     sharding = array.sharding
     return str(tuple(sharding.spec)) if hasattr(sharding, "spec") else "single"
+
+
+def _signature(tree) -> list:
+    """(shape, dtype, PartitionSpec) of every leaf: what abstract and real arrays must agree on."""
+    return jax.tree.leaves(jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype), str(a.sharding.spec)), tree))
 
 
 def serve(
@@ -95,6 +101,11 @@ def serve(
             k: list(v.addressable_shards[0].data.shape) for k, v in runner.pools.pools[0].items()
         },
     }
+    abstract = {}
+    if runner.mesh is not None:  # what the planner lowers on must be what the runner allocates
+        st = sharding.abstract_state(cfg, config, runner.mesh, runner.backend)
+        real = {"params": runner.params, "cache": runner.cache, "pools": runner.pools.pools}
+        abstract = {k: _signature(st[k]) == _signature(v) for k, v in real.items()}
     mixes = [[0, 1, 2, 3, -1, 4], [-1] * 6, [4] * 6, [2, 2, 0, -1, 1, 3]]
     rows = len(PROMPTS)
     with count_compilations() as count:
@@ -106,7 +117,7 @@ def serve(
     after = {k: _spec(v) for k, v in runner.pools.pools[0].items()}
     return {
         "tokens": out_tokens, "logits": out_logits, "base_logits": np.asarray(base).tolist(), "shardings": shardings, "pools_after_swaps": after,
-        "compilations": count.compilations, "compiled": count.names, "devices": len(jax.devices()),
+        "abstract_matches": abstract, "compilations": count.compilations, "compiled": count.names, "devices": len(jax.devices()),
     }  # fmt: skip
 
 
@@ -161,7 +172,6 @@ def tpu_export(n: int) -> dict:
 
     from loraserve.kernels import pallas as pk
     from loraserve.kernels.backends import PallasBackend
-    from loraserve.worker import sharding
     from loraserve.worker.model_config import ModelConfig
 
     pk.default_interpret = lambda: False  # lower the real kernels, not the interpreter
