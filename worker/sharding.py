@@ -192,6 +192,11 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
         layer["bo"] = (h,)
     if cfg.mlp_bias:
         layer.update(b_gate_up=(2 * i,), b_down=(h,))
+    # the families' extra norms (Gemma's sandwich norms, Qwen3/Gemma 3's q/k norms), where the config has them
+    if getattr(cfg, "sandwich_norms", False):
+        layer.update(post_attn_norm=(h,), post_mlp_norm=(h,))
+    if getattr(cfg, "qk_norm", False):
+        layer.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
     out: dict[str, Any] = {"embed": (v, h), "final_norm": (h,)}
     if not cfg.tie_word_embeddings:
         out["lm_head"] = (v, h)
