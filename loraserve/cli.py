@@ -7,7 +7,7 @@ Every subcommand module exposes ``add_arguments(parser)`` and ``run(args) -> int
 Refusals, local (a pickle-only adapter folder, a bad flag value) or remote (any gRPC status from a server),
 print one line ``error: CODE: message`` on stderr and exit with status 1, never a traceback. Exit statuses:
 0 done; 1 refused (``error: CODE: …``; ``loraserve health`` also exits 1 for NOT_SERVING); 2 usage error
-(argparse); 130 interrupted (Ctrl-C).
+(argparse); 3 ``loraserve plan``: the configuration does not fit; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("loraserve.router.cli", "run the adapter-affinity router in front of the workers"),
     "generate": ("loraserve.client.generate_cmd", "stream a generation from a router or worker"),
     "worker": ("loraserve.worker.cli", "serve a base model with hot-swappable LoRA adapter slots (gRPC)"),
+    "plan": (
+        "loraserve.worker.plan_cmd",
+        "will a model with these slots, batch and context fit N TPU chips? per-device bytes (exit 3: no)",
+    ),
     "health": ("loraserve.client.health_cmd", "probe a server's gRPC health (exit 0 when SERVING)"),
     "version": ("loraserve.version", "print the loraserve version and the versions of its runtime"),
 }

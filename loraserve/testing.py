@@ -42,7 +42,50 @@ TINY = {
         num_attention_heads=4,
         num_key_value_heads=4,
     ),
+    # q/k norm, head_dim 24 (q_size 96 != hidden), layer 0 full and layers 1-2 through a 5-token window
+    "qwen3": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        use_sliding_window=True,
+        sliding_window=5,
+        max_window_layers=1,
+    ),
+    # sliding (4 tokens) / full / sliding by transformers' default rule, soft caps small enough to bite
+    "gemma2": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+        attn_logit_softcapping=1.0,
+        final_logit_softcapping=2.5,
+    ),
+    # q/k norm, head_dim 32 (q_size 128), MQA, sliding layers with their own RoPE base, linear-scaled
+    # RoPE on the full layer
+    "gemma3_text": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=48,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+        },
+    ),
 }
+GEMMA_NORMS = ("gemma2", "gemma3_text")  # RMSNorm weight w scales by (1 + w)
 
 
 def build_tokenizer(path: str | Path, vocab_size: int = 384) -> Any:
@@ -79,7 +122,7 @@ def build_model(model_type: str = "llama", seed: int = 0, vocab_size: int = 384,
     with torch.no_grad():  # HF's 0.02 init gives near-uniform logits; widen it so argmax is decisive
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+                p.copy_((0.0 if model_type in GEMMA_NORMS else 1.0) + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.08 if p.dim() > 1 else 0.02)
     return model.eval()

@@ -88,6 +88,10 @@ FAMILIES = {
     "mistral": dict(),
     # qkv bias (always on for qwen2) and tied embeddings
     "qwen2": dict(tie_word_embeddings=True),
+    # the new families: their distinctive settings (windows, soft caps, RoPE tables) are in testing.TINY
+    "qwen3": dict(),
+    "gemma2": dict(),
+    "gemma3_text": dict(),
 }
 
 
@@ -131,3 +135,21 @@ def adapter_dirs(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
         make_adapter(base, root / name, **kw)
         out[name] = root / name
     return out
+
+
+@pytest.fixture(scope="session")
+def family_adapter_dirs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """``family -> {adapter name -> folder}``: the ADAPTERS made on that family's base, built on first use."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, dict[str, Path]] = {}
+
+    def get(family: str) -> dict[str, Path]:
+        if family not in made:
+            root = tmp_path_factory.mktemp(f"adapters-{family}")
+            for name, kw in ADAPTERS.items():
+                make_adapter(AutoModelForCausalLM.from_pretrained(str(model_dirs[family])), root / name, **kw)
+            made[family] = {name: root / name for name in ADAPTERS}
+        return made[family]
+
+    return get

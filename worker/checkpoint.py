@@ -1,4 +1,4 @@
-"""Load a Hugging Face Llama-family checkpoint folder (local path or fsspec URL) into stacked JAX arrays.
+"""Load a Hugging Face Llama-family (Llama, Mistral, Qwen2/3, Gemma 2/3 text) checkpoint folder (local path or fsspec URL) into stacked JAX arrays.
 
 The folder holds ``config.json`` and one or many ``*.safetensors`` (sharded checkpoints carry a
 ``model.safetensors.index.json``). Matrices stay in Hugging Face's ``[out, in]`` layout, one dict per layer
@@ -108,7 +108,15 @@ def convert_hf_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
         add("attn_norm", _take(tensors, p + "input_layernorm.weight", (h,)))
-        add("mlp_norm", _take(tensors, p + "post_attention_layernorm.weight", (h,)))
+        if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output
+            add("post_attn_norm", _take(tensors, p + "post_attention_layernorm.weight", (h,)))
+            add("mlp_norm", _take(tensors, p + "pre_feedforward_layernorm.weight", (h,)))
+            add("post_mlp_norm", _take(tensors, p + "post_feedforward_layernorm.weight", (h,)))
+        else:
+            add("mlp_norm", _take(tensors, p + "post_attention_layernorm.weight", (h,)))
+        if cfg.qk_norm:
+            add("q_norm", _take(tensors, p + "self_attn.q_norm.weight", (cfg.head_dim,)))
+            add("k_norm", _take(tensors, p + "self_attn.k_norm.weight", (cfg.head_dim,)))
         wq = _take(tensors, p + "self_attn.q_proj.weight", (q, h))
         wk = _take(tensors, p + "self_attn.k_proj.weight", (kv, h))
         wv = _take(tensors, p + "self_attn.v_proj.weight", (kv, h))
@@ -149,7 +157,7 @@ def convert_hf_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
 def load_checkpoint(url: str, dtype: str = "float32") -> Checkpoint:
     """Read ``config.json`` + safetensors from ``url`` and place the stacked weights on the device.
 
-    Semantics: the returned params compute exactly what transformers' LlamaForCausalLM computes.
+    Semantics: the returned params compute exactly what transformers' ``*ForCausalLM`` of the family computes.
     """
     cfg = ModelConfig.from_hf(read_config(url))
     host = convert_hf_weights(cfg, dict(_iter_tensors(url)))

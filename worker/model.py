@@ -1,5 +1,10 @@
 """The Llama-family decoder in JAX: prefill one prompt into the KV cache, decode one token for every row.
 
+The family differences are static ``ModelConfig`` fields (``worker.model_config``): Gemma's ``1 + w``
+RMSNorm and sandwich norms, q/k norm (Qwen3, Gemma 3), scaled embeddings, GELU-tanh, attention and final
+logit soft-capping, sliding-window layers and a second RoPE table for them; layers are unrolled, so a
+layer's kind costs no extra compiled variant.
+
 Parameters come from ``worker.checkpoint`` (one dict per layer, matrices ``[out, in]`` as in Hugging Face,
 q/k/v and gate/up fused); LoRA slot pools come from ``worker.slots`` (per layer one ``A_<group>`` with the
 ranks of the group's modules side by side and one ``B_<module>`` per module, scaling folded into B; the
@@ -46,11 +51,42 @@ LORA_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
-def rms_norm(x: Array, w: Array, eps: float) -> Array:
-    """x [..., H], w [H] -> [..., H]. Semantics: x / rms(x) * w, computed in f32."""
+def rms_norm(x: Array, w: Array, eps: float, offset: bool = False) -> Array:
+    """x [..., H], w [H] -> [..., H]. Semantics: x / rms(x) (in f32) times w, as transformers does it:
+    rounded to x's dtype, then times w (Llama); or times ``1 + w`` in f32, then rounded (``offset``, Gemma)."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
+    if offset:
+        return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+    return (y.astype(x.dtype) * w).astype(x.dtype)
+
+
+def _norm(cfg: ModelConfig, x: Array, w: Array) -> Array:
+    return rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norm)
+
+
+def _activation(cfg: ModelConfig, x: Array) -> Array:
+    """The MLP's gate activation in f32: silu, or gelu_pytorch_tanh (the tanh approximation)."""
+    xf = x.astype(jnp.float32)
+    return jax.nn.gelu(xf, approximate=True) if cfg.hidden_act == "gelu_pytorch_tanh" else jax.nn.silu(xf)
+
+
+def _softcap(x: Array, cap: float | None) -> Array:
+    """Semantics: tanh(x / cap) * cap (Gemma's soft-capping); identity when cap is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+def _embed(cfg: ModelConfig, params: Params, tokens: Array) -> Array:
+    """tokens [...] -> [..., H]; Gemma scales by sqrt(hidden), rounded to the embedding dtype as HF does."""
+    h = params["embed"][tokens]
+    return h if cfg.embed_scale is None else h * jnp.asarray(cfg.embed_scale, h.dtype)
+
+
+def _layer_inv_freq(cfg: ModelConfig, inv_freq: Array, layer: int) -> Array:
+    """inv_freq [D/2] (one table) or [2, D/2] (global, local) -> this layer's table [D/2]."""
+    if inv_freq.ndim == 1:
+        return inv_freq
+    return inv_freq[1 if cfg.is_sliding(layer) else 0]
 
 
 def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
@@ -87,39 +123,54 @@ def _matmul(x: Array, w: Array, b: Array | None) -> Array:
 def _layer_mlp(
     cfg: ModelConfig, lp: dict[str, Array], ll: Lora, h: Array, lora_fn: LoraFn, shards: int = 1
 ) -> Array:
-    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    x = _norm(cfg, h, lp["mlp_norm"])
     gu = _matmul(x, lp["w_gate_up"], lp.get("b_gate_up"))
     gu = lora_fn(gu, x, ll["A_gate_up"], (ll["B_gate"], ll["B_up"]), COLUMN)
     gate, up = split_fused(gu, (cfg.intermediate_size,) * 2, shards)
-    act = jax.nn.silu(gate.astype(jnp.float32)).astype(h.dtype) * up
+    act = _activation(cfg, gate).astype(h.dtype) * up
     down = _matmul(act, lp["w_down"], lp.get("b_down"))
-    return h + lora_fn(down, act, ll["A_down"], (ll["B_down"],), ROW)
+    down = lora_fn(down, act, ll["A_down"], (ll["B_down"],), ROW)
+    if cfg.sandwich_norms:
+        down = _norm(cfg, down, lp["post_mlp_norm"])
+    return h + down
 
 
 def _qkv(
     cfg: ModelConfig, lp: dict[str, Array], ll: Lora, h: Array, lora_fn: LoraFn, shards: int = 1
 ) -> tuple[Array, ...]:
-    x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    x = _norm(cfg, h, lp["attn_norm"])
     qkv = _matmul(x, lp["wqkv"], lp.get("bqkv"))
     qkv = lora_fn(qkv, x, ll["A_qkv"], (ll["B_q"], ll["B_k"], ll["B_v"]), COLUMN)
     q, k, v = split_fused(qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size), shards)
     lead = h.shape[:-1]
-    return (
-        q.reshape(*lead, cfg.num_heads, cfg.head_dim),
-        k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim),
-        v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim),
-    )
+    q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:  # per head, before RoPE (Qwen3, Gemma 3)
+        q, k = _norm(cfg, q, lp["q_norm"]), _norm(cfg, k, lp["k_norm"])
+    return q, k, v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
 
 
-def _out_proj(lp: dict[str, Array], ll: Lora, h: Array, attn: Array, lora_fn: LoraFn) -> Array:
+def _out_proj(
+    lp: dict[str, Array], ll: Lora, h: Array, attn: Array, lora_fn: LoraFn, cfg: ModelConfig
+) -> Array:
     o = _matmul(attn, lp["wo"], lp.get("bo"))
-    return h + lora_fn(o, attn, ll["A_o"], (ll["B_o"],), ROW)
+    o = lora_fn(o, attn, ll["A_o"], (ll["B_o"],), ROW)
+    if cfg.sandwich_norms:  # Gemma: norm the attention output before the residual
+        o = _norm(cfg, o, lp["post_attn_norm"])
+    return h + o
+
+
+def _scores(cfg: ModelConfig, scores: Array) -> Array:
+    """Raw f32 ``q . k`` -> scaled (and, for Gemma 2, soft-capped) attention logits, before the mask."""
+    return _softcap(scores * cfg.attn_scale, cfg.attn_logit_softcap)
 
 
 def logits_from_hidden(cfg: ModelConfig, params: Params, h: Array) -> Array:
-    """h [..., H] -> logits [..., V] in f32. Semantics: final norm, then lm_head (or tied embeddings)."""
-    x = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    return linear(x, params["lm_head"] if "lm_head" in params else params["embed"])
+    """h [..., H] -> logits [..., V] in f32. Semantics: final norm, lm_head (or tied embeddings), then
+    the final soft-cap where the config has one (Gemma 2)."""
+    x = _norm(cfg, h, params["final_norm"])
+    logits = linear(x, params["lm_head"] if "lm_head" in params else params["embed"])
+    return _softcap(logits, cfg.final_logit_softcap)
 
 
 def prefill(
@@ -131,13 +182,14 @@ def prefill(
     slot: Array,  # [] int32, adapter slot or -1
     row: Array,  # [] int32, KV cache row to fill
     cache: Cache,
-    inv_freq: Array,  # [D/2] f32
+    inv_freq: Array,  # [D/2] f32, or [2, D/2] (global, local): ModelConfig.inv_freq()
     backend: LoraBackend,
 ) -> tuple[Array, Cache]:
     """Run one prompt, write its keys/values into ``cache`` row ``row``; returns last-token logits [V].
 
-    Semantics: causal self-attention over the prompt's first ``length`` tokens, LoRA of ``slot`` on
-    every targeted projection; padded positions are written to the cache but never attended to.
+    Semantics: causal self-attention over the prompt's first ``length`` tokens (on sliding layers over
+    the last ``sliding_window`` of them), LoRA of ``slot`` on every targeted projection; padded positions
+    are written to the cache but never attended to.
     """
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
@@ -146,18 +198,24 @@ def prefill(
         return backend.apply_one_slot(y, x, a, bs, slot, parallel)
 
     causal = (positions[None, :] <= positions[:, None]) & (positions[None, :] < length)  # [T, S]
-    scale = cfg.head_dim**-0.5
+    if cfg.sliding_window is not None:  # sliding layers: only the last `sliding_window` positions
+        in_window = positions[None, :] > positions[:, None] - cfg.sliding_window
+        # a padded query keeps the causal mask: with no key left, its -inf scores would give NaN rows that
+        # reach the real ones through the padded positions' cached k/v (0 * NaN)
+        local = causal & (in_window | (positions[:, None] >= length))
     group = cfg.num_heads // cfg.num_kv_heads
-    h = params["embed"][tokens]
+    h = _embed(cfg, params, tokens)
     new_cache: Cache = []
-    for lp, ll, (k_cache, v_cache) in zip(params["layers"], lora, cache, strict=True):
+    for n, (lp, ll, (k_cache, v_cache)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        freq = _layer_inv_freq(cfg, inv_freq, n)
+        q, k = apply_rope(q, positions, freq), apply_rope(k, positions, freq)
         qg = q.reshape(t, cfg.num_kv_heads, group, cfg.head_dim)
-        scores = jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32) * scale
-        probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1).astype(v.dtype)
+        scores = _scores(cfg, jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32))
+        mask = local if cfg.is_sliding(n) else causal
+        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v.dtype)
         attn = jnp.einsum("kgts,skd->tkgd", probs, v).reshape(t, cfg.q_size)
-        h = _out_proj(lp, ll, h, attn, lora_fn)
+        h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
         start = (row, jnp.int32(0), jnp.int32(0), jnp.int32(0))
         k_t = k.transpose(1, 2, 0)[None]  # [1, kv_heads, D, T]: keys are cached transposed
@@ -176,41 +234,45 @@ def decode(
     positions: Array,  # [B] int32, the position of that token
     plan: Plan | None,  # from backend.plan(); None = no row has an adapter
     cache: Cache,
-    inv_freq: Array,  # [D/2] f32
+    inv_freq: Array,  # [D/2] f32, or [2, D/2] (global, local): ModelConfig.inv_freq()
     backend: LoraBackend,
 ) -> tuple[Array, Cache]:
     """One decode step for every row; returns logits [B, V] and the cache with each row's new k/v.
 
-    Semantics: row b attends to cache positions 0..positions[b] of its own row, with the adapter
+    Semantics: row b attends to cache positions 0..positions[b] of its own row (on sliding layers only
+    the last ``sliding_window`` of them; the cache keeps every position), with the adapter
     ``plan`` gives it (``backend.plan(slots)``; none for every row when ``plan`` is None, which
     compiles no LoRA code at all).
     """
     b = tokens.shape[0]
     rows = jnp.arange(b)
-    scale = cfg.head_dim**-0.5
     group = cfg.num_heads // cfg.num_kv_heads
     max_seq = cache[0][1].shape[2]
     visible = jnp.arange(max_seq)[None, :] <= positions[:, None]  # [B, M]
+    if cfg.sliding_window is not None:
+        local = visible & (jnp.arange(max_seq)[None, :] > positions[:, None] - cfg.sliding_window)
 
     def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...], parallel: str) -> Array:
         return y if plan is None else backend.apply_decode(y, x, a, bs, plan, parallel)
 
-    h = params["embed"][tokens]
+    h = _embed(cfg, params, tokens)
     new_cache: Cache = []
-    for lp, ll, (k_cache, v_cache) in zip(params["layers"], lora, cache, strict=True):
+    for n, (lp, ll, (k_cache, v_cache)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [B, heads, D]
-        q = apply_rope(q[:, None], positions[:, None], inv_freq)[:, 0]
-        k = apply_rope(k[:, None], positions[:, None], inv_freq)[:, 0]
+        freq = _layer_inv_freq(cfg, inv_freq, n)
+        q = apply_rope(q[:, None], positions[:, None], freq)[:, 0]
+        k = apply_rope(k[:, None], positions[:, None], freq)[:, 0]
         k_cache = k_cache.at[rows, :, :, positions].set(k.astype(k_cache.dtype))  # [B, kv, D] columns
         v_cache = v_cache.at[rows, :, positions].set(v.astype(v_cache.dtype))
         qg = q.reshape(b, cfg.num_kv_heads, group, cfg.head_dim)
-        scores = jnp.einsum("bkgd,bkdm->bkgm", qg, k_cache, preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
+        scores = _scores(cfg, jnp.einsum("bkgd,bkdm->bkgm", qg, k_cache, preferred_element_type=jnp.float32))
+        mask = local if cfg.is_sliding(n) else visible
+        scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
         # multiply + reduce over positions: XLA:CPU runs this faster than the batched matmul of tiny
         # [G, M] @ [M, D] blocks (5.2 vs 11.3 ms per step at 64 rows)
         attn = jnp.sum(probs[..., None] * v_cache[:, :, None], axis=3).reshape(b, cfg.q_size)
-        h = _out_proj(lp, ll, h, attn, lora_fn)
+        h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
         new_cache.append((k_cache, v_cache))
     return logits_from_hidden(cfg, params, h), new_cache

@@ -1,7 +1,11 @@
-"""The architecture of a Llama-family checkpoint, read from its Hugging Face ``config.json``.
+"""The architecture of a decoder-only checkpoint, read from its Hugging Face ``config.json``.
 
-Covers Llama 2/3 (incl. llama3 and linear RoPE scaling), Mistral and Qwen2 (qkv bias); both the
-transformers 4.x layout (``rope_theta`` / ``rope_scaling``) and the 5.x one (``rope_parameters``).
+Covers Llama 2/3 (incl. llama3 and linear RoPE scaling), Mistral (sliding window on every layer), Qwen2
+(qkv bias), Qwen3 (q/k norm, explicit head_dim), Gemma 2 and Gemma 3 text (the ``1 + w`` RMSNorm, four
+norms per layer, scaled embeddings, GELU-tanh MLP, ``query_pre_attn_scalar``, logit soft-capping,
+sliding-window layers, Gemma 3's q/k norm and separate local RoPE table); both the transformers 4.x
+layout (``rope_theta`` / ``rope_scaling`` / ``sliding_window_pattern``) and the 5.x one
+(``rope_parameters`` / ``layer_types``). Every new field defaults to the Llama behaviour.
 """
 
 from __future__ import annotations
@@ -14,7 +18,11 @@ import numpy as np
 
 from loraserve.common.errors import FailedPrecondition
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+GEMMA = ("gemma2", "gemma3_text")
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 class UnsupportedModelError(FailedPrecondition, ValueError):
@@ -43,6 +51,18 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    hidden_act: str = "silu"
+    gemma_norm: bool = False  # RMSNorm scales by (1 + w), all in f32; else by w after rounding (Llama)
+    sandwich_norms: bool = False  # Gemma: norms after attention and after the MLP too, before the residual
+    qk_norm: bool = False  # RMSNorm of every q and k head before RoPE (Qwen3, Gemma 3)
+    embed_scale: float | None = None  # embeddings times this, in the embedding dtype (Gemma: sqrt(hidden))
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (else head_dim ** -0.5)
+    attn_logit_softcap: float | None = None  # scores -> tanh(s / cap) * cap before the mask
+    final_logit_softcap: float | None = None  # logits -> tanh(l / cap) * cap
+    sliding_window: int | None = None  # a sliding layer's query attends to the last this many positions
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; empty = all FULL
+    local_rope_theta: float | None = None  # a separate RoPE table for sliding layers (Gemma 3)
+    local_rope_scaling: dict[str, Any] | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -52,38 +72,62 @@ class ModelConfig:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not served; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+        gemma = model_type in GEMMA
+        act = (cfg.get("hidden_activation") if gemma else None) or cfg.get("hidden_act") or "silu"
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"{model_type} hidden activation {act!r} is not supported ({', '.join(SUPPORTED_ACTIVATIONS)})"
+            )
+        if cfg.get("use_bidirectional_attention"):
+            raise UnsupportedModelError(
+                f"{model_type} with use_bidirectional_attention is not served (causal only)"
+            )
         rope = dict(cfg.get("rope_parameters") or {})
-        legacy = cfg.get("rope_scaling") or {}
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-        scaling = {**legacy, **rope}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
-            raise UnsupportedModelError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
+        local: tuple[float, dict[str, Any] | None] | None = None
+        if FULL in rope or SLIDING in rope:  # Gemma 3 (5.x): one parameter set per layer type
+            local = _rope(dict(rope.get(SLIDING) or {}), {}, float(cfg.get("rope_local_base_freq", 10000.0)))
+            rope = dict(rope.get(FULL) or {})
+        elif model_type == "gemma3_text":  # 4.x: rope_theta + rope_scaling are global, local base apart
+            local = (float(cfg.get("rope_local_base_freq", 10000.0)), None)
+        theta, scaling = _rope(rope, cfg.get("rope_scaling") or {}, float(cfg.get("rope_theta", 10000.0)))
         heads = int(cfg["num_attention_heads"])
+        layers = int(cfg["num_hidden_layers"])
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         attention_bias = bool(cfg.get("attention_bias", False))
+        window, types = _sliding(model_type, cfg, layers)
+        hidden = int(cfg["hidden_size"])
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
+            hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
-            rope_scaling=None if rope_type == "default" else {**scaling, "rope_type": rope_type},
+            rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=act,
+            gemma_norm=gemma,
+            sandwich_norms=gemma,
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            embed_scale=math.sqrt(hidden) if gemma else None,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
+            attn_logit_softcap=_opt_float(cfg.get("attn_logit_softcapping")) if gemma else None,
+            final_logit_softcap=_opt_float(cfg.get("final_logit_softcapping")) if gemma else None,
+            sliding_window=window,
+            layer_types=types,
+            local_rope_theta=None if local is None else local[0],
+            local_rope_scaling=None if local is None else local[1],
         )
 
     @property
@@ -93,6 +137,17 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor on ``q . k``: ``query_pre_attn_scalar ** -0.5`` (Gemma) or ``head_dim ** -0.5``."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends through the sliding window (static per layer)."""
+        return (
+            bool(self.layer_types) and self.layer_types[layer] == SLIDING and self.sliding_window is not None
+        )
 
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """``module -> (in_features, out_features)`` of every adaptable projection."""
@@ -108,25 +163,74 @@ class ModelConfig:
         }
 
     def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies ``[head_dim // 2]`` (float64), scaled as the config says.
+        """RoPE inverse frequencies (float64): ``[head_dim // 2]``, or ``[2, head_dim // 2]`` (global, local)
+        when sliding layers have a RoPE table of their own (Gemma 3).
 
         Semantics: the per-pair rotation speed used by transformers' rotary embedding for this rope_type.
         """
-        dim = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
-        scaling = self.rope_scaling or {}
-        kind = scaling.get("rope_type", "default")
-        if kind == "linear":
-            return inv / float(scaling["factor"])
-        if kind == "llama3":
-            factor = float(scaling["factor"])
-            low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-            old_len = float(scaling["original_max_position_embeddings"])
-            low_wavelen, high_wavelen = old_len / low, old_len / high
-            wavelen = 2 * math.pi / inv
-            scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
-            smooth = (old_len / wavelen - low) / (high - low)
-            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-            return np.where(medium, smoothed, scaled)
-        return inv
+        glob = _inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)
+        if self.local_rope_theta is None:
+            return glob
+        return np.stack([glob, _inv_freq(self.head_dim, self.local_rope_theta, self.local_rope_scaling)])
+
+
+def _opt_float(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _rope(
+    rope: dict[str, Any], legacy: dict[str, Any], default_theta: float
+) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling or None) from a 5.x ``rope_parameters`` dict and a 4.x ``rope_scaling`` one."""
+    theta = float(rope.pop("rope_theta", default_theta))
+    scaling = {**legacy, **rope}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    return theta, None if rope_type == "default" else {**scaling, "rope_type": rope_type}
+
+
+def _sliding(model_type: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) as transformers derives them for each family."""
+    window = cfg.get("sliding_window")
+    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return None, ()
+    types = cfg.get("layer_types")
+    if types is None:  # the rules transformers applies to configs saved without layer_types
+        if model_type == "gemma2":
+            types = [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
+        elif model_type == "gemma3_text":
+            pattern = int(cfg.get("sliding_window_pattern", 6))
+            types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
+        elif model_type in ("qwen2", "qwen3"):
+            first = int(cfg.get("max_window_layers", layers))
+            types = [SLIDING if i >= first else FULL for i in range(layers)]
+        else:  # mistral: the window applies to every layer
+            types = [SLIDING] * layers
+    if len(types) != layers or not set(types) <= {SLIDING, FULL}:
+        raise UnsupportedModelError(f"layer_types {types!r} are not supported ({SLIDING}, {FULL} per layer)")
+    return int(window), tuple(types)
+
+
+def _inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:
+    inv = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled)
+    return inv

@@ -1,6 +1,7 @@
 """Every LoRA backend object, through the model: after warm-up (each prefill bucket, each of the backend's
 warm-up plans, one slot write), slot swaps, prefills on any slot and decode steps over any slot mix
-compile nothing (DESIGN.md §5). The engine's own count over 200 requests is in test_engine.py."""
+compile nothing (DESIGN.md §5); on Llama for every backend and on Gemma 3 for the CPU default. The
+engine's own count over 200 requests is in test_engine.py."""
 
 from __future__ import annotations
 
@@ -23,11 +24,19 @@ PROMPT = [5, 17, 33, 100, 7, 9]
 ROWS, SLOTS, RANK, BUCKET = 4, 3, 16, 16
 
 
-@pytest.mark.parametrize("name", tuple(LORA_BACKENDS))
-def test_serving_after_warmup_compiles_nothing(llama_dir, adapter_dirs, name: str) -> None:
-    ck = load_checkpoint(str(llama_dir))
+# every backend on Llama; Gemma 3 (sliding and full layers, two RoPE tables, q/k norm) on the CPU default
+CASES = [("llama", name) for name in LORA_BACKENDS] + [("gemma3_text", "cpu")]
+
+
+@pytest.mark.parametrize(("family", "name"), CASES)
+def test_serving_after_warmup_compiles_nothing(
+    model_dirs, adapter_dirs, family_adapter_dirs, family: str, name: str
+) -> None:
+    ck = load_checkpoint(str(model_dirs[family]))
     cfg = ck.config
     backend = get_backend(name)
+    if family != "llama":
+        adapter_dirs = family_adapter_dirs(family)
     values = [
         slot_arrays(
             cfg,

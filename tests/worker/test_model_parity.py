@@ -1,6 +1,8 @@
-"""The JAX model computes what transformers computes: prefill and 20 decode steps, three families.
+"""The JAX model computes what transformers computes: prefill and 20 decode steps, every family
+(Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text), in f32 and in bf16.
 
-Tolerance: f32 logits within 2e-4 absolute (observed ~1e-6; logits are O(1)).
+Tolerances: f32 logits within 2e-4 absolute (observed <= 2.2e-6; logits are O(1)); bf16 (weights,
+activations and KV cache in bf16 on both sides) within 0.08 absolute (observed <= 0.047, Gemma 3).
 """
 
 from __future__ import annotations
@@ -16,73 +18,91 @@ import torch
 from loraserve.kernels import XlaGroupedBackend
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
+from tests.conftest import FAMILIES
 
 ATOL = 2e-4
+# bf16 on both sides: transformers rounds in other places (bf16 scores and logits, RoPE cos/sin rounded
+# to bf16), so logits drift by a few bf16 ulps of O(1) values: measured max |diff| 0.020 (Llama) ..
+# 0.047 (Gemma 3). Greedy agreement rule: our argmax equals HF's at every step where HF's top-2 margin
+# exceeds ATOL_BF16, and at >= 90% of all steps (measured: 57..60 of 60 per family).
+ATOL_BF16 = 0.08
 PROMPTS = [[5, 17, 33, 100, 7], [1, 2, 3], [300, 200, 100, 50, 25, 12, 6, 3, 9, 11, 40]]
 STEPS = 20
 
 
-def _hf(path):
+def _hf(path, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-def test_prefill_and_decode_logits_match_transformers(model_dirs, family: str) -> None:
-    path = model_dirs[family]
-    ck = load_checkpoint(str(path))
-    hf = _hf(path)
-    cfg = ck.config
-    rows, max_seq = len(PROMPTS), 64
-    cache = M.init_cache(cfg, rows, max_seq, jnp.float32)
-    backend = XlaGroupedBackend()
-    lora = M.empty_lora(cfg, 2, 4, jnp.float32, backend)
-    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    prefill = jax.jit(partial(M.prefill, cfg, backend=backend))
-    decode = jax.jit(partial(M.decode, cfg, backend=backend))
-    # HF greedy continuations give the teacher-forced decode inputs and the reference logits.
+def _reference(hf) -> list[tuple[list[int], np.ndarray]]:
+    """Per prompt: HF's greedy continuation (STEPS tokens) and the logits of every position [T, V] (f32)."""
     refs = []
     for p in PROMPTS:
         with torch.no_grad():
             out = hf.generate(torch.tensor([p]), max_new_tokens=STEPS, do_sample=False, min_new_tokens=STEPS)
             seq = out[0].tolist()
-            logits = hf(torch.tensor([seq])).logits[0].numpy()
+            logits = hf(torch.tensor([seq])).logits[0].float().numpy()
         refs.append((seq, logits))
+    return refs
+
+
+def run_model(ck, refs, dtype: str) -> list[np.ndarray]:
+    """Prefill every prompt into its own row, then STEPS teacher-forced decode steps over all rows at
+    once; returns per row the logits [1 + STEPS, V] (the prefill's last position, then each step)."""
+    cfg = ck.config
+    rows, max_seq = len(PROMPTS), 64
+    cache = M.init_cache(cfg, rows, max_seq, jnp.dtype(dtype))
+    backend = XlaGroupedBackend()
+    lora = M.empty_lora(cfg, 2, 4, jnp.dtype(dtype), backend)
+    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    prefill = jax.jit(partial(M.prefill, cfg, backend=backend))
+    decode = jax.jit(partial(M.decode, cfg, backend=backend))
+    out: list[list[np.ndarray]] = [[] for _ in PROMPTS]
     for row, p in enumerate(PROMPTS):
         tokens = np.zeros(16, np.int32)
         tokens[: len(p)] = p
         got, cache = prefill(
-            ck.params,
-            lora,
-            jnp.asarray(tokens),
-            jnp.int32(len(p)),
-            jnp.int32(-1),
-            jnp.int32(row),
-            cache,
-            inv,
+            ck.params, lora, jnp.asarray(tokens), jnp.int32(len(p)), jnp.int32(-1), jnp.int32(row), cache, inv
         )
-        np.testing.assert_allclose(np.asarray(got), refs[row][1][len(p) - 1], atol=ATOL)
+        out[row].append(np.asarray(got, np.float32))
     for step in range(STEPS):
         toks = np.array([seq[len(p) + step] for p, (seq, _) in zip(PROMPTS, refs, strict=True)], np.int32)
         pos = np.array([len(p) + step for p in PROMPTS], np.int32)
-        got, cache = decode(
-            ck.params,
-            lora,
-            jnp.asarray(toks),
-            jnp.asarray(pos),
-            backend.plan(np.full(rows, -1), 2),  # None: no row has an adapter
-            cache,
-            inv,
-        )
+        plan = backend.plan(np.full(rows, -1), 2)  # None: no row has an adapter
+        got, cache = decode(ck.params, lora, jnp.asarray(toks), jnp.asarray(pos), plan, cache, inv)
         for row in range(rows):
-            np.testing.assert_allclose(
-                np.asarray(got[row]), refs[row][1][pos[row]], atol=ATOL, err_msg=f"step {step}"
-            )
-    # greedy tokens are identical: the argmax of our logits reproduces HF's continuation
-    for row, (seq, logits) in enumerate(refs):
-        n = len(PROMPTS[row])
-        assert np.argmax(logits[n - 1 : n - 1 + STEPS], axis=-1).tolist() == seq[n : n + STEPS]
+            out[row].append(np.asarray(got[row], np.float32))
+    return [np.stack(o) for o in out]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prefill_and_decode_logits_match_transformers(model_dirs, family: str, dtype: str) -> None:
+    path = model_dirs[family]
+    ck = load_checkpoint(str(path), dtype=dtype)
+    refs = _reference(_hf(path, dtype))  # HF greedy continuations: the decode inputs and reference logits
+    got = run_model(ck, refs, dtype)
+    atol = ATOL if dtype == "float32" else ATOL_BF16
+    agree = 0
+    for row, (p, (seq, logits)) in enumerate(zip(PROMPTS, refs, strict=True)):
+        want = logits[len(p) - 1 : len(p) + STEPS]
+        err = np.abs(got[row] - want).max(axis=-1)
+        assert err.max() <= atol, f"row {row}: max |diff| per step {np.round(err, 5).tolist()}"
+        # greedy tokens: in f32 ours are HF's continuation exactly; in bf16 (where HF's cached generate and
+        # its full forward may already disagree on near-ties) ours are the argmax of HF's logits wherever
+        # its top-2 margin exceeds the tolerance, and on >= 90% of all steps
+        mine, ref = np.argmax(got[row][:STEPS], axis=-1), np.argmax(want[:STEPS], axis=-1)
+        if dtype == "float32":
+            assert ref.tolist() == mine.tolist() == seq[len(p) :]
+        top2 = np.sort(want[:STEPS], axis=-1)[:, -2:]
+        decisive = top2[:, 1] - top2[:, 0] > atol
+        np.testing.assert_array_equal(mine[decisive], ref[decisive])
+        agree += int((mine == ref).sum())
+    assert agree >= 0.9 * STEPS * len(PROMPTS), (
+        f"greedy tokens agree on {agree} of {STEPS * len(PROMPTS)} steps"
+    )
 
 
 def test_config_variants_are_read(model_dirs) -> None:

@@ -1,0 +1,247 @@
+"""Qwen3, Gemma 2 and Gemma 3 text: the config fields read from ``config.json`` (5.x and 4.x layouts),
+the refusals naming what is not served, and that every family feature really shapes the logits.
+
+The parity itself (logits and greedy tokens vs transformers, f32 and bf16; PEFT with mixed adapters) is
+in test_model_parity.py and test_lora_parity.py; the last test here shows each feature the families
+add moves the logits far beyond those tests' f32 tolerance (2e-4) when switched off, so the parity
+tests would catch it missing or wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from loraserve.cli import main as cli_main
+from loraserve.kernels import XlaGroupedBackend
+from loraserve.worker import model as M
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.model_config import (
+    FULL,
+    SLIDING,
+    SUPPORTED_MODEL_TYPES,
+    ModelConfig,
+    UnsupportedModelError,
+)
+
+PROMPT = [300, 200, 100, 50, 25, 12, 6, 3, 9, 11, 40]  # longer than every sliding window (4, 5)
+
+
+def test_saved_configs_are_read(model_dirs) -> None:
+    q3 = load_checkpoint(str(model_dirs["qwen3"]))
+    c = q3.config
+    assert (c.head_dim, c.q_size, c.qk_norm, c.qkv_bias, c.gemma_norm, c.embed_scale) == (
+        24,
+        96,
+        True,
+        False,
+        False,
+        None,
+    )
+    assert (c.sliding_window, c.layer_types) == (5, (FULL, SLIDING, SLIDING))  # max_window_layers=1
+    assert q3.params["layers"][0]["q_norm"].shape == (24,) and "post_attn_norm" not in q3.params["layers"][0]
+    g2 = load_checkpoint(str(model_dirs["gemma2"]))
+    c = g2.config
+    assert (c.hidden_act, c.gemma_norm, c.sandwich_norms, c.qk_norm) == (
+        "gelu_pytorch_tanh",
+        True,
+        True,
+        False,
+    )
+    assert (c.attn_logit_softcap, c.final_logit_softcap, c.embed_scale) == (1.0, 2.5, 8.0)
+    assert c.attn_scale == 24**-0.5 and c.tie_word_embeddings and "lm_head" not in g2.params
+    assert (c.sliding_window, c.layer_types) == (4, (SLIDING, FULL, SLIDING))  # transformers' default rule
+    assert set(g2.params["layers"][1]) >= {"attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm"}
+    g3 = load_checkpoint(str(model_dirs["gemma3_text"]))
+    c = g3.config
+    assert (c.qk_norm, c.sandwich_norms, c.attn_logit_softcap, c.final_logit_softcap) == (
+        True,
+        True,
+        None,
+        None,
+    )
+    assert (c.num_kv_heads, c.head_dim, c.attn_scale) == (1, 32, 48**-0.5)
+    assert (c.rope_theta, c.rope_scaling["rope_type"], c.rope_scaling["factor"]) == (1000.0, "linear", 4.0)
+    assert (c.local_rope_theta, c.local_rope_scaling) == (50.0, None)
+    inv = c.inv_freq()  # two tables: global (linear-scaled, base 1000) and local (base 50)
+    assert inv.shape == (2, 16)
+    np.testing.assert_allclose(inv[0], 1000.0 ** -(np.arange(0, 32, 2) / 32) / 4.0, rtol=1e-12)
+    np.testing.assert_allclose(inv[1], 50.0 ** -(np.arange(0, 32, 2) / 32), rtol=1e-12)
+    assert [c.is_sliding(n) for n in range(3)] == [True, False, True]
+    llama = load_checkpoint(str(model_dirs["llama"])).config  # the defaults keep Llama as it was
+    assert (llama.sliding_window, llama.layer_types, llama.inv_freq().shape) == (None, (), (8,))
+    mistral = load_checkpoint(str(model_dirs["mistral"])).config  # its 4096 window, on every layer
+    assert (mistral.sliding_window, mistral.layer_types) == (4096, (SLIDING, SLIDING))
+
+
+BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=6)
+
+
+def test_transformers_4x_configs() -> None:
+    """Configs saved by transformers 4.x: no layer_types, rope_theta/rope_scaling at the top, Gemma 3's
+    sliding_window_pattern and rope_local_base_freq, Qwen's use_sliding_window flag."""
+    g3 = ModelConfig.from_hf(
+        dict(
+            BASE,
+            model_type="gemma3_text",
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=512,
+            sliding_window_pattern=3,
+            rope_theta=1e6,
+            rope_local_base_freq=1e4,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+        )
+    )
+    assert g3.layer_types == (SLIDING, SLIDING, FULL) * 2 and g3.sliding_window == 512
+    assert (g3.rope_theta, g3.rope_scaling, g3.local_rope_theta, g3.local_rope_scaling) == (
+        1e6,
+        {"rope_type": "linear", "factor": 8.0},
+        1e4,
+        None,
+    )
+    assert g3.query_pre_attn_scalar == 256 and g3.embed_scale == math.sqrt(64) and g3.tie_word_embeddings
+    g2 = ModelConfig.from_hf(
+        dict(BASE, model_type="gemma2", hidden_act="gelu_pytorch_tanh", sliding_window=4096)
+    )
+    assert g2.layer_types == (SLIDING, FULL) * 3 and g2.attn_logit_softcap is None  # absent: not capped
+    assert g2.inv_freq().shape == (8,)  # one RoPE table
+    off = ModelConfig.from_hf(dict(BASE, model_type="qwen3", sliding_window=4096, use_sliding_window=False))
+    assert (off.sliding_window, off.layer_types) == (None, ())
+    on = ModelConfig.from_hf(
+        dict(BASE, model_type="qwen2", sliding_window=64, use_sliding_window=True, max_window_layers=4)
+    )
+    assert on.layer_types == (FULL,) * 4 + (SLIDING,) * 2 and on.qkv_bias
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (dict(model_type="gemma"), ["'gemma'", "supported: " + ", ".join(SUPPORTED_MODEL_TYPES)]),
+        (dict(model_type="phi3"), ["'phi3'", "gemma2", "gemma3_text", "qwen3"]),
+        (dict(model_type="gemma2", hidden_activation="gelu"), ["gemma2", "'gelu'", "gelu_pytorch_tanh"]),
+        (dict(model_type="qwen3", hidden_act="relu"), ["qwen3", "'relu'", "silu"]),
+        (
+            dict(model_type="qwen3", rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+            ["'yarn'", "llama3"],
+        ),
+        (
+            dict(model_type="gemma3_text", rope_parameters={"full_attention": {"rope_type": "dynamic"}}),
+            ["'dynamic'"],
+        ),
+        (dict(model_type="gemma3_text", use_bidirectional_attention=True), ["gemma3_text", "bidirectional"]),
+        (
+            dict(model_type="gemma2", sliding_window=8, layer_types=["chunked_attention"] * 6),
+            ["chunked_attention"],
+        ),
+    ],
+)
+def test_unsupported_is_refused_naming_it(overrides, words) -> None:
+    with pytest.raises(UnsupportedModelError) as err:
+        ModelConfig.from_hf(dict(BASE, **overrides))
+    for w in words:
+        assert w in str(err.value)
+    assert err.value.code_name == "FAILED_PRECONDITION"
+
+
+def test_worker_refuses_an_unsupported_architecture_at_start(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(dict(BASE, model_type="phi3")))
+    assert cli_main(["worker", "--model", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (
+        err
+        == f"error: FAILED_PRECONDITION: model_type 'phi3' is not served; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    )
+
+
+def _prefill_last_logits(ck, cfg: ModelConfig) -> np.ndarray:
+    backend = XlaGroupedBackend()
+    cache = M.init_cache(cfg, 1, 16, jnp.float32)
+    tokens = np.zeros(16, np.int32)
+    tokens[: len(PROMPT)] = PROMPT
+    run = jax.jit(partial(M.prefill, cfg, backend=backend))
+    lora = M.empty_lora(cfg, 1, 4, jnp.float32, backend)
+    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    logits, _ = run(ck.params, lora, tokens, np.int32(len(PROMPT)), np.int32(-1), np.int32(0), cache, inv)
+    return np.asarray(logits)
+
+
+OFF = {  # family -> feature switched off in our config only (the weights stay)
+    "qwen3": dict(qk_norm=False, sliding_window=None),
+    "gemma2": dict(
+        gemma_norm=False,
+        sandwich_norms=False,
+        embed_scale=None,
+        hidden_act="silu",
+        query_pre_attn_scalar=None,
+        attn_logit_softcap=None,
+        final_logit_softcap=None,
+        sliding_window=None,
+    ),
+    "gemma3_text": dict(qk_norm=False, local_rope_theta=None, rope_scaling=None, sliding_window=None),
+}
+
+
+@pytest.mark.parametrize(("family", "feature"), [(f, k) for f, kw in OFF.items() for k in kw])
+def test_each_feature_moves_the_logits(model_dirs, family: str, feature: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    ck = load_checkpoint(str(model_dirs[family]))
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dirs[family])).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0, -1].numpy()
+    np.testing.assert_allclose(_prefill_last_logits(ck, ck.config), want, atol=2e-4)
+    wrong = _prefill_last_logits(ck, dataclasses.replace(ck.config, **{feature: OFF[family][feature]}))
+    assert np.abs(wrong - want).max() > 1e-2, feature
+
+
+def test_engine_serves_gemma3_like_transformers_generates(model_dirs, family_adapter_dirs) -> None:
+    """The whole worker path (runner, its two RoPE tables, slots, scheduler) on Gemma 3: greedy tokens of
+    the base model and of an adapter, served concurrently, equal transformers' / peft's own greedy generate."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.adapters.sources import LocalAdapterSource
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.engine import Engine
+    from loraserve.worker.requests import EngineRequest, Sampling
+    from tests.worker.fake_engine import Collector
+
+    path, adapter = model_dirs["gemma3_text"], family_adapter_dirs("gemma3_text")["all-r4"]
+    steps = 16
+    want = {}
+    for name in ("", "all-r4"):
+        hf = AutoModelForCausalLM.from_pretrained(str(path)).eval()
+        hf = hf if not name else PeftModel.from_pretrained(hf, str(adapter)).eval()
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([PROMPT]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False
+            )
+        want[name] = out[0, len(PROMPT) :].tolist()
+    assert want[""] != want["all-r4"]
+    source = LocalAdapterSource()
+    source.register("all-r4", str(adapter))
+    engine = Engine(
+        load_checkpoint(str(path)),
+        EngineConfig(max_batch_size=2, max_seq_len=64, max_loras=1, max_lora_rank=16),
+        source=source,
+    )
+    engine.start()
+    try:
+        got = {}
+        for name in want:
+            got[name] = Collector()
+            sampling = Sampling(max_tokens=steps, ignore_eos=True)
+            engine.submit(EngineRequest(f"r{len(got)}", name, list(PROMPT), sampling, got[name]))
+        for c in got.values():
+            assert c.done.wait(120), "request did not finish"
+    finally:
+        engine.stop()
+    assert {name: c.tokens for name, c in got.items()} == want

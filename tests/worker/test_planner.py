@@ -1,0 +1,102 @@
+"""``loraserve plan``: per-device bytes of the tensor-parallel layout, counted by hand for Llama-3-8B."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loraserve.cli import main
+from loraserve.common.errors import InvalidArgument
+from loraserve.worker import planner
+
+LLAMA3_8B_PARAMS = 8_030_261_248  # embed + lm_head 2 * 128256 * 4096, 32 layers of 218,112,000 + norms
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return planner.load_model_config("llama-3-8b")[1]
+
+
+def test_presets_ship_with_the_package() -> None:
+    assert {"llama-3-8b", "llama-3-70b", "gemma-2-9b"} <= set(planner.presets())
+
+
+def test_weights_are_the_parameter_count_split_by_the_megatron_layout(llama8b) -> None:
+    assert planner.weight_bytes(llama8b, 1, "bfloat16") == 2 * LLAMA3_8B_PARAMS
+    assert planner.weight_bytes(llama8b, 1, "float32") == 4 * LLAMA3_8B_PARAMS
+    # tp=4: every projection and the vocab split four ways; norms (2 * 4096 per layer + final) replicated
+    norms = 32 * 2 * 4096 + 4096
+    assert planner.weight_bytes(llama8b, 4, "bfloat16") == 2 * ((LLAMA3_8B_PARAMS - norms) // 4 + norms)
+
+
+def test_kv_cache_is_split_by_kv_head_and_replicated_past_them(llama8b) -> None:
+    one = 2 * 32 * 16 * 1024 * 8 * 128 * 2  # k+v, layers, batch, context, kv heads, head_dim, bf16
+    assert planner.kv_bytes(llama8b, 1, 16, 1024, "bfloat16") == one
+    assert planner.kv_bytes(llama8b, 8, 16, 1024, "bfloat16") == one // 8
+    assert planner.kv_bytes(llama8b, 16, 16, 1024, "bfloat16") == one // 8  # 8 KV heads: one each, replicated
+
+
+def test_lora_pools_shard_like_their_layer(llama8b) -> None:
+    r, s, layers = 16, 4, 32
+
+    # column-parallel q,k,v,gate,up: A whole (in = 4096) + B split; row-parallel o, down: A split + B whole
+    def per_layer(tp: int) -> int:
+        kv = max(8 // tp, 1) * 128
+        column = (4096 + 4096 // tp) + 2 * (4096 + kv) + 2 * (4096 + 14336 // tp)
+        row = (4096 // tp + 4096) + (14336 // tp + 4096)
+        return r * (column + row)
+
+    for tp in (1, 2, 4, 8):
+        assert planner.pool_bytes(llama8b, tp, s, r, "bfloat16") == 2 * s * layers * per_layer(tp)
+
+
+def test_layouts_that_do_not_divide_are_refused(llama8b) -> None:
+    with pytest.raises(InvalidArgument, match="does not divide 32 attention heads, 8 KV heads"):
+        planner.check_layout(llama8b, 3)
+    planner.check_layout(llama8b, 16)  # 8 KV heads replicated twice
+
+
+def test_fit_and_hosts() -> None:
+    name, cfg = planner.load_model_config("llama-3-70b")
+    kwargs = dict(max_loras=8, max_lora_rank=16, batch=32, context=4096)
+    on_one_host = planner.plan(name, cfg, "v5e", 8, **kwargs)
+    assert (on_one_host.hosts, on_one_host.fits) == (1, False)  # 70B bf16 weights alone are 16.4 GiB a chip
+    four_hosts = planner.plan(name, cfg, "v5e", 16, **kwargs)  # v5e-16: four 4-chip hosts
+    assert (four_hosts.hosts, four_hosts.fits) == (4, True)
+    assert planner.plan(name, cfg, "v5p", 8, **kwargs).hosts == 2  # v5p: 4 chips per host
+
+
+def test_cli_prints_the_plan_and_exits_3_when_it_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "plan",
+        "--model",
+        "llama-3-8b",
+        "--tp",
+        "4",
+        "--chip",
+        "v6e",
+        "--batch",
+        "16",
+        "--context",
+        "4096",
+    ]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["tp"], out["hosts"], out["fits"]) == (4, 1, True)
+    assert out["total"] == out["weights"] + out["kv_cache"] + out["lora_pools"] + out["activations"]
+    assert main(["plan", "--model", "llama-3-8b", "--chip", "v5e", "--context", "8192", "--batch", "64"]) == 3
+    assert "does NOT fit" in capsys.readouterr().out
+    assert main(["plan", "--model", "no-such-model"]) == 1
+    assert "error: INVALID_ARGUMENT: 'no-such-model' is neither a preset" in capsys.readouterr().err
+
+
+def test_gemma2_9b_counts_its_four_norms_and_tied_embeddings() -> None:
+    name, cfg = planner.load_model_config("gemma-2-9b")
+    assert (name, cfg.model_type, cfg.tie_word_embeddings, cfg.head_dim) == (
+        "gemma-2-9b",
+        "gemma2",
+        True,
+        256,
+    )
+    assert planner.weight_bytes(cfg, 1, "bfloat16") == 2 * 9_241_705_984  # Gemma-2-9B's parameter count

@@ -1,0 +1,72 @@
+"""``loraserve plan``: will this model, with these slots, batch and context, fit a TPU slice of N chips?
+
+    loraserve plan --model llama-3-8b --tp 4 --chip v5e --max-loras 32 --max-lora-rank 16 \\
+        --batch 64 --context 8192
+
+prints per-device bytes for weights, KV cache, LoRA slot pools and activations, the chip's HBM, whether it
+fits and how many hosts the slice spans (``--json`` for one JSON object). ``--model`` takes a preset name,
+a ``config.json`` or a checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from loraserve.worker import planner
+
+GiB = planner.GiB
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    known = ", ".join(sorted(planner.presets()))
+    parser.add_argument("--model", required=True, help=f"preset ({known}), config.json or checkpoint folder")
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor parallel size: chips the model is split over"
+    )
+    parser.add_argument("--chip", default="v5e", choices=sorted(planner.CHIPS), help="TPU generation")
+    parser.add_argument("--max-loras", type=int, default=8, help="adapter slots on the device")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank a slot holds")
+    parser.add_argument("--batch", type=int, default=16, help="decode rows per step")
+    parser.add_argument("--context", type=int, default=4096, help="context length (prompt + new tokens)")
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(planner.DTYPE_BYTES))
+    parser.add_argument("--lora-dtype", default="", help="dtype of the slot pools (default: --dtype)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def render(p: planner.Plan) -> str:
+    rows = [
+        ("weights", p.weights),
+        ("KV cache", p.kv_cache),
+        ("LoRA slot pools", p.lora_pools),
+        ("activations (peak)", p.activations),
+        ("total", p.total),
+        (f"{p.chip} HBM", p.hbm),
+    ]
+    lines = [f"{p.model} on {p.tp} x {p.chip} ({p.hosts} host{'s' if p.hosts > 1 else ''}), per device:"]
+    lines += [f"  {name:<20s}{value / GiB:9.2f} GiB" for name, value in rows]
+    verdict = "fits" if p.fits else f"does NOT fit ({(p.total - p.hbm) / GiB:.2f} GiB over)"
+    lines.append(f"  {verdict}; {(p.hbm - p.total) / GiB:.2f} GiB left" if p.fits else f"  {verdict}")
+    if p.hosts > 1:
+        lines.append(
+            f"  spans {p.hosts} hosts: run one worker process per host with jax.distributed (docs/worker.md)"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    name, cfg = planner.load_model_config(args.model)
+    result = planner.plan(
+        name,
+        cfg,
+        args.chip,
+        args.tp,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        batch=args.batch,
+        context=args.context,
+        dtype=args.dtype,
+        lora_dtype=args.lora_dtype,
+    )
+    print(json.dumps(result.as_dict()) if args.json else render(result))
+    return 0 if result.fits else 3

@@ -1,0 +1,212 @@
+"""Capacity planning: per-device bytes of a worker configuration on a TPU slice, before anything is allocated.
+
+``plan(model, chip, tp, ...)`` counts what one device holds under the worker's tensor-parallel layout
+(DESIGN.md §10.2, ``docs/worker.md``): weights (q/k/v/gate/up split by output, o/down by input, embedding
+and lm_head by vocab, KV heads replicated when there are fewer than devices), the KV cache (split by KV
+head), the adapter slot pools (sharded like the layer they adapt: column-parallel A whole and B split,
+row-parallel A split and B whole), and the peak activations of a prefill and a decode step. It says
+whether that fits the chip's HBM and how many hosts the slice spans.
+
+*Semantics:* byte counts are exact for arrays (shape × dtype size); activations are an estimate of the
+largest live intermediates (the XLA attention materialises its ``[heads, T, T]`` scores in f32).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from loraserve.common.errors import InvalidArgument
+from loraserve.worker.model_config import ModelConfig
+
+GiB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # split by output
+ROW_PARALLEL = ("o_proj", "down_proj")  # split by input, one reduction
+
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    hbm_bytes: int
+    single_host_max: int  # the most chips one TPU VM drives (v5e/v6e: the 8-chip machine types)
+    chips_per_host: int  # chips per host in a multi-host slice
+
+    def hosts(self, chips: int) -> int:
+        return 1 if chips <= self.single_host_max else math.ceil(chips / self.chips_per_host)
+
+
+# Cloud TPU generations users serve on: HBM per chip; v5e and v6e slices up to 8 chips are one VM, larger
+# ones are 4-chip hosts; v5p hosts have 4 chips.
+CHIPS = {
+    "v5e": Chip("v5e", 16 * GiB, 8, 4),
+    "v5p": Chip("v5p", 95 * GiB, 4, 4),
+    "v6e": Chip("v6e", 32 * GiB, 8, 4),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one device of a ``tp``-way slice holds, in bytes, and whether it fits."""
+
+    model: str
+    chip: str
+    tp: int
+    hosts: int
+    weights: int
+    kv_cache: int
+    lora_pools: int
+    activations: int
+    hbm: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.lora_pools + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.hbm
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "total": self.total, "fits": self.fits}
+
+
+def presets() -> dict[str, Path]:
+    """Shipped example configs (Hugging Face ``config.json`` files): name -> path."""
+    folder = resources.files("loraserve.worker") / "presets"
+    return {Path(str(p)).stem: Path(str(p)) for p in folder.iterdir() if str(p).endswith(".json")}
+
+
+def load_model_config(name_or_path: str) -> tuple[str, ModelConfig]:
+    """A preset name (``llama-3-8b``), a ``config.json`` path, or a checkpoint folder holding one."""
+    path = presets().get(name_or_path) or Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        known = ", ".join(sorted(presets()))
+        raise InvalidArgument(
+            f"{name_or_path!r} is neither a preset ({known}) nor a config.json or its folder"
+        )
+    return (path.stem if path.name != "config.json" else path.parent.name), ModelConfig.from_hf(
+        json.loads(path.read_text())
+    )
+
+
+def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:
+    """KV heads one device holds: split when they divide evenly, one (replicated) when fewer than devices."""
+    if cfg.num_kv_heads >= tp:
+        return cfg.num_kv_heads // tp
+    return 1
+
+
+def check_layout(cfg: ModelConfig, tp: int) -> None:
+    """Refuse a tensor-parallel degree the Megatron layout cannot split evenly (INVALID_ARGUMENT)."""
+    if tp < 1:
+        raise InvalidArgument(f"tensor parallel size must be >= 1, got {tp}")
+    problems = []
+    if cfg.num_heads % tp:
+        problems.append(f"{cfg.num_heads} attention heads")
+    if cfg.num_kv_heads >= tp and cfg.num_kv_heads % tp:
+        problems.append(f"{cfg.num_kv_heads} KV heads")
+    if cfg.num_kv_heads < tp and tp % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_kv_heads} KV heads (to replicate)")
+    if cfg.intermediate_size % tp:
+        problems.append(f"intermediate size {cfg.intermediate_size}")
+    if problems:
+        raise InvalidArgument(f"tensor parallel size {tp} does not divide {', '.join(problems)}")
+
+
+def _module_shapes_per_device(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
+    """``module -> (in, out)`` that one device holds of each projection."""
+    kv_out = kv_heads_per_device(cfg, tp) * cfg.head_dim
+    out = {}
+    for module, (fan_in, fan_out) in cfg.module_shapes().items():
+        if module in ("k_proj", "v_proj"):
+            out[module] = (fan_in, kv_out)
+        elif module in COLUMN_PARALLEL:
+            out[module] = (fan_in, fan_out // tp)
+        else:
+            out[module] = (fan_in // tp, fan_out)
+    return out
+
+
+def weight_bytes(cfg: ModelConfig, tp: int, dtype: str) -> int:
+    size = DTYPE_BYTES[dtype]
+    per_layer = sum(i * o for i, o in _module_shapes_per_device(cfg, tp).values())
+    norms = cfg.hidden_size * (4 if cfg.model_type.startswith("gemma") else 2)  # replicated
+    vocab = math.ceil(cfg.vocab_size / tp) * cfg.hidden_size
+    embeddings = vocab * (1 if cfg.tie_word_embeddings else 2)
+    return size * (cfg.num_layers * (per_layer + norms) + embeddings + cfg.hidden_size)
+
+
+def kv_bytes(cfg: ModelConfig, tp: int, batch: int, context: int, dtype: str) -> int:
+    return (
+        DTYPE_BYTES[dtype]
+        * 2
+        * cfg.num_layers
+        * batch
+        * context
+        * kv_heads_per_device(cfg, tp)
+        * cfg.head_dim
+    )
+
+
+def pool_bytes(cfg: ModelConfig, tp: int, max_loras: int, rank: int, dtype: str) -> int:
+    """Slot pools sharded like their layer: column-parallel A whole + B split; row-parallel A split + B whole."""
+    full = cfg.module_shapes()
+    per_layer = 0
+    for module, (fan_in, fan_out) in _module_shapes_per_device(cfg, tp).items():
+        if module in ROW_PARALLEL:
+            per_layer += rank * (fan_in + full[module][1])
+        else:
+            per_layer += rank * (full[module][0] + fan_out)
+    return DTYPE_BYTES[dtype] * max_loras * cfg.num_layers * per_layer
+
+
+def activation_bytes(cfg: ModelConfig, tp: int, batch: int, prefill_tokens: int, dtype: str) -> int:
+    """Largest live intermediates: a prefill of ``prefill_tokens`` (hidden states, the fused qkv and gate_up
+    outputs, f32 attention scores) or a decode step (f32 logits over this device's vocab share)."""
+    t, h = prefill_tokens, cfg.hidden_size
+    heads = cfg.num_heads // tp
+    fused = (
+        cfg.q_size // tp + 2 * kv_heads_per_device(cfg, tp) * cfg.head_dim
+    ) + 2 * cfg.intermediate_size // tp
+    prefill = DTYPE_BYTES[dtype] * t * (3 * h + fused) + 4 * heads * t * t
+    decode = 4 * batch * (math.ceil(cfg.vocab_size / tp) + 3 * h + fused)
+    return max(prefill, decode)
+
+
+def plan(
+    model: str,
+    cfg: ModelConfig,
+    chip: str,
+    tp: int,
+    *,
+    max_loras: int,
+    max_lora_rank: int,
+    batch: int,
+    context: int,
+    dtype: str = "bfloat16",
+    lora_dtype: str = "",
+) -> Plan:
+    if chip not in CHIPS:
+        raise InvalidArgument(f"unknown chip {chip!r}; known: {', '.join(CHIPS)}")
+    if dtype not in DTYPE_BYTES or (lora_dtype or dtype) not in DTYPE_BYTES:
+        raise InvalidArgument(f"dtypes must be one of {', '.join(DTYPE_BYTES)}")
+    check_layout(cfg, tp)
+    spec = CHIPS[chip]
+    return Plan(
+        model=model,
+        chip=chip,
+        tp=tp,
+        hosts=spec.hosts(tp),
+        weights=weight_bytes(cfg, tp, dtype),
+        kv_cache=kv_bytes(cfg, tp, batch, context, dtype),
+        lora_pools=pool_bytes(cfg, tp, max_loras, max_lora_rank, lora_dtype or dtype),
+        activations=activation_bytes(cfg, tp, batch, context, dtype),
+        hbm=spec.hbm_bytes,
+    )
