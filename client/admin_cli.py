@@ -154,12 +154,13 @@ def run_workers(args: argparse.Namespace) -> int:
                 w.address,
                 w.model_id,
                 f"{len(w.slot_infos)}/{w.slots}",
+                w.tensor_parallel_size,
                 ",".join(s.adapter for s in w.slot_infos) or "-",
                 w.load.running,
                 w.load.waiting,
             ]
             for w in workers
         ],
-        ["WORKER", "ADDRESS", "MODEL", "SLOTS", "ADAPTERS", "RUNNING", "WAITING"],
+        ["WORKER", "ADDRESS", "MODEL", "SLOTS", "TP", "ADAPTERS", "RUNNING", "WAITING"],
     )
     return 0

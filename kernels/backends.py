@@ -40,6 +40,12 @@ Array = jax.Array
 Pools = list[dict[str, Array]]  # per layer: pool name -> [S, *slot layout]
 Plan = Any  # a pytree the backend's add_decode reads; None = no row has an adapter
 
+# How the layer a LoRA call adapts is split under tensor parallelism (Megatron): ``COLUMN`` = by output
+# features (q/k/v, gate/up), ``ROW`` = by input features with one reduction (o, down). A single-device
+# backend ignores it; :class:`kernels.sharded.ShardedBackend` picks its ``shard_map`` specs by it.
+COLUMN, ROW = "column", "row"
+PARALLEL_KINDS = (COLUMN, ROW)
+
 
 @dataclass(frozen=True)
 class LoraBackend(ABC):
@@ -99,6 +105,33 @@ class LoraBackend(ABC):
     def warmup_plans(self, rows: int, num_slots: int) -> list[Plan | None]:
         """One plan per compiled decode variant (no adapter rows in any): after these, serving compiles nothing."""
         return [None, np.full(rows, -1, np.int32)]
+
+    # ------------------------------------------------------------------ tensor parallelism
+    @property
+    def shards(self) -> int:
+        """Devices the model's layers are split over (1 here; :class:`kernels.sharded.ShardedBackend`: N)."""
+        return 1
+
+    def feature_axis(self, kind: str) -> int:
+        """Pool axis of the features a slot's matrix is split by under tensor parallelism: the input
+        features of ``"A"`` pools (row-parallel layers), the output features of ``"B"`` pools
+        (column-parallel layers). Canonical layout: ``A [S, in, n*R]`` -> 1, ``B [S, R, out]`` -> 2."""
+        return 1 if kind == "A" else 2
+
+    def apply_decode(
+        self, y: Array, x: Array, a: Array, bs: Sequence[Array], plan: Plan, parallel: str
+    ) -> Array:
+        """What the model calls: :meth:`add_decode` for the layer split as ``parallel`` (``COLUMN``/``ROW``).
+
+        *Semantics:* :meth:`add_decode`; a single-device backend ignores ``parallel``.
+        """
+        return self.add_decode(y, x, a, bs, plan)
+
+    def apply_one_slot(
+        self, y: Array, x: Array, a: Array, bs: Sequence[Array], slot: Array, parallel: str
+    ) -> Array:
+        """What the model's prefill calls: :meth:`add_one_slot`; ``parallel`` as in :meth:`apply_decode`."""
+        return self.add_one_slot(y, x, a, bs, slot)
 
     def check(self) -> None:
         """Make the backend usable here now (build, register); raises with the reason when it cannot be.
@@ -188,6 +221,9 @@ class XlaGroupedBackend(LoraBackend):
 
     def slot_shape(self, shape):
         return shape[1], shape[0]
+
+    def feature_axis(self, kind):  # A [S, n*R, in] -> 2; B [S, out, R] -> 1
+        return 2 if kind == "A" else 1
 
     def to_pool_layout(self, value):  # A [in, n*R] -> [n*R, in]; B [R, out] -> [out, R]
         return value.T

@@ -89,6 +89,7 @@ class WorkerRow(Base):
     slots: Mapped[int] = mapped_column(Integer)
     max_lora_rank: Mapped[int] = mapped_column(Integer, default=0)
     max_batch_size: Mapped[int] = mapped_column(Integer, default=0)
+    tensor_parallel_size: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
     state: Mapped[str] = mapped_column(String(16), default="READY")
     lease_expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     last_heartbeat: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -66,8 +66,11 @@ class Placement:
         slots: int,
         max_lora_rank: int = 0,
         max_batch_size: int = 0,
+        tensor_parallel_size: int = 1,
     ) -> WorkerRow:
-        """``module_shapes``: module -> (in, out, num_layers). Replaces any earlier worker at ``address``."""
+        """``module_shapes``: module -> (in, out, num_layers). Replaces any earlier worker at ``address``.
+
+        ``tensor_parallel_size`` 0 (a worker from before the field) is recorded as 1."""
         if not address or not model_id:
             raise InvalidArgument("address and model_id are required")
         if slots <= 0:
@@ -90,6 +93,7 @@ class Placement:
                 slots=slots,
                 max_lora_rank=max_lora_rank,
                 max_batch_size=max_batch_size,
+                tensor_parallel_size=tensor_parallel_size or 1,
                 state="READY",
                 lease_expires_at=now + self.lease,
                 last_heartbeat=now,

@@ -78,6 +78,7 @@ def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
         model_id=row.model_id,
         state=states.get(row.state, 0),
         slots=row.slots,
+        tensor_parallel_size=row.tensor_parallel_size,
         slot_infos=[
             worker_admin_pb2.SlotInfo(
                 slot=p.slot,
@@ -215,6 +216,7 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
             request.slots,
             request.max_lora_rank,
             request.max_batch_size,
+            request.tensor_parallel_size,
         )
         return placement_pb2.RegisterWorkerResponse(
             worker_id=row.id,

@@ -40,6 +40,9 @@ HELP = {
     "dtype": "compute dtype: float32 or bfloat16",
     "lora_dtype": "dtype of the adapter slot pools, float32 or bfloat16 (empty: --dtype); bfloat16 halves"
     " the bytes each decode step reads for its adapters",
+    "tensor_parallel_size": "devices one model is split over (tensor parallelism on a 'model' mesh: heads,"
+    " MLP, vocab, KV heads and the LoRA slot pools split Megatron-style); must divide the heads and the"
+    " intermediate size and be at most the visible devices (default 1: one device)",
     "compilation_cache_dir": "folder for compiled programs (JAX persistent cache): a restart with the same"
     " model and shapes warms up from disk (empty: off)",
 }

@@ -26,6 +26,7 @@ class EngineConfig:
     kernel_backend: str = "auto"
     dtype: str = "float32"
     lora_dtype: str = ""  # slot pools: float32 | bfloat16; empty = dtype
+    tensor_parallel_size: int = 1  # devices one model is split over (Megatron layout; worker.sharding)
 
     def __post_init__(self) -> None:
         from loraserve.kernels import KERNEL_BACKENDS
@@ -37,7 +38,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.lora_dtype not in ("", *DTYPES):
             raise ValueError(f"lora_dtype must be float32 or bfloat16 (or empty), got {self.lora_dtype!r}")
-        for name in ("max_batch_size", "max_seq_len", "max_loras", "max_lora_rank", "prefill_per_step"):
+        names = ("max_batch_size", "max_seq_len", "max_loras", "max_lora_rank", "prefill_per_step")
+        for name in (*names, "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_seq_len < 2:

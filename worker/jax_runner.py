@@ -13,10 +13,14 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from loraserve import kernels
 from loraserve.adapters.peft import LoraWeights
+from loraserve.kernels.sharded import ShardedBackend
 from loraserve.worker import model as M
+from loraserve.worker import sharding
 from loraserve.worker.checkpoint import Checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.requests import SamplingRow
@@ -49,31 +53,53 @@ def _sampling_arrays(rows: list[SamplingRow | None]) -> SamplingArrays:
 
 
 class JaxRunner:
-    """The real device side (``worker.runner.Runner``) over one checkpoint and ``max_loras`` slot pools."""
+    """The real device side (``worker.runner.Runner``) over one checkpoint and ``max_loras`` slot pools.
+
+    With ``tensor_parallel_size`` N > 1 the params, KV cache and slot pools live on a 1-D ``model`` mesh of
+    N devices (``worker.sharding``), the LoRA backend runs per shard (``kernels.sharded``) and the jitted
+    steps pin their outputs' shardings, so donated buffers keep one layout and nothing recompiles.
+    """
 
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
-        self.config, self.model_config = config, checkpoint.config
-        self.params = checkpoint.params
-        self.backend = kernels.resolve_backend(config.kernel_backend)
+        self.config, self.checkpoint_config = config, checkpoint.config
+        backend = kernels.resolve_backend(config.kernel_backend)
+        n = config.tensor_parallel_size
+        self.mesh = None
+        if n == 1:
+            self.model_config, self.params, self.backend = checkpoint.config, checkpoint.params, backend
+            jit_out: dict[str, object] = {}
+        else:
+            sharding.check_tensor_parallel(checkpoint.config, n, len(jax.devices()))
+            self.mesh = sharding.make_mesh(n)
+            self.model_config = sharding.tp_model_config(checkpoint.config, n)
+            self.params = sharding.shard_params(checkpoint.config, checkpoint.params, self.mesh)
+            self.backend = ShardedBackend(backend, self.mesh)
+            cache = NamedSharding(self.mesh, sharding.CACHE_SPEC)
+            self._cache_shardings = [(cache, cache)] * self.model_config.num_layers
+            jit_out = {"out_shardings": (NamedSharding(self.mesh, P()), self._cache_shardings)}
         log.info(
-            "multi-LoRA kernels: %s (%s), slot pools %s",
+            "multi-LoRA kernels: %s (%s), slot pools %s, tensor parallel %d",
             self.backend,
             config.kernel_backend,
             config.pool_dtype,
+            n,
         )
         self.inv_freq = jnp.asarray(self.model_config.inv_freq(), jnp.float32)
         self.buckets = config.prefill_buckets()
         cfg, backend = self.model_config, self.backend
-        self._prefill = jax.jit(partial(_prefill_sample, cfg, backend), donate_argnums=(6,))
-        self._decode = jax.jit(partial(_decode_sample, cfg, backend), donate_argnums=(5,))
+        self._prefill = jax.jit(partial(_prefill_sample, cfg, backend), donate_argnums=(6,), **jit_out)
+        self._decode = jax.jit(partial(_decode_sample, cfg, backend), donate_argnums=(5,), **jit_out)
         self.init_state()
 
     def init_state(self) -> None:
         cfg, config = self.model_config, self.config
+        shardings = None if self.mesh is None else sharding.pool_shardings(cfg, self.backend)
         self.pools = SlotPools(
-            cfg, config.max_loras, config.max_lora_rank, jnp.dtype(config.pool_dtype), self.backend
+            cfg, config.max_loras, config.max_lora_rank, jnp.dtype(config.pool_dtype), self.backend, shardings
         )
         self.cache = M.init_cache(cfg, config.max_batch_size, config.max_seq_len, jnp.dtype(config.dtype))
+        if self.mesh is not None:
+            self.cache = jax.device_put(self.cache, self._cache_shardings)
 
     def warmup(self) -> None:
         samp = SamplingArrays.empty(1).as_tuple()
@@ -108,7 +134,8 @@ class JaxRunner:
         jax.block_until_ready(out)
 
     def prepare(self, weights: LoraWeights) -> SlotValues:
-        return slot_arrays(self.model_config, weights, self.config.max_lora_rank)
+        values = slot_arrays(self.checkpoint_config, weights, self.config.max_lora_rank)
+        return sharding.expand_slot_values(self.checkpoint_config, values, self.config.tensor_parallel_size)
 
     def write_slot(self, index: int, values: SlotValues) -> None:
         self.pools.write(index, values)

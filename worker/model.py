@@ -28,8 +28,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from loraserve.kernels.backends import LoraBackend, Plan
+from loraserve.kernels.backends import COLUMN, ROW, LoraBackend, Plan
 from loraserve.kernels.linear import linear
 from loraserve.worker.model_config import ModelConfig
 
@@ -37,8 +38,9 @@ Array = jax.Array
 Params = dict[str, Any]  # embed, final_norm, lm_head?, layers: list of per-layer dicts
 Lora = list[dict[str, Array]]  # per layer: A_qkv, B_q, ...
 Cache = list[tuple[Array, Array]]  # per layer: k [rows, kv_heads, D, max_seq], v [rows, kv_heads, max_seq, D]
-# (y, x, A, Bs) -> y + LoRA(x): the strategy differs between decode (per-row slots) and prefill (one slot).
-LoraFn = Callable[[Array, Array, Array, tuple[Array, ...]], Array]
+# (y, x, A, Bs, parallel) -> y + LoRA(x): the strategy differs between decode (per-row slots) and prefill
+# (one slot); ``parallel`` (kernels.backends.COLUMN / ROW) says how tensor parallelism splits the layer.
+LoraFn = Callable[[Array, Array, Array, tuple[Array, ...], str], Array]
 
 # LoRA pool names: one A per fused matmul (ranks side by side), one B per module.
 LORA_GROUPS: dict[str, tuple[str, ...]] = {
@@ -98,29 +100,48 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
+def split_fused(y: Array, sizes: tuple[int, ...], shards: int) -> list[Array]:
+    """y ``[..., sum(sizes)]`` -> the parts ``[..., size_i]`` of a fused projection (q|k|v, gate|up).
+
+    *Semantics:* with ``shards`` = 1, y is the parts side by side; with N > 1 (tensor parallelism) y is
+    N blocks, block s holding every part's s-th N-th side by side (``worker.sharding.fuse_order``), so
+    each device's output columns carry its own q, k, v (gate, up).
+    """
+    if shards == 1:
+        return jnp.split(y, [int(c) for c in np.cumsum(sizes)[:-1]], axis=-1)
+    lead = y.shape[:-1]
+    local = [size // shards for size in sizes]
+    blocks = jnp.split(y.reshape(*lead, shards, sum(local)), [int(c) for c in np.cumsum(local)[:-1]], axis=-1)
+    return [blk.reshape(*lead, size) for blk, size in zip(blocks, sizes, strict=True)]
+
+
 def _matmul(x: Array, w: Array, b: Array | None) -> Array:
     y = linear(x, w).astype(x.dtype)
     return y if b is None else y + b
 
 
-def _layer_mlp(cfg: ModelConfig, lp: dict[str, Array], ll: Lora, h: Array, lora_fn: LoraFn) -> Array:
+def _layer_mlp(
+    cfg: ModelConfig, lp: dict[str, Array], ll: Lora, h: Array, lora_fn: LoraFn, shards: int = 1
+) -> Array:
     x = _norm(cfg, h, lp["mlp_norm"])
     gu = _matmul(x, lp["w_gate_up"], lp.get("b_gate_up"))
-    gu = lora_fn(gu, x, ll["A_gate_up"], (ll["B_gate"], ll["B_up"]))
-    gate, up = jnp.split(gu, 2, axis=-1)
+    gu = lora_fn(gu, x, ll["A_gate_up"], (ll["B_gate"], ll["B_up"]), COLUMN)
+    gate, up = split_fused(gu, (cfg.intermediate_size,) * 2, shards)
     act = _activation(cfg, gate).astype(h.dtype) * up
     down = _matmul(act, lp["w_down"], lp.get("b_down"))
-    down = lora_fn(down, act, ll["A_down"], (ll["B_down"],))
+    down = lora_fn(down, act, ll["A_down"], (ll["B_down"],), ROW)
     if cfg.sandwich_norms:
         down = _norm(cfg, down, lp["post_mlp_norm"])
     return h + down
 
 
-def _qkv(cfg: ModelConfig, lp: dict[str, Array], ll: Lora, h: Array, lora_fn: LoraFn) -> tuple[Array, ...]:
+def _qkv(
+    cfg: ModelConfig, lp: dict[str, Array], ll: Lora, h: Array, lora_fn: LoraFn, shards: int = 1
+) -> tuple[Array, ...]:
     x = _norm(cfg, h, lp["attn_norm"])
     qkv = _matmul(x, lp["wqkv"], lp.get("bqkv"))
-    qkv = lora_fn(qkv, x, ll["A_qkv"], (ll["B_q"], ll["B_k"], ll["B_v"]))
-    q, k, v = jnp.split(qkv, [cfg.q_size, cfg.q_size + cfg.kv_size], axis=-1)
+    qkv = lora_fn(qkv, x, ll["A_qkv"], (ll["B_q"], ll["B_k"], ll["B_v"]), COLUMN)
+    q, k, v = split_fused(qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size), shards)
     lead = h.shape[:-1]
     q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
@@ -133,7 +154,7 @@ def _out_proj(
     lp: dict[str, Array], ll: Lora, h: Array, attn: Array, lora_fn: LoraFn, cfg: ModelConfig
 ) -> Array:
     o = _matmul(attn, lp["wo"], lp.get("bo"))
-    o = lora_fn(o, attn, ll["A_o"], (ll["B_o"],))
+    o = lora_fn(o, attn, ll["A_o"], (ll["B_o"],), ROW)
     if cfg.sandwich_norms:  # Gemma: norm the attention output before the residual
         o = _norm(cfg, o, lp["post_attn_norm"])
     return h + o
@@ -173,8 +194,8 @@ def prefill(
     t = tokens.shape[0]
     positions = jnp.arange(t, dtype=jnp.int32)
 
-    def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
-        return backend.add_one_slot(y, x, a, bs, slot)
+    def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...], parallel: str) -> Array:
+        return backend.apply_one_slot(y, x, a, bs, slot, parallel)
 
     causal = (positions[None, :] <= positions[:, None]) & (positions[None, :] < length)  # [T, S]
     if cfg.sliding_window is not None:  # sliding layers: only the last `sliding_window` positions
@@ -186,7 +207,7 @@ def prefill(
     h = _embed(cfg, params, tokens)
     new_cache: Cache = []
     for n, (lp, ll, (k_cache, v_cache)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
-        q, k, v = _qkv(cfg, lp, ll, h, lora_fn)
+        q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)
         freq = _layer_inv_freq(cfg, inv_freq, n)
         q, k = apply_rope(q, positions, freq), apply_rope(k, positions, freq)
         qg = q.reshape(t, cfg.num_kv_heads, group, cfg.head_dim)
@@ -195,7 +216,7 @@ def prefill(
         probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v.dtype)
         attn = jnp.einsum("kgts,skd->tkgd", probs, v).reshape(t, cfg.q_size)
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
-        h = _layer_mlp(cfg, lp, ll, h, lora_fn)
+        h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
         start = (row, jnp.int32(0), jnp.int32(0), jnp.int32(0))
         k_t = k.transpose(1, 2, 0)[None]  # [1, kv_heads, D, T]: keys are cached transposed
         k_cache = jax.lax.dynamic_update_slice(k_cache, k_t.astype(k_cache.dtype), start)
@@ -231,13 +252,13 @@ def decode(
     if cfg.sliding_window is not None:
         local = visible & (jnp.arange(max_seq)[None, :] > positions[:, None] - cfg.sliding_window)
 
-    def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...]) -> Array:
-        return y if plan is None else backend.add_decode(y, x, a, bs, plan)
+    def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...], parallel: str) -> Array:
+        return y if plan is None else backend.apply_decode(y, x, a, bs, plan, parallel)
 
     h = _embed(cfg, params, tokens)
     new_cache: Cache = []
     for n, (lp, ll, (k_cache, v_cache)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
-        q, k, v = _qkv(cfg, lp, ll, h, lora_fn)  # [B, heads, D]
+        q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [B, heads, D]
         freq = _layer_inv_freq(cfg, inv_freq, n)
         q = apply_rope(q[:, None], positions[:, None], freq)[:, 0]
         k = apply_rope(k[:, None], positions[:, None], freq)[:, 0]
@@ -252,7 +273,7 @@ def decode(
         # [G, M] @ [M, D] blocks (5.2 vs 11.3 ms per step at 64 rows)
         attn = jnp.sum(probs[..., None] * v_cache[:, :, None], axis=3).reshape(b, cfg.q_size)
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
-        h = _layer_mlp(cfg, lp, ll, h, lora_fn)
+        h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
         new_cache.append((k_cache, v_cache))
     return logits_from_hidden(cfg, params, h), new_cache
 

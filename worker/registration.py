@@ -39,6 +39,7 @@ class Registration:
             slots=e.max_loras,
             max_lora_rank=e.max_lora_rank,
             max_batch_size=e.max_batch_size,
+            tensor_parallel_size=e.tensor_parallel_size,
             module_shapes=[
                 placement_pb2.ModuleShape(module=m, in_features=i, out_features=o, num_layers=cfg.num_layers)
                 for m, (i, o) in cfg.module_shapes().items()

@@ -149,6 +149,7 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
             vocab_size=cfg.vocab_size,
             worker_id=self.worker_id,
             platform=jax.default_backend(),
+            tensor_parallel_size=e.tensor_parallel_size,
         )
 
 

@@ -10,7 +10,7 @@ applies writes between decode steps.
 
 from __future__ import annotations
 
-from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +51,6 @@ def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotVa
     return out
 
 
-@partial(jax.jit, donate_argnums=0, static_argnums=3)
 def _write_slot(pools: Lora, slot: jax.Array, values: Lora, backend: LoraBackend) -> Lora:
     def put(pool: jax.Array, value: jax.Array) -> jax.Array:
         return pool.at[slot].set(backend.to_pool_layout(value.astype(pool.dtype)))
@@ -59,24 +58,40 @@ def _write_slot(pools: Lora, slot: jax.Array, values: Lora, backend: LoraBackend
     return [{k: put(layer[k], vals[k]) for k in layer} for layer, vals in zip(pools, values, strict=True)]
 
 
+_write_slot_jit = jax.jit(_write_slot, donate_argnums=0, static_argnums=3)
+
+
 class SlotPools:
     """The device-resident pools. Only the engine thread calls ``write``/``zero``.
 
     Slot values are always given in the canonical layout (``slot_arrays``); ``backend`` decides how
-    the pools store them (``to_pool_layout`` runs inside the jitted write).
+    the pools store them (``to_pool_layout`` runs inside the jitted write). ``shardings`` (pool name ->
+    ``jax.sharding.Sharding``, tensor parallelism) places every layer's pools so and keeps them so
+    across writes; None = the default device.
     """
 
     def __init__(
-        self, cfg: ModelConfig, max_loras: int, max_rank: int, dtype: jnp.dtype, backend: LoraBackend
+        self,
+        cfg: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        dtype: jnp.dtype,
+        backend: LoraBackend,
+        shardings: dict[str, Any] | None = None,
     ) -> None:
         self.cfg, self.max_loras, self.max_rank, self.dtype = cfg, max_loras, max_rank, dtype
-        self.backend = backend
+        self.backend, self.shardings = backend, shardings
         self.pools: Lora = empty_lora(cfg, max_loras, max_rank, dtype, backend)
+        self._write = _write_slot_jit
+        if shardings is not None:
+            layered = [dict(shardings) for _ in range(cfg.num_layers)]
+            self.pools = jax.device_put(self.pools, layered)
+            self._write = jax.jit(_write_slot, donate_argnums=0, static_argnums=3, out_shardings=layered)
         zeros = {k: np.zeros(s, np.float32) for k, s in lora_slot_shapes(cfg, max_rank).items()}
         self._zeros: SlotValues = [zeros] * cfg.num_layers
 
     def write(self, slot: int, values: SlotValues) -> None:
-        self.pools = _write_slot(self.pools, jnp.int32(slot), values, self.backend)
+        self.pools = self._write(self.pools, jnp.int32(slot), values, self.backend)
 
     def read(self, slot: int) -> SlotValues:
         """One slot's values back in the canonical layout (host arrays in the pools' dtype)."""

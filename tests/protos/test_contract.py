@@ -71,6 +71,10 @@ FIELDS = {
         "description": 12,
         "labels": 13,
     },
+    # tensor parallelism (DESIGN.md §10.2): new numbers, nothing renumbered
+    placement_pb2.RegisterWorkerRequest: {"max_batch_size": 6, "tensor_parallel_size": 7},
+    placement_pb2.Worker: {"lease_expires_at": 9, "tensor_parallel_size": 10},
+    worker_admin_pb2.WorkerInfo: {"platform": 11, "tensor_parallel_size": 12},
 }
 
 

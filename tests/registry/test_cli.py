@@ -65,14 +65,17 @@ def test_adapters_commands(reg, adapter_dirs, capsys: pytest.CaptureFixture[str]
 
 def test_workers_ls(reg, tiny_shapes, capsys: pytest.CaptureFixture[str]) -> None:
     wid = reg.client.placement.RegisterWorker(
-        pp.RegisterWorkerRequest(address="127.0.0.1:7001", model_id=TINY_MODEL, slots=4)
+        pp.RegisterWorkerRequest(
+            address="127.0.0.1:7001", model_id=TINY_MODEL, slots=4, tensor_parallel_size=4
+        )
     ).worker_id
     code, out, _ = _run(capsys, "workers", "ls", "--registry", reg.address, "--json")
-    assert code == 0 and [(w["worker_id"], w["address"], w["slots"]) for w in json.loads(out)] == [
-        (wid, "127.0.0.1:7001", 4)
-    ]
+    listed = [(w["worker_id"], w["address"], w["slots"], w["tensor_parallel_size"]) for w in json.loads(out)]
+    assert code == 0 and listed == [(wid, "127.0.0.1:7001", 4, 4)]
     code, out, _ = _run(capsys, "workers", "ls", "--registry", reg.address)
-    assert "127.0.0.1:7001" in out and out.splitlines()[0].split()[:3] == ["WORKER", "ADDRESS", "MODEL"]
+    header, row = out.splitlines()[0].split(), out.splitlines()[1].split()
+    assert "127.0.0.1:7001" in out and header[:5] == ["WORKER", "ADDRESS", "MODEL", "SLOTS", "TP"]
+    assert row[4] == "4"
 
 
 def test_unreachable_registry_is_a_clear_error(capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
@@ -84,7 +87,7 @@ def test_unreachable_registry_is_a_clear_error(capsys: pytest.CaptureFixture[str
 def test_registry_migrate_and_gc(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     db = f"sqlite:///{tmp_path / 'm.db'}"
     code, out, _ = _run(capsys, "registry", "migrate", "--db", db)
-    assert code == 0 and out.strip() == "database at revision 0001"
+    assert code == 0 and out.strip() == "database at revision 0002"
     store = tmp_path / "store"
     from loraserve.registry.storage import BlobStore
 

@@ -185,6 +185,7 @@ def test_admin_load_list_info_unload(worker, adapter_dirs) -> None:
     info = admin.GetWorkerInfo(worker_admin_pb2.GetWorkerInfoRequest())
     assert (info.max_loras, info.max_lora_rank, info.max_batch_size, info.max_seq_len) == (2, 16, 4, 64)
     assert info.platform == "cpu" and info.dtype == "float32" and "down_proj" in info.target_modules
+    assert info.tensor_parallel_size == 1
     slot = admin.LoadAdapter(
         worker_admin_pb2.LoadAdapterRequest(
             adapter="qv", source_uri=str(adapter_dirs["qv-r8-rslora"]), pin=True

@@ -1,0 +1,240 @@
+"""Tensor parallelism on CPU devices (DESIGN.md §10.2): N = 1, 2, 4, 8 serve the same tokens.
+
+JAX needs ``--xla_force_host_platform_device_count=8`` before it starts, so the runs happen in one
+subprocess per backend (``tests/worker/tp_child.py``, JSON on stdout). The model: a tiny Qwen2 (qkv
+bias, tied embeddings) with 8 heads, 2 KV heads (so N = 4 and 8 repeat KV heads), intermediate 128,
+vocab 384; the batch mixes four adapters (ranks 2..16, rsLoRA, target subsets) and a base row.
+
+Tolerance: f32 logits within 1e-4 absolute of N = 1 (only the order of the split sums differs;
+1e-6 measured); a bf16 model within 0.0625 (0.031 measured: one rounding of a split sum); greedy tokens
+identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loraserve.common.errors import FailedPrecondition, InvalidArgument
+from loraserve.testing import make_adapter, save_model
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.sharding import check_tensor_parallel, fuse_order
+from tests.conftest import ADAPTERS
+
+ROOT = Path(__file__).resolve().parents[2]
+ATOL = 1e-4
+ATOL_BF16 = 0.0625  # bf16 model: 4 bf16 ulps at the logits' magnitude (< 4); 0.031 measured
+SIZES = (1, 2, 4, 8)
+TP_MODEL = dict(tie_word_embeddings=True, num_attention_heads=8, num_key_value_heads=2, intermediate_size=128)
+SPLIT, WHOLE = "('model', None)", "(None, None, None)"
+
+
+@pytest.fixture(scope="module")
+def tp_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("tp")
+    model = save_model(root / "qwen2", "qwen2", seed=7, **TP_MODEL)
+    adapters = []
+    for name, kw in ADAPTERS.items():
+        make_adapter(AutoModelForCausalLM.from_pretrained(str(model)), root / name, **kw)
+        adapters.append(root / name)
+    return model, adapters
+
+
+def run_child(*args: str) -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.worker.tp_child", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def expected_pool_specs(backend: str) -> dict[str, str]:
+    """B split by output for q/k/v/gate/up, A split by input for o/down, the rest whole (pool axes
+    of the backend's layout: DESIGN.md §6 ``A [S, in, n*R]``, ``B [S, R, out]``; xla-grouped transposed)."""
+    b_out = "(None, 'model', None)" if backend == "xla-grouped" else "(None, None, 'model')"
+    a_in = "(None, None, 'model')" if backend == "xla-grouped" else "(None, 'model', None)"
+    column = {k: b_out for k in ("B_q", "B_k", "B_v", "B_gate", "B_up")}
+    return {
+        **column,
+        "A_o": a_in,
+        "A_down": a_in,
+        "A_qkv": WHOLE,
+        "A_gate_up": WHOLE,
+        "B_o": WHOLE,
+        "B_down": WHOLE,
+    }
+
+
+@pytest.mark.parametrize(
+    ("backend", "sizes", "dtype"),
+    [
+        ("cpu", SIZES, "float32"),
+        ("xla-grouped", SIZES, "float32"),
+        ("xla-onehot", (1, 8), "float32"),
+        ("pallas", (1, 2), "float32"),  # interpreted on CPU
+        ("cpu", (1, 4), "bfloat16"),
+    ],
+)
+def test_sizes_serve_the_same_tokens(tp_model, backend: str, sizes: tuple[int, ...], dtype: str) -> None:
+    import numpy as np
+
+    model, adapters = tp_model
+    out = run_child(
+        "--model", str(model), "--adapters", ",".join(map(str, adapters)), "--backend", backend,
+        "--sizes", ",".join(map(str, sizes)), "--steps", "4", "--swaps", "200", "--dtype", dtype,
+    )  # fmt: skip
+    atol = ATOL if dtype == "float32" else ATOL_BF16
+    ref = out["1"]
+    ref_logits = np.array(ref["logits"])
+    assert ref_logits.shape == (4, 6, 384)
+    # the adapters are applied: the first step without LoRA matches the base row only (within the
+    # rounding of another program: 1e-5 in f32, atol in bf16), every adapter row moves by more than 0.1
+    moved = np.abs(ref_logits[0] - np.array(ref["base_logits"])).max(axis=-1)
+    same = 1e-5 if dtype == "float32" else atol
+    assert moved[4] < same and (moved[[0, 1, 2, 3, 5]] > 0.1).all(), moved
+    for n in sizes:
+        got = out[str(n)]
+        assert got["devices"] == 8
+        assert got["tokens"] == ref["tokens"], f"N={n}"
+        np.testing.assert_allclose(np.array(got["logits"]), ref_logits, atol=atol, rtol=0, err_msg=f"N={n}")
+        assert got["compilations"] == 0, (n, got["compiled"])  # 200 swaps and 10 decode steps after warm-up
+        if n == 1:
+            assert set(got["pools_after_swaps"].values()) == {"single"}
+            continue
+        # sharding.abstract_state (the planner's AOT shapes) has the runner's shapes, dtypes and specs
+        assert got["abstract_matches"] == {"params": True, "cache": True, "pools": True}
+        sh = got["shardings"]
+        assert sh["params"] == {
+            "attn_norm": "(None,)", "mlp_norm": "(None,)", "bqkv": "('model',)", "wqkv": SPLIT,
+            "w_gate_up": SPLIT, "wo": "(None, 'model')", "w_down": "(None, 'model')",
+        }  # fmt: skip
+        assert sh["embed"] == SPLIT
+        assert sh["cache"] == ["(None, 'model', None, None)"] * 2
+        assert sh["pools"] == expected_pool_specs(backend)
+        assert got["pools_after_swaps"] == expected_pool_specs(backend)
+        # one device's pool block: q is 8 heads x 8, k/v 2 heads x 8 repeated up to N heads, I = 128
+        shapes = {k: sorted(v[1:]) for k, v in sh["pool_shapes"].items()}
+        assert shapes["B_q"] == sorted([16, 64 // n])
+        assert shapes["B_k"] == shapes["B_v"] == sorted([16, 8 * max(2, n) // n])
+        assert shapes["B_gate"] == shapes["B_up"] == sorted([16, 128 // n])
+        assert shapes["A_o"] == sorted([16, 64 // n])
+        assert shapes["A_down"] == sorted([16, 128 // n])
+        assert shapes["A_qkv"] == sorted([64, 48])
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
+def test_lora_collectives_are_rank_sized(tp_model, backend: str) -> None:
+    """DESIGN.md §7: at N = 4 the collectives LoRA adds to the compiled decode step move at most
+    2 · layers · batch · rank elements (one [batch, rank] reduction per row-parallel module)."""
+    model, _ = tp_model
+    out = run_child("--model", str(model), "--adapters", "-", "--backend", backend, "--sizes", "4", "--hlo")[
+        "4"
+    ]
+    bound = 2 * out["layers"] * out["batch"] * out["rank"]
+    base = out["base"]
+    assert base["all-reduce"] > 0  # the base model's own reductions are there and counted
+    assert out["lora"], "no plan variant with adapter rows"
+    for variant in out["lora"]:
+        added = {k: variant[k] - base[k] for k in base}
+        assert added["all-reduce"] == bound, added  # exactly the two psums of [batch, rank] per layer
+        assert sum(added.values()) <= bound, added  # nothing hidden-sized anywhere else
+
+
+def test_fuse_order_gives_each_shard_its_parts() -> None:
+    order = fuse_order((4, 2, 2), 2)  # q rows 0-3, k rows 4-5, v rows 6-7
+    assert order.tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    assert fuse_order((3, 3), 1).tolist() == list(range(6))
+
+
+def _cfg(**kw) -> ModelConfig:
+    base = dict(
+        model_type="llama", vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
+        num_heads=8, num_kv_heads=2, head_dim=8,
+    )  # fmt: skip
+    return ModelConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("kw", "n", "devices", "error", "words"),
+    [
+        ({}, 3, 8, InvalidArgument, ["tensor_parallel_size 3", "8 heads"]),
+        (
+            {"intermediate_size": 100},
+            8,
+            8,
+            InvalidArgument,
+            ["tensor_parallel_size 8", "intermediate size 100"],
+        ),
+        (
+            {"num_heads": 12, "num_kv_heads": 3},
+            2,
+            8,
+            InvalidArgument,
+            ["tensor_parallel_size 2", "3 KV heads"],
+        ),
+        ({}, 4, 2, FailedPrecondition, ["tensor_parallel_size 4", "2 visible"]),
+        ({}, 0, 8, InvalidArgument, ["must be >= 1, got 0"]),
+    ],
+)
+def test_bad_configurations_are_refused(kw, n, devices, error, words) -> None:
+    with pytest.raises(error) as info:
+        check_tensor_parallel(_cfg(**kw), n, devices)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_runner_refuses_more_devices_than_visible(llama_dir) -> None:
+    """This pytest process has one CPU device: a TP=2 runner is refused before anything is placed."""
+    import jax
+
+    from loraserve.worker.checkpoint import load_checkpoint
+    from loraserve.worker.jax_runner import JaxRunner
+
+    assert len(jax.devices()) == 1
+    config = EngineConfig(tensor_parallel_size=2, kernel_backend="xla-grouped")
+    with pytest.raises(
+        FailedPrecondition, match="tensor_parallel_size 2 is larger than the 1 visible cpu devices"
+    ):
+        JaxRunner(load_checkpoint(str(llama_dir)), config)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+def test_sharded_pallas_decode_lowers_for_tpu() -> None:
+    """DESIGN.md §6's TPU check for the N-device step: ``jax.export`` for the TPU platform runs the Mosaic
+    lowering of every Pallas kernel inside ``shard_map`` (block rules enforced) on abstract shapes from
+    ``sharding.abstract_state`` (bf16, 128-wide heads; nothing allocated)."""
+    out = run_child("--tpu-export", "--sizes", "2,4,8")
+    for n in ("2", "4", "8"):
+        got = out[n]
+        assert got["platforms"] == ["tpu"] and got["devices"] == int(n)
+        # per layer: qkv shrink + 3 expands, gate_up shrink + 2, o and down each shrink + expand twice
+        assert got["custom_calls"] == 15 * got["layers"], got
+        assert got["psums"] == 2 * got["layers"], got  # the row-parallel [batch, rank] reductions
+
+
+def test_flag_and_environment_twin() -> None:
+    import argparse
+
+    from loraserve.common.config import config_from_args
+    from loraserve.worker.cli import HELP, add_arguments
+    from loraserve.worker.config import ENV_PREFIX, WorkerConfig
+
+    env = WorkerConfig.from_env({"LORASERVE_WORKER_TENSOR_PARALLEL_SIZE": "4"})
+    assert env.engine_config().tensor_parallel_size == 4
+    assert WorkerConfig.from_env({}).tensor_parallel_size == 1
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--tensor-parallel-size", "8"])
+    assert config_from_args(WorkerConfig, ENV_PREFIX, args).engine_config().tensor_parallel_size == 8
+    assert HELP["tensor_parallel_size"].startswith("devices one model is split over")

@@ -1,0 +1,234 @@
+"""The tensor-parallel runs of ``test_tensor_parallel.py``, in a process of their own.
+
+JAX must see several CPU devices, which needs ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+before it starts; the pytest process has already started JAX with one device, so the tests run this
+module with ``python -m tests.worker.tp_child`` and read the JSON it prints on its last line.
+
+``serve``: for each N, a ``JaxRunner`` with ``tensor_parallel_size=N`` serves one batch mixing four
+adapters and base rows (greedy), hot-swapping a slot no row uses between steps; reports the tokens,
+the logits of every decode step, the shardings of params, cache and pools, and the compilations
+counted over 200 slot swaps with decode steps in between after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from functools import partial
+
+import jax
+import numpy as np
+
+from loraserve.adapters.files import read_adapter_files
+from loraserve.adapters.peft import parse_adapter
+from loraserve.kernels.testing import count_compilations
+from loraserve.worker import model as M
+from loraserve.worker import sharding
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.jax_runner import JaxRunner
+from loraserve.worker.requests import SamplingRow
+from loraserve.worker.sampling import SamplingArrays
+
+PROMPTS = [[5, 17, 33, 100, 7, 9], [3, 4], [250, 11, 12, 13], [60, 61, 62, 63, 64], [8, 8, 8], [99, 1, 2]]
+ROW_SLOTS = [0, 1, 2, 3, -1, 0]  # four adapters, a base row, one adapter on two rows; slot 4 is swapped
+SLOTS, RANK = 5, 16
+
+
+def _spec(array: jax.Array) -> str:
+    sharding = array.sharding
+    return str(tuple(sharding.spec)) if hasattr(sharding, "spec") else "single"
+
+
+def _signature(tree) -> list:
+    """(shape, dtype, PartitionSpec) of every leaf: what abstract and real arrays must agree on."""
+    return jax.tree.leaves(jax.tree.map(lambda a: (tuple(a.shape), str(a.dtype), str(a.sharding.spec)), tree))
+
+
+def serve(
+    model: str, adapters: list[str], backend: str, n: int, steps: int, swaps: int, dtype: str = "float32"
+) -> dict:
+    ck = load_checkpoint(model, dtype=dtype)
+    config = EngineConfig(
+        max_batch_size=len(PROMPTS), max_seq_len=32, max_loras=SLOTS, max_lora_rank=RANK,
+        kernel_backend=backend, tensor_parallel_size=n, min_prefill_bucket=16, dtype=dtype,
+    )  # fmt: skip
+    runner = JaxRunner(ck, config)
+    runner.warmup()
+    cfg = ck.config
+    weights = [
+        parse_adapter(
+            *read_adapter_files(path),
+            module_shapes=cfg.module_shapes(),
+            num_layers=cfg.num_layers,
+            max_rank=RANK,
+        )
+        for path in adapters
+    ]
+    prepared = [runner.prepare(w) for w in weights]
+    for slot, values in enumerate(prepared[:4]):
+        runner.write_slot(slot, values)
+    greedy = SamplingRow()
+    first = [
+        runner.prefill(p, s, row, greedy) for row, (p, s) in enumerate(zip(PROMPTS, ROW_SLOTS, strict=True))
+    ]
+    tokens = np.array(first, np.int32)
+    positions = np.array([len(p) for p in PROMPTS], np.int32)
+    slots = np.array(ROW_SLOTS, np.int32)
+    logits_fn = jax.jit(partial(M.decode, runner.model_config, backend=runner.backend))
+    out_tokens, out_logits = [first], []
+    base, _ = logits_fn(
+        runner.params, runner.pools.pools, tokens, positions, None, runner.cache, runner.inv_freq
+    )
+    for step in range(steps):
+        runner.write_slot(4, prepared[step % len(prepared)])  # hot swap of a slot no row uses
+        plan = runner.backend.plan(slots, SLOTS)
+        logits, _ = logits_fn(
+            runner.params, runner.pools.pools, tokens, positions, plan, runner.cache, runner.inv_freq
+        )
+        out_logits.append(np.asarray(logits).tolist())
+        tokens = runner.decode(tokens, positions, slots, [greedy] * len(PROMPTS)).astype(np.int32)
+        out_tokens.append(tokens.tolist())
+        positions = positions + 1
+    layer = runner.params["layers"][0]
+    shardings = {
+        "params": {k: _spec(v) for k, v in layer.items()},
+        "embed": _spec(runner.params["embed"]),
+        "cache": [_spec(runner.cache[0][0]), _spec(runner.cache[0][1])],
+        "pools": {k: _spec(v) for k, v in runner.pools.pools[0].items()},
+        "pool_shapes": {
+            k: list(v.addressable_shards[0].data.shape) for k, v in runner.pools.pools[0].items()
+        },
+    }
+    abstract = {}
+    if runner.mesh is not None:  # what the planner lowers on must be what the runner allocates
+        st = sharding.abstract_state(cfg, config, runner.mesh, runner.backend)
+        real = {"params": runner.params, "cache": runner.cache, "pools": runner.pools.pools}
+        abstract = {k: _signature(st[k]) == _signature(v) for k, v in real.items()}
+    mixes = [[0, 1, 2, 3, -1, 4], [-1] * 6, [4] * 6, [2, 2, 0, -1, 1, 3]]
+    rows = len(PROMPTS)
+    with count_compilations() as count:
+        for i in range(swaps):
+            runner.write_slot(i % SLOTS, prepared[i % len(prepared)])
+            if i % 20 == 0:
+                mix = np.array(mixes[(i // 20) % len(mixes)], np.int32)
+                runner.decode(np.full(rows, 9, np.int32), np.full(rows, 20, np.int32), mix, [greedy] * rows)
+    after = {k: _spec(v) for k, v in runner.pools.pools[0].items()}
+    return {
+        "tokens": out_tokens, "logits": out_logits, "base_logits": np.asarray(base).tolist(), "shardings": shardings, "pools_after_swaps": after,
+        "abstract_matches": abstract, "compilations": count.compilations, "compiled": count.names, "devices": len(jax.devices()),
+    }  # fmt: skip
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+_OP = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_SHAPE = re.compile(r"[a-z]+[0-9]*\[([0-9,]*)\]")
+
+
+def collective_elements(hlo: str) -> dict[str, int]:
+    """Elements each collective op kind moves in compiled HLO text (async ``-start`` counted once)."""
+    out = dict.fromkeys(COLLECTIVES, 0)
+    for line in hlo.splitlines():
+        m = _OP.search(line)
+        if m is None:
+            continue
+        for dims in _SHAPE.findall(m.group(1)):
+            out[m.group(2)] += int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return out
+
+
+def hlo(model: str, backend: str, n: int) -> dict:
+    """Collective elements of the compiled decode step with no LoRA code and with each plan variant."""
+    ck = load_checkpoint(model)
+    config = EngineConfig(
+        max_batch_size=len(PROMPTS), max_seq_len=32, max_loras=SLOTS, max_lora_rank=RANK,
+        kernel_backend=backend, tensor_parallel_size=n,
+    )  # fmt: skip
+    runner = JaxRunner(ck, config)
+    rows = config.max_batch_size
+    zeros = np.zeros(rows, np.int32)
+    samp = SamplingArrays.empty(rows).as_tuple()
+
+    def count(plan) -> dict[str, int]:
+        lowered = runner._decode.lower(
+            runner.params, runner.pools.pools, zeros, zeros, plan, runner.cache, runner.inv_freq, samp
+        )
+        return collective_elements(lowered.compile().as_text())
+
+    plans = runner.backend.warmup_plans(rows, SLOTS)
+    return {
+        "base": count(None), "lora": [count(p) for p in plans if p is not None],
+        "layers": ck.config.num_layers, "batch": rows, "rank": RANK,
+    }  # fmt: skip
+
+
+def tpu_export(n: int) -> dict:
+    """Export the N-device decode step with the Pallas backend for TPU (Mosaic lowering, no TPU needed),
+    on abstract shapes from ``sharding.abstract_state``: a Llama-like bf16 model with 128-wide heads."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from loraserve.kernels import pallas as pk
+    from loraserve.kernels.backends import PallasBackend
+    from loraserve.worker.model_config import ModelConfig
+
+    pk.default_interpret = lambda: False  # lower the real kernels, not the interpreter
+    cfg = ModelConfig(
+        model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_layers=2,
+        num_heads=8, num_kv_heads=2, head_dim=128,
+    )  # fmt: skip
+    config = EngineConfig(
+        max_batch_size=16, max_seq_len=256, max_loras=8, max_lora_rank=16, dtype="bfloat16",
+        kernel_backend="pallas", tensor_parallel_size=n,
+    )  # fmt: skip
+    mesh = sharding.make_mesh(n)
+    st = sharding.abstract_state(cfg, config, mesh, PallasBackend())
+    tcfg, backend = st["model_config"], st["backend"]
+
+    def step(params, pools, tokens, positions, plan, cache, inv_freq):
+        return M.decode(tcfg, params, pools, tokens, positions, plan, cache, inv_freq, backend)
+
+    rep = NamedSharding(mesh, P())
+    rows = jax.ShapeDtypeStruct((16,), jnp.int32, sharding=rep)
+    inv = jax.ShapeDtypeStruct((tcfg.head_dim // 2,), jnp.float32, sharding=rep)
+    exported = jax.export.export(jax.jit(step, out_shardings=st["out_shardings"]), platforms=["tpu"])(
+        st["params"], st["pools"], rows, rows, rows, st["cache"], inv
+    )
+    mlir = exported.mlir_module()
+    return {
+        "platforms": list(exported.platforms), "devices": exported.nr_devices,
+        "custom_calls": mlir.count("tpu_custom_call"), "psums": mlir.count("all_reduce"),
+        "layers": cfg.num_layers,
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="")
+    parser.add_argument("--adapters", default="", help="comma-separated PEFT folders")
+    parser.add_argument("--backend", default="xla-grouped")
+    parser.add_argument("--sizes", default="1,2,4,8")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--swaps", type=int, default=200)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--hlo", action="store_true", help="count the decode step's collectives instead")
+    parser.add_argument("--tpu-export", action="store_true", help="export the Pallas decode step for TPU")
+    args = parser.parse_args()
+    if args.tpu_export:
+        print(json.dumps({n: tpu_export(int(n)) for n in args.sizes.split(",")}))
+        return
+    if args.hlo:
+        print(json.dumps({n: hlo(args.model, args.backend, int(n)) for n in args.sizes.split(",")}))
+        return
+    adapters = args.adapters.split(",")
+    out = {
+        n: serve(args.model, adapters, args.backend, int(n), args.steps, args.swaps, args.dtype)
+        for n in args.sizes.split(",")
+    }
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

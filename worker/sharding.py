@@ -1,0 +1,255 @@
+"""Tensor parallelism: the ``model`` mesh, the Megatron layout of every array, and the checks at start.
+
+Layout over a 1-D mesh of N devices, axis ``model`` (``docs/worker.md``):
+
+* ``wqkv [q+2kv, in]`` and ``w_gate_up [2I, in]`` (and their biases) split by output rows, their rows
+  re-ordered at load so device s holds its own q, k, v (gate, up) slices (:func:`fuse_order`;
+  ``model.split_fused`` reads them back);
+* ``wo [H, q]`` and ``w_down [H, I]`` split by input columns (one all-reduce of ``[tokens, H]`` each);
+* ``embed`` and ``lm_head [V, H]`` split by vocab rows (when N divides V; replicated otherwise);
+* the KV cache split by KV head; with ``kv_heads < N`` every KV head is repeated ``N / kv_heads``
+  times in the weights, the k/v LoRA B matrices and the cache (vLLM does the same), so each device
+  holds the one its q heads read;
+* slot pools split like the layer they adapt (``kernels.sharded``); norms and the rest replicated.
+
+N = 1 uses none of this: the runner keeps its single-device path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from loraserve.common.errors import FailedPrecondition, InvalidArgument
+from loraserve.kernels.backends import COLUMN, ROW, LoraBackend
+from loraserve.kernels.sharded import AXIS, ShardedBackend
+from loraserve.worker.model import LORA_GROUPS, b_name, lora_slot_shapes
+from loraserve.worker.model_config import ModelConfig
+
+# Which way each LoRA group's layer is split (Megatron): by output (column) or by input (row).
+GROUP_PARALLEL: dict[str, str] = {"qkv": COLUMN, "o": ROW, "gate_up": COLUMN, "down": ROW}
+# Per-layer parameter -> the dimension split over ``model`` (absent: replicated).
+LAYER_SPLIT_DIM: dict[str, int] = {"wqkv": 0, "bqkv": 0, "w_gate_up": 0, "b_gate_up": 0, "wo": 1, "w_down": 1}
+CACHE_SPEC = P(None, AXIS, None, None)  # k [rows, kv_heads, D, M], v [rows, kv_heads, M, D]: by KV head
+
+
+def check_tensor_parallel(cfg: ModelConfig, n: int, devices: int) -> None:
+    """Refuse a tensor-parallel size the model or the machine cannot take, naming the numbers.
+
+    ``InvalidArgument`` when N does not divide the heads or the intermediate size, or neither of N and
+    the KV heads divides the other; ``FailedPrecondition`` when N exceeds the visible devices.
+    """
+    if n < 1:
+        raise InvalidArgument(f"tensor_parallel_size must be >= 1, got {n}")
+    if n > devices:
+        raise FailedPrecondition(
+            f"tensor_parallel_size {n} is larger than the {devices} visible {jax.default_backend()} devices"
+        )
+    if cfg.num_heads % n:
+        raise InvalidArgument(f"tensor_parallel_size {n} does not divide the model's {cfg.num_heads} heads")
+    if cfg.intermediate_size % n:
+        raise InvalidArgument(
+            f"tensor_parallel_size {n} does not divide the model's intermediate size {cfg.intermediate_size}"
+        )
+    k = cfg.num_kv_heads
+    if k % n and n % k:
+        raise InvalidArgument(
+            f"tensor_parallel_size {n} and the model's {k} KV heads: one must divide the other"
+        )
+
+
+def make_mesh(n: int, devices: list[Any] | None = None) -> Mesh:
+    """A 1-D mesh ``(model: n)`` over the first n devices (``jax.devices()`` by default)."""
+    devs = (devices if devices is not None else jax.devices())[:n]
+    return Mesh(np.array(devs), (AXIS,))
+
+
+def kv_repeat(cfg: ModelConfig, n: int) -> int:
+    """How many times each KV head is stored: ``n / kv_heads`` when ``kv_heads < n``, else 1."""
+    return max(1, n // cfg.num_kv_heads)
+
+
+def tp_model_config(cfg: ModelConfig, n: int) -> ModelConfig:
+    """The config the sharded model computes with: KV heads repeated up to N (same attention)."""
+    return dataclasses.replace(cfg, num_kv_heads=cfg.num_kv_heads * kv_repeat(cfg, n))
+
+
+def fuse_order(sizes: tuple[int, ...], n: int) -> np.ndarray:
+    """Row order of a fused ``[sum(sizes), ...]`` weight: block s = every part's s-th N-th, side by side.
+
+    *Semantics:* ``w[fuse_order(sizes, n)]`` split in N equal row blocks gives device s
+    ``[part_0[s] | part_1[s] | ...]``; n = 1 is the identity.
+    """
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    parts = zip(offsets, sizes, strict=True)
+    local = [(int(o), size // n) for o, size in parts]
+    return np.concatenate([np.arange(o + s * m, o + (s + 1) * m) for s in range(n) for o, m in local])
+
+
+def _repeat_kv_rows(w: np.ndarray, cfg: ModelConfig, r: int) -> np.ndarray:
+    """``[q+2kv, ...]`` fused q|k|v rows -> the same with each KV head's rows repeated r times."""
+    if r == 1:
+        return w
+    q, kv, d = cfg.q_size, cfg.kv_size, cfg.head_dim
+    k, v = (
+        np.repeat(p.reshape(cfg.num_kv_heads, d, *w.shape[1:]), r, axis=0)
+        for p in (w[q : q + kv], w[q + kv :])
+    )
+    return np.concatenate([w[:q], k.reshape(-1, *w.shape[1:]), v.reshape(-1, *w.shape[1:])])
+
+
+def host_layer_params(cfg: ModelConfig, layer: dict[str, Any], n: int) -> dict[str, np.ndarray]:
+    """One layer's params (``worker.checkpoint`` layout) -> host arrays in the N-device layout."""
+    tcfg, r = tp_model_config(cfg, n), kv_repeat(cfg, n)
+    out = {k: np.asarray(v) for k, v in layer.items()}
+    qkv_order = fuse_order((tcfg.q_size, tcfg.kv_size, tcfg.kv_size), n)
+    gu_order = fuse_order((cfg.intermediate_size,) * 2, n)
+    for key in ("wqkv", "bqkv"):
+        if key in out:
+            out[key] = _repeat_kv_rows(out[key], cfg, r)[qkv_order]
+    for key in ("w_gate_up", "b_gate_up"):
+        if key in out:
+            out[key] = out[key][gu_order]
+    return out
+
+
+def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int) -> dict[str, Any]:
+    """The PartitionSpec tree of ``params`` (same structure; leaves arrays or shape tuples) for N devices."""
+    vocab = P(AXIS, None) if cfg.vocab_size % n == 0 else P()
+    top = {k: (vocab if k in ("embed", "lm_head") else P()) for k in params if k != "layers"}
+
+    def layer_spec(key: str, value: Any) -> P:
+        dim = LAYER_SPLIT_DIM.get(key)
+        rank = len(value) if isinstance(value, tuple) else np.ndim(value)  # a shape or an array
+        return P(*(AXIS if d == dim else None for d in range(rank)))
+
+    top["layers"] = [{k: layer_spec(k, v) for k, v in layer.items()} for layer in params["layers"]]
+    return top
+
+
+def shard_params(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """Checkpoint params -> device arrays in the Megatron layout over ``mesh`` (fused rows re-ordered,
+    KV heads repeated when fewer than N)."""
+    n = mesh.size
+    dtype = params["embed"].dtype
+    host = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
+    host["layers"] = [host_layer_params(cfg, layer, n) for layer in params["layers"]]
+    specs = param_specs(cfg, host, n)
+    return jax.tree.map(
+        lambda v, s: jax.device_put(jnp.asarray(v, dtype), NamedSharding(mesh, s)),
+        host,
+        specs,
+        is_leaf=lambda x: isinstance(x, np.ndarray),
+    )
+
+
+def pool_specs(cfg: ModelConfig, backend: ShardedBackend) -> dict[str, P]:
+    """Pool name -> PartitionSpec: each pool split like the layer it adapts (``ShardedBackend.pool_spec``)."""
+    out: dict[str, P] = {}
+    for group, modules in LORA_GROUPS.items():
+        out[f"A_{group}"] = backend.pool_spec("A", GROUP_PARALLEL[group])
+        out.update({b_name(m): backend.pool_spec("B", GROUP_PARALLEL[group]) for m in modules})
+    return out
+
+
+def pool_shardings(cfg: ModelConfig, backend: ShardedBackend) -> dict[str, NamedSharding]:
+    return {k: NamedSharding(backend.mesh, s) for k, s in pool_specs(cfg, backend).items()}
+
+
+def expand_slot_values(
+    cfg: ModelConfig, values: list[dict[str, np.ndarray]], n: int
+) -> list[dict[str, np.ndarray]]:
+    """One slot's canonical host values (``slots.slot_arrays`` of the checkpoint's config) -> the values
+    for the N-device model: the k/v B columns repeated per KV head like the weights (no-op otherwise)."""
+    r = kv_repeat(cfg, n)
+    if r == 1:
+        return values
+    d = cfg.head_dim
+
+    def rep(b: np.ndarray) -> np.ndarray:  # [R, kv*D] -> [R, kv*r*D]
+        return np.repeat(b.reshape(b.shape[0], cfg.num_kv_heads, d), r, axis=1).reshape(b.shape[0], -1)
+
+    return [{k: (rep(v) if k in ("B_k", "B_v") else v) for k, v in layer.items()} for layer in values]
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
+    """The shapes of ``worker.checkpoint``'s params for ``cfg`` (one device's layout), as a params tree of
+    tuples: what :func:`abstract_state` needs when no checkpoint is loaded (the capacity planner)."""
+    h, q, kv, i, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
+    layer: dict[str, tuple[int, ...]] = {
+        "attn_norm": (h,), "mlp_norm": (h,), "wqkv": (q + 2 * kv, h), "wo": (h, q),
+        "w_gate_up": (2 * i, h), "w_down": (h, i),
+    }  # fmt: skip
+    if cfg.qkv_bias:
+        layer["bqkv"] = (q + 2 * kv,)
+    if cfg.o_bias:
+        layer["bo"] = (h,)
+    if cfg.mlp_bias:
+        layer.update(b_gate_up=(2 * i,), b_down=(h,))
+    # the families' extra norms (Gemma's sandwich norms, Qwen3/Gemma 3's q/k norms), where the config has them
+    if getattr(cfg, "sandwich_norms", False):
+        layer.update(post_attn_norm=(h,), post_mlp_norm=(h,))
+    if getattr(cfg, "qk_norm", False):
+        layer.update(q_norm=(cfg.head_dim,), k_norm=(cfg.head_dim,))
+    out: dict[str, Any] = {"embed": (v, h), "final_norm": (h,)}
+    if not cfg.tie_word_embeddings:
+        out["lm_head"] = (v, h)
+    out["layers"] = [dict(layer) for _ in range(cfg.num_layers)]
+    return out
+
+
+def abstract_state(
+    cfg: ModelConfig, config: Any, mesh: Mesh, backend: LoraBackend, params: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Abstract params, KV cache and slot pools (``jax.ShapeDtypeStruct`` carrying their shardings) of the
+    model ``cfg`` served with ``config`` (an ``EngineConfig``) over ``mesh``, for lowering the jitted
+    decode/prefill ahead of time without allocating: ``jax.jit(f).lower(*abstract args)`` is one call.
+
+    ``params``: a params tree whose leaves have shapes (real arrays or ``jax.eval_shape`` output) in the
+    one-device layout; None = :func:`param_shapes` of ``cfg``. Returns ``{"params", "cache", "pools",
+    "model_config", "backend", "out_shardings"}``: the N-device model config and ``ShardedBackend`` the
+    model is traced with, and the ``(token(s), cache)`` output shardings of the jitted steps.
+    """
+    n = mesh.size
+    tcfg = tp_model_config(cfg, n)
+    sharded = backend if isinstance(backend, ShardedBackend) else ShardedBackend(backend, mesh)
+    dtype, pool_dtype = config.dtype, config.pool_dtype
+    shapes = jax.tree.map(np.shape, params) if params is not None else param_shapes(cfg)
+
+    def sds(shape, dt, spec):
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dt), sharding=NamedSharding(mesh, spec))
+
+    def tp_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if key in ("wqkv", "bqkv"):
+            return (tcfg.q_size + 2 * tcfg.kv_size, *shape[1:])
+        return tuple(shape)
+
+    specs = param_specs(cfg, shapes, n)
+    aparams: dict[str, Any] = {k: sds(v, dtype, specs[k]) for k, v in shapes.items() if k != "layers"}
+    aparams["layers"] = [
+        {k: sds(tp_shape(k, v), dtype, ls[k]) for k, v in layer.items()}
+        for layer, ls in zip(shapes["layers"], specs["layers"], strict=True)
+    ]
+    rows, max_seq = config.max_batch_size, config.max_seq_len
+    k_shape = (rows, tcfg.num_kv_heads, tcfg.head_dim, max_seq)
+    v_shape = (rows, tcfg.num_kv_heads, max_seq, tcfg.head_dim)
+    cache = [
+        (sds(k_shape, dtype, CACHE_SPEC), sds(v_shape, dtype, CACHE_SPEC)) for _ in range(cfg.num_layers)
+    ]
+    pspecs = pool_specs(tcfg, sharded)
+    slot = lora_slot_shapes(tcfg, config.max_lora_rank)
+    pools = [
+        {k: sds((config.max_loras, *sharded.slot_shape(s)), pool_dtype, pspecs[k]) for k, s in slot.items()}
+        for _ in range(cfg.num_layers)
+    ]
+    cache_out = [(NamedSharding(mesh, CACHE_SPEC),) * 2 for _ in range(cfg.num_layers)]
+    return {
+        "params": aparams, "cache": cache, "pools": pools, "model_config": tcfg, "backend": sharded,
+        "out_shardings": (NamedSharding(mesh, P()), cache_out),
+    }  # fmt: skip
