@@ -32,9 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(planner.DTYPE_BYTES))
     parser.add_argument("--lora-dtype", default="", help="dtype of the slot pools (default: --dtype)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="also compile the real decode step ahead of time on abstract shapes on a forced N-device CPU"
+        " mesh (nothing allocated) and print XLA's memory analysis beside the estimate",
+    )
 
 
-def render(p: planner.Plan) -> str:
+def render(p: planner.Plan, compiled: dict | None = None) -> str:
     rows = [
         ("weights", p.weights),
         ("KV cache", p.kv_cache),
@@ -47,6 +53,17 @@ def render(p: planner.Plan) -> str:
     lines += [f"  {name:<20s}{value / GiB:9.2f} GiB" for name, value in rows]
     verdict = "fits" if p.fits else f"does NOT fit ({(p.total - p.hbm) / GiB:.2f} GiB over)"
     lines.append(f"  {verdict}; {(p.hbm - p.total) / GiB:.2f} GiB left" if p.fits else f"  {verdict}")
+    if compiled is not None:
+        held = compiled["argument_bytes"] - compiled["small_input_bytes"]
+        lines.append(
+            f"  compiled decode step (XLA memory analysis, per device): arguments {held / GiB:.2f} GiB"
+            f" (estimate: weights + KV + pools {(p.weights + p.kv_cache + p.lora_pools) / GiB:.2f} GiB),"
+            f" temporaries {compiled['temp_bytes'] / GiB:.2f} GiB"
+        )
+        if p.dtype == "bfloat16":
+            lines.append(
+                "  (the CPU compile keeps f32 copies of bf16 weights as temporaries; a TPU multiplies bf16)"
+            )
     if p.hosts > 1:
         lines.append(
             f"  spans {p.hosts} hosts: run one worker process per host with jax.distributed (docs/worker.md)"
@@ -68,5 +85,13 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         lora_dtype=args.lora_dtype,
     )
-    print(json.dumps(result.as_dict()) if args.json else render(result))
+    out = result.as_dict()
+    if args.verify:
+        from loraserve.worker.plan_verify import verify_in_subprocess
+
+        flags = ["--model", args.model, "--tp", str(args.tp), "--chip", args.chip, "--batch", str(args.batch)]
+        flags += ["--context", str(args.context), "--max-loras", str(args.max_loras), "--dtype", args.dtype]
+        flags += ["--max-lora-rank", str(args.max_lora_rank), "--lora-dtype", args.lora_dtype]
+        out["compiled"] = verify_in_subprocess(flags, args.tp)
+    print(json.dumps(out) if args.json else render(result, out.get("compiled")))
     return 0 if result.fits else 3

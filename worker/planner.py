@@ -57,6 +57,7 @@ class Plan:
     chip: str
     tp: int
     hosts: int
+    dtype: str
     weights: int
     kv_cache: int
     lora_pools: int
@@ -104,20 +105,10 @@ def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:
 
 
 def check_layout(cfg: ModelConfig, tp: int) -> None:
-    """Refuse a tensor-parallel degree the Megatron layout cannot split evenly (INVALID_ARGUMENT)."""
-    if tp < 1:
-        raise InvalidArgument(f"tensor parallel size must be >= 1, got {tp}")
-    problems = []
-    if cfg.num_heads % tp:
-        problems.append(f"{cfg.num_heads} attention heads")
-    if cfg.num_kv_heads >= tp and cfg.num_kv_heads % tp:
-        problems.append(f"{cfg.num_kv_heads} KV heads")
-    if cfg.num_kv_heads < tp and tp % cfg.num_kv_heads:
-        problems.append(f"{cfg.num_kv_heads} KV heads (to replicate)")
-    if cfg.intermediate_size % tp:
-        problems.append(f"intermediate size {cfg.intermediate_size}")
-    if problems:
-        raise InvalidArgument(f"tensor parallel size {tp} does not divide {', '.join(problems)}")
+    """Refuse a tensor-parallel degree the Megatron layout cannot split (the worker's own start-up check)."""
+    from loraserve.worker.sharding import check_tensor_parallel
+
+    check_tensor_parallel(cfg, tp, devices=tp)
 
 
 def _module_shapes_per_device(cfg: ModelConfig, tp: int) -> dict[str, tuple[int, int]]:
@@ -134,11 +125,16 @@ def _module_shapes_per_device(cfg: ModelConfig, tp: int) -> dict[str, tuple[int,
     return out
 
 
+def vocab_rows_per_device(cfg: ModelConfig, tp: int) -> int:
+    """Embedding/lm_head rows one device holds: split by vocab when N divides it, else replicated."""
+    return cfg.vocab_size // tp if cfg.vocab_size % tp == 0 else cfg.vocab_size
+
+
 def weight_bytes(cfg: ModelConfig, tp: int, dtype: str) -> int:
     size = DTYPE_BYTES[dtype]
     per_layer = sum(i * o for i, o in _module_shapes_per_device(cfg, tp).values())
     norms = cfg.hidden_size * (4 if cfg.model_type.startswith("gemma") else 2)  # replicated
-    vocab = math.ceil(cfg.vocab_size / tp) * cfg.hidden_size
+    vocab = vocab_rows_per_device(cfg, tp) * cfg.hidden_size
     embeddings = vocab * (1 if cfg.tie_word_embeddings else 2)
     return size * (cfg.num_layers * (per_layer + norms) + embeddings + cfg.hidden_size)
 
@@ -176,7 +172,7 @@ def activation_bytes(cfg: ModelConfig, tp: int, batch: int, prefill_tokens: int,
         cfg.q_size // tp + 2 * kv_heads_per_device(cfg, tp) * cfg.head_dim
     ) + 2 * cfg.intermediate_size // tp
     prefill = DTYPE_BYTES[dtype] * t * (3 * h + fused) + 4 * heads * t * t
-    decode = 4 * batch * (math.ceil(cfg.vocab_size / tp) + 3 * h + fused)
+    decode = 4 * batch * (vocab_rows_per_device(cfg, tp) + 3 * h + fused)
     return max(prefill, decode)
 
 
@@ -204,6 +200,7 @@ def plan(
         chip=chip,
         tp=tp,
         hosts=spec.hosts(tp),
+        dtype=dtype,
         weights=weight_bytes(cfg, tp, dtype),
         kv_cache=kv_bytes(cfg, tp, batch, context, dtype),
         lora_pools=pool_bytes(cfg, tp, max_loras, max_lora_rank, lora_dtype or dtype),

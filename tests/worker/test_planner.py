@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -52,8 +53,10 @@ def test_lora_pools_shard_like_their_layer(llama8b) -> None:
 
 
 def test_layouts_that_do_not_divide_are_refused(llama8b) -> None:
-    with pytest.raises(InvalidArgument, match="does not divide 32 attention heads, 8 KV heads"):
+    with pytest.raises(InvalidArgument, match="tensor_parallel_size 3 does not divide the model's 32 heads"):
         planner.check_layout(llama8b, 3)
+    with pytest.raises(InvalidArgument, match="tensor_parallel_size 16 and the model's 12 KV heads"):
+        planner.check_layout(replace(llama8b, num_kv_heads=12), 16)
     planner.check_layout(llama8b, 16)  # 8 KV heads replicated twice
 
 
@@ -100,3 +103,39 @@ def test_gemma2_9b_counts_its_four_norms_and_tied_embeddings() -> None:
         256,
     )
     assert planner.weight_bytes(cfg, 1, "bfloat16") == 2 * 9_241_705_984  # Gemma-2-9B's parameter count
+
+
+SMALL = {
+    "model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+    "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_verify_compiled_arguments_equal_the_estimate(tp: int, tmp_path, capsys) -> None:
+    """The compiled decode step's per-device arguments are exactly weights + KV + pools + the step's small
+    inputs; the KV cache is donated (aliased); f32 temporaries stay under the activation estimate."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(SMALL))
+    args = [
+        "plan",
+        "--model",
+        str(path),
+        "--tp",
+        str(tp),
+        "--chip",
+        "v5e",
+        "--batch",
+        "8",
+        "--context",
+        "256",
+    ]
+    args += ["--max-loras", "4", "--max-lora-rank", "8", "--dtype", "float32", "--json", "--verify"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    compiled = out["compiled"]
+    assert compiled["argument_bytes"] == (
+        out["weights"] + out["kv_cache"] + out["lora_pools"] + compiled["small_input_bytes"]
+    )
+    assert compiled["alias_bytes"] == out["kv_cache"]
+    assert 0 < compiled["temp_bytes"] <= out["activations"]

@@ -1,0 +1,140 @@
+"""``loraserve plan --verify``: compile the real decode step ahead of time and read its memory analysis.
+
+Runs in a process of its own (``python -m loraserve.worker.plan_verify``) because it needs a CPU with N
+devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set before JAX starts). It lowers the
+worker's jitted decode step (``worker.jax_runner``'s, with the tensor-parallel shardings of
+``worker.sharding.abstract_state``) on abstract shapes — ``jax.ShapeDtypeStruct``s, nothing allocated —
+compiles it for the N-device mesh and prints one JSON object: the compiled per-device argument, output,
+alias and temporary bytes beside the planner's estimate.
+
+The LoRA pools are compiled with the ``xla-onehot`` backend: the same DESIGN.md §6 pool layout (and
+bytes) as the ``pallas`` backend a TPU serves with, in plain XLA that compiles on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+from typing import Any
+
+FORCE_DEVICES = "--xla_force_host_platform_device_count"
+
+
+def verify_in_subprocess(args: list[str], tp: int, timeout: float = 900.0) -> dict[str, Any]:
+    """Run this module with ``tp`` forced CPU devices; returns its JSON (raises with its stderr on failure)."""
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FORCE_DEVICES}={tp}".strip()}
+    env["JAX_PLATFORMS"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-m", "loraserve.worker.plan_verify", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"plan --verify failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def small_input_bytes(batch: int, inv_freq_shape: tuple[int, ...], plan_leaves: list[Any]) -> int:
+    """Bytes of the decode step's per-step inputs: tokens, positions, the LoRA plan, sampling, RoPE table."""
+    from loraserve.worker.sampling import SamplingArrays
+
+    samp = sum(a.nbytes for a in SamplingArrays.empty(batch).as_tuple())
+    plan = sum(int(getattr(leaf, "nbytes", 0)) for leaf in plan_leaves)
+    rope = 4
+    for d in inv_freq_shape:
+        rope *= d
+    return 2 * 4 * batch + plan + samp + rope
+
+
+def compiled_decode_memory(
+    cfg: Any, *, tp: int, batch: int, context: int, max_loras: int, rank: int, dtype: str, lora_dtype: str
+) -> dict[str, int]:
+    """Per-device bytes of the compiled decode step (``Compiled.memory_analysis``), nothing allocated."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from loraserve.kernels.backends import XlaOneHotBackend
+    from loraserve.worker import sharding
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.jax_runner import _decode_sample
+    from loraserve.worker.sampling import SamplingArrays
+
+    config = EngineConfig(
+        max_batch_size=batch,
+        max_seq_len=context,
+        max_loras=max_loras,
+        max_lora_rank=rank,
+        dtype=dtype,
+        lora_dtype=lora_dtype,
+        kernel_backend="xla-onehot",
+        tensor_parallel_size=tp,
+    )
+    sharding.check_tensor_parallel(cfg, tp, len(jax.devices()))
+    mesh = sharding.make_mesh(tp)
+    st = sharding.abstract_state(cfg, config, mesh, XlaOneHotBackend())
+    tcfg, backend = st["model_config"], st["backend"]
+    rep = NamedSharding(mesh, P())
+
+    def abstract(x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=rep)
+
+    rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep)
+    plan = backend.warmup_plans(batch, max_loras)[-1]  # the variant with adapter rows
+    inv_freq = np.asarray(tcfg.inv_freq(), np.float32)
+    samp = tuple(abstract(a) for a in SamplingArrays.empty(batch).as_tuple())
+    step = jax.jit(
+        partial(_decode_sample, tcfg, backend), donate_argnums=(5,), out_shardings=st["out_shardings"]
+    )
+    compiled = step.lower(
+        st["params"],
+        st["pools"],
+        rows,
+        rows,
+        jax.tree.map(abstract, plan),
+        st["cache"],
+        abstract(inv_freq),
+        samp,
+    ).compile()
+    mem = compiled.memory_analysis()
+    return {
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "output_bytes": int(mem.output_size_in_bytes),
+        "alias_bytes": int(mem.alias_size_in_bytes),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "small_input_bytes": small_input_bytes(batch, inv_freq.shape, jax.tree.leaves(plan)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loraserve.worker import planner
+    from loraserve.worker.plan_cmd import add_arguments
+
+    parser = argparse.ArgumentParser(prog="loraserve.worker.plan_verify")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    _, cfg = planner.load_model_config(args.model)
+    result = compiled_decode_memory(
+        cfg,
+        tp=args.tp,
+        batch=args.batch,
+        context=args.context,
+        max_loras=args.max_loras,
+        rank=args.max_lora_rank,
+        dtype=args.dtype,
+        lora_dtype=args.lora_dtype,
+    )
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
