@@ -76,6 +76,12 @@ async def set_health(health_servicer: Any, service_names: Sequence[str], serving
         await health_servicer.set(name, state)
 
 
+def _report_crash(task: asyncio.Task) -> None:
+    """A background task that dies (not cancelled at drain) is logged with its traceback, never silently lost."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s failed", task.get_coro(), exc_info=task.exception())
+
+
 async def _call(fn: Callable[[], Any]) -> None:
     result = fn()
     if inspect.isawaitable(result):
@@ -120,6 +126,8 @@ async def run_server(
             if not stop.is_set():
                 await set_health(health_servicer, services.names, True)
                 tasks = [asyncio.create_task(task(bound)) for task in background]
+                for t in tasks:
+                    t.add_done_callback(_report_crash)
                 print(f"loraserve {services.role} serving on {host}:{bound}", flush=True)
                 await stop.wait()
             log.info("%s draining", services.role)

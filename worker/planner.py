@@ -18,10 +18,12 @@ import math
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraserve.common.errors import InvalidArgument
-from loraserve.worker.model_config import ModelConfig
+
+if TYPE_CHECKING:  # numpy and JAX stay out of `loraserve --help` (the CLI builds every subcommand's flags)
+    from loraserve.worker.model_config import ModelConfig
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -84,6 +86,8 @@ def presets() -> dict[str, Path]:
 
 def load_model_config(name_or_path: str) -> tuple[str, ModelConfig]:
     """A preset name (``llama-3-8b``), a ``config.json`` path, or a checkpoint folder holding one."""
+    from loraserve.worker.model_config import ModelConfig
+
     path = presets().get(name_or_path) or Path(name_or_path)
     if path.is_dir():
         path = path / "config.json"

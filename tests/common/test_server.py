@@ -167,3 +167,36 @@ def test_stop_during_warm_up_drains_without_ever_serving(capsys) -> None:
     asyncio.run(scenario())
     assert events == ["warmed up", "cleanup"]
     assert "serving on" not in capsys.readouterr().out
+
+
+def test_a_background_task_that_dies_is_logged_with_its_traceback(caplog) -> None:
+    """A crashed background task (e.g. a worker's registration loop) must never vanish silently."""
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+
+        async def crashes(port: int) -> None:
+            raise ValueError(f"bad field in the request to register port {port}")
+
+        async def stop_soon(port: int) -> None:
+            await asyncio.sleep(0.2)
+            stop.set()
+
+        await asyncio.wait_for(
+            run_server(
+                Services("crash-test", _add, (SERVICE,)),
+                "127.0.0.1",
+                0,
+                ServerSecurity(),
+                background=[crashes, stop_soon],
+                stop=stop,
+                grace=1,
+            ),
+            10,
+        )
+
+    with caplog.at_level("ERROR", logger="loraserve.server"):
+        asyncio.run(scenario())
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("background task")]
+    assert record.exc_info[0] is ValueError
+    assert "bad field in the request to register port" in str(record.exc_info[1])
