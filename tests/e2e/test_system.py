@@ -6,24 +6,20 @@ single in-process engine; the database shows each placement; killing a worker lo
 from __future__ import annotations
 
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from sqlalchemy import create_engine, text
 
-from loraserve.adapters.sources import LocalAdapterSource
 from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
 from loraserve.protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.registry.gcs_emulator import start_gcs_emulator
-from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
-from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Token
 from tests.e2e.compose_local import LocalCompose
 from tests.e2e.procs import wait_for_workers, wait_healthy
+from tests.e2e.reference import reference_tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.postgres, pytest.mark.gcs]
 MODEL_ID = "demo-tiny-llama"
@@ -43,46 +39,6 @@ def six_adapters(adapter_dirs, llama_dir, tmp_path):
         make_adapter(base, tmp_path / f"extra{i}", r=r, alpha=8.0, targets=targets, seed=40 + i)
         out[f"e2e-extra{i}"] = tmp_path / f"extra{i}"
     return out
-
-
-def _collect(event, got: list, done: list) -> None:
-    if isinstance(event, Token):
-        got.append(event.token_id)
-    elif isinstance(event, Finished | Failed):
-        done.append(event)
-
-
-def _reference(llama_dir, adapters, requests):
-    src = LocalAdapterSource()
-    for name, path in adapters.items():
-        src.register(f"{name}@1", str(path))
-    engine = Engine(
-        load_checkpoint(str(llama_dir)),
-        EngineConfig(max_batch_size=8, max_seq_len=64, max_loras=6, max_lora_rank=8),
-        source=src,
-    )
-    engine.start()
-    try:
-        outs = []
-        for adapter, prompt in requests:
-            got, done = [], []
-            engine.submit(
-                EngineRequest(
-                    uuid.uuid4().hex,
-                    f"{adapter}@1" if adapter else "",
-                    prompt,
-                    Sampling(max_tokens=6, ignore_eos=True),
-                    lambda e, got=got, done=done: _collect(e, got, done),
-                )
-            )
-            deadline = time.time() + 60
-            while not done and time.time() < deadline:
-                time.sleep(0.005)
-            assert isinstance(done[0], Finished), done
-            outs.append([*got, done[0].token_id])
-        return outs
-    finally:
-        engine.stop()
 
 
 def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tmp_path) -> None:
@@ -116,7 +72,12 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
                     lambda r: client.complete(r[1], adapter=r[0], max_tokens=6, ignore_eos=True), requests
                 )
             )
-        expected = _reference(llama_dir, six_adapters, requests)
+        expected = reference_tokens(
+            llama_dir,
+            six_adapters,
+            requests,
+            EngineConfig(max_batch_size=8, max_seq_len=64, max_loras=6, max_lora_rank=8),
+        )
         for (adapter, _), got, want in zip(requests, results, expected, strict=True):
             assert got.token_ids == want and got.adapter == f"{adapter}@1" and got.finish_reason == "length"
 
