@@ -3,6 +3,7 @@ and no module of ours is ever loaded under its bare folder name."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -18,6 +19,9 @@ BARE = ("protos", "kernels", "worker", "registry", "router", "client", "common",
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
+    # setuptools stages files in <repo>/build/lib and never deletes stale ones: a module removed from the
+    # source would still be packed. Start from no staging folder, and leave none behind.
+    shutil.rmtree(ROOT / "build", ignore_errors=True)
     subprocess.run(
         [
             sys.executable,
@@ -34,6 +38,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
         check=True,
         capture_output=True,
     )
+    shutil.rmtree(ROOT / "build", ignore_errors=True)
     (path,) = out.glob("loraserve-*.whl")
     return zipfile.ZipFile(path)
 
