@@ -89,9 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         from loraserve.worker.plan_verify import verify_in_subprocess
 
-        flags = ["--model", args.model, "--tp", str(args.tp), "--chip", args.chip, "--batch", str(args.batch)]
-        flags += ["--context", str(args.context), "--max-loras", str(args.max_loras), "--dtype", args.dtype]
-        flags += ["--max-lora-rank", str(args.max_lora_rank), "--lora-dtype", args.lora_dtype]
-        out["compiled"] = verify_in_subprocess(flags, args.tp)
+        settings = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"}
+        out["compiled"] = verify_in_subprocess(settings)
     print(json.dumps(out) if args.json else render(result, out.get("compiled")))
     return 0 if result.fits else 3

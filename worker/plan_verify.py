@@ -13,7 +13,6 @@ bytes) as the ``pallas`` backend a TPU serves with, in plain XLA that compiles o
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -24,12 +23,14 @@ from typing import Any
 FORCE_DEVICES = "--xla_force_host_platform_device_count"
 
 
-def verify_in_subprocess(args: list[str], tp: int, timeout: float = 900.0) -> dict[str, Any]:
-    """Run this module with ``tp`` forced CPU devices; returns its JSON (raises with its stderr on failure)."""
+def verify_in_subprocess(settings: dict[str, Any], timeout: float = 900.0) -> dict[str, Any]:
+    """Run this module on ``loraserve plan``'s parsed flags (``vars(args)``) with ``tp`` forced CPU devices;
+    returns its JSON (raises with its stderr on failure)."""
+    tp = int(settings["tp"])
     env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FORCE_DEVICES}={tp}".strip()}
     env["JAX_PLATFORMS"] = "cpu"
     out = subprocess.run(
-        [sys.executable, "-m", "loraserve.worker.plan_verify", *args],
+        [sys.executable, "-m", "loraserve.worker.plan_verify", json.dumps(settings)],
         capture_output=True,
         text=True,
         env=env,
@@ -115,22 +116,20 @@ def compiled_decode_memory(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m loraserve.worker.plan_verify '<JSON of loraserve plan's flags>'``."""
     from loraserve.worker import planner
-    from loraserve.worker.plan_cmd import add_arguments
 
-    parser = argparse.ArgumentParser(prog="loraserve.worker.plan_verify")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    _, cfg = planner.load_model_config(args.model)
+    settings = json.loads((argv if argv is not None else sys.argv[1:])[0])
+    _, cfg = planner.load_model_config(settings["model"])
     result = compiled_decode_memory(
         cfg,
-        tp=args.tp,
-        batch=args.batch,
-        context=args.context,
-        max_loras=args.max_loras,
-        rank=args.max_lora_rank,
-        dtype=args.dtype,
-        lora_dtype=args.lora_dtype,
+        tp=settings["tp"],
+        batch=settings["batch"],
+        context=settings["context"],
+        max_loras=settings["max_loras"],
+        rank=settings["max_lora_rank"],
+        dtype=settings["dtype"],
+        lora_dtype=settings["lora_dtype"],
     )
     print(json.dumps(result))
     return 0
