@@ -27,6 +27,11 @@ class EngineConfig:
     dtype: str = "float32"
     lora_dtype: str = ""  # slot pools: float32 | bfloat16; empty = dtype
     tensor_parallel_size: int = 1  # devices one model is split over (Megatron layout; worker.sharding)
+    # paged KV cache (worker.kv_cache): one pool of pages per layer, a page table per row
+    kv_page_size: int = 16  # tokens per page
+    kv_pages: int = 0  # pages in the pool (page 0 is the reserved null page); 0 = from kv_cache_bytes
+    kv_cache_bytes: int = 0  # pool size in bytes when kv_pages is 0; both 0 = max_batch_size full contexts
+    enable_prefix_caching: bool = True  # reuse full pages computed under the same adapter and tokens
 
     def __post_init__(self) -> None:
         from loraserve.kernels import KERNEL_BACKENDS
@@ -44,10 +49,37 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_seq_len < 2:
             raise ValueError("max_seq_len must be >= 2")
+        if self.kv_page_size < 1 or self.kv_pages < 0 or self.kv_cache_bytes < 0:
+            raise ValueError("kv_page_size must be >= 1, kv_pages and kv_cache_bytes >= 0")
+        if self.kv_pages and self.kv_pages < self.pages_per_row + 1:
+            raise ValueError(
+                f"kv_pages must hold one full context plus the null page: >= {self.pages_per_row + 1}"
+                f" for max_seq_len {self.max_seq_len} at kv_page_size {self.kv_page_size}"
+            )
 
     @property
     def pool_dtype(self) -> str:
         return self.lora_dtype or self.dtype
+
+    @property
+    def pages_per_row(self) -> int:
+        """Page-table entries of one sequence: ``ceil(max_seq_len / kv_page_size)``."""
+        return -(-self.max_seq_len // self.kv_page_size)
+
+    def num_kv_pages(self, bytes_per_page: int) -> int:
+        """Pages in the pool, the null page included: ``kv_pages``, else as many as ``kv_cache_bytes``
+        holds, else enough for ``max_batch_size`` full contexts (the dense cache's memory)."""
+        if self.kv_pages:
+            return self.kv_pages
+        if self.kv_cache_bytes:
+            pages = self.kv_cache_bytes // bytes_per_page
+            if pages < self.pages_per_row + 1:
+                raise ValueError(
+                    f"kv_cache_bytes {self.kv_cache_bytes} holds {pages} pages of {bytes_per_page} bytes;"
+                    f" one full context needs {self.pages_per_row + 1}"
+                )
+            return pages
+        return self.max_batch_size * self.pages_per_row + 1
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Token-count buckets for prefill: powers of two from min_prefill_bucket, capped by max_seq_len."""

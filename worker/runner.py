@@ -16,7 +16,16 @@ from loraserve.worker.requests import SamplingRow
 
 
 class Runner(Protocol):
+    """The KV cache is paged (DESIGN.md §10.3): ``num_pages`` pages of ``page_size`` tokens per layer, page 0
+    the reserved null page (never allocated; idle rows and padding write there, nothing reads it unmasked).
+    A *page table* is ``[pages_per_row]`` int32: entry ``i`` is the page holding positions
+    ``i*page_size .. (i+1)*page_size - 1`` of that sequence, 0 where none is assigned. The host side
+    (``worker.kv_cache``) owns allocation, sharing and the tables; the runner only reads and writes pages.
+    """
+
     backend: object  # the LoRA backend object in use (kernels.backends; str() names it); "fake" for the fake runner
+    page_size: int  # tokens per KV page
+    num_pages: int  # pages in the pool, the null page 0 included
 
     def init_state(self) -> None:
         """Allocate the KV cache and the adapter slot pools (all slots zero)."""
@@ -33,12 +42,23 @@ class Runner(Protocol):
     def zero_slot(self, index: int) -> None:
         """Make slot ``index`` add exactly nothing."""
 
-    def prefill(self, prompt: list[int], slot: int, row: int, sampling: SamplingRow) -> int:
-        """Fill cache row ``row`` with ``prompt`` under adapter ``slot`` (-1 = base); returns the first token."""
+    def prefill(
+        self, tokens: list[int], start: int, slot: int, page_table: np.ndarray, sampling: SamplingRow
+    ) -> int:
+        """Compute the keys/values of ``tokens`` at positions ``start .. start+len-1`` under adapter ``slot``
+        (-1 = base) into the pages of ``page_table``, attending to positions ``0 .. start-1`` already in
+        those pages (a cached prefix); returns the token sampled after the last one."""
 
     def decode(
-        self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, sampling: list[SamplingRow | None]
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        page_tables: np.ndarray,
+        sampling: list[SamplingRow | None],
     ) -> np.ndarray:
         """One step for every row: ``tokens``/``positions``/``slots`` are ``[B]`` int32 (slot -1 = base or
-        idle row, ``sampling[i]`` None for idle rows); returns the next token per row, ``[B]`` int32.
+        idle row, ``sampling[i]`` None for idle rows), ``page_tables`` is ``[B, pages_per_row]`` int32 (all
+        0 for idle rows); row b writes its token's k/v at ``positions[b]`` and attends to ``0..positions[b]``.
+        Returns the next token per row, ``[B]`` int32.
         """
