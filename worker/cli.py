@@ -43,6 +43,12 @@ HELP = {
     "tensor_parallel_size": "devices one model is split over (tensor parallelism on a 'model' mesh: heads,"
     " MLP, vocab, KV heads and the LoRA slot pools split Megatron-style); must divide the heads and the"
     " intermediate size and be at most the visible devices (default 1: one device)",
+    "kv_page_size": "tokens per KV-cache page (the cache is one pool of pages; each sequence holds only the"
+    " pages its tokens fill)",
+    "kv_pages": "pages in the KV pool, the reserved null page included (0: from --kv-cache-bytes)",
+    "kv_cache_bytes": "KV pool size in bytes when --kv-pages is 0 (both 0: --max-batch-size full contexts)",
+    "enable_prefix_caching": "reuse the KV pages of a prompt prefix computed under the same adapter content"
+    " (sha256) or the base model; never across adapters",
     "compilation_cache_dir": "folder for compiled programs (JAX persistent cache): a restart with the same"
     " model and shapes warms up from disk (empty: off)",
 }

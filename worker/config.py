@@ -81,6 +81,16 @@ class EngineConfig:
             return pages
         return self.max_batch_size * self.pages_per_row + 1
 
+    def decode_page_buckets(self) -> tuple[int, ...]:
+        """Page-table widths decode compiles for: powers of two from 256 tokens' worth of pages up to
+        ``pages_per_row``. A step gathers only the smallest width that covers its longest row."""
+        out, w = [], max(1, 256 // self.kv_page_size)
+        while w < self.pages_per_row:
+            out.append(w)
+            w *= 2
+        out.append(self.pages_per_row)
+        return tuple(out)
+
     def prefill_buckets(self) -> tuple[int, ...]:
         """Token-count buckets for prefill: powers of two from min_prefill_bucket, capped by max_seq_len."""
         out, b = [], max(1, self.min_prefill_bucket)

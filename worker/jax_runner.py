@@ -1,8 +1,8 @@
-"""The JAX runner: parameters, KV cache and slot pools on the device, jitted prefill/decode with donation.
+"""The JAX runner: parameters, paged KV cache and slot pools on the device, jitted prefill/decode with donation.
 
 The only module that calls ``worker.model`` and ``SlotPools``/``slot_arrays``. Prompts are padded to
-bucketed lengths and decode picks one of the LoRA backend's ``warmup_plans`` variants, so after ``warmup``
-nothing compiles while serving.
+bucketed lengths; decode gathers a bucketed width of page-table columns (``decode_page_buckets``) and picks
+one of the LoRA backend's ``warmup_plans`` variants, so after ``warmup`` nothing compiles while serving.
 """
 
 from __future__ import annotations
@@ -30,14 +30,16 @@ from loraserve.worker.slots import SlotPools, SlotValues, slot_arrays
 log = logging.getLogger("loraserve.worker.runner")
 
 
-def _prefill_sample(cfg, backend, params, pools, tokens, length, slot, row, cache, inv_freq, samp):
-    logits, cache = M.prefill(cfg, params, pools, tokens, length, slot, row, cache, inv_freq, backend)
+def _prefill_sample(cfg, backend, params, pools, tokens, length, start, slot, table, cache, inv_freq, samp):
+    logits, cache = M.prefill(
+        cfg, params, pools, tokens, length, start, slot, table, cache, inv_freq, backend
+    )
     token = sample(logits[None], *samp)[0]  # samp arrays are [1]
     return token, cache
 
 
-def _decode_sample(cfg, backend, params, pools, tokens, positions, plan, cache, inv_freq, samp):
-    logits, cache = M.decode(cfg, params, pools, tokens, positions, plan, cache, inv_freq, backend)
+def _decode_sample(cfg, backend, params, pools, tokens, positions, tables, plan, cache, inv_freq, samp):
+    logits, cache = M.decode(cfg, params, pools, tokens, positions, tables, plan, cache, inv_freq, backend)
     return sample(logits, *samp), cache
 
 
@@ -86,9 +88,20 @@ class JaxRunner:
         )
         self.inv_freq = jnp.asarray(self.model_config.inv_freq(), jnp.float32)
         self.buckets = config.prefill_buckets()
+        self.page_buckets = config.decode_page_buckets()
+        self.page_size = config.kv_page_size
+        page_bytes = M.kv_page_bytes(checkpoint.config, self.page_size, config.dtype)
+        self.num_pages = config.num_kv_pages(page_bytes)
+        log.info(
+            "paged KV cache: %d pages of %d tokens (%.1f MiB), context %d",
+            self.num_pages,
+            self.page_size,
+            self.num_pages * page_bytes / 2**20,
+            config.max_seq_len,
+        )
         cfg, backend = self.model_config, self.backend
-        self._prefill = jax.jit(partial(_prefill_sample, cfg, backend), donate_argnums=(6,), **jit_out)
-        self._decode = jax.jit(partial(_decode_sample, cfg, backend), donate_argnums=(5,), **jit_out)
+        self._prefill = jax.jit(partial(_prefill_sample, cfg, backend), donate_argnums=(7,), **jit_out)
+        self._decode = jax.jit(partial(_decode_sample, cfg, backend), donate_argnums=(6,), **jit_out)
         self.init_state()
 
     def init_state(self) -> None:
@@ -97,39 +110,38 @@ class JaxRunner:
         self.pools = SlotPools(
             cfg, config.max_loras, config.max_lora_rank, jnp.dtype(config.pool_dtype), self.backend, shardings
         )
-        self.cache = M.init_cache(cfg, config.max_batch_size, config.max_seq_len, jnp.dtype(config.dtype))
+        self.cache = M.init_cache(cfg, self.num_pages, self.page_size, jnp.dtype(config.dtype))
         if self.mesh is not None:
             self.cache = jax.device_put(self.cache, self._cache_shardings)
 
     def warmup(self) -> None:
+        """Compile every prefill bucket and every (page width, LoRA plan) decode variant; the null page
+        takes every write, so the cache holds nothing afterwards."""
         samp = SamplingArrays.empty(1).as_tuple()
+        null_table = np.zeros(self.config.pages_per_row, np.int32)
         for bucket in self.buckets:
-            tokens = jnp.zeros((bucket,), jnp.int32)
-            _, self.cache = self._prefill(
-                self.params,
-                self.pools.pools,
-                tokens,
-                jnp.int32(1),
-                jnp.int32(0),
-                jnp.int32(0),
-                self.cache,
-                self.inv_freq,
-                samp,
-            )
+            tokens = np.zeros(bucket, np.int32)
+            one, zero = np.int32(1), np.int32(0)
+            args = (tokens, one, zero, zero, null_table, self.cache, self.inv_freq, samp)
+            _, self.cache = self._prefill(self.params, self.pools.pools, *args)
         b = self.config.max_batch_size
         zeros = np.zeros(b, np.int32)
-        # one decode compilation per plan variant of the LoRA backend (backend.plan picks one per step)
-        for plan in self.backend.warmup_plans(b, self.config.max_loras):
-            out, self.cache = self._decode(
-                self.params,
-                self.pools.pools,
-                zeros,
-                zeros,
-                plan,
-                self.cache,
-                self.inv_freq,
-                SamplingArrays.empty(b).as_tuple(),
-            )
+        # one decode compilation per page width times plan variant of the LoRA backend (backend.plan picks
+        # one per step)
+        for width in self.page_buckets:
+            tables = np.zeros((b, width), np.int32)
+            for plan in self.backend.warmup_plans(b, self.config.max_loras):
+                out, self.cache = self._decode(
+                    self.params,
+                    self.pools.pools,
+                    zeros,
+                    zeros,
+                    tables,
+                    plan,
+                    self.cache,
+                    self.inv_freq,
+                    SamplingArrays.empty(b).as_tuple(),
+                )
         self.pools.zero(0)
         jax.block_until_ready(out)
 
@@ -143,17 +155,20 @@ class JaxRunner:
     def zero_slot(self, index: int) -> None:
         self.pools.zero(index)
 
-    def prefill(self, prompt: list[int], slot: int, row: int, sampling: SamplingRow) -> int:
-        n = len(prompt)
-        tokens = np.zeros(next(b for b in self.buckets if b >= n), np.int32)
-        tokens[:n] = prompt
+    def prefill(
+        self, tokens: list[int], start: int, slot: int, page_table: np.ndarray, sampling: SamplingRow
+    ) -> int:
+        n = len(tokens)
+        padded = np.zeros(next(b for b in self.buckets if b >= n), np.int32)
+        padded[:n] = tokens
         token, self.cache = self._prefill(
             self.params,
             self.pools.pools,
-            tokens,
+            padded,
             np.int32(n),
+            np.int32(start),
             np.int32(slot),
-            np.int32(row),
+            np.asarray(page_table, np.int32),
             self.cache,
             self.inv_freq,
             _sampling_arrays([sampling]).as_tuple(),
@@ -161,13 +176,21 @@ class JaxRunner:
         return int(token)
 
     def decode(
-        self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, sampling: list[SamplingRow | None]
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        page_tables: np.ndarray,
+        sampling: list[SamplingRow | None],
     ) -> np.ndarray:
+        needed = int(np.max(positions)) // self.page_size + 1  # pages of the longest row
+        width = next(w for w in self.page_buckets if w >= needed)
         out, self.cache = self._decode(
             self.params,
             self.pools.pools,
             tokens,
             positions,
+            np.ascontiguousarray(page_tables[:, :width], np.int32),
             self.backend.plan(slots, self.config.max_loras),
             self.cache,
             self.inv_freq,

@@ -1,4 +1,4 @@
-"""The Llama-family decoder in JAX: prefill one prompt into the KV cache, decode one token for every row.
+"""The Llama-family decoder in JAX: prefill one sequence into paged KV, decode one token for every row.
 
 The family differences are static ``ModelConfig`` fields (``worker.model_config``): Gemma's ``1 + w``
 RMSNorm and sandwich norms, q/k norm (Qwen3, Gemma 3), scaled embeddings, GELU-tanh, attention and final
@@ -9,11 +9,10 @@ Parameters come from ``worker.checkpoint`` (one dict per layer, matrices ``[out,
 q/k/v and gate/up fused); LoRA slot pools come from ``worker.slots`` (per layer one ``A_<group>`` with the
 ranks of the group's modules side by side and one ``B_<module>`` per module, scaling folded into B; the
 layout and the ops belong to a LoRA backend object, ``kernels.backends``, which the model calls
-without knowing which one it is); the KV cache is one ``(k, v)`` pair per
-layer, keys ``[rows, kv_heads, head_dim, max_seq]`` and values ``[rows, kv_heads, max_seq, head_dim]``
-(see ``init_cache``), updated in place (donated). Heads before positions keeps the attention a batch over
-(row, head): with positions first, XLA:CPU transposed the whole cache every step (8 ms of a 33 ms step
-on the bench model).
+without knowing which one it is); the KV cache is paged (DESIGN.md §10.3): one ``(k_pages, v_pages)``
+pair per layer, each ``[kv_heads, pages, page_size, head_dim]`` (see ``init_cache``), updated in place
+(donated). A sequence's positions live in the pages its page table lists (``worker.kv_cache`` hands them
+out); attention gathers a row's pages and masks by position, so the shapes never depend on which pages.
 
 Layers are unrolled over separate per-layer arrays rather than scanned over stacked ones: on XLA:CPU a
 ``lax.scan`` slices each layer's weights out of the stack with a copy, which made the decode step 2.6x
@@ -37,7 +36,7 @@ from loraserve.worker.model_config import ModelConfig
 Array = jax.Array
 Params = dict[str, Any]  # embed, final_norm, lm_head?, layers: list of per-layer dicts
 Lora = list[dict[str, Array]]  # per layer: A_qkv, B_q, ...
-Cache = list[tuple[Array, Array]]  # per layer: k [rows, kv_heads, D, max_seq], v [rows, kv_heads, max_seq, D]
+Cache = list[tuple[Array, Array]]  # per layer: k_pages, v_pages [kv_heads, pages, page_size, D]
 # (y, x, A, Bs, parallel) -> y + LoRA(x): the strategy differs between decode (per-row slots) and prefill
 # (one slot); ``parallel`` (kernels.backends.COLUMN / ROW) says how tensor parallelism splits the layer.
 LoraFn = Callable[[Array, Array, Array, tuple[Array, ...], str], Array]
@@ -173,55 +172,69 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, h: Array) -> Array:
     return _softcap(logits, cfg.final_logit_softcap)
 
 
+def _write_pages(pages: Array, flat_index: Array, x: Array) -> Array:
+    """pages ``[kv, N, P, D]``, flat_index ``[T]`` (page * P + offset), x ``[T, kv, D]`` -> pages with
+    x's rows written at those positions."""
+    kv, n, p, d = pages.shape
+    flat = pages.reshape(kv, n * p, d).at[:, flat_index].set(x.swapaxes(0, 1).astype(pages.dtype))
+    return flat.reshape(kv, n, p, d)
+
+
 def prefill(
     cfg: ModelConfig,
     params: Params,
     lora: Lora,
     tokens: Array,  # [T] int32, padded to a bucket
-    length: Array,  # [] int32, real prompt length (1..T)
+    length: Array,  # [] int32, real token count (1..T)
+    start: Array,  # [] int32, position of tokens[0]: positions before it are already in the pages
     slot: Array,  # [] int32, adapter slot or -1
-    row: Array,  # [] int32, KV cache row to fill
+    page_table: Array,  # [R] int32, the sequence's pages (0 = the null page)
     cache: Cache,
     inv_freq: Array,  # [D/2] f32, or [2, D/2] (global, local): ModelConfig.inv_freq()
     backend: LoraBackend,
 ) -> tuple[Array, Cache]:
-    """Run one prompt, write its keys/values into ``cache`` row ``row``; returns last-token logits [V].
+    """Run ``length`` tokens of one sequence at positions ``start ..``, write their keys/values into the
+    pages of ``page_table``; returns the last token's logits [V].
 
-    Semantics: causal self-attention over the prompt's first ``length`` tokens (on sliding layers over
-    the last ``sliding_window`` of them), LoRA of ``slot`` on every targeted projection; padded positions
-    are written to the cache but never attended to.
+    Semantics: causal self-attention over positions ``0 .. start + length - 1`` of the sequence (the
+    first ``start`` read from its pages: a cached prefix; on sliding layers only the last
+    ``sliding_window``), LoRA of ``slot`` on every targeted projection; padded tokens write to the null
+    page and are never attended to.
     """
     t = tokens.shape[0]
-    positions = jnp.arange(t, dtype=jnp.int32)
+    page = cache[0][0].shape[2]
+    keys = page_table.shape[0] * page  # the sequence's whole context, as positions
+    positions = start + jnp.arange(t, dtype=jnp.int32)
+    real = jnp.arange(t) < length
+    flat_index = jnp.where(real, page_table[positions // page] * page + positions % page, positions % page)
+    key_pos = jnp.arange(keys, dtype=jnp.int32)
 
     def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...], parallel: str) -> Array:
         return backend.apply_one_slot(y, x, a, bs, slot, parallel)
 
-    causal = (positions[None, :] <= positions[:, None]) & (positions[None, :] < length)  # [T, S]
+    # a padded query sees position 0 only: with no key left its -inf scores would give NaN rows
+    causal = (key_pos[None, :] <= positions[:, None]) & (real[:, None] | (key_pos[None, :] == 0))  # [T, S]
     if cfg.sliding_window is not None:  # sliding layers: only the last `sliding_window` positions
-        in_window = positions[None, :] > positions[:, None] - cfg.sliding_window
-        # a padded query keeps the causal mask: with no key left, its -inf scores would give NaN rows that
-        # reach the real ones through the padded positions' cached k/v (0 * NaN)
-        local = causal & (in_window | (positions[:, None] >= length))
+        local = causal & ((key_pos[None, :] > positions[:, None] - cfg.sliding_window) | ~real[:, None])
     group = cfg.num_heads // cfg.num_kv_heads
     h = _embed(cfg, params, tokens)
     new_cache: Cache = []
-    for n, (lp, ll, (k_cache, v_cache)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
+    for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)
         freq = _layer_inv_freq(cfg, inv_freq, n)
         q, k = apply_rope(q, positions, freq), apply_rope(k, positions, freq)
+        k_pages = _write_pages(k_pages, flat_index, k)
+        v_pages = _write_pages(v_pages, flat_index, v)
+        k_seq = k_pages[:, page_table].reshape(cfg.num_kv_heads, keys, cfg.head_dim)  # [kv, S, D]
+        v_seq = v_pages[:, page_table].reshape(cfg.num_kv_heads, keys, cfg.head_dim)
         qg = q.reshape(t, cfg.num_kv_heads, group, cfg.head_dim)
-        scores = _scores(cfg, jnp.einsum("tkgd,skd->kgts", qg, k, preferred_element_type=jnp.float32))
+        scores = _scores(cfg, jnp.einsum("tkgd,ksd->kgts", qg, k_seq, preferred_element_type=jnp.float32))
         mask = local if cfg.is_sliding(n) else causal
-        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v.dtype)
-        attn = jnp.einsum("kgts,skd->tkgd", probs, v).reshape(t, cfg.q_size)
+        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v_seq.dtype)
+        attn = jnp.einsum("kgts,ksd->tkgd", probs, v_seq).reshape(t, cfg.q_size)
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
-        start = (row, jnp.int32(0), jnp.int32(0), jnp.int32(0))
-        k_t = k.transpose(1, 2, 0)[None]  # [1, kv_heads, D, T]: keys are cached transposed
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k_t.astype(k_cache.dtype), start)
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.swapaxes(0, 1)[None].astype(v_cache.dtype), start)
-        new_cache.append((k_cache, v_cache))
+        new_cache.append((k_pages, v_pages))
     last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
     return logits_from_hidden(cfg, params, last), new_cache
 
@@ -232,6 +245,7 @@ def decode(
     lora: Lora,
     tokens: Array,  # [B] int32, the last token of each row
     positions: Array,  # [B] int32, the position of that token
+    page_tables: Array,  # [B, W] int32: each row's first W pages (W * page_size > every position)
     plan: Plan | None,  # from backend.plan(); None = no row has an adapter
     cache: Cache,
     inv_freq: Array,  # [D/2] f32, or [2, D/2] (global, local): ModelConfig.inv_freq()
@@ -239,42 +253,45 @@ def decode(
 ) -> tuple[Array, Cache]:
     """One decode step for every row; returns logits [B, V] and the cache with each row's new k/v.
 
-    Semantics: row b attends to cache positions 0..positions[b] of its own row (on sliding layers only
-    the last ``sliding_window`` of them; the cache keeps every position), with the adapter
-    ``plan`` gives it (``backend.plan(slots)``; none for every row when ``plan`` is None, which
-    compiles no LoRA code at all).
+    Semantics: row b writes its token's key/value at ``positions[b]`` of its pages and attends to its
+    positions 0..positions[b] (on sliding layers only the last ``sliding_window`` of them; the pages keep
+    every position), with the adapter ``plan`` gives it (``backend.plan(slots)``; none for every row when
+    ``plan`` is None, which compiles no LoRA code at all). Idle rows have all-null page tables.
     """
-    b = tokens.shape[0]
-    rows = jnp.arange(b)
+    b, w = page_tables.shape
+    page = cache[0][0].shape[2]
     group = cfg.num_heads // cfg.num_kv_heads
-    max_seq = cache[0][1].shape[2]
-    visible = jnp.arange(max_seq)[None, :] <= positions[:, None]  # [B, M]
+    key_pos = jnp.arange(w * page)
+    visible = key_pos[None, :] <= positions[:, None]  # [B, W*P]
     if cfg.sliding_window is not None:
-        local = visible & (jnp.arange(max_seq)[None, :] > positions[:, None] - cfg.sliding_window)
+        local = visible & (key_pos[None, :] > positions[:, None] - cfg.sliding_window)
+    flat_index = jnp.take_along_axis(page_tables, (positions // page)[:, None], axis=1)[:, 0] * page
+    flat_index = flat_index + positions % page
 
     def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...], parallel: str) -> Array:
         return y if plan is None else backend.apply_decode(y, x, a, bs, plan, parallel)
 
     h = _embed(cfg, params, tokens)
     new_cache: Cache = []
-    for n, (lp, ll, (k_cache, v_cache)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
+    for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [B, heads, D]
         freq = _layer_inv_freq(cfg, inv_freq, n)
         q = apply_rope(q[:, None], positions[:, None], freq)[:, 0]
         k = apply_rope(k[:, None], positions[:, None], freq)[:, 0]
-        k_cache = k_cache.at[rows, :, :, positions].set(k.astype(k_cache.dtype))  # [B, kv, D] columns
-        v_cache = v_cache.at[rows, :, positions].set(v.astype(v_cache.dtype))
+        k_pages = _write_pages(k_pages, flat_index, k)
+        v_pages = _write_pages(v_pages, flat_index, v)
+        kv_shape = (cfg.num_kv_heads, b, w * page, cfg.head_dim)
+        k_rows = k_pages[:, page_tables].reshape(kv_shape)  # [kv, B, S, D]
+        v_rows = v_pages[:, page_tables].reshape(kv_shape)
         qg = q.reshape(b, cfg.num_kv_heads, group, cfg.head_dim)
-        scores = _scores(cfg, jnp.einsum("bkgd,bkdm->bkgm", qg, k_cache, preferred_element_type=jnp.float32))
+        scores = _scores(cfg, jnp.einsum("bkgd,kbsd->bkgs", qg, k_rows, preferred_element_type=jnp.float32))
         mask = local if cfg.is_sliding(n) else visible
         scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_cache.dtype)
-        # multiply + reduce over positions: XLA:CPU runs this faster than the batched matmul of tiny
-        # [G, M] @ [M, D] blocks (5.2 vs 11.3 ms per step at 64 rows)
-        attn = jnp.sum(probs[..., None] * v_cache[:, :, None], axis=3).reshape(b, cfg.q_size)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_rows.dtype)
+        attn = jnp.einsum("bkgs,kbsd->bkgd", probs, v_rows).reshape(b, cfg.q_size)
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
-        new_cache.append((k_cache, v_cache))
+        new_cache.append((k_pages, v_pages))
     return logits_from_hidden(cfg, params, h), new_cache
 
 
@@ -303,10 +320,20 @@ def b_name(module: str) -> str:
     return "B_" + module.removesuffix("_proj")
 
 
-def init_cache(cfg: ModelConfig, rows: int, max_seq: int, dtype: Any) -> Cache:
-    """Zeroed KV cache, per layer: keys ``[rows, kv_heads, head_dim, max_seq]`` (transposed: the score
-    matmul ``q @ K.T`` then runs as a plain NN matmul, 11 vs 19 ms per step at 64 rows on XLA:CPU) and
-    values ``[rows, kv_heads, max_seq, head_dim]``."""
-    k_shape = (rows, cfg.num_kv_heads, cfg.head_dim, max_seq)
-    v_shape = (rows, cfg.num_kv_heads, max_seq, cfg.head_dim)
-    return [(jnp.zeros(k_shape, dtype), jnp.zeros(v_shape, dtype)) for _ in range(cfg.num_layers)]
+def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any) -> Cache:
+    """Zeroed paged KV cache, per layer ``(k_pages, v_pages)``, each ``[kv_heads, num_pages, page_size,
+    head_dim]`` (the layout of JAX's TPU paged-attention kernels; tensor parallelism splits axis 0).
+    Page 0 is the null page: never allocated, the target of idle rows' and padding's writes."""
+    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+
+
+def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: Any) -> int:
+    """Bytes one page costs across every layer (keys and values)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def contiguous_page_tables(rows: int, pages_per_row: int) -> np.ndarray:
+    """``[rows, pages_per_row]`` tables giving row r the pages ``1 + r * pages_per_row ..``: a dense
+    cache's layout, for tests and benchmarks that drive the model without the page manager."""
+    return (1 + np.arange(rows * pages_per_row, dtype=np.int32)).reshape(rows, pages_per_row)

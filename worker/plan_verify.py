@@ -41,8 +41,11 @@ def verify_in_subprocess(settings: dict[str, Any], timeout: float = 900.0) -> di
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def small_input_bytes(batch: int, inv_freq_shape: tuple[int, ...], plan_leaves: list[Any]) -> int:
-    """Bytes of the decode step's per-step inputs: tokens, positions, the LoRA plan, sampling, RoPE table."""
+def small_input_bytes(
+    batch: int, inv_freq_shape: tuple[int, ...], plan_leaves: list[Any], pages_per_row: int
+) -> int:
+    """Bytes of the decode step's per-step inputs: tokens, positions, page tables, the LoRA plan,
+    sampling, RoPE table."""
     from loraserve.worker.sampling import SamplingArrays
 
     samp = sum(a.nbytes for a in SamplingArrays.empty(batch).as_tuple())
@@ -50,7 +53,7 @@ def small_input_bytes(batch: int, inv_freq_shape: tuple[int, ...], plan_leaves: 
     rope = 4
     for d in inv_freq_shape:
         rope *= d
-    return 2 * 4 * batch + plan + samp + rope
+    return 2 * 4 * batch + 4 * batch * pages_per_row + plan + samp + rope
 
 
 def compiled_decode_memory(
@@ -93,13 +96,15 @@ def compiled_decode_memory(
     inv_freq = np.asarray(tcfg.inv_freq(), np.float32)
     samp = tuple(abstract(a) for a in SamplingArrays.empty(batch).as_tuple())
     step = jax.jit(
-        partial(_decode_sample, tcfg, backend), donate_argnums=(5,), out_shardings=st["out_shardings"]
+        partial(_decode_sample, tcfg, backend), donate_argnums=(6,), out_shardings=st["out_shardings"]
     )
+    tables = jax.ShapeDtypeStruct((batch, config.pages_per_row), jnp.int32, sharding=rep)  # the widest step
     compiled = step.lower(
         st["params"],
         st["pools"],
         rows,
         rows,
+        tables,
         jax.tree.map(abstract, plan),
         st["cache"],
         abstract(inv_freq),
@@ -111,7 +116,9 @@ def compiled_decode_memory(
         "output_bytes": int(mem.output_size_in_bytes),
         "alias_bytes": int(mem.alias_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
-        "small_input_bytes": small_input_bytes(batch, inv_freq.shape, jax.tree.leaves(plan)),
+        "small_input_bytes": small_input_bytes(
+            batch, inv_freq.shape, jax.tree.leaves(plan), config.pages_per_row
+        ),
     }
 
 

@@ -143,16 +143,10 @@ def weight_bytes(cfg: ModelConfig, tp: int, dtype: str) -> int:
     return size * (cfg.num_layers * (per_layer + norms) + embeddings + cfg.hidden_size)
 
 
-def kv_bytes(cfg: ModelConfig, tp: int, batch: int, context: int, dtype: str) -> int:
-    return (
-        DTYPE_BYTES[dtype]
-        * 2
-        * cfg.num_layers
-        * batch
-        * context
-        * kv_heads_per_device(cfg, tp)
-        * cfg.head_dim
-    )
+def kv_bytes(cfg: ModelConfig, tp: int, batch: int, context: int, dtype: str, page_size: int = 16) -> int:
+    """The default paged KV pool: ``batch`` full contexts of pages plus the null page (EngineConfig)."""
+    tokens = (batch * -(-context // page_size) + 1) * page_size
+    return DTYPE_BYTES[dtype] * 2 * cfg.num_layers * tokens * kv_heads_per_device(cfg, tp) * cfg.head_dim
 
 
 def pool_bytes(cfg: ModelConfig, tp: int, max_loras: int, rank: int, dtype: str) -> int:

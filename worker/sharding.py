@@ -29,14 +29,14 @@ from jax.sharding import PartitionSpec as P
 from loraserve.common.errors import FailedPrecondition, InvalidArgument
 from loraserve.kernels.backends import COLUMN, ROW, LoraBackend
 from loraserve.kernels.sharded import AXIS, ShardedBackend
-from loraserve.worker.model import LORA_GROUPS, b_name, lora_slot_shapes
+from loraserve.worker.model import LORA_GROUPS, b_name, kv_page_bytes, lora_slot_shapes
 from loraserve.worker.model_config import ModelConfig
 
 # Which way each LoRA group's layer is split (Megatron): by output (column) or by input (row).
 GROUP_PARALLEL: dict[str, str] = {"qkv": COLUMN, "o": ROW, "gate_up": COLUMN, "down": ROW}
 # Per-layer parameter -> the dimension split over ``model`` (absent: replicated).
 LAYER_SPLIT_DIM: dict[str, int] = {"wqkv": 0, "bqkv": 0, "w_gate_up": 0, "b_gate_up": 0, "wo": 1, "w_down": 1}
-CACHE_SPEC = P(None, AXIS, None, None)  # k [rows, kv_heads, D, M], v [rows, kv_heads, M, D]: by KV head
+CACHE_SPEC = P(AXIS, None, None, None)  # k and v pages [kv_heads, pages, page_size, D]: by KV head
 
 
 def check_tensor_parallel(cfg: ModelConfig, n: int, devices: int) -> None:
@@ -236,11 +236,11 @@ def abstract_state(
         {k: sds(tp_shape(k, v), dtype, ls[k]) for k, v in layer.items()}
         for layer, ls in zip(shapes["layers"], specs["layers"], strict=True)
     ]
-    rows, max_seq = config.max_batch_size, config.max_seq_len
-    k_shape = (rows, tcfg.num_kv_heads, tcfg.head_dim, max_seq)
-    v_shape = (rows, tcfg.num_kv_heads, max_seq, tcfg.head_dim)
+    pages = config.num_kv_pages(kv_page_bytes(cfg, config.kv_page_size, dtype))
+    page_shape = (tcfg.num_kv_heads, pages, config.kv_page_size, tcfg.head_dim)
     cache = [
-        (sds(k_shape, dtype, CACHE_SPEC), sds(v_shape, dtype, CACHE_SPEC)) for _ in range(cfg.num_layers)
+        (sds(page_shape, dtype, CACHE_SPEC), sds(page_shape, dtype, CACHE_SPEC))
+        for _ in range(cfg.num_layers)
     ]
     pspecs = pool_specs(tcfg, sharded)
     slot = lora_slot_shapes(tcfg, config.max_lora_rank)

@@ -163,13 +163,14 @@ def test_worker_refuses_an_unsupported_architecture_at_start(tmp_path, capsys) -
 
 def _prefill_last_logits(ck, cfg: ModelConfig) -> np.ndarray:
     backend = XlaGroupedBackend()
-    cache = M.init_cache(cfg, 1, 16, jnp.float32)
+    cache = M.init_cache(cfg, 2, 16, jnp.float32)  # the null page and one page of 16
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT
     run = jax.jit(partial(M.prefill, cfg, backend=backend))
     lora = M.empty_lora(cfg, 1, 4, jnp.float32, backend)
     inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    logits, _ = run(ck.params, lora, tokens, np.int32(len(PROMPT)), np.int32(-1), np.int32(0), cache, inv)
+    n, start, table = np.int32(len(PROMPT)), np.int32(0), np.array([1], np.int32)
+    logits, _ = run(ck.params, lora, tokens, n, start, np.int32(-1), table, cache, inv)
     return np.asarray(logits)
 
 

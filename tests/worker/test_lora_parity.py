@@ -63,7 +63,8 @@ def _serve_mixed(ck, backend, pools, row_slots, plan, seq, dtype: str) -> np.nda
     continuation teacher-forced over all rows in one batch; returns logits [rows, 1 + STEPS, V] (f32)."""
     cfg = ck.config
     rows = len(row_slots)
-    cache = M.init_cache(cfg, rows, 32, jnp.dtype(dtype))
+    cache = M.init_cache(cfg, rows * 2 + 1, 16, jnp.dtype(dtype))  # two pages of 16 per row
+    tables = M.contiguous_page_tables(rows, 2)
     inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
     prefill = jax.jit(partial(M.prefill, cfg, backend=backend))
     decode = jax.jit(partial(M.decode, cfg, backend=backend))
@@ -71,14 +72,17 @@ def _serve_mixed(ck, backend, pools, row_slots, plan, seq, dtype: str) -> np.nda
     tokens[: len(PROMPT)] = PROMPT
     out: list[list[np.ndarray]] = [[] for _ in range(rows)]
     for row, slot in enumerate(row_slots):
+        n, start = np.int32(len(PROMPT)), np.int32(0)
         got, cache = prefill(
-            ck.params, pools.pools, tokens, np.int32(len(PROMPT)), np.int32(slot), np.int32(row), cache, inv
+            ck.params, pools.pools, tokens, n, start, np.int32(slot), tables[row], cache, inv
         )
         out[row].append(np.asarray(got, np.float32))
     for step in range(STEPS):
         pos = len(PROMPT) + step
         toks = np.full(rows, seq[pos], np.int32)
-        got, cache = decode(ck.params, pools.pools, toks, np.full(rows, pos, np.int32), plan, cache, inv)
+        got, cache = decode(
+            ck.params, pools.pools, toks, np.full(rows, pos, np.int32), tables, plan, cache, inv
+        )
         for row in range(rows):
             out[row].append(np.asarray(got[row], np.float32))
     return np.stack([np.stack(o) for o in out])

@@ -51,18 +51,20 @@ def test_serving_after_warmup_compiles_nothing(
         for path in adapter_dirs.values()
     ]
     pools = SlotPools(cfg, SLOTS, RANK, jnp.dtype(jnp.float32), backend)
-    cache = M.init_cache(cfg, ROWS, 32, jnp.float32)
+    cache = M.init_cache(cfg, ROWS * 2 + 1, 16, jnp.float32)  # two pages of 16 per row
+    tables = M.contiguous_page_tables(ROWS, 2)
     inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    prefill = jax.jit(partial(M.prefill, cfg, backend=backend), donate_argnums=(6,))
-    decode = jax.jit(partial(M.decode, cfg, backend=backend), donate_argnums=(5,))
+    prefill = jax.jit(partial(M.prefill, cfg, backend=backend), donate_argnums=(7,))
+    decode = jax.jit(partial(M.decode, cfg, backend=backend), donate_argnums=(6,))
     tokens = np.zeros(BUCKET, np.int32)
     tokens[: len(PROMPT)] = PROMPT
     n, same = np.int32(len(PROMPT)), np.full(ROWS, len(PROMPT), np.int32)
     # warm-up, as the engine does it
     pools.zero(0)
-    _, cache = prefill(ck.params, pools.pools, tokens, n, np.int32(0), np.int32(0), cache, inv)
+    zero = np.int32(0)
+    _, cache = prefill(ck.params, pools.pools, tokens, n, zero, zero, tables[0], cache, inv)
     for plan in backend.warmup_plans(ROWS, SLOTS):
-        _, cache = decode(ck.params, pools.pools, np.full(ROWS, 9, np.int32), same, plan, cache, inv)
+        _, cache = decode(ck.params, pools.pools, np.full(ROWS, 9, np.int32), same, tables, plan, cache, inv)
     jax.block_until_ready(cache)
 
     mixes = [[0, 1, 2, -1], [1, 1, 1, 1], [-1, -1, -1, -1], [2, 2, 0, -1], [0, 1, 1, 2]]
@@ -70,13 +72,15 @@ def test_serving_after_warmup_compiles_nothing(
         for i, v in enumerate(values):  # more adapters than slots: swaps
             pools.write(i % SLOTS, v)
         for row, slot in enumerate(mixes[0]):
-            _, cache = prefill(ck.params, pools.pools, tokens, n, np.int32(slot), np.int32(row), cache, inv)
+            _, cache = prefill(
+                ck.params, pools.pools, tokens, n, zero, np.int32(slot), tables[row], cache, inv
+            )
         for row in range(ROWS):  # one history for every row (slot 1's prompt): rows then differ by slot only
-            _, cache = prefill(ck.params, pools.pools, tokens, n, np.int32(1), np.int32(row), cache, inv)
+            _, cache = prefill(ck.params, pools.pools, tokens, n, zero, np.int32(1), tables[row], cache, inv)
         logits = []
         for mix in mixes:
             out, cache = decode(
-                ck.params, pools.pools, np.full(ROWS, 9, np.int32), same,
+                ck.params, pools.pools, np.full(ROWS, 9, np.int32), same, tables,
                 backend.plan(np.array(mix, np.int32), SLOTS), cache, inv,
             )  # fmt: skip
             logits.append(np.asarray(out))

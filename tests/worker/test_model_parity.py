@@ -52,8 +52,12 @@ def run_model(ck, refs, dtype: str) -> list[np.ndarray]:
     """Prefill every prompt into its own row, then STEPS teacher-forced decode steps over all rows at
     once; returns per row the logits [1 + STEPS, V] (the prefill's last position, then each step)."""
     cfg = ck.config
-    rows, max_seq = len(PROMPTS), 64
-    cache = M.init_cache(cfg, rows, max_seq, jnp.dtype(dtype))
+    rows, max_seq, page = len(PROMPTS), 64, 8
+    per_row = max_seq // page
+    cache = M.init_cache(cfg, rows * per_row + 1, page, jnp.dtype(dtype))
+    # every row's pages scattered over the pool (a shuffled dense layout): attention must follow the tables
+    tables = np.random.default_rng(0).permutation(M.contiguous_page_tables(rows, per_row).ravel())
+    tables = tables.reshape(rows, per_row).astype(np.int32)
     backend = XlaGroupedBackend()
     lora = M.empty_lora(cfg, 2, 4, jnp.dtype(dtype), backend)
     inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
@@ -63,15 +67,14 @@ def run_model(ck, refs, dtype: str) -> list[np.ndarray]:
     for row, p in enumerate(PROMPTS):
         tokens = np.zeros(16, np.int32)
         tokens[: len(p)] = p
-        got, cache = prefill(
-            ck.params, lora, jnp.asarray(tokens), jnp.int32(len(p)), jnp.int32(-1), jnp.int32(row), cache, inv
-        )
+        n, start, slot = np.int32(len(p)), np.int32(0), np.int32(-1)
+        got, cache = prefill(ck.params, lora, tokens, n, start, slot, tables[row], cache, inv)
         out[row].append(np.asarray(got, np.float32))
     for step in range(STEPS):
         toks = np.array([seq[len(p) + step] for p, (seq, _) in zip(PROMPTS, refs, strict=True)], np.int32)
         pos = np.array([len(p) + step for p in PROMPTS], np.int32)
         plan = backend.plan(np.full(rows, -1), 2)  # None: no row has an adapter
-        got, cache = decode(ck.params, lora, jnp.asarray(toks), jnp.asarray(pos), plan, cache, inv)
+        got, cache = decode(ck.params, lora, toks, pos, tables, plan, cache, inv)
         for row in range(rows):
             out[row].append(np.asarray(got[row], np.float32))
     return [np.stack(o) for o in out]

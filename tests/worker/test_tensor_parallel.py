@@ -119,7 +119,7 @@ def test_sizes_serve_the_same_tokens(tp_model, backend: str, sizes: tuple[int, .
             "w_gate_up": SPLIT, "wo": "(None, 'model')", "w_down": "(None, 'model')",
         }  # fmt: skip
         assert sh["embed"] == SPLIT
-        assert sh["cache"] == ["(None, 'model', None, None)"] * 2
+        assert sh["cache"] == ["('model', None, None, None)"] * 2
         assert sh["pools"] == expected_pool_specs(backend)
         assert got["pools_after_swaps"] == expected_pool_specs(backend)
         # one device's pool block: q is 8 heads x 8, k/v 2 heads x 8 repeated up to N heads, I = 128

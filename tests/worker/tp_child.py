@@ -70,8 +70,10 @@ def serve(
     for slot, values in enumerate(prepared[:4]):
         runner.write_slot(slot, values)
     greedy = SamplingRow()
+    tables = M.contiguous_page_tables(len(PROMPTS), config.pages_per_row)
     first = [
-        runner.prefill(p, s, row, greedy) for row, (p, s) in enumerate(zip(PROMPTS, ROW_SLOTS, strict=True))
+        runner.prefill(p, 0, s, tables[row], greedy)
+        for row, (p, s) in enumerate(zip(PROMPTS, ROW_SLOTS, strict=True))
     ]
     tokens = np.array(first, np.int32)
     positions = np.array([len(p) for p in PROMPTS], np.int32)
@@ -79,16 +81,16 @@ def serve(
     logits_fn = jax.jit(partial(M.decode, runner.model_config, backend=runner.backend))
     out_tokens, out_logits = [first], []
     base, _ = logits_fn(
-        runner.params, runner.pools.pools, tokens, positions, None, runner.cache, runner.inv_freq
+        runner.params, runner.pools.pools, tokens, positions, tables, None, runner.cache, runner.inv_freq
     )
     for step in range(steps):
         runner.write_slot(4, prepared[step % len(prepared)])  # hot swap of a slot no row uses
         plan = runner.backend.plan(slots, SLOTS)
         logits, _ = logits_fn(
-            runner.params, runner.pools.pools, tokens, positions, plan, runner.cache, runner.inv_freq
+            runner.params, runner.pools.pools, tokens, positions, tables, plan, runner.cache, runner.inv_freq
         )
         out_logits.append(np.asarray(logits).tolist())
-        tokens = runner.decode(tokens, positions, slots, [greedy] * len(PROMPTS)).astype(np.int32)
+        tokens = runner.decode(tokens, positions, slots, tables, [greedy] * len(PROMPTS)).astype(np.int32)
         out_tokens.append(tokens.tolist())
         positions = positions + 1
     layer = runner.params["layers"][0]
@@ -113,7 +115,9 @@ def serve(
             runner.write_slot(i % SLOTS, prepared[i % len(prepared)])
             if i % 20 == 0:
                 mix = np.array(mixes[(i // 20) % len(mixes)], np.int32)
-                runner.decode(np.full(rows, 9, np.int32), np.full(rows, 20, np.int32), mix, [greedy] * rows)
+                runner.decode(
+                    np.full(rows, 9, np.int32), np.full(rows, 20, np.int32), mix, tables, [greedy] * rows
+                )
     after = {k: _spec(v) for k, v in runner.pools.pools[0].items()}
     return {
         "tokens": out_tokens, "logits": out_logits, "base_logits": np.asarray(base).tolist(), "shardings": shardings, "pools_after_swaps": after,
@@ -148,11 +152,12 @@ def hlo(model: str, backend: str, n: int) -> dict:
     runner = JaxRunner(ck, config)
     rows = config.max_batch_size
     zeros = np.zeros(rows, np.int32)
+    tables = np.zeros((rows, config.pages_per_row), np.int32)
     samp = SamplingArrays.empty(rows).as_tuple()
 
     def count(plan) -> dict[str, int]:
         lowered = runner._decode.lower(
-            runner.params, runner.pools.pools, zeros, zeros, plan, runner.cache, runner.inv_freq, samp
+            runner.params, runner.pools.pools, zeros, zeros, tables, plan, runner.cache, runner.inv_freq, samp
         )
         return collective_elements(lowered.compile().as_text())
 
@@ -187,14 +192,15 @@ def tpu_export(n: int) -> dict:
     st = sharding.abstract_state(cfg, config, mesh, PallasBackend())
     tcfg, backend = st["model_config"], st["backend"]
 
-    def step(params, pools, tokens, positions, plan, cache, inv_freq):
-        return M.decode(tcfg, params, pools, tokens, positions, plan, cache, inv_freq, backend)
+    def step(params, pools, tokens, positions, tables, plan, cache, inv_freq):
+        return M.decode(tcfg, params, pools, tokens, positions, tables, plan, cache, inv_freq, backend)
 
     rep = NamedSharding(mesh, P())
     rows = jax.ShapeDtypeStruct((16,), jnp.int32, sharding=rep)
     inv = jax.ShapeDtypeStruct((tcfg.head_dim // 2,), jnp.float32, sharding=rep)
+    tables = jax.ShapeDtypeStruct((16, config.pages_per_row), jnp.int32, sharding=rep)
     exported = jax.export.export(jax.jit(step, out_shardings=st["out_shardings"]), platforms=["tpu"])(
-        st["params"], st["pools"], rows, rows, rows, st["cache"], inv
+        st["params"], st["pools"], rows, rows, tables, rows, st["cache"], inv
     )
     mlir = exported.mlir_module()
     return {
