@@ -127,11 +127,11 @@ class KVCache:
                 prev = h
         return Lookup(tuple(pages), tuple(hashes), self.pages_for(len(tokens) + reserve) - len(pages))
 
-    def can_take(self, lookup: Lookup) -> bool:
+    def can_take(self, lookup: Lookup, spare: int = 0) -> bool:
         """Whether ``lookup``'s new pages can be had once its hits are taken (hits idle in the LRU list
-        stop being reclaimable)."""
+        stop being reclaimable), leaving ``spare`` pages over."""
         idle_hits = sum(1 for page in lookup.hit_pages if self._refs[page] == 0)
-        return lookup.new_pages <= self.available - idle_hits
+        return lookup.new_pages + spare <= self.available - idle_hits
 
     def admit(self, adapter_key: str, tokens: list[int], lookup: Lookup) -> SeqPages:
         """Take ``lookup``'s hits and allocate its new pages; counts the query and hit tokens."""

@@ -61,7 +61,7 @@ def test_load_of_a_resident_adapter_pins_it_in_the_same_step() -> None:
 
 def _engine(source: MemorySource, **kw) -> tuple[Engine, FakeRunner]:
     cfg = config(**kw)
-    runner = FakeRunner(TINY.vocab_size, cfg.max_loras)
+    runner = FakeRunner.for_config(TINY.vocab_size, cfg)
     engine = Engine(None, cfg, source, runner=runner, model_config=TINY)
     engine.start()
     return engine, runner
@@ -108,7 +108,9 @@ def test_engine_thread_cancel_while_decoding_and_cold_adapter_delays_only_its_ow
         deadline = time.monotonic() + 5
         while len(runner.prefills) < 3 and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert runner.prefills[-1] == (0, -1, (5,))  # prefilled (token 6); now held inside its first decode
+        # prefilled (token 6) into the pool's third page (1 and 2 went back to the end of the free list);
+        # now held inside its first decode
+        assert runner.prefills[-1] == (0, -1, (5,), (3,))
         engine.cancel(long.request_id)
         runner.gate.set()
         assert long.done.wait(5)
@@ -117,7 +119,8 @@ def test_engine_thread_cancel_while_decoding_and_cold_adapter_delays_only_its_ow
             Token(7),
             Failed(grpc.StatusCode.CANCELLED, "cancelled by the client"),
         ]
-        assert engine.snapshot().running == 0
+        snap = engine.snapshot()
+        assert (snap.running, snap.kv_pages_used, snap.kv_pages_cached, snap.kv_pages_total) == (0, 0, 0, 4)
     finally:
         engine.stop()
 

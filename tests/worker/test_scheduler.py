@@ -39,7 +39,8 @@ def test_exact_tokens_for_base_and_two_adapter_slots() -> None:
     assert base.events == [Started(""), Token(6), Token(7), Token(8), Finished("length", 1, 4, token_id=9)]
     assert a.events == [Started("a"), Token(7), Token(9), Finished("length", 1, 3, token_id=11)]
     assert b.tokens == [8, 11, 14] and b.end == Finished("length", 2, 3, token_id=14)
-    assert h.runner.prefills == [(0, -1, (5,)), (1, 0, (5,)), (0, 1, (3, 5))]  # (row, slot, prompt)
+    # (start, slot, prompt, page table): each prompt plus its first decode token fits one private page
+    assert h.runner.prefills == [(0, -1, (5,), (1,)), (0, 0, (5,), (2,)), (0, 1, (3, 5), (3,))]
     snap = h.scheduler.snapshot()
     assert (snap.tokens_out, snap.requests_done, snap.adapter_loads) == (10, 3, 2)
     assert [(s.index, s.adapter, s.refcount) for s in snap.slots] == [(0, "a", 0), (1, "b", 0)]
