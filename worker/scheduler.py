@@ -236,9 +236,7 @@ class Scheduler:
             for req in [r for r in queue if match(r)]:
                 queue.remove(req)
                 self._dequeued()
-                if req.slot >= 0:
-                    self.residency.release(req.slot)
-                    req.slot = -1
+                self._release_slot(req)
                 self._emit(req, event)
 
     def _dequeued(self) -> None:
@@ -407,7 +405,6 @@ class Scheduler:
             return
         self.rows[row] = None
         self._release_pages(row)
-        if req.slot >= 0:
-            self.residency.release(req.slot)
+        self._release_slot(req)
         self.requests_done += 1
         self._emit(req, event)
