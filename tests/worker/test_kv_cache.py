@@ -1,13 +1,19 @@
-"""The page manager alone: allocation, release, the adapter-keyed prefix cache, sharing, LRU reclamation."""
+"""The page manager: allocation, release, the adapter-keyed prefix cache, sharing, LRU reclamation; then
+under the scheduler with random traffic."""
 
 from __future__ import annotations
 
 import hashlib
+import random
 import struct
 
 import pytest
 
+from loraserve.worker.config import EngineConfig
 from loraserve.worker.kv_cache import BASE_KEY, KVCache, OutOfPagesError, page_hash
+from loraserve.worker.requests import Finished, Started
+from loraserve.worker.scheduler import CANCELLED, Cancel
+from tests.worker.fake_engine import Harness, source_of
 
 A, B = "a" * 64, "b" * 64  # adapter content sha256s
 
@@ -145,3 +151,53 @@ def test_prefix_caching_off_hashes_nothing_and_frees_at_once() -> None:
     assert again.hit_pages == 0 and counts(kv) == (3, 4, 0)
     kv.release(again)
     assert counts(kv) == (0, 7, 0) and (kv.query_tokens, kv.hit_tokens) == (0, 0)
+
+
+# ----------------------------------------------------------------- under the scheduler, random traffic
+@pytest.mark.parametrize("seed", range(12))
+def test_random_traffic_on_small_pools_streams_exactly_and_returns_every_page(seed: int) -> None:
+    """Shared prefixes under three adapters and the base, tiny pools (preemptions), random cancels: every
+    stream is the fake's exact arithmetic sequence with one Started, every prefill attended to its own
+    prompt (+ streamed tokens), the fake saw no wrong page, and at the end no page is referenced."""
+    rnd = random.Random(seed)
+    page, seq_len = rnd.choice([1, 2, 3, 4, 8]), rnd.choice([16, 24, 40])
+    per_row = -(-seq_len // page)
+    cfg = EngineConfig(
+        max_batch_size=rnd.choice([1, 2, 3, 4]),
+        max_seq_len=seq_len,
+        max_loras=2,
+        max_lora_rank=4,
+        kv_page_size=page,
+        kv_pages=per_row + 1 + rnd.choice([0, 1, 3, 10]),
+        prefill_per_step=rnd.choice([1, 2, 3]),
+        enable_prefix_caching=seed % 4 != 3,
+    )
+    h = Harness(cfg, source_of("a", "b", "c"))
+    stems = [[rnd.randrange(48) for _ in range(seq_len)] for _ in range(3)]
+    reqs = []
+    for _ in range(200):
+        if len(reqs) < 30 and rnd.random() < 0.4:
+            n = rnd.randrange(1, seq_len - 1)
+            prompt = rnd.choice(stems)[:n]
+            c = h.submit(
+                rnd.choice(["", "a", "b", "c"]), prompt, max_tokens=rnd.randrange(1, seq_len - n + 1)
+            )
+            reqs.append((c, prompt))
+        if reqs and rnd.random() < 0.03:
+            h.post(Cancel(rnd.choice(reqs)[0].request_id))
+        h.step()
+        kv = h.scheduler.kv
+        assert kv.used + kv.free + kv.cached == kv.total
+    h.run(*(c for c, _ in reqs), limit=1000)
+    assert h.scheduler.kv.used == 0 and h.scheduler.tables.sum() == 0 and h.scheduler.queued == 0
+    for c, prompt in reqs:
+        assert [type(e) for e in c.events].count(Started) == (0 if c.events == [CANCELLED] else 1)
+        if isinstance(c.end, Finished):
+            step = (c.tokens[0] - prompt[-1]) % 50  # slot + 2, fixed for the request's life
+            assert c.tokens == [(prompt[-1] + step * (k + 1)) % 50 for k in range(len(c.tokens))]
+    streams = [(*prompt, *c.tokens) for c, prompt in reqs]
+    for context in h.runner.contexts:
+        assert any(
+            s[: len(context)] == context and len(context) >= len(p)
+            for s, (_, p) in zip(streams, reqs, strict=True)
+        )
