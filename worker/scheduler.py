@@ -275,7 +275,8 @@ class Scheduler:
             pages = self.kv.admit(key, seq, lookup)
             self._place(row, req, pages)
             start = lookup.hits * self.kv.page_size
-            token = self.runner.prefill(seq[start:], start, req.slot, self.tables[row], SamplingRow.of(req))
+            table = self.tables[row].copy()  # the runner may hold on to it (a zero-copy device array)
+            token = self.runner.prefill(seq[start:], start, req.slot, table, SamplingRow.of(req))
             self.kv.register(pages, seq, len(seq))
             if not req.generated:
                 self._emit(req, Started(req.key))
@@ -372,7 +373,7 @@ class Scheduler:
             positions[i] = self._position(req)
             slots[i] = req.slot
             sampling[i] = SamplingRow.of(req)
-        out = self.runner.decode(tokens, positions, slots, self.tables, sampling)
+        out = self.runner.decode(tokens, positions, slots, self.tables.copy(), sampling)
         self.steps += 1
         for i, req in enumerate(self.rows):
             if req is not None:
