@@ -4,6 +4,14 @@ Rule: the prefill token and every decode token are ``(last + slot + 2) % vocab_s
 the row's previous token (the prompt's last token for prefill) and ``slot`` is the row's adapter slot,
 -1 for the base model. So prompt ``[5]`` on the base model gives 6, 7, 8, ...; on slot 1 it gives
 8, 11, 14, .... Sampling parameters are ignored. Every call is recorded for assertions.
+
+The KV cache is simulated so that wrong page reuse fails loudly: ``cells[(page, offset)]`` is the
+``(content, token)`` last written there, content being the sha256 of the adapter in the writing slot
+(``"base"`` for slot -1). ``prefill`` asserts that every position before ``start`` is in a real page
+(never the null page 0) and was written under the same content, records the whole context it attends to
+(``contexts``: those cached tokens + its own), then writes its tokens; ``decode`` writes each row's token at
+its position and asserts the same of every position the row attends to. A failed check is an
+``AssertionError`` raised into the scheduler, i.e. into the test.
 """
 
 from __future__ import annotations
@@ -14,7 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loraserve.adapters.peft import LoraWeights
+from loraserve.worker.config import EngineConfig
 from loraserve.worker.requests import SamplingRow
+
+# a default EngineConfig's pool, read off the class: building one would import the kernels (JAX)
+_PAGE = EngineConfig.kv_page_size
+_PAGES = EngineConfig.max_batch_size * -(-EngineConfig.max_seq_len // _PAGE) + 1
 
 
 def next_token(last: int, slot: int, vocab_size: int) -> int:
@@ -26,24 +39,37 @@ class FakeRunner:
     """``Runner`` for tests. ``slot_contents[i]`` is the sha256 of the adapter written to slot i ("" = zero).
 
     ``gate``, when set, is waited on before every decode step, so a test can hold the engine mid-request.
+    ``page_size``/``num_pages`` default to those of a default ``EngineConfig``; ``for_config`` takes a
+    config's.
     """
 
     vocab_size: int
     max_loras: int
+    page_size: int = _PAGE
+    num_pages: int = _PAGES
     backend: str = "fake"
     gate: threading.Event | None = None
     slot_contents: list[str] = field(default_factory=list)
     writes: list[tuple[int, str]] = field(default_factory=list)  # (slot, sha256) per write_slot
     zeroed: list[int] = field(default_factory=list)
-    prefills: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)  # (row, slot, prompt)
+    # (start, slot, tokens, page table) per prefill; the table is a copy, trailing null entries dropped
+    prefills: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    contexts: list[tuple[int, ...]] = field(default_factory=list)  # per prefill: cached tokens + its own
+    cells: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)
     decode_steps: int = 0
     warmed_up: bool = False
+
+    @classmethod
+    def for_config(cls, vocab_size: int, config: EngineConfig, **kw) -> FakeRunner:
+        """A fake runner with ``config``'s slots and KV pool (``kv_cache_bytes`` counted as 1 byte a page)."""
+        return cls(vocab_size, config.max_loras, config.kv_page_size, config.num_kv_pages(1), **kw)
 
     def __post_init__(self) -> None:
         self.init_state()
 
     def init_state(self) -> None:
         self.slot_contents = [""] * self.max_loras
+        self.cells = {}
 
     def warmup(self) -> None:
         self.warmed_up = True
@@ -59,18 +85,60 @@ class FakeRunner:
         self.zeroed.append(index)
         self.slot_contents[index] = ""
 
-    def prefill(self, prompt: list[int], slot: int, row: int, sampling: SamplingRow) -> int:
-        self.prefills.append((row, slot, tuple(prompt)))
-        return next_token(prompt[-1], slot, self.vocab_size)
+    def prefill(
+        self, tokens: list[int], start: int, slot: int, page_table: np.ndarray, sampling: SamplingRow
+    ) -> int:
+        table = [int(p) for p in page_table]
+        content = self._content(slot)
+        cached = tuple(self._read(table, q, content)[1] for q in range(start))
+        used = len(table)
+        while used and table[used - 1] == 0:
+            used -= 1
+        self.prefills.append((start, slot, tuple(tokens), tuple(table[:used])))
+        self.contexts.append(cached + tuple(tokens))
+        for q, token in enumerate(tokens, start):
+            self._write(table, q, content, token)
+        return next_token(tokens[-1], slot, self.vocab_size)
 
     def decode(
-        self, tokens: np.ndarray, positions: np.ndarray, slots: np.ndarray, sampling: list[SamplingRow | None]
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        page_tables: np.ndarray,
+        sampling: list[SamplingRow | None],
     ) -> np.ndarray:
         if self.gate is not None:
             self.gate.wait()
         self.decode_steps += 1
         out = np.zeros_like(tokens)
         for i, row in enumerate(sampling):
-            if row is not None:
-                out[i] = next_token(int(tokens[i]), int(slots[i]), self.vocab_size)
+            if row is None:
+                assert not page_tables[i].any(), f"idle row {i} has pages {page_tables[i].tolist()}"
+                continue
+            table, slot, pos = [int(p) for p in page_tables[i]], int(slots[i]), int(positions[i])
+            content = self._content(slot)
+            self._write(table, pos, content, int(tokens[i]))
+            for q in range(pos):
+                self._read(table, q, content)
+            out[i] = next_token(int(tokens[i]), slot, self.vocab_size)
         return out
+
+    # ----------------------------------------------------------------- the simulated cache
+    def _content(self, slot: int) -> str:
+        return "base" if slot < 0 else self.slot_contents[slot]
+
+    def _cell(self, table: list[int], q: int) -> tuple[int, int]:
+        assert q // self.page_size < len(table), f"position {q} is past the page table"
+        page = table[q // self.page_size]
+        assert 0 < page < self.num_pages, f"position {q} is in page {page}, not a real page"
+        return page, q % self.page_size
+
+    def _read(self, table: list[int], q: int, content: str) -> tuple[str, int]:
+        cell = self.cells.get(self._cell(table, q))
+        assert cell is not None, f"position {q} (page {table[q // self.page_size]}) was never written"
+        assert cell[0] == content, f"position {q} holds KV of {cell[0]!r}, attended under {content!r}"
+        return cell
+
+    def _write(self, table: list[int], q: int, content: str, token: int) -> None:
+        self.cells[self._cell(table, q)] = (content, token)

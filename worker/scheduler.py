@@ -1,9 +1,20 @@
-"""The host side of the engine: queues, decode rows, admission, cancellation, deadlines, finishes.
+"""The host side of the engine: queues, decode rows, KV pages, admission, preemption, cancellation,
+deadlines, finishes.
 
 Requests live in one of three places: ``waiting`` (their adapter is not resident yet), ``ready`` (they
-hold a slot reference and wait for a free decode row) or ``rows`` (decoding). ``handle`` applies one
-command (``Submit``, ``Cancel``, or a residency command); ``step`` places prepared adapters, expires
-deadlines, admits up to ``prefill_per_step`` prompts and runs one decode step on the ``Runner``.
+hold a slot reference and wait for a free decode row and enough KV pages) or ``rows`` (decoding; each
+row's pages are in ``pages`` and its page table in ``tables``, idle rows' tables all 0). ``handle``
+applies one command (``Submit``, ``Cancel``, or a residency command); ``step`` places prepared adapters,
+expires deadlines, admits up to ``prefill_per_step`` prompts and runs one decode step on the ``Runner``.
+
+KV pages (``worker.kv_cache``): the head of ``ready`` is admitted only when the pages of its prompt that
+the prefix cache does not hold, plus the page of its first decode token, can be had (free or reclaimable)
+besides the pages the running rows take at the next step; otherwise admission stops there (FIFO, nobody
+jumps ahead). Before each decode step a row whose next
+position starts a page gets one; when none is left the newest running request is preempted: its pages are
+released (full computed pages stay cached), it keeps its slot reference and generated tokens and goes back
+to the FRONT of ``ready``; its resume is a prefill of prompt + generated from the cached hits on, which
+samples the next new token, so nothing streamed is repeated or lost.
 Events and future results wait in ``outbox`` until ``flush``: the engine publishes the snapshot first, so
 whoever sees an event also sees its effect in ``engine.snapshot()``. Everything here runs on the engine
 thread, except ``accept`` (callers' threads). No JAX here.
@@ -23,6 +34,7 @@ import numpy as np
 from loraserve.adapters.refs import split_ref
 from loraserve.common.errors import ResourceExhausted
 from loraserve.worker.config import EngineConfig
+from loraserve.worker.kv_cache import BASE_KEY, KVCache, SeqPages
 from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.requests import (
     EngineRequest,
@@ -46,6 +58,7 @@ from loraserve.worker.residency import (
 from loraserve.worker.runner import Runner
 from loraserve.worker.snapshot import EngineSnapshot
 
+NO_ROOM = Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more KV pages than the pool holds")
 CANCELLED = Failed(grpc.StatusCode.CANCELLED, "cancelled by the client")
 DEADLINE = Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
 
@@ -75,7 +88,16 @@ class Scheduler:
         self.waiting: deque[EngineRequest] = deque()
         self.ready: deque[EngineRequest] = deque()
         self.rows: list[EngineRequest | None] = [None] * config.max_batch_size
-        self.steps = self.tokens_out = self.requests_done = 0
+        if runner.page_size != config.kv_page_size:
+            raise ValueError(
+                f"runner pages hold {runner.page_size} tokens, the config says {config.kv_page_size}"
+            )
+        self.kv = KVCache(runner.num_pages, runner.page_size, config.enable_prefix_caching)
+        self.pages: list[SeqPages | None] = [None] * config.max_batch_size
+        self.tables = np.zeros((config.max_batch_size, config.pages_per_row), np.int32)
+        self._admitted = [0] * config.max_batch_size  # admission order of each row's request (newest = max)
+        self._admissions = 0
+        self.steps = self.tokens_out = self.requests_done = self.preemptions = 0
         self.outbox: list[Callable[[], None]] = []  # events, delivered by flush() after the snapshot
         self._queued = 0  # accepted, not yet in a row nor ended (guarded by _lock: accept runs anywhere)
         self._lock = threading.Lock()
@@ -151,6 +173,13 @@ class Scheduler:
             requests_done=self.requests_done,
             host_tier=res.host_tier.keys(),
             max_batch_size=self.config.max_batch_size,
+            kv_page_size=self.kv.page_size,
+            kv_pages_total=self.kv.total,
+            kv_pages_used=self.kv.used,
+            kv_pages_cached=self.kv.cached,
+            prefix_hit_tokens=self.kv.hit_tokens,
+            prefix_query_tokens=self.kv.query_tokens,
+            preemptions=self.preemptions,
         )
 
     # ----------------------------------------------------------------- commands
@@ -207,9 +236,7 @@ class Scheduler:
             for req in [r for r in queue if match(r)]:
                 queue.remove(req)
                 self._dequeued()
-                if req.slot >= 0:
-                    self.residency.release(req.slot)
-                    req.slot = -1
+                self._release_slot(req)
                 self._emit(req, event)
 
     def _dequeued(self) -> None:
@@ -231,16 +258,111 @@ class Scheduler:
                 row = self.rows.index(None)
             except ValueError:
                 return
-            req = self.ready.popleft()
+            req = self.ready[0]
+            seq = req.prompt + req.generated  # prompt + what was streamed before a preemption
+            key = self._adapter_key(req)
+            lookup = self.kv.lookup(key, seq, reserve=1)  # + the page of the first decode token
+            if lookup.hits + lookup.new_pages > self.kv.total:  # config keeps one context in the pool
+                self.ready.popleft()
+                self._dequeued()
+                self._release_slot(req)
+                self._emit(req, NO_ROOM)
+                continue
+            if not self.kv.can_take(lookup, spare=self._pages_due()):
+                return  # the head waits for pages; nobody behind it goes first
+            self.ready.popleft()
             self._dequeued()
-            token = self.runner.prefill(req.prompt, req.slot, row, SamplingRow.of(req))
-            req.row = row
-            self.rows[row] = req
-            self._emit(req, Started(req.key))
+            pages = self.kv.admit(key, seq, lookup)
+            self._place(row, req, pages)
+            start = lookup.hits * self.kv.page_size
+            table = self.tables[row].copy()  # the runner may hold on to it (a zero-copy device array)
+            token = self.runner.prefill(seq[start:], start, req.slot, table, SamplingRow.of(req))
+            self.kv.register(pages, seq, len(seq))
+            if not req.generated:
+                self._emit(req, Started(req.key))
             self._accept_token(row, token)
             admitted += 1
 
+    def _adapter_key(self, req: EngineRequest) -> str:
+        """The prefix cache's key for ``req``'s pages: its slot's adapter content sha256, or the base's."""
+        if req.slot < 0:
+            return BASE_KEY
+        sha = self.residency.table.slots()[req.slot].sha256
+        assert sha, f"slot {req.slot} holds no adapter content"
+        return sha
+
+    def _place(self, row: int, req: EngineRequest, pages: SeqPages) -> None:
+        req.row = row
+        self.rows[row] = req
+        self.pages[row] = pages
+        self._sync_table(row)
+        self._admissions += 1
+        self._admitted[row] = self._admissions
+
+    def _sync_table(self, row: int) -> None:
+        pages = self.pages[row]
+        self.tables[row] = 0
+        if pages is not None:
+            self.tables[row, : len(pages.pages)] = pages.pages
+
+    def _release_pages(self, row: int) -> None:
+        pages = self.pages[row]
+        if pages is not None:
+            self.kv.release(pages)
+        self.pages[row] = None
+        self.tables[row] = 0
+
+    def _release_slot(self, req: EngineRequest) -> None:
+        if req.slot >= 0:
+            self.residency.release(req.slot)
+            req.slot = -1
+
+    def _position(self, req: EngineRequest) -> int:
+        """Where the row's next decode writes: the position of its last generated token."""
+        return len(req.prompt) + len(req.generated) - 1
+
+    def _pages_due(self) -> int:
+        """Pages the running rows take at the next decode step: admitting must leave them, or the
+        newcomer would be preempted at once."""
+        due = 0
+        for req, pages in zip(self.rows, self.pages, strict=True):
+            if req is not None and pages is not None:
+                due += max(0, self.kv.pages_for(self._position(req) + 1) - len(pages.pages))
+        return due
+
+    def _grow(self) -> None:
+        """Give every running row the page its next position needs, oldest first; preempt the newest
+        running requests while the pages do not go round."""
+        for row in sorted(
+            (i for i, r in enumerate(self.rows) if r is not None), key=self._admitted.__getitem__
+        ):
+            req, pages = self.rows[row], self.pages[row]
+            if req is None or pages is None:
+                continue  # preempted below on an earlier row's behalf
+            while not self.kv.grow(pages, self._position(req) + 1):
+                self._preempt()
+                if self.rows[row] is None:
+                    break  # it was the newest itself
+            if self.rows[row] is not None:
+                self._sync_table(row)
+
+    def _preempt(self) -> None:
+        """Send the newest running request back to the front of ``ready``, its pages released."""
+        row = max((i for i, r in enumerate(self.rows) if r is not None), key=self._admitted.__getitem__)
+        req = self.rows[row]
+        assert req is not None
+        self.rows[row] = None
+        self._release_pages(row)
+        req.row = -1
+        self.ready.appendleft(req)
+        with self._lock:
+            self._queued += 1  # waiting again, not a new submission: no max_waiting check
+        self.preemptions += 1
+
     def _decode(self) -> None:
+        self._grow()
+        if not any(r is not None for r in self.rows):
+            return
         b = self.config.max_batch_size
         tokens, positions, slots = np.zeros(b, np.int32), np.zeros(b, np.int32), np.full(b, -1, np.int32)
         sampling: list[SamplingRow | None] = [None] * b
@@ -248,13 +370,16 @@ class Scheduler:
             if req is None:
                 continue
             tokens[i] = req.generated[-1]
-            positions[i] = len(req.prompt) + len(req.generated) - 1
+            positions[i] = self._position(req)
             slots[i] = req.slot
             sampling[i] = SamplingRow.of(req)
-        out = self.runner.decode(tokens, positions, slots, sampling)
+        out = self.runner.decode(tokens, positions, slots, self.tables.copy(), sampling)
         self.steps += 1
         for i, req in enumerate(self.rows):
             if req is not None:
+                filled = int(positions[i]) + 1
+                if filled % self.kv.page_size == 0:  # this step filled a page: cache it
+                    self.kv.register(self.pages[i], req.prompt + req.generated, filled)
                 self._accept_token(i, int(out[i]))
 
     def _accept_token(self, row: int, token: int) -> None:
@@ -280,7 +405,7 @@ class Scheduler:
         if req is None:
             return
         self.rows[row] = None
-        if req.slot >= 0:
-            self.residency.release(req.slot)
+        self._release_pages(row)
+        self._release_slot(req)
         self.requests_done += 1
         self._emit(req, event)

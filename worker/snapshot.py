@@ -28,6 +28,19 @@ class EngineSnapshot:
     requests_done: int  # requests that ran and finished or failed
     host_tier: tuple[str, ...]  # keys of adapters kept in host memory, oldest first
     max_batch_size: int
+    # paged KV cache (worker.kv_cache); pages exclude the reserved null page
+    kv_page_size: int = 0  # tokens per page
+    kv_pages_total: int = 0  # usable pages in the pool
+    kv_pages_used: int = 0  # referenced by running requests
+    kv_pages_cached: int = 0  # referenced by nobody, holding a cached prefix (reusable, reclaimed LRU)
+    prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    prefix_query_tokens: int = 0  # prompt tokens looked up in it (0 with prefix caching off)
+    preemptions: int = 0  # running requests sent back to the queue for want of pages
+
+    @property
+    def kv_utilisation(self) -> float:
+        """Pages held by running requests over usable pages, 0-1 (cached idle pages count as free)."""
+        return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
 
     @property
     def free_slots(self) -> int:

@@ -109,7 +109,7 @@ class Harness:
         self.config, self.source = config, source
         self.inbox: list = []
         self.now = 0.0
-        self.runner = FakeRunner(TINY.vocab_size, config.max_loras)
+        self.runner = FakeRunner.for_config(TINY.vocab_size, config)
         ticks = itertools.count(1)
         self.residency = Residency(
             self.runner,

@@ -15,7 +15,7 @@ import pytest
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.fake_runner import FakeRunner
-from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Token
+from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Started, Token
 from loraserve.worker.residency import Load
 from tests.worker.fake_engine import TINY, Collector, Harness, MemorySource, source_of
 
@@ -61,7 +61,7 @@ def test_load_of_a_resident_adapter_pins_it_in_the_same_step() -> None:
 
 def _engine(source: MemorySource, **kw) -> tuple[Engine, FakeRunner]:
     cfg = config(**kw)
-    runner = FakeRunner(TINY.vocab_size, cfg.max_loras)
+    runner = FakeRunner.for_config(TINY.vocab_size, cfg)
     engine = Engine(None, cfg, source, runner=runner, model_config=TINY)
     engine.start()
     return engine, runner
@@ -108,7 +108,9 @@ def test_engine_thread_cancel_while_decoding_and_cold_adapter_delays_only_its_ow
         deadline = time.monotonic() + 5
         while len(runner.prefills) < 3 and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert runner.prefills[-1] == (0, -1, (5,))  # prefilled (token 6); now held inside its first decode
+        # prefilled (token 6) into the pool's third page (1 and 2 went back to the end of the free list);
+        # now held inside its first decode
+        assert runner.prefills[-1] == (0, -1, (5,), (3,))
         engine.cancel(long.request_id)
         runner.gate.set()
         assert long.done.wait(5)
@@ -117,7 +119,8 @@ def test_engine_thread_cancel_while_decoding_and_cold_adapter_delays_only_its_ow
             Token(7),
             Failed(grpc.StatusCode.CANCELLED, "cancelled by the client"),
         ]
-        assert engine.snapshot().running == 0
+        snap = engine.snapshot()
+        assert (snap.running, snap.kv_pages_used, snap.kv_pages_cached, snap.kv_pages_total) == (0, 0, 0, 4)
     finally:
         engine.stop()
 
@@ -131,3 +134,22 @@ def test_host_side_modules_import_no_jax() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+def test_engine_thread_preempts_with_a_tiny_pool_and_resumes_from_the_other_requests_pages() -> None:
+    cfg = config(kv_page_size=4, kv_pages=9)  # 8 pages; two 21-position sequences want 6 each
+    runner = FakeRunner.for_config(TINY.vocab_size, cfg)
+    engine = Engine(None, cfg, source_of("a"), runner=runner, model_config=TINY)
+    first, second = _submit(engine, max_tokens=20), _submit(engine, max_tokens=20)  # both in the first batch
+    engine.start()
+    try:
+        assert first.done.wait(5) and second.done.wait(5)
+        assert first.events == second.events and first.events[0] == Started("")
+        assert first.tokens == list(range(6, 26)) and Started("") not in second.events[1:]
+        snap = engine.snapshot()
+        assert (snap.preemptions, snap.running, snap.waiting, snap.kv_pages_used) == (1, 0, 0, 0)
+        # the second was preempted at position 16 and resumed on the first one's 4 identical full pages
+        assert runner.prefills[-1] == (16, -1, (21,), (1, 3, 5, 7, 6))
+        assert (snap.prefix_hit_tokens, snap.prefix_query_tokens) == (16, 1 + 1 + 17)
+    finally:
+        engine.stop()

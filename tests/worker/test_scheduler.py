@@ -12,16 +12,18 @@ import hashlib
 from concurrent.futures import Future
 
 import grpc
+import numpy as np
 import pytest
 
 from loraserve.adapters.errors import AdapterDataLossError
 from loraserve.common.errors import FailedPrecondition, LoraserveError, ResourceExhausted
 from loraserve.worker.config import EngineConfig
-from loraserve.worker.requests import Failed, Finished, Started, Token
+from loraserve.worker.kv_cache import KVCache
+from loraserve.worker.requests import Failed, Finished, SamplingRow, Started, Token
 from loraserve.worker.residency import Load, Unload
 from loraserve.worker.scheduler import Cancel
 from loraserve.worker.slot_table import SlotState
-from tests.worker.fake_engine import Harness, adapter_files, source_of
+from tests.worker.fake_engine import Collector, Harness, adapter_files, source_of
 
 CFG = EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=2, max_lora_rank=4, max_cpu_loras=2)
 
@@ -39,7 +41,8 @@ def test_exact_tokens_for_base_and_two_adapter_slots() -> None:
     assert base.events == [Started(""), Token(6), Token(7), Token(8), Finished("length", 1, 4, token_id=9)]
     assert a.events == [Started("a"), Token(7), Token(9), Finished("length", 1, 3, token_id=11)]
     assert b.tokens == [8, 11, 14] and b.end == Finished("length", 2, 3, token_id=14)
-    assert h.runner.prefills == [(0, -1, (5,)), (1, 0, (5,)), (0, 1, (3, 5))]  # (row, slot, prompt)
+    # (start, slot, prompt, page table): each prompt plus its first decode token fits one private page
+    assert h.runner.prefills == [(0, -1, (5,), (1,)), (0, 0, (5,), (2,)), (0, 1, (3, 5), (3,))]
     snap = h.scheduler.snapshot()
     assert (snap.tokens_out, snap.requests_done, snap.adapter_loads) == (10, 3, 2)
     assert [(s.index, s.adapter, s.refcount) for s in snap.slots] == [(0, "a", 0), (1, "b", 0)]
@@ -224,3 +227,223 @@ def test_unknown_commands_fail_loudly() -> None:
         h.scheduler.handle("submit")
     with pytest.raises(TypeError, match="no command Cancel"):
         h.residency.handle(Cancel("x"))
+
+
+# ----------------------------------------------------------------- KV pages (4-token pages, TINY tokens)
+def paged(**kw) -> EngineConfig:
+    return EngineConfig(
+        **{
+            "max_batch_size": 2,
+            "max_seq_len": 16,
+            "max_loras": 2,
+            "max_lora_rank": 4,
+            "kv_page_size": 4,
+            **kw,
+        }
+    )
+
+
+def kv_state(h: Harness) -> tuple[int, int, int]:
+    """(pages used, cached, free) as the snapshot tells them."""
+    s = h.scheduler.snapshot()
+    return s.kv_pages_used, s.kv_pages_cached, s.kv_pages_total - s.kv_pages_used - s.kv_pages_cached
+
+
+def test_pages_follow_admission_decode_growth_and_finish() -> None:
+    h = harness(paged())  # 2 rows of 4 pages + the null page
+    c = h.submit(prompt=(1, 2, 3, 4, 5, 6), max_tokens=6)
+    seen = []
+    for _ in range(5):
+        h.step()
+        seen.append((kv_state(h), h.scheduler.tables[0].tolist()))
+    assert seen == [
+        ((2, 0, 6), [1, 2, 0, 0]),  # positions 0..5 + the first decode token's (6): 2 pages
+        ((2, 0, 6), [1, 2, 0, 0]),
+        ((3, 0, 5), [1, 2, 3, 0]),  # position 8 starts page 3
+        ((3, 0, 5), [1, 2, 3, 0]),
+        ((0, 2, 6), [0, 0, 0, 0]),  # finished: the two full computed pages stay cached
+    ]
+    assert c.tokens == [7, 8, 9, 10, 11, 12] and h.scheduler.tables.sum() == 0
+    assert h.runner.prefills == [(0, -1, (1, 2, 3, 4, 5, 6), (1, 2))]
+    snap = h.scheduler.snapshot()
+    assert (snap.kv_page_size, snap.kv_pages_total, snap.kv_utilisation) == (4, 8, 0.0)
+    # a follow-up turn (prompt + answer + more) hits the page the decode filled, not only the prompt's
+    turn = h.submit(prompt=(1, 2, 3, 4, 5, 6, 7, 8, 9), max_tokens=3)
+    h.step()
+    assert kv_state(h) == (3, 0, 5) and h.scheduler.snapshot().kv_utilisation == 3 / 8
+    h.run(turn)
+    assert turn.tokens == [10, 11, 12]
+    assert h.runner.prefills[-1] == (8, -1, (9,), (1, 2, 4))
+    assert h.runner.contexts[-1] == (1, 2, 3, 4, 5, 6, 7, 8, 9)
+    snap = h.scheduler.snapshot()
+    assert (snap.prefix_hit_tokens, snap.prefix_query_tokens) == (8, 15)
+
+
+def test_admission_waits_for_pages_in_order_and_reclaims_cached_pages_lru() -> None:
+    h = harness(paged(max_batch_size=3, kv_pages=6, prefill_per_step=3))  # 5 usable pages
+    first = h.submit(prompt=tuple(range(10)), max_tokens=3)  # 3 pages
+    second = h.submit(prompt=tuple(range(20, 30)), max_tokens=2)  # 3 pages: waits
+    small = h.submit(prompt=(40,), max_tokens=2)  # 1 page would do, but it does not jump the queue
+    h.step()
+    assert (first.tokens, second.tokens, small.tokens) == ([10, 11], [], [])
+    assert kv_state(h) == (3, 0, 2) and h.scheduler.snapshot().waiting == 2
+    h.step()  # first finishes; its 3 pages were full and computed: cached, tail first in LRU order
+    assert first.tokens == [10, 11, 12] and kv_state(h) == (0, 3, 2)
+    assert h.scheduler.kv.lru_order() == (3, 2, 1)
+    h.step()
+    assert (second.tokens, small.tokens) == ([30, 31], [41, 42])
+    # the free pages (4, 5) first, then cached ones least recently released first (3, then 2)
+    assert [p[3] for p in h.runner.prefills] == [(1, 2, 3), (4, 5, 3), (2,)]
+    assert h.scheduler.kv.lru_order() == (1, 5, 4) and h.scheduler.queued == 0
+
+
+def _preempting(kv_pages: int) -> tuple[Harness, Collector, Collector]:
+    h = harness(paged(kv_pages=kv_pages))
+    return h, h.submit(prompt=(1, 2, 3), max_tokens=12), h.submit("a", prompt=(10, 11, 12), max_tokens=12)
+
+
+def test_preemption_recomputes_the_newest_request_without_repeating_or_losing_tokens() -> None:
+    h, old, new = _preempting(kv_pages=6)  # 5 pages; each request ends up holding 4
+    steps: list[int] = []
+    prefill = h.runner.prefill
+    h.runner.prefill = lambda *a: steps.append(a[4].step) or prefill(*a)  # SamplingRow.step per prefill
+    h.step(6)
+    assert (len(old.tokens), len(new.tokens), kv_state(h)) == (7, 6, (5, 0, 0))
+    h.step()  # old's position 12 needs a page: none left, so the newest (new, "a") is preempted
+    snap = h.scheduler.snapshot()
+    assert (snap.preemptions, snap.running, snap.waiting, h.scheduler.queued) == (1, 1, 1, 1)
+    assert kv_state(h) == (3, 2, 0) and h.scheduler.tables[1].sum() == 0
+    assert snap.slots[0].refcount == 1  # it keeps its adapter slot while it waits
+    h.run(old, new)
+    assert old.tokens == list(range(4, 16))
+    assert new.events[0] == Started("a") and Started("a") not in new.events[1:]
+    assert new.tokens == list(range(14, 38, 2)) and new.end == Finished("length", 3, 12, token_id=36)
+    # the resume prefills prompt + the 6 tokens streamed, from its first page (still cached) on
+    assert h.runner.prefills[1:] == [(0, 0, (10, 11, 12), (2,)), (4, 0, (16, 18, 20, 22, 24), (2, 4, 5))]
+    assert h.runner.contexts[-1] == (10, 11, 12, 14, 16, 18, 20, 22, 24)
+    assert steps == [0, 0, 6]  # seeded sampling goes on at the step it stopped
+    snap = h.scheduler.snapshot()
+    assert (snap.preemptions, snap.prefix_hit_tokens, snap.prefix_query_tokens) == (1, 4, 15)
+    assert (snap.waiting, h.scheduler.queued, snap.slots[0].refcount, kv_state(h)) == (0, 0, 0, (0, 4, 1))
+    # an uninterrupted run (a pool with room for both) streams exactly the same events
+    h2, old2, new2 = _preempting(kv_pages=0)
+    h2.run(old2, new2)
+    assert (old2.events, new2.events, h2.scheduler.snapshot().preemptions) == (old.events, new.events, 0)
+
+
+def test_a_preempted_request_whose_pages_were_reclaimed_recomputes_everything() -> None:
+    h, old, new = _preempting(kv_pages=5)  # 4 pages: the old request takes them all in the end
+    h.run(old, new)
+    assert old.tokens == list(range(4, 16)) and new.tokens == list(range(14, 38, 2))
+    # preempted with 5 tokens streamed; its pages went to the old request: everything is recomputed
+    assert h.runner.prefills[-1] == (0, 0, (10, 11, 12, 14, 16, 18, 20, 22), (2, 4, 3))
+    assert h.scheduler.snapshot().preemptions == 1
+
+
+def test_cancelling_a_preempted_request_releases_its_slot_and_queue_place() -> None:
+    h, old, new = _preempting(kv_pages=6)
+    h.step(7)
+    assert h.scheduler.snapshot().preemptions == 1
+    h.post(Cancel(new.request_id))
+    h.step()
+    assert new.end == Failed(grpc.StatusCode.CANCELLED, "cancelled by the client")
+    snap = h.scheduler.snapshot()
+    assert (snap.waiting, h.scheduler.queued, snap.slots[0].refcount, snap.running) == (0, 0, 0, 1)
+    h.run(old)
+    assert old.tokens == list(range(4, 16))
+    assert kv_state(h) == (0, 4, 1)  # old's 3 full pages and the cancelled one's first page stay cached
+
+
+def _shared_prefix_run(caching: bool) -> tuple[Harness, list[Collector]]:
+    cfg = EngineConfig(
+        max_batch_size=4,
+        max_seq_len=1024,
+        max_loras=1,
+        max_lora_rank=4,
+        kv_page_size=16,
+        enable_prefix_caching=caching,
+    )
+    h = harness(cfg, "a")
+    prefix = [(7 * i) % 49 for i in range(512)]
+    reqs = [
+        h.submit("a", prompt=[*prefix, *((r + j) % 49 for j in range(8))], max_tokens=4) for r in range(32)
+    ]
+    h.run(*reqs, limit=200)
+    return h, reqs
+
+
+def test_32_requests_sharing_a_512_token_prefix_compute_it_once() -> None:
+    cached, with_cache = _shared_prefix_run(True)
+    plain, without = _shared_prefix_run(False)
+    computed = sum(len(p[2]) for p in cached.runner.prefills)
+    baseline = sum(len(p[2]) for p in plain.runner.prefills)
+    assert (computed, baseline) == (520 + 31 * 8, 32 * 520)  # 768 / 16640 = 4.6 %
+    assert [c.events for c in with_cache] == [c.events for c in without]
+    assert cached.runner.contexts == plain.runner.contexts  # every prefill attended to its whole prompt
+    assert [p[0] for p in cached.runner.prefills] == [0] + [512] * 31
+    snap, off = cached.scheduler.snapshot(), plain.scheduler.snapshot()
+    assert (snap.prefix_hit_tokens, snap.prefix_query_tokens) == (31 * 512, 32 * 520)
+    assert (off.prefix_hit_tokens, off.prefix_query_tokens, off.kv_pages_cached) == (0, 0, 0)
+    assert snap.kv_pages_cached == 32  # the prefix; each request's last page (8 + 3 tokens) was never full
+
+
+def test_the_same_prompt_under_two_adapters_and_the_base_shares_nothing() -> None:
+    h = harness(paged(max_seq_len=32))
+    prompt = tuple(range(1, 21))  # 5 full pages
+    for adapter in ("a", "b", "", "a", "b", ""):
+        h.run(h.submit(adapter, prompt=prompt, max_tokens=2))
+    assert [(p[0], p[1]) for p in h.runner.prefills] == [(0, 0), (0, 1), (0, -1), (16, 0), (16, 1), (16, -1)]
+    assert all(c == prompt for c in h.runner.contexts)
+    assert h.scheduler.snapshot().prefix_hit_tokens == 3 * 16
+
+
+def test_an_adapter_reloaded_into_another_slot_still_hits_its_pages() -> None:
+    h = harness(paged(max_seq_len=32))
+    prompt = tuple(range(1, 21))
+    h.run(h.submit("a", prompt=prompt, max_tokens=2))
+    unloaded, pinned = Future(), Future()
+    h.post(Unload("a", False, unloaded))
+    h.post(Load("b", True, pinned))
+    h.step(2)
+    assert (unloaded.result(0).index, pinned.result(0).index) == (0, 0)
+    again = h.submit("a", prompt=prompt, max_tokens=2)
+    h.run(again)
+    assert again.tokens == [(20 + 1 + 2) % 50, (23 + 3) % 50]  # slot 1 now
+    assert [p[:2] for p in h.runner.prefills] == [(0, 0), (16, 1)] and h.runner.contexts[-1] == prompt
+    assert h.scheduler.snapshot().prefix_hit_tokens == 16
+
+
+def test_the_fake_runner_refuses_kv_computed_under_another_adapter_or_never_written() -> None:
+    h = harness(paged(max_seq_len=32))
+    h.run(h.submit("a", prompt=tuple(range(1, 10)), max_tokens=2))
+    table = np.array([1, 2, 3, 0, 0, 0, 0, 0], np.int32)
+    row = SamplingRow()
+    assert h.runner.prefill([9], 8, 0, table, row) == 11  # slot 0 holds "a": its pages 1, 2 are fine
+    with pytest.raises(AssertionError, match=r"position 0 holds KV of '[0-9a-f]{64}', attended under 'base'"):
+        h.runner.prefill([9], 8, -1, table, row)
+    with pytest.raises(AssertionError, match=r"position 10 \(page 3\) was never written"):
+        h.runner.prefill([9], 13, 0, np.array([1, 2, 3, 4, 0, 0, 0, 0], np.int32), row)
+    with pytest.raises(AssertionError, match="position 0 is in page 0, not a real page"):
+        h.runner.prefill([9], 1, 0, np.zeros(8, np.int32), row)
+
+
+def test_prefix_caching_off_never_hits_and_frees_pages_at_once() -> None:
+    h = harness(paged(max_seq_len=32, enable_prefix_caching=False))
+    prompt = tuple(range(1, 21))
+    for _ in range(2):
+        h.run(h.submit("a", prompt=prompt, max_tokens=2))
+    assert [p[0] for p in h.runner.prefills] == [0, 0]
+    snap = h.scheduler.snapshot()
+    assert (snap.prefix_hit_tokens, snap.prefix_query_tokens, kv_state(h)) == (0, 0, (0, 0, 16))
+
+
+def test_a_request_larger_than_the_pool_fails_instead_of_waiting_forever() -> None:
+    h = harness(paged())
+    h.scheduler.kv = KVCache(num_pages=3, page_size=4)  # smaller than the config allows: 2 usable pages
+    too_big = h.submit(prompt=tuple(range(1, 9)), max_tokens=2)  # positions 0..8: 3 pages
+    fits = h.submit(prompt=(1, 2, 3), max_tokens=2)
+    h.run(too_big, fits)
+    assert too_big.events == [
+        Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more KV pages than the pool holds")
+    ]
+    assert fits.tokens == [4, 5] and h.scheduler.queued == 0
