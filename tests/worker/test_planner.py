@@ -32,7 +32,8 @@ def test_weights_are_the_parameter_count_split_by_the_megatron_layout(llama8b) -
 
 
 def test_kv_cache_is_split_by_kv_head_and_replicated_past_them(llama8b) -> None:
-    one = 2 * 32 * 16 * 1024 * 8 * 128 * 2  # k+v, layers, batch, context, kv heads, head_dim, bf16
+    # k+v, layers, tokens (batch * context in pages of 16, plus the null page), kv heads, head_dim, bf16
+    one = 2 * 32 * (16 * 1024 + 16) * 8 * 128 * 2
     assert planner.kv_bytes(llama8b, 1, 16, 1024, "bfloat16") == one
     assert planner.kv_bytes(llama8b, 8, 16, 1024, "bfloat16") == one // 8
     assert planner.kv_bytes(llama8b, 16, 16, 1024, "bfloat16") == one // 8  # 8 KV heads: one each, replicated
