@@ -32,6 +32,34 @@ class EngineCollector:
         yield CounterMetricFamily(
             "loraserve_adapter_loads", "Adapters written into a slot", value=snap.adapter_loads
         )
+        yield GaugeMetricFamily(
+            "loraserve_kv_cache_utilisation",
+            "Fraction (0-1) of the KV pool's pages held by running requests",
+            value=snap.kv_utilisation,
+        )
+        yield GaugeMetricFamily(
+            "loraserve_kv_cache_pages", "Usable pages in the KV pool", value=snap.kv_pages_total
+        )
+        yield GaugeMetricFamily(
+            "loraserve_kv_cache_pages_cached",
+            "Pages held by no request that keep a cached prefix (reused on a hit, reclaimed LRU)",
+            value=snap.kv_pages_cached,
+        )
+        yield CounterMetricFamily(
+            "loraserve_prefix_cache_queries",
+            "Prompt tokens looked up in the adapter-keyed prefix cache",
+            value=snap.prefix_query_tokens,
+        )
+        yield CounterMetricFamily(
+            "loraserve_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            value=snap.prefix_hit_tokens,
+        )
+        yield CounterMetricFamily(
+            "loraserve_preemptions",
+            "Running requests sent back to the queue for want of KV pages (recomputed later)",
+            value=snap.preemptions,
+        )
         info = GaugeMetricFamily(
             "loraserve_lora_requests_info",
             "Adapters of running and waiting requests (like vLLM's)",

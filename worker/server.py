@@ -132,7 +132,7 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
         return worker_admin_pb2.ListSlotsResponse(slots=[slot_info(s) for s in self.engine.snapshot().slots])
 
     async def GetWorkerInfo(self, request, context):
-        e, cfg = self.engine.config, self.engine.model_config
+        e, cfg, snap = self.engine.config, self.engine.model_config, self.engine.snapshot()
         import jax
 
         from loraserve.adapters.peft import LORA_MODULES
@@ -150,6 +150,10 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
             worker_id=self.worker_id,
             platform=jax.default_backend(),
             tensor_parallel_size=e.tensor_parallel_size,
+            kv_page_size=snap.kv_page_size,
+            kv_pages=snap.kv_pages_total,
+            max_context=e.max_seq_len,
+            prefix_caching=e.enable_prefix_caching,
         )
 
 

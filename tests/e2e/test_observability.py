@@ -44,6 +44,8 @@ def test_worker_metrics_and_json_logs(llama_dir, adapter_dirs, tmp_path) -> None
         "64",
         "--max-loras",
         "2",
+        "--kv-page-size",
+        "2",
         "--metrics-port",
         str(port),
     ]
@@ -66,6 +68,13 @@ def test_worker_metrics_and_json_logs(llama_dir, adapter_dirs, tmp_path) -> None
         assert _metric(text, "loraserve_adapter_load_seconds_count") == 1
         assert _metric(text, "loraserve_lora_slots_used") == 1 and _metric(text, "loraserve_lora_slots") == 2
         assert _metric(text, "loraserve_requests_running") == 0
+        # paged KV: 8 rows x 32 pages of 2 tokens; the second all-r4 request found the first one's full
+        # first page [5, 17] (the last prompt token is always recomputed); the base request shares nothing
+        assert _metric(text, "loraserve_kv_cache_pages") == 256
+        assert _metric(text, "loraserve_kv_cache_utilisation") == 0.0
+        assert _metric(text, "loraserve_prefix_cache_queries_total") == 9
+        assert _metric(text, "loraserve_prefix_cache_hits_total") == 2
+        assert _metric(text, "loraserve_preemptions_total") == 0
         assert (
             'loraserve_lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}'
             in text

@@ -186,6 +186,8 @@ def test_admin_load_list_info_unload(worker, adapter_dirs) -> None:
     assert (info.max_loras, info.max_lora_rank, info.max_batch_size, info.max_seq_len) == (2, 16, 4, 64)
     assert info.platform == "cpu" and info.dtype == "float32" and "down_proj" in info.target_modules
     assert info.tensor_parallel_size == 1
+    # the default pool: max_batch_size full contexts of 16-token pages (4 rows x 4 pages)
+    assert (info.kv_page_size, info.kv_pages, info.max_context, info.prefix_caching) == (16, 16, 64, True)
     slot = admin.LoadAdapter(
         worker_admin_pb2.LoadAdapterRequest(
             adapter="qv", source_uri=str(adapter_dirs["qv-r8-rslora"]), pin=True

@@ -1,0 +1,160 @@
+"""The paged KV cache with the real JAX model: preemption under a tiny pool, the adapter-keyed prefix cache,
+and contexts of thousands of tokens against transformers.
+
+Scheduler-level accounting (which pages, when) is tested over the fake runner in ``test_scheduler.py``;
+here the numbers come from the model: a preempted request recomputed from its cached pages must produce
+exactly the tokens of an uninterrupted run, and a prompt served from cached pages exactly the tokens of a
+run that computed every page.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from loraserve.kernels.backends import XlaGroupedBackend
+from loraserve.kernels.testing import count_compilations
+from loraserve.testing import save_model
+from loraserve.worker import model as M
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.engine import Engine
+from loraserve.worker.requests import Finished
+from tests.worker.test_engine import submit, wait
+
+BASE = dict(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16, kv_page_size=4)
+PROMPTS = [[5, 17, 33, 100, 7], [9, 9, 9], [200, 3, 44, 91, 12, 8, 71], [1, 2]]
+ADAPTERS = ["all-r4", "", "mlp-r16", "all-r4"]
+
+
+def _run(checkpoint, source, prompts, adapters, new: int, **config) -> tuple[list[list[int]], Engine]:
+    """Serve every prompt at once (greedy, ignore_eos, ``new`` tokens); returns each one's tokens."""
+    engine = Engine(checkpoint, EngineConfig(**{**BASE, **config}), source=source)
+    engine.start()
+    try:
+        with count_compilations() as count:
+            runs = [
+                submit(engine, a, p, max_tokens=new, ignore_eos=True)
+                for p, a in zip(prompts, adapters, strict=True)
+            ]
+            wait(*runs)
+        assert count.compilations == 0, count.names  # page-table changes and preemptions compile nothing
+        assert all(isinstance(r.end, Finished) for r in runs), [r.end for r in runs]
+        return [r.tokens for r in runs], engine
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(llama_dir):
+    return load_checkpoint(str(llama_dir))
+
+
+@pytest.fixture(scope="module")
+def source(adapter_dirs):
+    from loraserve.adapters.sources import LocalAdapterSource
+
+    src = LocalAdapterSource()
+    for name, path in adapter_dirs.items():
+        src.register(name, str(path))
+    return src
+
+
+def test_preempted_requests_finish_with_the_tokens_of_an_uninterrupted_run(checkpoint, source) -> None:
+    # four requests of 40 new tokens need 11-12 pages of 4 tokens each; a pool of 19 usable pages holds
+    # fewer than two of them at full length, so the newest running ones are preempted and recomputed
+    alone = [
+        _run(checkpoint, source, [p], [a], 40, max_batch_size=1)[0][0]
+        for p, a in zip(PROMPTS, ADAPTERS, strict=True)
+    ]
+    tokens, engine = _run(checkpoint, source, PROMPTS, ADAPTERS, 40, kv_pages=20)
+    snap = engine.snapshot()
+    assert snap.preemptions >= 2, snap.preemptions
+    assert tokens == alone  # nothing repeated, nothing lost, greedy text unchanged
+    assert all(len(t) == 40 for t in tokens)
+    assert snap.kv_pages_used == 0 and snap.kv_pages_total == 19
+
+
+def test_prefix_cache_hits_give_the_tokens_of_a_full_recompute_and_never_cross_adapters(
+    checkpoint, source
+) -> None:
+    shared = list(range(40, 80))  # 40 tokens = 10 full pages of 4
+    prompts = [[*shared, t] for t in (3, 4, 5, 6)] + [[*shared, 3]] * 2
+    adapters = ["all-r4"] * 4 + ["", "mlp-r16"]  # the same tokens under the base and another adapter
+    cold, off = _run(checkpoint, source, prompts, adapters, 6, enable_prefix_caching=False)
+    assert off.snapshot().prefix_hit_tokens == 0
+    # one at a time, so that every later request can find the first one's pages
+    engine = Engine(checkpoint, EngineConfig(**BASE), source=source)
+    engine.start()
+    try:
+        warm = []
+        for p, a in zip(prompts, adapters, strict=True):
+            run = submit(engine, a, p, max_tokens=6, ignore_eos=True)
+            wait(run)
+            warm.append(run.tokens)
+        snap = engine.snapshot()
+    finally:
+        engine.stop()
+    assert warm == cold
+    # the three later all-r4 requests each reuse the 10 shared pages; the base and mlp-r16 requests
+    # reuse nothing (their keys and values differ from all-r4's)
+    assert snap.prefix_hit_tokens == 3 * 40
+    assert snap.prefix_query_tokens == sum(len(p) for p in prompts)
+
+
+LONG = 3000
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    return save_model(
+        tmp_path_factory.mktemp("long") / "llama", "llama", seed=5, max_position_embeddings=4096
+    )
+
+
+def test_thousands_of_tokens_match_transformers_through_chunks_and_scattered_pages(long_model) -> None:
+    """A 3000-token prompt prefilled in two chunks (the second reading the first from its pages, as a
+    prefix-cache hit does) into pages scattered over the pool, then 4 teacher-forced decode steps: the
+    logits match transformers within 2e-4 (f32) at every step."""
+    from transformers import AutoModelForCausalLM
+
+    rng = np.random.default_rng(3)
+    seq = rng.integers(3, 384, LONG + 4).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(str(long_model)).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([seq])).logits[0].numpy()
+    ck = load_checkpoint(str(long_model))
+    cfg, page, per_row = ck.config, 64, 4096 // 64
+    backend = XlaGroupedBackend()
+    lora = M.empty_lora(cfg, 1, 4, jnp.float32, backend)
+    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    cache = M.init_cache(cfg, 2 * per_row + 1, page, jnp.float32)
+    table = (1 + rng.permutation(2 * per_row)[:per_row]).astype(np.int32)  # half the pool, shuffled
+    prefill = jax.jit(partial(M.prefill, cfg, backend=backend))
+    decode = jax.jit(partial(M.decode, cfg, backend=backend))
+    got = []
+    for start, stop, bucket in ((0, 2048, 2048), (2048, LONG, 1024)):
+        tokens = np.zeros(bucket, np.int32)
+        tokens[: stop - start] = seq[start:stop]
+        n, first, slot = np.int32(stop - start), np.int32(start), np.int32(-1)
+        logits, cache = prefill(ck.params, lora, tokens, n, first, slot, table, cache, inv)
+        got.append((stop - 1, np.asarray(logits)))
+    for pos in range(LONG, LONG + 4):
+        logits, cache = decode(
+            ck.params,
+            lora,
+            np.array([seq[pos]], np.int32),
+            np.array([pos], np.int32),
+            table[None],
+            None,
+            cache,
+            inv,
+        )
+        got.append((pos, np.asarray(logits)[0]))
+    for pos, logits in got:
+        np.testing.assert_allclose(logits, want[pos], atol=2e-4, err_msg=f"position {pos}")
