@@ -133,6 +133,28 @@ class LoraBackend(ABC):
         """What the model's prefill calls: :meth:`add_one_slot`; ``parallel`` as in :meth:`apply_decode`."""
         return self.add_one_slot(y, x, a, bs, slot)
 
+    def apply_segments(
+        self, y: Array, x: Array, a: Array, bs: Sequence[Array], seg_slots: Array, parallel: str
+    ) -> Array:
+        """What the model's packed prefill calls: :meth:`add_segments`; ``parallel`` as in :meth:`apply_decode`."""
+        return self.add_segments(y, x, a, bs, seg_slots)
+
+    def add_segments(self, y: Array, x: Array, a: Array, bs: Sequence[Array], seg_slots: Array) -> Array:
+        """y ``[G*L, sum(out_i)]``, x ``[G*L, in]``, seg_slots ``[G]`` int: G prompts packed back to back in
+        equal segments of L tokens, segment g on slot ``seg_slots[g]`` (−1 = none). SGMV-style prefill.
+
+        *Semantics:* :meth:`add_one_slot` on each segment. The default maps it over the segments
+        (``jax.vmap``: each segment gathers its own slot's matrices once, ``1/S`` of a one-hot's work).
+        """
+        g = seg_slots.shape[0]
+        t = x.shape[0]
+
+        def one(yy: Array, xx: Array, slot: Array) -> Array:
+            return self.add_one_slot(yy, xx, a, bs, slot)
+
+        out = jax.vmap(one)(y.reshape(g, t // g, -1), x.reshape(g, t // g, -1), seg_slots)
+        return out.reshape(y.shape)
+
     def check(self) -> None:
         """Make the backend usable here now (build, register); raises with the reason when it cannot be.
 
@@ -210,6 +232,11 @@ class CpuBackend(LoraBackend):
 
     def add_one_slot(self, y, x, a, bs, slot):  # [T, sum(out_i)]: the kernel groups all T rows into one
         return cpu.add_lora_slices(y, x, a, tuple(bs), jnp.full(x.shape[:1], slot, jnp.int32))
+
+    def add_segments(self, y, x, a, bs, seg_slots):  # [G*L, sum(out_i)]: per-token slots, grouped in C++
+        return cpu.add_lora_slices(
+            y, x, a, tuple(bs), jnp.repeat(seg_slots, x.shape[0] // seg_slots.shape[0])
+        )
 
 
 @dataclass(frozen=True)

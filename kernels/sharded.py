@@ -130,11 +130,17 @@ class ShardedBackend(LoraBackend):
     def add_one_slot(self, y, x, a, bs, slot):  # [T, sum(out_i)]; as a column-parallel layer
         return self.apply_one_slot(y, x, a, bs, slot, COLUMN)
 
+    def add_segments(self, y, x, a, bs, seg_slots):  # [G*L, sum(out_i)]; as a column-parallel layer
+        return self.apply_segments(y, x, a, bs, seg_slots, COLUMN)
+
     def apply_decode(self, y, x, a, bs: Sequence[Array], plan, parallel):  # [B, sum(out_i)]
         return self._run(self.inner.add_decode, y, x, a, bs, plan, parallel)
 
     def apply_one_slot(self, y, x, a, bs: Sequence[Array], slot, parallel):  # [T, sum(out_i)]
         return self._run(self.inner.add_one_slot, y, x, a, bs, slot, parallel)
+
+    def apply_segments(self, y, x, a, bs: Sequence[Array], seg_slots, parallel):  # [G*L, sum(out_i)]
+        return self._run(self.inner.add_segments, y, x, a, bs, seg_slots, parallel)
 
 
 __all__ = ["AXIS", "COLUMN", "ROW", "ShardedBackend"]

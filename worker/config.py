@@ -19,7 +19,8 @@ class EngineConfig:
     max_lora_rank: int = 16  # largest rank a slot holds
     max_cpu_loras: int = 16  # adapters kept in host memory after eviction
     max_waiting: int = 256  # queued requests before RESOURCE_EXHAUSTED
-    prefill_per_step: int = 2  # prompts admitted between two decode steps
+    prefill_per_step: int = 2  # prompts admitted (and prefilled together, packed) between two decode steps
+    max_prefill_tokens: int = 4096  # tokens one packed prefill computes at most (a longer prompt goes alone)
     min_prefill_bucket: int = 16
     default_max_tokens: int = 16
     # auto | cpu | xla (= xla-grouped) | xla-grouped | xla-onehot | pallas | reference (kernels.resolve_backend)
@@ -44,6 +45,7 @@ class EngineConfig:
         if self.lora_dtype not in ("", *DTYPES):
             raise ValueError(f"lora_dtype must be float32 or bfloat16 (or empty), got {self.lora_dtype!r}")
         names = ("max_batch_size", "max_seq_len", "max_loras", "max_lora_rank", "prefill_per_step")
+        names = (*names, "max_prefill_tokens")
         for name in (*names, "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -90,6 +92,27 @@ class EngineConfig:
             w *= 2
         out.append(self.pages_per_row)
         return tuple(out)
+
+    def prefill_batch_buckets(self) -> tuple[int, ...]:
+        """Prompt counts one packed prefill compiles for: powers of two up to ``prefill_per_step`` (at most
+        ``max_batch_size``), and that number itself."""
+        most = min(self.prefill_per_step, self.max_batch_size)
+        out, g = [], 1
+        while g < most:
+            out.append(g)
+            g *= 2
+        out.append(most)
+        return tuple(out)
+
+    def prefill_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(prompts, padded tokens) of every packed prefill variant: one prompt at any bucket, several only
+        while ``prompts * tokens <= max_prefill_tokens``."""
+        return tuple(
+            (g, t)
+            for g in self.prefill_batch_buckets()
+            for t in self.prefill_buckets()
+            if g == 1 or g * t <= self.max_prefill_tokens
+        )
 
     def prefill_buckets(self) -> tuple[int, ...]:
         """Token-count buckets for prefill: powers of two from min_prefill_bucket, capped by max_seq_len."""

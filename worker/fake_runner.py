@@ -24,6 +24,7 @@ import numpy as np
 from loraserve.adapters.peft import LoraWeights
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.requests import SamplingRow
+from loraserve.worker.runner import PrefillInput
 
 # a default EngineConfig's pool, read off the class: building one would import the kernels (JAX)
 _PAGE = EngineConfig.kv_page_size
@@ -54,6 +55,7 @@ class FakeRunner:
     zeroed: list[int] = field(default_factory=list)
     # (start, slot, tokens, page table) per prefill; the table is a copy, trailing null entries dropped
     prefills: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    prefill_batches: list[int] = field(default_factory=list)  # sequences per prefill call (packing)
     contexts: list[tuple[int, ...]] = field(default_factory=list)  # per prefill: cached tokens + its own
     cells: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)
     decode_steps: int = 0
@@ -85,7 +87,11 @@ class FakeRunner:
         self.zeroed.append(index)
         self.slot_contents[index] = ""
 
-    def prefill(
+    def prefill(self, batch: list[PrefillInput]) -> list[int]:
+        self.prefill_batches.append(len(batch))
+        return [self.prefill_one(p.tokens, p.start, p.slot, p.page_table, p.sampling) for p in batch]
+
+    def prefill_one(
         self, tokens: list[int], start: int, slot: int, page_table: np.ndarray, sampling: SamplingRow
     ) -> int:
         table = [int(p) for p in page_table]

@@ -24,18 +24,20 @@ from loraserve.worker import sharding
 from loraserve.worker.checkpoint import Checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.requests import SamplingRow
+from loraserve.worker.runner import PrefillInput
 from loraserve.worker.sampling import SamplingArrays, sample
 from loraserve.worker.slots import SlotPools, SlotValues, slot_arrays
 
 log = logging.getLogger("loraserve.worker.runner")
 
 
-def _prefill_sample(cfg, backend, params, pools, tokens, length, start, slot, table, cache, inv_freq, samp):
-    logits, cache = M.prefill(
-        cfg, params, pools, tokens, length, start, slot, table, cache, inv_freq, backend
+def _prefill_sample(
+    cfg, backend, params, pools, tokens, lengths, starts, slots, tables, blocks, cache, inv, samp
+):
+    logits, cache = M.prefill_packed(
+        cfg, params, pools, tokens, lengths, starts, slots, tables, blocks, cache, inv, backend
     )
-    token = sample(logits[None], *samp)[0]  # samp arrays are [1]
-    return token, cache
+    return sample(logits, *samp), cache
 
 
 def _decode_sample(cfg, backend, params, pools, tokens, positions, tables, plan, cache, inv_freq, samp):
@@ -88,6 +90,8 @@ class JaxRunner:
         )
         self.inv_freq = jnp.asarray(self.model_config.inv_freq(), jnp.float32)
         self.buckets = config.prefill_buckets()
+        self.prefill_shapes = config.prefill_shapes()
+        self.key_block = M.key_block_pages(config.kv_page_size, config.pages_per_row)
         self.page_buckets = config.decode_page_buckets()
         self.page_size = config.kv_page_size
         page_bytes = M.kv_page_bytes(checkpoint.config, self.page_size, config.dtype)
@@ -100,7 +104,7 @@ class JaxRunner:
             config.max_seq_len,
         )
         cfg, backend = self.model_config, self.backend
-        self._prefill = jax.jit(partial(_prefill_sample, cfg, backend), donate_argnums=(7,), **jit_out)
+        self._prefill = jax.jit(partial(_prefill_sample, cfg, backend), donate_argnums=(8,), **jit_out)
         self._decode = jax.jit(partial(_decode_sample, cfg, backend), donate_argnums=(6,), **jit_out)
         self.init_state()
 
@@ -117,13 +121,9 @@ class JaxRunner:
     def warmup(self) -> None:
         """Compile every prefill bucket and every (page width, LoRA plan) decode variant; the null page
         takes every write, so the cache holds nothing afterwards."""
-        samp = SamplingArrays.empty(1).as_tuple()
-        null_table = np.zeros(self.config.pages_per_row, np.int32)
-        for bucket in self.buckets:
-            tokens = np.zeros(bucket, np.int32)
-            one, zero = np.int32(1), np.int32(0)
-            args = (tokens, one, zero, zero, null_table, self.cache, self.inv_freq, samp)
-            _, self.cache = self._prefill(self.params, self.pools.pools, *args)
+        for g, t in self.prefill_shapes:
+            null = PrefillInput([0], 0, 0, np.zeros(self.config.pages_per_row, np.int32), SamplingRow())
+            self._prefill_call([null] * g, g, t)
         b = self.config.max_batch_size
         zeros = np.zeros(b, np.int32)
         # one decode compilation per page width times plan variant of the LoRA backend (backend.plan picks
@@ -155,25 +155,61 @@ class JaxRunner:
     def zero_slot(self, index: int) -> None:
         self.pools.zero(index)
 
-    def prefill(
-        self, tokens: list[int], start: int, slot: int, page_table: np.ndarray, sampling: SamplingRow
-    ) -> int:
-        n = len(tokens)
-        padded = np.zeros(next(b for b in self.buckets if b >= n), np.int32)
-        padded[:n] = tokens
-        token, self.cache = self._prefill(
+    def prefill(self, batch: list[PrefillInput]) -> list[int]:
+        """Pack ``batch`` into the fewest calls of the compiled (prompts, tokens) shapes, in order."""
+        out: list[int] = []
+        i = 0
+        while i < len(batch):
+            g, t = self._pack(batch[i:])
+            out.extend(self._prefill_call(batch[i : i + g], g, t)[:g])
+            i += g
+        return out
+
+    def _pack(self, rest: list[PrefillInput]) -> tuple[int, int]:
+        """How many of ``rest`` the next call takes, and its token bucket: the most that fit a shape."""
+        best = (1, self._bucket(len(rest[0].tokens)))
+        longest = 0
+        for n, item in enumerate(rest, 1):
+            longest = max(longest, len(item.tokens))
+            t = self._bucket(longest)
+            g = next((g for g, tt in self.prefill_shapes if g >= n and tt == t), None)
+            if g is None:
+                break
+            best = (n, t)
+        return best
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _prefill_call(self, items: list[PrefillInput], n: int, t: int) -> list[int]:
+        """One compiled call for ``items`` (``n`` of them) padded to the smallest shape ``(g >= n, t)``."""
+        g = next(g for g, tt in self.prefill_shapes if g >= n and tt == t)
+        tokens = np.zeros((g, t), np.int32)
+        lengths, starts = np.zeros(g, np.int32), np.zeros(g, np.int32)
+        slots = np.full(g, -1, np.int32)
+        tables = np.zeros((g, self.config.pages_per_row), np.int32)
+        rows: list[SamplingRow | None] = [None] * g
+        for k, item in enumerate(items):
+            tokens[k, : len(item.tokens)] = item.tokens
+            lengths[k], starts[k], slots[k] = len(item.tokens), item.start, item.slot
+            tables[k] = item.page_table
+            rows[k] = item.sampling
+        context = int(np.max(starts + lengths))
+        blocks = np.int32(max(1, -(-context // (self.key_block * self.page_size))))
+        out, self.cache = self._prefill(
             self.params,
             self.pools.pools,
-            padded,
-            np.int32(n),
-            np.int32(start),
-            np.int32(slot),
-            np.asarray(page_table, np.int32),
+            tokens,
+            lengths,
+            starts,
+            slots,
+            tables,
+            blocks,
             self.cache,
             self.inv_freq,
-            _sampling_arrays([sampling]).as_tuple(),
+            _sampling_arrays(rows).as_tuple(),
         )
-        return int(token)
+        return [int(x) for x in np.asarray(out)]
 
     def decode(
         self,

@@ -202,6 +202,14 @@ class KVCache:
                 self._page_of[h] = page
                 self._hash_of[page] = h
 
+    def forget(self, seq: SeqPages) -> None:
+        """Drop the hashes ``seq`` registered (its pages' content is not what they say: a failed prefill)."""
+        for h in seq.hashes:
+            page = self._page_of.get(h)
+            if page is not None and page in seq.pages:
+                del self._page_of[h]
+                del self._hash_of[page]
+
     def _ref(self, page: int) -> None:
         if self._refs[page] == 0:
             del self._lru[page]

@@ -180,6 +180,118 @@ def _write_pages(pages: Array, flat_index: Array, x: Array) -> Array:
     return flat.reshape(kv, n, p, d)
 
 
+def key_block_pages(page_size: int, pages_per_row: int) -> int:
+    """Pages per key block of the packed prefill's attention loop: 256 tokens' worth, at most a row."""
+    return min(max(1, 256 // page_size), pages_per_row)
+
+
+def _attend_blocks(
+    cfg: ModelConfig,
+    q: Array,  # [G, L, heads, D]
+    k_pages: Array,
+    v_pages: Array,
+    tables: Array,  # [G, R'] with R' a multiple of `block`
+    positions: Array,  # [G, L]
+    key_blocks: Array,  # [] int32: blocks covering the longest segment's context
+    block: int,
+    sliding: bool,
+) -> Array:
+    """Each segment's queries over its own pages, ``block`` pages at a time with an online softmax
+    (flash-attention style), for ``key_blocks`` blocks only: the cost follows the context the segments
+    really have, not the longest context the worker allows. Returns ``[G, L, heads * D]``."""
+    g, t = positions.shape
+    kv, group, d = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    page = k_pages.shape[2]
+    width = block * page
+    qg = q.reshape(g, t, kv, group, d)
+
+    def body(j, carry):
+        m, denom, acc = carry
+        cols = jax.lax.dynamic_slice_in_dim(tables, j * block, block, axis=1)  # [G, block]
+        k = k_pages[:, cols].reshape(kv, g, width, d)
+        v = v_pages[:, cols].reshape(kv, g, width, d)
+        scores = _scores(cfg, jnp.einsum("gtkhd,kgsd->gkhts", qg, k, preferred_element_type=jnp.float32))
+        key_pos = j * width + jnp.arange(width, dtype=jnp.int32)
+        mask = key_pos[None, None, :] <= positions[:, :, None]  # [G, L, S]
+        if sliding:
+            mask = mask & (key_pos[None, None, :] > positions[:, :, None] - cfg.sliding_window)
+        scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a query with no key yet stays at 0 weight
+        p = jnp.exp(scores - shift[..., None])
+        scale = jnp.exp(m - shift)
+        denom = denom * scale + p.sum(axis=-1)
+        acc = acc * scale[..., None] + jnp.einsum("gkhts,kgsd->gkhtd", p.astype(v.dtype), v).astype(
+            jnp.float32
+        )
+        return m_new, denom, acc
+
+    init = (
+        jnp.full((g, kv, group, t), -jnp.inf, jnp.float32),
+        jnp.zeros((g, kv, group, t), jnp.float32),
+        jnp.zeros((g, kv, group, t, d), jnp.float32),
+    )
+    _, denom, acc = jax.lax.fori_loop(0, key_blocks, body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.astype(q.dtype).transpose(0, 3, 1, 2, 4).reshape(g, t, cfg.q_size)
+
+
+def prefill_packed(
+    cfg: ModelConfig,
+    params: Params,
+    lora: Lora,
+    tokens: Array,  # [G, L] int32: G sequences' new tokens, each padded to L
+    lengths: Array,  # [G] int32: real new tokens per sequence (0 = an unused segment)
+    starts: Array,  # [G] int32: position of each sequence's first new token (a cached prefix before it)
+    slots: Array,  # [G] int32: adapter slot per sequence, -1 = base
+    page_tables: Array,  # [G, R] int32: each sequence's pages (0 = the null page)
+    key_blocks: Array,  # [] int32: ceil(max(starts + lengths) / (block pages * page size))
+    cache: Cache,
+    inv_freq: Array,  # [D/2] f32, or [2, D/2] (global, local): ModelConfig.inv_freq()
+    backend: LoraBackend,
+) -> tuple[Array, Cache]:
+    """Prefill G sequences in one call (packed, each with its own adapter: SGMV-style segments); write
+    their keys/values into their pages; returns each sequence's last-token logits ``[G, V]``.
+
+    Semantics: per sequence g, causal self-attention over its positions ``0 .. starts[g] + lengths[g] - 1``
+    (the first ``starts[g]`` read from its pages: a cached prefix; on sliding layers only the last
+    ``sliding_window``), LoRA of ``slots[g]`` on every targeted projection. Padded tokens write to the
+    null page and are never attended to by real ones.
+    """
+    g, t = tokens.shape
+    page = cache[0][0].shape[2]
+    block = key_block_pages(page, page_tables.shape[1])
+    pad = -page_tables.shape[1] % block
+    tables = jnp.pad(page_tables, ((0, 0), (0, pad)))
+    positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [G, L]
+    real = jnp.arange(t)[None, :] < lengths[:, None]
+    in_row = jnp.minimum(positions // page, page_tables.shape[1] - 1)
+    flat_index = jnp.take_along_axis(page_tables, in_row, axis=1) * page + positions % page
+    flat_index = jnp.where(real, flat_index, positions % page).reshape(g * t)
+
+    def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...], parallel: str) -> Array:
+        return backend.apply_segments(y, x, a, bs, slots, parallel)
+
+    flat_pos = positions.reshape(g * t)
+    h = _embed(cfg, params, tokens.reshape(g * t))
+    new_cache: Cache = []
+    for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
+        q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [G*L, heads, D]
+        freq = _layer_inv_freq(cfg, inv_freq, n)
+        q, k = apply_rope(q, flat_pos, freq), apply_rope(k, flat_pos, freq)
+        k_pages = _write_pages(k_pages, flat_index, k)
+        v_pages = _write_pages(v_pages, flat_index, v)
+        q = q.reshape(g, t, cfg.num_heads, cfg.head_dim)
+        attn = _attend_blocks(
+            cfg, q, k_pages, v_pages, tables, positions, key_blocks, block, cfg.is_sliding(n)
+        ).reshape(g * t, cfg.q_size)
+        h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
+        h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
+        new_cache.append((k_pages, v_pages))
+    last = jnp.take_along_axis(h.reshape(g, t, -1), jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
+    return logits_from_hidden(cfg, params, last), new_cache
+
+
 def prefill(
     cfg: ModelConfig,
     params: Params,
@@ -193,50 +305,26 @@ def prefill(
     inv_freq: Array,  # [D/2] f32, or [2, D/2] (global, local): ModelConfig.inv_freq()
     backend: LoraBackend,
 ) -> tuple[Array, Cache]:
-    """Run ``length`` tokens of one sequence at positions ``start ..``, write their keys/values into the
-    pages of ``page_table``; returns the last token's logits [V].
-
-    Semantics: causal self-attention over positions ``0 .. start + length - 1`` of the sequence (the
-    first ``start`` read from its pages: a cached prefix; on sliding layers only the last
-    ``sliding_window``), LoRA of ``slot`` on every targeted projection; padded tokens write to the null
-    page and are never attended to.
-    """
-    t = tokens.shape[0]
+    """One sequence: :func:`prefill_packed` with G = 1 over every key block of the row; returns the last
+    token's logits [V]."""
     page = cache[0][0].shape[2]
-    keys = page_table.shape[0] * page  # the sequence's whole context, as positions
-    positions = start + jnp.arange(t, dtype=jnp.int32)
-    real = jnp.arange(t) < length
-    flat_index = jnp.where(real, page_table[positions // page] * page + positions % page, positions % page)
-    key_pos = jnp.arange(keys, dtype=jnp.int32)
-
-    def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...], parallel: str) -> Array:
-        return backend.apply_one_slot(y, x, a, bs, slot, parallel)
-
-    # a padded query sees position 0 only: with no key left its -inf scores would give NaN rows
-    causal = (key_pos[None, :] <= positions[:, None]) & (real[:, None] | (key_pos[None, :] == 0))  # [T, S]
-    if cfg.sliding_window is not None:  # sliding layers: only the last `sliding_window` positions
-        local = causal & ((key_pos[None, :] > positions[:, None] - cfg.sliding_window) | ~real[:, None])
-    group = cfg.num_heads // cfg.num_kv_heads
-    h = _embed(cfg, params, tokens)
-    new_cache: Cache = []
-    for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
-        q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)
-        freq = _layer_inv_freq(cfg, inv_freq, n)
-        q, k = apply_rope(q, positions, freq), apply_rope(k, positions, freq)
-        k_pages = _write_pages(k_pages, flat_index, k)
-        v_pages = _write_pages(v_pages, flat_index, v)
-        k_seq = k_pages[:, page_table].reshape(cfg.num_kv_heads, keys, cfg.head_dim)  # [kv, S, D]
-        v_seq = v_pages[:, page_table].reshape(cfg.num_kv_heads, keys, cfg.head_dim)
-        qg = q.reshape(t, cfg.num_kv_heads, group, cfg.head_dim)
-        scores = _scores(cfg, jnp.einsum("tkgd,ksd->kgts", qg, k_seq, preferred_element_type=jnp.float32))
-        mask = local if cfg.is_sliding(n) else causal
-        probs = jax.nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(v_seq.dtype)
-        attn = jnp.einsum("kgts,ksd->tkgd", probs, v_seq).reshape(t, cfg.q_size)
-        h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
-        h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
-        new_cache.append((k_pages, v_pages))
-    last = jax.lax.dynamic_index_in_dim(h, length - 1, axis=0, keepdims=False)
-    return logits_from_hidden(cfg, params, last), new_cache
+    rows = page_table.shape[0]
+    blocks = jnp.int32(-(-rows // key_block_pages(page, rows)))
+    logits, cache = prefill_packed(
+        cfg,
+        params,
+        lora,
+        tokens[None],
+        jnp.reshape(length, (1,)),
+        jnp.reshape(start, (1,)),
+        jnp.reshape(slot, (1,)),
+        page_table[None],
+        blocks,
+        cache,
+        inv_freq,
+        backend,
+    )
+    return logits[0], cache
 
 
 def decode(

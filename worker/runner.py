@@ -7,12 +7,26 @@ Every method is called from the engine thread, except ``prepare`` (loader thread
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from loraserve.adapters.peft import LoraWeights
 from loraserve.worker.requests import SamplingRow
+
+
+@dataclass(frozen=True)
+class PrefillInput:
+    """One sequence of a packed prefill: its new ``tokens`` at positions ``start ..`` under adapter
+    ``slot`` (-1 = base), its ``page_table`` (``[pages_per_row]`` int32) and sampling row."""
+
+    tokens: list[int]
+    start: int
+    slot: int
+    page_table: np.ndarray
+    sampling: SamplingRow
 
 
 class Runner(Protocol):
@@ -42,12 +56,13 @@ class Runner(Protocol):
     def zero_slot(self, index: int) -> None:
         """Make slot ``index`` add exactly nothing."""
 
-    def prefill(
-        self, tokens: list[int], start: int, slot: int, page_table: np.ndarray, sampling: SamplingRow
-    ) -> int:
-        """Compute the keys/values of ``tokens`` at positions ``start .. start+len-1`` under adapter ``slot``
-        (-1 = base) into the pages of ``page_table``, attending to positions ``0 .. start-1`` already in
-        those pages (a cached prefix); returns the token sampled after the last one."""
+    def prefill(self, batch: Sequence[PrefillInput]) -> list[int]:
+        """For every sequence of ``batch`` (packed into as few calls as the runner's shapes allow):
+        compute the keys/values of its ``tokens`` at positions ``start .. start+len-1`` under its adapter
+        into the pages of its ``page_table``, attending to positions ``0 .. start-1`` already in those
+        pages (a cached prefix); returns the token sampled after each sequence's last one, in order.
+        A sequence may read pages an earlier sequence of the same batch writes (a prefix two prompts of
+        one batch share): every sequence's keys/values of a layer are written before any attends."""
 
     def decode(
         self,

@@ -55,7 +55,7 @@ from loraserve.worker.residency import (
     Resident,
     Unload,
 )
-from loraserve.worker.runner import Runner
+from loraserve.worker.runner import PrefillInput, Runner
 from loraserve.worker.snapshot import EngineSnapshot
 
 NO_ROOM = Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more KV pages than the pool holds")
@@ -252,12 +252,15 @@ class Scheduler:
 
     # ----------------------------------------------------------------- prefill / decode
     def _admit(self) -> None:
-        admitted = 0
-        while self.ready and admitted < self.config.prefill_per_step:
+        """Admit up to ``prefill_per_step`` ready requests in FIFO order while rows and pages last, and
+        prefill them together (the runner packs them into as few calls as its shapes allow)."""
+        admitted: list[tuple[int, EngineRequest, SeqPages]] = []
+        batch: list[PrefillInput] = []
+        while self.ready and len(admitted) < self.config.prefill_per_step:
             try:
                 row = self.rows.index(None)
             except ValueError:
-                return
+                break
             req = self.ready[0]
             seq = req.prompt + req.generated  # prompt + what was streamed before a preemption
             key = self._adapter_key(req)
@@ -269,19 +272,30 @@ class Scheduler:
                 self._emit(req, NO_ROOM)
                 continue
             if not self.kv.can_take(lookup, spare=self._pages_due()):
-                return  # the head waits for pages; nobody behind it goes first
+                break  # the head waits for pages; nobody behind it goes first
             self.ready.popleft()
             self._dequeued()
             pages = self.kv.admit(key, seq, lookup)
             self._place(row, req, pages)
             start = lookup.hits * self.kv.page_size
             table = self.tables[row].copy()  # the runner may hold on to it (a zero-copy device array)
-            token = self.runner.prefill(seq[start:], start, req.slot, table, SamplingRow.of(req))
+            batch.append(PrefillInput(seq[start:], start, req.slot, table, SamplingRow.of(req)))
+            admitted.append((row, req, pages))
+            # registered now, computed by the prefill below: a later prompt of this same batch may share
+            # them (the runner writes every sequence's keys/values before any of them attends)
             self.kv.register(pages, seq, len(seq))
+        if not batch:
+            return
+        try:
+            tokens = self.runner.prefill(batch)
+        except BaseException:
+            for _, _, pages in admitted:
+                self.kv.forget(pages)
+            raise
+        for (row, req, _), token in zip(admitted, tokens, strict=True):
             if not req.generated:
                 self._emit(req, Started(req.key))
             self._accept_token(row, token)
-            admitted += 1
 
     def _adapter_key(self, req: EngineRequest) -> str:
         """The prefix cache's key for ``req``'s pages: its slot's adapter content sha256, or the base's."""

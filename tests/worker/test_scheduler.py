@@ -305,8 +305,8 @@ def _preempting(kv_pages: int) -> tuple[Harness, Collector, Collector]:
 def test_preemption_recomputes_the_newest_request_without_repeating_or_losing_tokens() -> None:
     h, old, new = _preempting(kv_pages=6)  # 5 pages; each request ends up holding 4
     steps: list[int] = []
-    prefill = h.runner.prefill
-    h.runner.prefill = lambda *a: steps.append(a[4].step) or prefill(*a)  # SamplingRow.step per prefill
+    prefill = h.runner.prefill_one
+    h.runner.prefill_one = lambda *a: steps.append(a[4].step) or prefill(*a)  # SamplingRow.step per prefill
     h.step(6)
     assert (len(old.tokens), len(new.tokens), kv_state(h)) == (7, 6, (5, 0, 0))
     h.step()  # old's position 12 needs a page: none left, so the newest (new, "a") is preempted
@@ -418,13 +418,13 @@ def test_the_fake_runner_refuses_kv_computed_under_another_adapter_or_never_writ
     h.run(h.submit("a", prompt=tuple(range(1, 10)), max_tokens=2))
     table = np.array([1, 2, 3, 0, 0, 0, 0, 0], np.int32)
     row = SamplingRow()
-    assert h.runner.prefill([9], 8, 0, table, row) == 11  # slot 0 holds "a": its pages 1, 2 are fine
+    assert h.runner.prefill_one([9], 8, 0, table, row) == 11  # slot 0 holds "a": its pages 1, 2 are fine
     with pytest.raises(AssertionError, match=r"position 0 holds KV of '[0-9a-f]{64}', attended under 'base'"):
-        h.runner.prefill([9], 8, -1, table, row)
+        h.runner.prefill_one([9], 8, -1, table, row)
     with pytest.raises(AssertionError, match=r"position 10 \(page 3\) was never written"):
-        h.runner.prefill([9], 13, 0, np.array([1, 2, 3, 4, 0, 0, 0, 0], np.int32), row)
+        h.runner.prefill_one([9], 13, 0, np.array([1, 2, 3, 4, 0, 0, 0, 0], np.int32), row)
     with pytest.raises(AssertionError, match="position 0 is in page 0, not a real page"):
-        h.runner.prefill([9], 1, 0, np.zeros(8, np.int32), row)
+        h.runner.prefill_one([9], 1, 0, np.zeros(8, np.int32), row)
 
 
 def test_prefix_caching_off_never_hits_and_frees_pages_at_once() -> None:
@@ -447,3 +447,17 @@ def test_a_request_larger_than_the_pool_fails_instead_of_waiting_forever() -> No
         Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more KV pages than the pool holds")
     ]
     assert fits.tokens == [4, 5] and h.scheduler.queued == 0
+
+
+def test_prompts_admitted_together_are_prefilled_in_one_call_and_share_a_prefix_computed_in_it() -> None:
+    # four requests of one adapter arrive together; the first computes the shared 3 pages, the other
+    # three read them in the same packed call (the runner writes every sequence before any attends)
+    h = harness(paged(max_batch_size=4, max_seq_len=32, prefill_per_step=4), "a")
+    prefix = tuple(range(1, 13))
+    reqs = [h.submit("a", prompt=(*prefix, 20 + r), max_tokens=3) for r in range(4)]
+    h.run(*reqs)
+    assert h.runner.prefill_batches == [4]
+    assert [(p[0], len(p[2])) for p in h.runner.prefills] == [(0, 13), (12, 1), (12, 1), (12, 1)]
+    assert all(c == (*prefix, 20 + r) for r, c in enumerate(h.runner.contexts))
+    assert [r.tokens for r in reqs] == [[20 + r + 2, 20 + r + 4, 20 + r + 6] for r in range(4)]
+    assert h.scheduler.snapshot().prefix_hit_tokens == 3 * 12

@@ -29,6 +29,7 @@ from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.jax_runner import JaxRunner
 from loraserve.worker.requests import SamplingRow
+from loraserve.worker.runner import PrefillInput
 from loraserve.worker.sampling import SamplingArrays
 
 PROMPTS = [[5, 17, 33, 100, 7, 9], [3, 4], [250, 11, 12, 13], [60, 61, 62, 63, 64], [8, 8, 8], [99, 1, 2]]
@@ -71,10 +72,12 @@ def serve(
         runner.write_slot(slot, values)
     greedy = SamplingRow()
     tables = M.contiguous_page_tables(len(PROMPTS), config.pages_per_row)
-    first = [
-        runner.prefill(p, 0, s, tables[row], greedy)
-        for row, (p, s) in enumerate(zip(PROMPTS, ROW_SLOTS, strict=True))
-    ]
+    first = runner.prefill(
+        [
+            PrefillInput(p, 0, s, tables[row], greedy)
+            for row, (p, s) in enumerate(zip(PROMPTS, ROW_SLOTS, strict=True))
+        ]
+    )
     tokens = np.array(first, np.int32)
     positions = np.array([len(p) for p in PROMPTS], np.int32)
     slots = np.array(ROW_SLOTS, np.int32)
