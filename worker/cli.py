@@ -31,7 +31,9 @@ HELP = {
     "max_lora_rank": "largest adapter rank a slot holds",
     "max_cpu_loras": "adapters kept in host memory after eviction",
     "max_waiting": "queued requests before RESOURCE_EXHAUSTED",
-    "prefill_per_step": "prompts admitted between two decode steps",
+    "prefill_per_step": "prompts admitted between two decode steps (prefilled together in one packed call)",
+    "max_prefill_tokens": "tokens one packed prefill computes at most (prompts x padded length); a longer"
+    " prompt is prefilled alone",
     "min_prefill_bucket": "smallest prefill token bucket (buckets double up to --max-seq-len)",
     "default_max_tokens": "new tokens of a request that sets no max_tokens",
     "kernel_backend": "multi-LoRA backend: auto (cpu on a CPU when its C++ kernels build, else xla-grouped),"
