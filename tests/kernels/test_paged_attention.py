@@ -16,7 +16,8 @@
 * TPU lowering: ``jax.export(..., platforms=["tpu"])`` of the whole decode step with ``pallas``
   attention runs the Mosaic lowering of the kernel (no TPU needed): a ``tpu_custom_call``, called once
   per full-attention layer, never for sliding ones. Tensor parallelism (tp = 2, 4, inside ``shard_map``) is
-  checked in ``tests/worker/test_tensor_parallel.py`` (8 forced CPU devices, in a subprocess).
+  checked in ``tests/worker/test_tensor_parallel.py`` (8 forced CPU devices, in a subprocess):
+  the step exported at tp = 2, 4, 8 and the kernel interpreted over 2 and 4 devices against xla.
 """
 
 from __future__ import annotations
