@@ -28,6 +28,8 @@ class EngineConfig:
     dtype: str = "float32"
     lora_dtype: str = ""  # slot pools: float32 | bfloat16; empty = dtype
     tensor_parallel_size: int = 1  # devices one model is split over (Megatron layout; worker.sharding)
+    # decode attention over the paged cache: auto (pallas on a TPU, else xla) | xla | pallas (kernels.attention)
+    attention_backend: str = "auto"
     # paged KV cache (worker.kv_cache): one pool of pages per layer, a page table per row
     kv_page_size: int = 16  # tokens per page
     kv_pages: int = 0  # pages in the pool (page 0 is the reserved null page); 0 = from kv_cache_bytes
@@ -36,10 +38,14 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         from loraserve.kernels import KERNEL_BACKENDS
+        from loraserve.kernels.attention import ATTENTION_BACKENDS
 
         if self.kernel_backend not in KERNEL_BACKENDS:
             names = ", ".join(n for n in KERNEL_BACKENDS if n != "auto")
             raise ValueError(f"kernel_backend must be auto or one of {names}, got {self.kernel_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            names = ", ".join(ATTENTION_BACKENDS)
+            raise ValueError(f"attention_backend must be one of {names}, got {self.attention_backend!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.lora_dtype not in ("", *DTYPES):

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from loraserve import kernels
 from loraserve.adapters.peft import LoraWeights
+from loraserve.kernels.attention import DecodeAttention, resolve_attention
 from loraserve.kernels.sharded import ShardedBackend
 from loraserve.worker import model as M
 from loraserve.worker import sharding
@@ -40,8 +41,12 @@ def _prefill_sample(
     return sample(logits, *samp), cache
 
 
-def _decode_sample(cfg, backend, params, pools, tokens, positions, tables, plan, cache, inv_freq, samp):
-    logits, cache = M.decode(cfg, params, pools, tokens, positions, tables, plan, cache, inv_freq, backend)
+def _decode_sample(
+    cfg, backend, params, pools, tokens, positions, tables, plan, cache, inv_freq, samp, attention="xla"
+):
+    logits, cache = M.decode(
+        cfg, params, pools, tokens, positions, tables, plan, cache, inv_freq, backend, attention
+    )
     return sample(logits, *samp), cache
 
 
@@ -81,12 +86,16 @@ class JaxRunner:
             cache = NamedSharding(self.mesh, sharding.CACHE_SPEC)
             self._cache_shardings = [(cache, cache)] * self.model_config.num_layers
             jit_out = {"out_shardings": (NamedSharding(self.mesh, P()), self._cache_shardings)}
+        # decode attention over the pages: the TPU kernel runs per device of the mesh (kernels.attention)
+        self.attention = DecodeAttention(resolve_attention(config.attention_backend), self.mesh)
         log.info(
-            "multi-LoRA kernels: %s (%s), slot pools %s, tensor parallel %d",
+            "multi-LoRA kernels: %s (%s), slot pools %s, tensor parallel %d, decode attention %s (%s)",
             self.backend,
             config.kernel_backend,
             config.pool_dtype,
             n,
+            self.attention.impl,
+            config.attention_backend,
         )
         self.inv_freq = jnp.asarray(self.model_config.inv_freq(), jnp.float32)
         self.buckets = config.prefill_buckets()
@@ -105,7 +114,8 @@ class JaxRunner:
         )
         cfg, backend = self.model_config, self.backend
         self._prefill = jax.jit(partial(_prefill_sample, cfg, backend), donate_argnums=(8,), **jit_out)
-        self._decode = jax.jit(partial(_decode_sample, cfg, backend), donate_argnums=(6,), **jit_out)
+        decode = partial(_decode_sample, cfg, backend, attention=self.attention)
+        self._decode = jax.jit(decode, donate_argnums=(6,), **jit_out)
         self.init_state()
 
     def init_state(self) -> None:

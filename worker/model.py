@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loraserve.kernels.attention import DecodeAttention
 from loraserve.kernels.backends import COLUMN, ROW, LoraBackend, Plan
 from loraserve.kernels.linear import linear
 from loraserve.worker.model_config import ModelConfig
@@ -338,6 +339,7 @@ def decode(
     cache: Cache,
     inv_freq: Array,  # [D/2] f32, or [2, D/2] (global, local): ModelConfig.inv_freq()
     backend: LoraBackend,
+    attention: str | DecodeAttention = "xla",
 ) -> tuple[Array, Cache]:
     """One decode step for every row; returns logits [B, V] and the cache with each row's new k/v.
 
@@ -345,14 +347,12 @@ def decode(
     positions 0..positions[b] (on sliding layers only the last ``sliding_window`` of them; the pages keep
     every position), with the adapter ``plan`` gives it (``backend.plan(slots)``; none for every row when
     ``plan`` is None, which compiles no LoRA code at all). Idle rows have all-null page tables.
+    ``attention``: how the paged attention runs (``kernels.attention``: ``"xla"``, ``"pallas"`` or a
+    ``DecodeAttention``; a sharded ``backend``'s mesh is used for the Pallas kernel).
     """
-    b, w = page_tables.shape
+    b = page_tables.shape[0]
     page = cache[0][0].shape[2]
-    group = cfg.num_heads // cfg.num_kv_heads
-    key_pos = jnp.arange(w * page)
-    visible = key_pos[None, :] <= positions[:, None]  # [B, W*P]
-    if cfg.sliding_window is not None:
-        local = visible & (key_pos[None, :] > positions[:, None] - cfg.sliding_window)
+    attend = DecodeAttention.of(attention, backend)
     flat_index = jnp.take_along_axis(page_tables, (positions // page)[:, None], axis=1)[:, 0] * page
     flat_index = flat_index + positions % page
 
@@ -368,15 +368,11 @@ def decode(
         k = apply_rope(k[:, None], positions[:, None], freq)[:, 0]
         k_pages = _write_pages(k_pages, flat_index, k)
         v_pages = _write_pages(v_pages, flat_index, v)
-        kv_shape = (cfg.num_kv_heads, b, w * page, cfg.head_dim)
-        k_rows = k_pages[:, page_tables].reshape(kv_shape)  # [kv, B, S, D]
-        v_rows = v_pages[:, page_tables].reshape(kv_shape)
-        qg = q.reshape(b, cfg.num_kv_heads, group, cfg.head_dim)
-        scores = _scores(cfg, jnp.einsum("bkgd,kbsd->bkgs", qg, k_rows, preferred_element_type=jnp.float32))
-        mask = local if cfg.is_sliding(n) else visible
-        scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_rows.dtype)
-        attn = jnp.einsum("bkgs,kbsd->bkgd", probs, v_rows).reshape(b, cfg.q_size)
+        window = cfg.sliding_window if cfg.is_sliding(n) else None
+        attn = attend(
+            q, k_pages, v_pages, positions, page_tables,
+            scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, window=window,
+        ).reshape(b, cfg.q_size)  # fmt: skip
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
         new_cache.append((k_pages, v_pages))

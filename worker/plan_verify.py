@@ -66,6 +66,7 @@ def compiled_decode_memory(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from loraserve.kernels.attention import DecodeAttention, resolve_attention
     from loraserve.kernels.backends import XlaOneHotBackend
     from loraserve.worker import sharding
     from loraserve.worker.config import EngineConfig
@@ -95,8 +96,11 @@ def compiled_decode_memory(
     plan = backend.warmup_plans(batch, max_loras)[-1]  # the variant with adapter rows
     inv_freq = np.asarray(tcfg.inv_freq(), np.float32)
     samp = tuple(abstract(a) for a in SamplingArrays.empty(batch).as_tuple())
+    attention = DecodeAttention.of(resolve_attention(config.attention_backend), backend)  # as the worker
     step = jax.jit(
-        partial(_decode_sample, tcfg, backend), donate_argnums=(6,), out_shardings=st["out_shardings"]
+        partial(_decode_sample, tcfg, backend, attention=attention),
+        donate_argnums=(6,),
+        out_shardings=st["out_shardings"],
     )
     tables = jax.ShapeDtypeStruct((batch, config.pages_per_row), jnp.int32, sharding=rep)  # the widest step
     compiled = step.lower(

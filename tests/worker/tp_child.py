@@ -171,14 +171,16 @@ def hlo(model: str, backend: str, n: int) -> dict:
     }  # fmt: skip
 
 
-def tpu_export(n: int) -> dict:
+def tpu_export(n: int, attention: str = "xla") -> dict:
     """Export the N-device decode step with the Pallas backend for TPU (Mosaic lowering, no TPU needed),
-    on abstract shapes from ``sharding.abstract_state``: a Llama-like bf16 model with 128-wide heads."""
+    on abstract shapes from ``sharding.abstract_state``: a Llama-like bf16 model with 128-wide heads;
+    ``attention``: the decode attention impl (``pallas``: JAX's paged-attention kernel per device)."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from loraserve.kernels import pallas as pk
+    from loraserve.kernels.attention import DecodeAttention
     from loraserve.kernels.backends import PallasBackend
     from loraserve.worker.model_config import ModelConfig
 
@@ -195,8 +197,12 @@ def tpu_export(n: int) -> dict:
     st = sharding.abstract_state(cfg, config, mesh, PallasBackend())
     tcfg, backend = st["model_config"], st["backend"]
 
+    attend = DecodeAttention.of(DecodeAttention(attention, interpret=False), backend)
+
     def step(params, pools, tokens, positions, tables, plan, cache, inv_freq):
-        return M.decode(tcfg, params, pools, tokens, positions, tables, plan, cache, inv_freq, backend)
+        return M.decode(
+            tcfg, params, pools, tokens, positions, tables, plan, cache, inv_freq, backend, attend
+        )
 
     rep = NamedSharding(mesh, P())
     rows = jax.ShapeDtypeStruct((16,), jnp.int32, sharding=rep)
@@ -209,7 +215,37 @@ def tpu_export(n: int) -> dict:
     return {
         "platforms": list(exported.platforms), "devices": exported.nr_devices,
         "custom_calls": mlir.count("tpu_custom_call"), "psums": mlir.count("all_reduce"),
-        "layers": cfg.num_layers,
+        "layers": cfg.num_layers, "attention_calls": len(re.findall(r"call @paged_attention(_[0-9]+)?\(", mlir)),
+        "attention_mesh": str(attend.mesh.shape) if attend.mesh is not None else None,
+    }  # fmt: skip
+
+
+def paged_attention_tp(n: int) -> dict:
+    """``kernels.attention``'s pallas impl (interpreted) inside ``shard_map`` over N devices, q split by
+    heads and pages by KV head, against the xla impl on the same sharded arrays; max |difference|."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from loraserve.kernels.attention import decode_attention
+
+    mesh = sharding.make_mesh(n)
+    rng = np.random.default_rng(n)
+    kv, heads, d, pages, page, width = 4, 16, 16, 24, 4, 4
+    put = lambda a, spec: jax.device_put(jnp.asarray(a, jnp.float32), NamedSharding(mesh, spec))  # noqa: E731
+    # bf16-exact pages: the kernel reads K/V as bf16
+    k, v = (rng.standard_normal((kv, pages, page, d)).astype(jnp.bfloat16).astype(np.float32) for _ in "kv")
+    k, v = put(k, sharding.CACHE_SPEC), put(v, sharding.CACHE_SPEC)
+    q = put(rng.standard_normal((3, heads, d)), P(None, "model", None))
+    positions = jnp.asarray([0, 6, width * page - 1], jnp.int32)
+    tables = jnp.asarray(np.stack([np.zeros(width), rng.permutation(np.arange(1, pages))[:width],
+                                   np.arange(1 + width, 1 + 2 * width)]), jnp.int32)  # fmt: skip
+    kw = dict(scale=0.3, softcap=20.0, window=None)
+    got = jax.jit(lambda *a: decode_attention(*a, impl="pallas", mesh=mesh, **kw))(q, k, v, positions, tables)
+    want = jax.jit(lambda *a: decode_attention(*a, impl="xla", **kw))(q, k, v, positions, tables)
+    return {
+        "max_abs_diff": float(np.abs(np.asarray(got) - np.asarray(want)).max()),
+        "out_spec": str(tuple(got.sharding.spec)), "devices": mesh.size,
     }  # fmt: skip
 
 
@@ -224,9 +260,14 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--hlo", action="store_true", help="count the decode step's collectives instead")
     parser.add_argument("--tpu-export", action="store_true", help="export the Pallas decode step for TPU")
+    parser.add_argument("--attention", default="xla", help="decode attention impl for --tpu-export")
+    parser.add_argument("--paged-attention", action="store_true", help="sharded pallas attention vs xla")
     args = parser.parse_args()
     if args.tpu_export:
-        print(json.dumps({n: tpu_export(int(n)) for n in args.sizes.split(",")}))
+        print(json.dumps({n: tpu_export(int(n), args.attention) for n in args.sizes.split(",")}))
+        return
+    if args.paged_attention:
+        print(json.dumps({n: paged_attention_tp(int(n)) for n in args.sizes.split(",")}))
         return
     if args.hlo:
         print(json.dumps({n: hlo(args.model, args.backend, int(n)) for n in args.sizes.split(",")}))
