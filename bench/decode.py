@@ -53,8 +53,9 @@ TINY = dict(
 )
 
 
-def build(workdir: Path, w: dict) -> tuple[Path, list[Path]]:
-    """Save the random base model and ``w['adapters']`` random PEFT adapters; return their folders."""
+def build(workdir: Path, w: dict, context: int = 256) -> tuple[Path, list[Path]]:
+    """Save the random base model (``context`` = its max_position_embeddings) and ``w['adapters']`` random
+    PEFT adapters; return their folders."""
     from transformers import AutoModelForCausalLM
 
     from loraserve.testing import build_model, make_adapter
@@ -63,7 +64,7 @@ def build(workdir: Path, w: dict) -> tuple[Path, list[Path]]:
         "llama",
         seed=0,
         vocab_size=w["vocab_size"],
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         **{
             k: w[k]
             for k in (
