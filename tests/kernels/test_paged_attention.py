@@ -277,6 +277,7 @@ def test_runner_serves_the_same_tokens_with_either_attention(llama_dir) -> None:
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.jax_runner import JaxRunner
     from loraserve.worker.requests import SamplingRow
+    from loraserve.worker.runner import PrefillInput
 
     ck = load_checkpoint(str(llama_dir))
     prompts = [[5, 17, 33, 100, 7, 9, 11, 12, 40, 41], [3, 4]]
@@ -288,9 +289,8 @@ def test_runner_serves_the_same_tokens_with_either_attention(llama_dir) -> None:
         assert runner.attention == DecodeAttention("xla" if name == "auto" else "pallas")
         tables = M.contiguous_page_tables(2, config.pages_per_row)
         greedy = SamplingRow()
-        tokens = np.array(
-            [runner.prefill(p, 0, -1, tables[i], greedy) for i, p in enumerate(prompts)], np.int32
-        )
+        batch = [PrefillInput(p, 0, -1, tables[i], greedy) for i, p in enumerate(prompts)]
+        tokens = np.array(runner.prefill(batch), np.int32)
         positions = np.array([len(p) for p in prompts], np.int32)
         steps = [tokens.tolist()]
         for _ in range(4):
