@@ -68,10 +68,8 @@ def source(adapter_dirs):
 def test_preempted_requests_finish_with_the_tokens_of_an_uninterrupted_run(checkpoint, source) -> None:
     # four requests of 40 new tokens need 11-12 pages of 4 tokens each; a pool of 19 usable pages holds
     # fewer than two of them at full length, so the newest running ones are preempted and recomputed
-    alone = [
-        _run(checkpoint, source, [p], [a], 40, max_batch_size=1)[0][0]
-        for p, a in zip(PROMPTS, ADAPTERS, strict=True)
-    ]
+    alone, roomy = _run(checkpoint, source, PROMPTS, ADAPTERS, 40)  # the default pool: 4 full contexts
+    assert roomy.snapshot().preemptions == 0
     tokens, engine = _run(checkpoint, source, PROMPTS, ADAPTERS, 40, kv_pages=20)
     snap = engine.snapshot()
     assert snap.preemptions >= 2, snap.preemptions
