@@ -170,14 +170,15 @@ class JaxRunner:
         out: list[int] = []
         i = 0
         while i < len(batch):
-            g, t = self._pack(batch[i:])
-            out.extend(self._prefill_call(batch[i : i + g], g, t)[:g])
-            i += g
+            n, g, t = self._pack(batch[i:])
+            out.extend(self._prefill_call(batch[i : i + n], g, t)[:n])
+            i += n
         return out
 
-    def _pack(self, rest: list[PrefillInput]) -> tuple[int, int]:
-        """How many of ``rest`` the next call takes, and its token bucket: the most that fit a shape."""
-        best = (1, self._bucket(len(rest[0].tokens)))
+    def _pack(self, rest: list[PrefillInput]) -> tuple[int, int, int]:
+        """How many of ``rest`` the next call takes and the compiled shape ``(prompts, tokens)`` it runs
+        in: the most leading items that fit one shape (one item always fits)."""
+        best: tuple[int, int, int] | None = None
         longest = 0
         for n, item in enumerate(rest, 1):
             longest = max(longest, len(item.tokens))
@@ -185,15 +186,16 @@ class JaxRunner:
             g = next((g for g, tt in self.prefill_shapes if g >= n and tt == t), None)
             if g is None:
                 break
-            best = (n, t)
+            best = (n, g, t)
+        assert best is not None, "every prompt bucket has a one-prompt shape"
         return best
 
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _prefill_call(self, items: list[PrefillInput], n: int, t: int) -> list[int]:
-        """One compiled call for ``items`` (``n`` of them) padded to the smallest shape ``(g >= n, t)``."""
-        g = next(g for g, tt in self.prefill_shapes if g >= n and tt == t)
+    def _prefill_call(self, items: list[PrefillInput], g: int, t: int) -> list[int]:
+        """One compiled call of shape ``(g, t)`` for ``items`` (at most g; the rest are empty segments);
+        returns g tokens, the first ``len(items)`` of them real."""
         tokens = np.zeros((g, t), np.int32)
         lengths, starts = np.zeros(g, np.int32), np.zeros(g, np.int32)
         slots = np.full(g, -1, np.int32)
@@ -236,7 +238,7 @@ class JaxRunner:
             self.pools.pools,
             tokens,
             positions,
-            np.ascontiguousarray(page_tables[:, :width], np.int32),
+            np.array(page_tables[:, :width], np.int32),  # a copy: the caller rewrites its tables next step
             self.backend.plan(slots, self.config.max_loras),
             self.cache,
             self.inv_freq,

@@ -74,6 +74,8 @@ class Runner(Protocol):
     ) -> np.ndarray:
         """One step for every row: ``tokens``/``positions``/``slots`` are ``[B]`` int32 (slot -1 = base or
         idle row, ``sampling[i]`` None for idle rows), ``page_tables`` is ``[B, pages_per_row]`` int32 (all
-        0 for idle rows); row b writes its token's k/v at ``positions[b]`` and attends to ``0..positions[b]``.
+        0 for idle rows; the caller rewrites it after the call returns, so a runner that hands it to an
+        asynchronous device copies it); row b writes its token's k/v at ``positions[b]`` and attends to
+        ``0..positions[b]``.
         Returns the next token per row, ``[B]`` int32.
         """

@@ -387,7 +387,7 @@ class Scheduler:
             positions[i] = self._position(req)
             slots[i] = req.slot
             sampling[i] = SamplingRow.of(req)
-        out = self.runner.decode(tokens, positions, slots, self.tables.copy(), sampling)
+        out = self.runner.decode(tokens, positions, slots, self.tables, sampling)
         self.steps += 1
         for i, req in enumerate(self.rows):
             if req is not None:
