@@ -35,7 +35,16 @@ SERVICES = {
 
 # message -> {field: (number, type name or None for scalars checked by number only)}
 FIELDS = {
-    inference_pb2.GenerateRequest: {"request_id": 1, "adapter": 2, "text": 3, "tokens": 4, "sampling": 5},
+    inference_pb2.GenerateRequest: {
+        "request_id": 1,
+        "adapter": 2,
+        "text": 3,
+        "tokens": 4,
+        "sampling": 5,
+        "chat": 6,
+    },
+    inference_pb2.ChatMessages: {"messages": 1},
+    inference_pb2.ChatMessage: {"role": 1, "content": 2},
     inference_pb2.TokenIds: {"ids": 1},
     inference_pb2.SamplingParams: {
         "max_tokens": 1,
@@ -46,6 +55,7 @@ FIELDS = {
         "stop": 6,
         "stop_token_ids": 7,
         "ignore_eos": 8,
+        "logprobs": 9,
     },
     inference_pb2.GenerateResponse: {
         "request_id": 1,
@@ -54,7 +64,10 @@ FIELDS = {
         "finish_reason": 4,
         "usage": 5,
         "adapter": 6,
+        "logprobs": 7,
     },
+    inference_pb2.TokenLogprobs: {"chosen": 1, "top": 2},
+    inference_pb2.Logprob: {"token_id": 1, "logprob": 2, "token": 3, "token_bytes": 4},
     inference_pb2.Usage: {"prompt_tokens": 1, "completion_tokens": 2},
     registry_pb2.Adapter: {
         "name": 1,
@@ -104,11 +117,14 @@ def test_field_numbers(message) -> None:
 
 def test_prompt_is_a_oneof_and_seed_has_presence() -> None:
     req = inference_pb2.GenerateRequest.DESCRIPTOR
-    assert [f.name for f in req.oneofs_by_name["prompt"].fields] == ["text", "tokens"]
+    assert [f.name for f in req.oneofs_by_name["prompt"].fields] == ["text", "tokens", "chat"]
     params = inference_pb2.SamplingParams()
     assert not params.HasField("seed")
     params.seed = 0
     assert params.HasField("seed")  # seed 0 is a real seed, distinct from "unset"
+    assert not params.HasField("logprobs")
+    params.logprobs = 0
+    assert params.HasField("logprobs")  # logprobs 0: the chosen token's only, distinct from "none"
 
 
 def test_finish_reasons() -> None:
