@@ -15,6 +15,7 @@ HELP = {
     "locate_ttl": "seconds a LocateAdapter answer is reused",
     "max_candidates": "workers tried, best first, before UNAVAILABLE",
     "metrics_port": "Prometheus /metrics port (0 = off)",
+    "http_port": "OpenAI-compatible HTTP API port, also serving /metrics and /health (0 = off)",
     "max_concurrency": "streams in flight; more get RESOURCE_EXHAUSTED at once",
     **SECURITY_HELP,
     "registry_token": "bearer token presented to the registry",

@@ -19,6 +19,7 @@ class RouterConfig(InferenceSecurityConfig):
     locate_ttl: float = 1.0  # seconds a LocateAdapter answer is reused
     max_candidates: int = 3  # workers tried, best first, before giving up with UNAVAILABLE
     metrics_port: int = 0  # Prometheus /metrics port (0 = off)
+    http_port: int = 0  # OpenAI-compatible HTTP API (+ /metrics, /health) on host:http_port (0 = off)
     max_concurrency: int = 1024  # streams in flight; more get RESOURCE_EXHAUSTED at once
     registry_token: str = ""  # token presented to the registry
     worker_token: str = ""  # token presented to the workers

@@ -23,6 +23,7 @@ HELP = {
     "advertise_address": "host:port the router uses to reach this worker (default: host:port bound)",
     "cache_dir": "local disk cache of adapter blobs fetched from the registry (keyed by sha256)",
     "metrics_port": "Prometheus /metrics port (0 = off)",
+    "http_port": "OpenAI-compatible HTTP API port, also serving /metrics and /health (0 = off)",
     "registry_token": "bearer token presented to the registry",
     "registry_tls_ca": "PEM CA of the registry's certificate",
     "max_batch_size": "decode rows per step",
