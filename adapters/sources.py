@@ -8,6 +8,7 @@ The registry client implements the same interface.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import fsspec
 
 from loraserve.adapters.errors import AdapterDataLossError, AdapterNotFoundError
 from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE, read_adapter_files
-from loraserve.adapters.refs import split_ref
+from loraserve.adapters.refs import NAME_RE, split_ref
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,19 @@ class LocalAdapterSource:
             if fs.exists(f"{path}/{CONFIG_FILE}") or fs.exists(f"{path}/{WEIGHTS_FILE}"):
                 return f"{self.root}/{name}"
         return None
+
+    def known(self) -> list[str]:
+        """Every adapter this source can serve: the registered names and the PEFT folders under the root."""
+        with self._lock:
+            names = set(self._uris)
+        if self.root:
+            fs, path = fsspec.core.url_to_fs(self.root)
+            with contextlib.suppress(OSError):
+                for entry in fs.ls(path, detail=False):
+                    name = entry.rstrip("/").rsplit("/", 1)[-1]
+                    if NAME_RE.match(name) and self._uri(name) is not None:
+                        names.add(name)
+        return sorted(names)
 
     def resolve(self, ref: str) -> str:
         name, version = split_ref(ref)

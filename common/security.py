@@ -84,7 +84,8 @@ def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> str:
     return ""
 
 
-def _matches(token: str, allowed: Sequence[str]) -> bool:
+def token_allowed(token: str, allowed: Sequence[str]) -> bool:
+    """Constant-time check of a bearer token against every allowed one (gRPC and HTTP)."""
     ok = False
     for candidate in allowed:  # compare against every token: the time does not tell which one was close
         ok |= hmac.compare_digest(token.encode(), candidate.encode())
@@ -124,7 +125,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         token = _bearer(handler_call_details.invocation_metadata)
         allowed = self.admin + self.inference if method.startswith(INFERENCE_PREFIXES) else self.admin
-        if _matches(token, allowed):
+        if token_allowed(token, allowed):
             return handler
         return _deny(handler, "missing bearer token" if not token else "bad token for this method")
 

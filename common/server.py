@@ -39,6 +39,7 @@ class Services:
     add: Callable[[grpc.aio.Server], None]
     names: tuple[str, ...]
     max_message_bytes: int | None = None
+    inference: Any = None  # the Inference servicer, which the HTTP API calls in-process
 
 
 def new_server(role: str, security: ServerSecurity, max_message_bytes: int | None = None) -> grpc.aio.Server:

@@ -88,8 +88,18 @@ TINY = {
 GEMMA_NORMS = ("gemma2", "gemma3_text")  # RMSNorm weight w scales by (1 + w)
 
 
-def build_tokenizer(path: str | Path, vocab_size: int = 384) -> Any:
-    """Train a byte-level BPE on ``CORPUS`` and save it (tokenizer.json + config) under ``path``."""
+# A small chat template in the style of instruction-tuned checkpoints (saved in tokenizer_config.json).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def build_tokenizer(
+    path: str | Path, vocab_size: int = 384, chat_template: str | None = CHAT_TEMPLATE
+) -> Any:
+    """Train a byte-level BPE on ``CORPUS`` and save it (tokenizer.json + config, with ``chat_template``
+    unless None: a base model without one) under ``path``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -104,6 +114,7 @@ def build_tokenizer(path: str | Path, vocab_size: int = 384) -> Any:
     )
     tok.train_from_iterator(CORPUS * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = chat_template
     fast.save_pretrained(str(path))
     return fast
 
@@ -128,10 +139,16 @@ def build_model(model_type: str = "llama", seed: int = 0, vocab_size: int = 384,
     return model.eval()
 
 
-def save_model(path: str | Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:
+def save_model(
+    path: str | Path,
+    model_type: str = "llama",
+    seed: int = 0,
+    chat_template: str | None = CHAT_TEMPLATE,
+    **overrides: Any,
+) -> Path:
     """Build a tiny random model plus tokenizer and save both as a Hugging Face checkpoint folder."""
     path = Path(path)
-    build_tokenizer(path)
+    build_tokenizer(path, chat_template=chat_template)
     model = build_model(model_type, seed=seed, **overrides)
     model.save_pretrained(str(path), safe_serialization=True)
     return path

@@ -45,12 +45,25 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         config.upstream_tls_ca,
     )
     pool = WorkerPool(config.worker_token, config.upstream_tls_ca)
+    services = router_services(locator, pool, config.max_concurrency)
+    background = []
+    if config.http_port:
+        from loraserve.httpapi.app import build_app
+        from loraserve.httpapi.server import HttpServer
+        from loraserve.router.http import RouterHttpBackend
+
+        backend = RouterHttpBackend(services.inference, locator)
+        http = HttpServer(
+            build_app(backend, config.security()), config.host, config.http_port, config.security()
+        )
+        background.append(http.run)
     await run_server(
-        router_services(locator, pool, config.max_concurrency),
+        services,
         config.host,
         config.port,
         config.security(),
         metrics_port=config.metrics_port,
+        background=background,
         cleanup=[locator.close, pool.close],
         stop=stop,
     )

@@ -80,11 +80,12 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
 
 
 def router_services(locator: Locator, pool: WorkerPool, max_concurrency: int = 1024) -> Services:
+    servicer = RouterServicer(locator, pool, max_concurrency)  # one: HTTP and gRPC share the stream limit
+
     def add(server: grpc.aio.Server) -> None:
-        servicer = RouterServicer(locator, pool, max_concurrency)
         inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
 
-    return Services("router", add, (SERVICE_NAME,))
+    return Services("router", add, (SERVICE_NAME,), inference=servicer)
 
 
 def build_server(

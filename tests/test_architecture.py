@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOMS = ("protos", "common", "adapters", "kernels", "worker", "registry", "router", "client")
+ROOMS = ("protos", "common", "adapters", "kernels", "worker", "registry", "router", "httpapi", "client")
 
 # room -> the rooms of ours it may import (itself always). `loraserve` (the root package: the CLI dispatcher,
 # the demo, the test-model builders) may import every room and is imported by none but tests and bench.
@@ -18,9 +18,10 @@ ALLOWED: dict[str, set[str]] = {
     "common": {"protos"},
     "adapters": {"common"},
     "kernels": set(),
-    "worker": {"protos", "common", "adapters", "kernels"},
+    "worker": {"protos", "common", "adapters", "kernels", "httpapi"},
     "registry": {"protos", "common", "adapters"},
-    "router": {"protos", "common", "adapters"},
+    "router": {"protos", "common", "adapters", "httpapi"},
+    "httpapi": {"protos", "common", "adapters"},
     "client": {"protos", "common", "adapters"},
 }
 # Third-party packages a room must not import at all: the base install (client, common, adapters, protos,
@@ -31,6 +32,7 @@ FORBIDDEN_THIRD_PARTY: dict[str, set[str]] = {
     "adapters": {"jax", "torch", "sqlalchemy", "transformers"},
     "client": {"jax", "torch", "sqlalchemy", "numpy", "transformers", "safetensors"},
     "router": {"jax", "torch", "sqlalchemy", "numpy", "transformers"},
+    "httpapi": {"jax", "torch", "sqlalchemy", "numpy", "transformers"},
     "registry": {"jax", "torch", "transformers"},
     "kernels": {"torch", "sqlalchemy", "grpc"},
     "worker": {"torch", "sqlalchemy", "peft"},

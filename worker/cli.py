@@ -91,11 +91,23 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
     else:
         source = LocalAdapterSource(config.adapter_dir or None)
     engine = Engine(checkpoint, config.engine_config(), source=source)
-    if config.metrics_port:
+    if config.metrics_port or config.http_port:  # the HTTP API serves /metrics too
         from loraserve.worker.metrics import register_engine_metrics
 
         register_engine_metrics(engine)
     model_id = config.model_id or config.model
+    services = worker_services(engine, tokenizer, model_id)
+    background = []
+    if config.http_port:
+        from loraserve.httpapi.app import build_app
+        from loraserve.httpapi.server import HttpServer
+        from loraserve.worker.http import WorkerHttpBackend
+
+        backend = WorkerHttpBackend(services.inference, model_id, config.model)
+        http = HttpServer(
+            build_app(backend, config.security()), config.host, config.http_port, config.security()
+        )
+        background.append(http.run)
 
     async def warmup() -> None:
         await asyncio.get_running_loop().run_in_executor(None, engine.start)
@@ -113,14 +125,16 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
             tls_ca=config.registry_tls_ca,
         ).run()
 
+    if config.registry:
+        background.append(register)
     await run_server(
-        worker_services(engine, tokenizer, model_id),
+        services,
         config.host,
         config.port,
         config.security(),
         metrics_port=config.metrics_port,
         warmup=warmup,
-        background=[register] if config.registry else [],
+        background=background,
         cleanup=[engine.stop],
         stop=stop,
     )

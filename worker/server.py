@@ -27,7 +27,7 @@ from loraserve.worker.engine import Engine
 from loraserve.worker.outputs import Chunk, StreamAssembler
 from loraserve.worker.requests import EngineRequest, Sampling
 from loraserve.worker.snapshot import slot_info
-from loraserve.worker.tokenizer import encode
+from loraserve.worker.tokenizer import apply_chat, encode
 
 log = logging.getLogger("loraserve.worker.server")
 
@@ -71,6 +71,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         kind = request.WhichOneof("prompt")
         if kind == "tokens":
             return list(request.tokens.ids)
+        if kind == "chat":
+            roles = ("system", "developer", "user", "assistant", "tool")
+            bad = [m.role for m in request.chat.messages if m.role not in roles]
+            if bad:
+                raise InvalidArgument(
+                    f"unknown chat role {bad[0][:32]!r}; expected one of {', '.join(roles)}"
+                )
+            return apply_chat(self.tokenizer, [(m.role, m.content) for m in request.chat.messages])
         if kind == "text" and request.text:
             if self.tokenizer is None:
                 raise InvalidArgument("this model has no tokenizer: send token ids")
@@ -164,11 +172,13 @@ SERVICE_NAMES = (
 
 
 def worker_services(engine: Engine, tokenizer: Any, model_id: str) -> Services:
+    inference = InferenceServicer(engine, tokenizer)
+
     def add(server: grpc.aio.Server) -> None:
-        inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(engine, tokenizer), server)
+        inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
         worker_admin_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(engine, model_id), server)
 
-    return Services("worker", add, SERVICE_NAMES, MAX_MESSAGE_BYTES)
+    return Services("worker", add, SERVICE_NAMES, MAX_MESSAGE_BYTES, inference)
 
 
 def build_server(

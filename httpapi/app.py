@@ -1,0 +1,354 @@
+"""The OpenAI-compatible HTTP API as an ASGI app, shared by the router and the workers.
+
+    POST /v1/completions        POST /v1/chat/completions        GET /v1/models[/{model}]
+    GET  /health  (200 while serving)                            GET /metrics (Prometheus, unauthenticated)
+
+A ``Backend`` (router or worker) turns a ``GenerateRequest`` into the same ``GenerateResponse`` stream its
+gRPC ``Generate`` sends, so HTTP and gRPC give the same tokens for the same request. Refusals keep their
+DESIGN §8 status and become the HTTP status of the standard gRPC mapping, in OpenAI's error shape; a client
+that disconnects cancels its request (the generator is closed, which frees the row and the slot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import REGISTRY, Counter, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+from loraserve.common.errors import InvalidArgument, LoraserveError
+from loraserve.common.security import ServerSecurity, token_allowed
+from loraserve.httpapi.responses import Choice, Shape, sse
+from loraserve.httpapi.schemas import ChatCompletionRequest, CompletionRequest, new_id
+from loraserve.protos.v1 import inference_pb2 as pb
+
+log = logging.getLogger("loraserve.http")
+
+TIMEOUT_HEADER = "x-loraserve-timeout"
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")  # counted by route
+MAX_BODY_BYTES = 16 * 1024 * 1024  # the gRPC message limit of the workers
+HTTP_REQUESTS = Counter(
+    "loraserve_http_requests",
+    "OpenAI-compatible HTTP requests by route and status",
+    ["server", "route", "status"],
+)
+
+# The standard gRPC -> HTTP mapping (google.rpc.Code), for every status DESIGN §8 uses and a few more.
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+class Backend(Protocol):
+    """What the HTTP API needs from the server it runs in."""
+
+    role: str  # "router" or "worker" (metrics label)
+
+    async def adapter_for(self, model: str) -> str:
+        """The ``GenerateRequest.adapter`` for an OpenAI ``model``: "" for a base model id, else the ref."""
+        ...
+
+    def generate(
+        self, request: pb.GenerateRequest, timeout: float | None
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        """The same stream gRPC ``Generate`` sends (``timeout``: its deadline); refusals raise ``LoraserveError``."""
+        ...
+
+    async def models(self) -> list[dict[str, Any]]:
+        """OpenAI model objects: the base model(s) first, then the adapters."""
+        ...
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict[str, Any]:
+    kind = ERROR_TYPE.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(exc: LoraserveError) -> JSONResponse:
+    status = HTTP_STATUS.get(exc.code, 500)
+    return JSONResponse(error_body(status, exc.message, exc.code_name), status_code=status)
+
+
+class Edge:
+    """Pure ASGI middleware in front of the app (no task groups, so errors stay plain exceptions):
+
+    - bearer tokens on ``/v1/*`` (401 before anything is read);
+    - a body over ``limit`` bytes gets 413: at once when Content-Length says so, else when the app's
+      reading passes the limit (``_TooLarge``, answered by the app's handler);
+    - ``loraserve_http_requests_total`` by route and status.
+    """
+
+    def __init__(self, app: Any, role: str, tokens: tuple[str, ...], limit: int) -> None:
+        self.app, self.role, self.tokens, self.limit = app, role, tokens, limit
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "/v1/models" if path.startswith("/v1/models/") else "other"
+        headers = dict(scope["headers"])
+        status = 500
+
+        async def counted_send(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if path.startswith("/v1/") and self.tokens:
+                header = headers.get(b"authorization", b"").decode("latin-1")
+                token = header[7:] if header[:7].lower() == "bearer " else ""
+                if not token_allowed(token, self.tokens):
+                    why = "missing bearer token" if not token else "bad token for this method"
+                    return await _send_json(counted_send, 401, error_body(401, why, "UNAUTHENTICATED"))
+            length = headers.get(b"content-length")
+            if length is not None and length.isdigit() and int(length) > self.limit:
+                return await _send_json(counted_send, 413, too_large_body(self.limit))
+            seen = 0
+
+            async def counted_receive() -> dict:
+                nonlocal seen
+                message = await receive()
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # chunked bodies announce no length
+                    raise _TooLarge(self.limit)
+                return message
+
+            await self.app(scope, counted_receive, counted_send)
+        finally:
+            if route != "other":
+                HTTP_REQUESTS.labels(self.role, route, str(status)).inc()
+
+
+async def _send_json(send: Any, status: int, obj: dict[str, Any]) -> None:
+    body = json.dumps(obj).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+
+def too_large_body(limit: int) -> dict[str, Any]:
+    return error_body(413, f"request body is over the limit of {limit} bytes", "RESOURCE_EXHAUSTED")
+
+
+def build_app(
+    backend: Backend, security: ServerSecurity | None = None, max_body_bytes: int = MAX_BODY_BYTES
+) -> Any:
+    """The ASGI app; the same bearer tokens as gRPC guard /v1 (inference or admin tokens)."""
+    security = security or ServerSecurity()
+    tokens = security.admin_tokens + security.inference_tokens
+    app = FastAPI(title="loraserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(LoraserveError)
+    async def _refusal(request: Request, exc: LoraserveError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return invalid_response(exc.errors())
+
+    @app.exception_handler(_TooLarge)
+    async def _too_large(request: Request, exc: _TooLarge):
+        return JSONResponse(too_large_body(exc.limit), status_code=413)
+
+    @app.exception_handler(_Invalid)
+    async def _invalid_body(request: Request, exc: _Invalid):
+        return exc.response
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        return JSONResponse(
+            error_body(exc.status_code, str(exc.detail), str(exc.status_code)), exc.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.error("unexpected error in %s", request.url.path, exc_info=exc)
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}", "INTERNAL"), 500)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "serving"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": await backend.models()}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str):
+        for card in await backend.models():
+            if card["id"] == model:
+                return card
+        raise LoraserveError(f"model {model!r} does not exist", grpc.StatusCode.NOT_FOUND)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(backend, await _parse(CompletionRequest, request), request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(backend, await _parse(ChatCompletionRequest, request), request, chat=True)
+
+    return Edge(app, backend.role, tokens, max_body_bytes)
+
+
+def invalid_response(errors: Sequence[Any]) -> JSONResponse:
+    """A pydantic validation failure -> 400 naming the first offending field (OpenAI's ``param``)."""
+    first = errors[0] if errors else {}
+    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":
+        message = f"unrecognized request argument supplied: {where[-1]}"
+    elif where:
+        message = f"{'.'.join(where)}: {message}"
+    return JSONResponse(
+        error_body(400, message, "INVALID_ARGUMENT", ".".join(where) or None), status_code=400
+    )
+
+
+class _Invalid(Exception):
+    def __init__(self, response: JSONResponse) -> None:
+        self.response = response
+
+
+async def _parse(kind: type[BaseModel], request: Request) -> Any:
+    """The body as ``kind``, whatever the content type says (curl -d sends a form type): JSON or a 400."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidArgument("request body must be a JSON object")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as exc:
+        raise _Invalid(invalid_response(exc.errors())) from None
+
+
+async def _serve(
+    backend: Backend, body: CompletionRequest | ChatCompletionRequest, request: Request, chat: bool
+) -> Response:
+    request_id = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
+    adapter = await backend.adapter_for(body.model)
+    proto = body.to_grpc(adapter, request_id)
+    wants_logprobs = proto.sampling.HasField("logprobs")
+    shape = Shape(request_id, body.model, chat, wants_logprobs)
+    log.info(
+        "http request",
+        extra={"request_id": request_id, "model": body.model, "user": body.user or "", "stream": body.stream},
+    )
+    stream = backend.generate(proto, _timeout(request))
+    try:  # errors before the first token (unknown adapter, queue full...) become the HTTP status
+        first = await anext(stream)
+    except StopAsyncIteration:
+        raise LoraserveError("the stream ended without a response", grpc.StatusCode.INTERNAL) from None
+    except BaseException:
+        await stream.aclose()
+        raise
+    headers = {"x-request-id": request_id}
+    if first.adapter:
+        headers["x-loraserve-adapter"] = first.adapter  # the resolved name@version
+    if body.stream:
+        events = _events(stream, first, shape, body.include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    choice = Choice()
+    choice.add(first)
+    task = asyncio.ensure_future(_collect(stream, choice))
+    while not task.done():  # a client gone mid-generation cancels it
+        await asyncio.wait({task}, timeout=0.25)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            log.info("client disconnected", extra={"request_id": request_id})
+            return Response(status_code=499)
+    task.result()
+    return JSONResponse(shape.whole(choice), headers=headers)
+
+
+def _timeout(request: Request) -> float | None:
+    """``X-Loraserve-Timeout: <seconds>``: the request's deadline, as a gRPC client's timeout (504 past it)."""
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1e9:
+        raise InvalidArgument(f"{TIMEOUT_HEADER} must be a positive number of seconds, got {raw[:32]!r}")
+    return value
+
+
+async def _collect(stream: AsyncIterator[pb.GenerateResponse], choice: Choice) -> None:
+    try:
+        async for msg in stream:
+            choice.add(msg)
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def _events(
+    stream: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse, shape: Shape, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """SSE: one chunk per GenerateResponse, the usage chunk if asked, then ``[DONE]``. A refusal after the
+    first token (deadline, worker lost) is sent as an error event; the client's disconnect cancels us here,
+    and closing ``stream`` frees the request."""
+    choice, offset, msg = Choice(), 0, first
+    try:
+        while True:
+            choice.add(msg)
+            yield sse(shape.chunk(msg, offset, first=msg is first))
+            offset += len(msg.text)
+            try:
+                msg = await anext(stream)
+            except StopAsyncIteration:
+                break
+    except LoraserveError as exc:
+        status = HTTP_STATUS.get(exc.code, 500)
+        yield sse(error_body(status, exc.message, exc.code_name))
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+    if include_usage:
+        yield sse(shape.usage_chunk(choice))
+    yield sse("[DONE]")

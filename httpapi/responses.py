@@ -1,0 +1,132 @@
+"""``GenerateResponse`` streams -> OpenAI response objects: whole completions and SSE chunks.
+
+One ``Choice`` accumulates what a stream said (text, logprobs, finish reason, usage); the builders turn a
+chunk or the whole into the JSON shapes of ``/v1/completions`` and ``/v1/chat/completions``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from loraserve.protos.v1 import inference_pb2 as pb
+
+# EOS and stop strings/ids are both "stop" to OpenAI clients.
+FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop"}
+
+
+def _bytes(lp: pb.Logprob) -> list[int]:
+    return list(lp.token_bytes or lp.token.encode())
+
+
+def chat_logprobs(entries: list[pb.TokenLogprobs]) -> list[dict[str, Any]]:
+    """OpenAI chat ``logprobs.content`` items."""
+    return [
+        {
+            "token": e.chosen.token,
+            "logprob": e.chosen.logprob,
+            "bytes": _bytes(e.chosen),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob, "bytes": _bytes(t)} for t in e.top],
+        }
+        for e in entries
+    ]
+
+
+def completion_logprobs(entries: list[pb.TokenLogprobs], offset: int) -> dict[str, Any]:
+    """OpenAI (legacy) completions ``logprobs``: parallel lists; ``offset`` is the text length before them."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        out["tokens"].append(e.chosen.token)
+        out["token_logprobs"].append(e.chosen.logprob)
+        out["top_logprobs"].append({t.token: t.logprob for t in e.top})
+        out["text_offset"].append(offset)
+        offset += len(e.chosen.token)
+    return out
+
+
+def usage_json(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@dataclass
+class Choice:
+    """What one generation streamed so far."""
+
+    text: str = ""
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    adapter: str = ""
+
+    def add(self, msg: pb.GenerateResponse) -> None:
+        self.text += msg.text
+        self.logprobs.extend(msg.logprobs)
+        self.adapter = msg.adapter or self.adapter
+        if msg.finish_reason:
+            self.finish_reason = FINISH.get(msg.finish_reason, "stop")
+            self.prompt_tokens = msg.usage.prompt_tokens
+            self.completion_tokens = msg.usage.completion_tokens
+
+
+@dataclass
+class Shape:
+    """The per-request constants of every object: id, model, created, and what the caller asked for."""
+
+    id: str
+    model: str
+    chat: bool
+    logprobs: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, c: Choice) -> dict[str, Any]:
+        """The non-streaming response."""
+        if self.chat:
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": {"content": chat_logprobs(c.logprobs)} if self.logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            head = self._head("chat.completion")
+        else:
+            choice = {
+                "index": 0,
+                "text": c.text,
+                "logprobs": completion_logprobs(c.logprobs, 0) if self.logprobs else None,
+                "finish_reason": c.finish_reason,
+            }
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": usage_json(c.prompt_tokens, c.completion_tokens)}
+
+    def chunk(self, msg: pb.GenerateResponse, offset: int, first: bool) -> dict[str, Any]:
+        """One SSE chunk for ``msg``; ``offset`` is the text length streamed before it (completions logprobs)."""
+        finish = FINISH.get(msg.finish_reason) if msg.finish_reason else None
+        if self.chat:
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
+            )
+            logprobs = {"content": chat_logprobs(list(msg.logprobs))} if self.logprobs else None
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            head = self._head("chat.completion.chunk")
+        else:
+            logprobs = completion_logprobs(list(msg.logprobs), offset) if self.logprobs else None
+            choice = {"index": 0, "text": msg.text, "logprobs": logprobs, "finish_reason": finish}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": None}
+
+    def usage_chunk(self, c: Choice) -> dict[str, Any]:
+        """The extra last chunk of ``stream_options.include_usage``: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage_json(c.prompt_tokens, c.completion_tokens)}
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` (or a literal such as ``[DONE]``) and a blank line."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,292 @@
+"""The OpenAI-compatible HTTP API of a real worker (tiny Llama + PEFT adapters), driven by the official
+``openai`` SDK (sync and async, streaming and not, completions and chat) and checked token for token
+against the worker's gRPC ``Generate`` for the same request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from loraserve.common.security import ServerSecurity
+from loraserve.httpapi.app import build_app
+from loraserve.protos.v1 import inference_pb2 as pb
+from loraserve.worker.http import WorkerHttpBackend
+from loraserve.worker.server import InferenceServicer
+from tests.aio_thread import http_server_thread
+from tests.httpapi.conftest import MODEL, Served
+
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+
+
+def _grpc_text(served: Served, adapter: str = "", **sampling) -> tuple[str, list[int], pb.GenerateResponse]:
+    req = pb.GenerateRequest(adapter=adapter, text=PROMPT, sampling=pb.SamplingParams(**sampling))
+    msgs = served.grpc(req)
+    return "".join(m.text for m in msgs), [t for m in msgs for t in m.token_ids], msgs[-1]
+
+
+def _grpc_chat(served: Served, adapter: str = "", **sampling) -> tuple[str, pb.GenerateResponse]:
+    req = pb.GenerateRequest(adapter=adapter, sampling=pb.SamplingParams(**sampling))
+    req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in MESSAGES)
+    msgs = served.grpc(req)
+    return "".join(m.text for m in msgs), msgs[-1]
+
+
+@pytest.mark.parametrize("model,adapter", [(MODEL, ""), ("all-r4", "all-r4")])
+def test_completion_equals_grpc(served, model, adapter) -> None:
+    want, ids, last = _grpc_text(served, adapter, max_tokens=12, ignore_eos=True)
+    out = served.client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.object == "text_completion" and out.model == model
+    assert out.choices[0].text == want and len(ids) == 12
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == last.usage.prompt_tokens
+    assert out.usage.completion_tokens == 12 and out.usage.total_tokens == last.usage.prompt_tokens + 12
+
+
+def test_completion_from_token_ids_equals_grpc(served) -> None:
+    ids = served.worker.tokenizer(PROMPT)["input_ids"]
+    want, _, _ = _grpc_text(served, "mlp-r16", max_tokens=6, ignore_eos=True)
+    out = served.client.completions.create(
+        model="mlp-r16", prompt=ids, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.choices[0].text == want
+
+
+def test_streamed_completion_with_usage(served) -> None:
+    want, _, last = _grpc_text(served, "all-r4", max_tokens=10, ignore_eos=True)
+    stream = served.client.completions.create(
+        model="all-r4",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == last.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_equals_grpc_and_uses_the_template(served) -> None:
+    want, last = _grpc_chat(served, "all-r4", max_tokens=8, ignore_eos=True)
+    out = served.client.chat.completions.create(
+        model="all-r4",
+        messages=MESSAGES,
+        max_completion_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.object == "chat.completion"
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == want
+    templated = served.worker.tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=True
+    )
+    if not isinstance(templated, list):
+        templated = templated["input_ids"]
+    assert out.usage.prompt_tokens == len(templated) == last.usage.prompt_tokens
+
+
+def test_streamed_chat_async(served) -> None:
+    want, _ = _grpc_chat(served, "mlp-r16", max_tokens=8, ignore_eos=True)
+
+    async def main() -> list:
+        client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+        stream = await client.chat.completions.create(
+            model="mlp-r16",
+            messages=MESSAGES,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        chunks = [c async for c in stream]
+        await client.close()
+        return chunks
+
+    chunks = asyncio.run(main())
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_async_completion_and_seeded_sampling(served) -> None:
+    want, _, _ = _grpc_text(served, "", max_tokens=10, temperature=0.9, seed=1234, ignore_eos=True)
+
+    async def main() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+        outs = await asyncio.gather(
+            *[
+                client.completions.create(
+                    model=MODEL,
+                    prompt=PROMPT,
+                    max_tokens=10,
+                    temperature=0.9,
+                    seed=1234,
+                    extra_body={"ignore_eos": True},
+                )
+                for _ in range(3)
+            ]
+        )
+        await client.close()
+        return [o.choices[0].text for o in outs]
+
+    assert asyncio.run(main()) == [want] * 3
+
+
+def test_stop_string_and_stop_token(served) -> None:
+    full, ids, _ = _grpc_text(served, "all-r4", max_tokens=12, ignore_eos=True)
+    stop = full[3:6]
+    out = served.client.completions.create(
+        model="all-r4",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert out.choices[0].text == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
+    out = served.client.completions.create(
+        model="all-r4",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"stop_token_ids": [ids[4]], "ignore_eos": True},
+    )
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == ids.index(ids[4]) + 1
+
+
+def test_logprobs_equal_grpc(served) -> None:
+    req = pb.GenerateRequest(
+        adapter="all-r4", text=PROMPT, sampling=pb.SamplingParams(max_tokens=5, logprobs=3)
+    )
+    want = [e for m in served.grpc(req) for e in m.logprobs]
+    assert len(want) == 5
+    out = served.client.completions.create(
+        model="all-r4", prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3
+    )
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e.chosen.logprob for e in want], abs=1e-6)
+    assert lp.tokens == [e.chosen.token for e in want]
+    assert [list(d.values()) for d in lp.top_logprobs] == [
+        pytest.approx([t.logprob for t in e.top], abs=1e-6) for e in want
+    ]
+    chat = served.client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 4
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
+        assert item.logprob <= 0 and item.bytes is not None
+
+
+def test_models_lists_the_base_and_the_adapters(served) -> None:
+    ids = [m.id for m in served.client.models.list()]
+    assert ids[0] == MODEL and {"all-r4", "mlp-r16"} <= set(ids)
+    card = httpx.get(f"{served.url}/v1/models/all-r4").json()
+    assert card["parent"] == MODEL and card["owned_by"] and card["object"] == "model"
+
+
+def test_health_and_metrics(served) -> None:
+    assert httpx.get(f"{served.url}/health").status_code == 200
+    served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    text = httpx.get(f"{served.url}/metrics").text
+    assert 'loraserve_http_requests_total{route="/v1/completions",server="worker",status="200"}' in text
+
+
+def test_client_disconnect_frees_the_row(served) -> None:
+    engine = served.worker.engine
+    body = {"model": "all-r4", "prompt": PROMPT, "max_tokens": 110, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+    _wait_idle(engine)
+    # A non-streaming request whose client gives up (read timeout) is cancelled too.
+    body["stream"] = False
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    _wait_idle(engine)
+
+
+def _wait_idle(engine) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        snap = engine.snapshot()
+        if snap.running == 0 and snap.waiting == 0 and all(s.refcount == 0 for s in snap.slots):
+            return
+        time.sleep(0.05)
+    snap = engine.snapshot()
+    raise AssertionError(f"still busy: running={snap.running} waiting={snap.waiting}")
+
+
+def test_deadline_is_504(served) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 120, "ignore_eos": True}
+    resp = httpx.post(
+        f"{served.url}/v1/completions", json=body, headers={"x-loraserve-timeout": "0.05"}, timeout=30
+    )
+    assert resp.status_code == 504, resp.text
+    assert resp.json()["error"]["code"] == "DEADLINE_EXCEEDED"
+    _wait_idle(served.worker.engine)
+
+
+def test_bearer_tokens(served) -> None:
+    security = ServerSecurity(inference_tokens=("inf-1",), admin_tokens=("adm-1",))
+    w = served.worker
+
+    def app():
+        return build_app(WorkerHttpBackend(InferenceServicer(w.engine, w.tokenizer), MODEL), security)
+
+    with http_server_thread(app) as port:
+        url = f"http://127.0.0.1:{port}"
+        for token in ("inf-1", "adm-1"):
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=token, max_retries=0)
+            assert (
+                client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens
+                == 2
+            )
+        with pytest.raises(openai.AuthenticationError) as err:
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert err.value.status_code == 401 and "bad token" in err.value.body["message"]
+        missing = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "UNAUTHENTICATED"
+        assert httpx.get(f"{url}/health").status_code == 200  # probes need no token
+
+
+def test_chat_without_a_template_is_400(served) -> None:
+    import copy
+
+    w = served.worker
+    plain = copy.deepcopy(w.tokenizer)
+    plain.chat_template = None
+
+    def app():
+        return build_app(WorkerHttpBackend(InferenceServicer(w.engine, plain), MODEL))
+
+    with http_server_thread(app) as port:
+        resp = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES}
+        )
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["code"] == "FAILED_PRECONDITION" and "no chat template" in err["message"]
+
+
+def test_grpc_chat_with_an_unknown_role_is_invalid(served) -> None:
+    req = pb.GenerateRequest()
+    req.chat.messages.add(role="wizard", content="hi")
+    with pytest.raises(grpc.RpcError) as err:
+        served.grpc(req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "wizard" in err.value.details()
