@@ -293,6 +293,21 @@ def test_every_loraserve_variable_is_a_field_of_its_roles_config(objects) -> Non
             defined.add(e["name"])
 
 
+def test_client_containers_set_only_variables_the_cli_reads(objects) -> None:
+    """Jobs and init containers that run client commands (`adapters push`, `demo --build-only`)."""
+    from loraserve.client.connection_flags import FLAGS
+
+    client_env = {env for _, env, _ in FLAGS.values()} | {"LORASERVE_REGISTRY_ADDRESS", "LORASERVE_TARGET"}
+    servers = {id(c) for _, _, c, _ in loraserve_containers(objects)}
+    for w, t in pod_templates(objects):
+        for c in containers(t):
+            if id(c) in servers or w["metadata"]["name"] == "loraserve-migrate":
+                continue
+            for name in container_env(objects, c):
+                if name.startswith("LORASERVE_"):
+                    assert name in client_env, f"{w['metadata']['name']}/{c['name']} sets {name}"
+
+
 def test_config_maps_parse_with_the_server_configs(objects) -> None:
     """Every value a role's container sees builds its config (a bad number or bool would stop the server)."""
     for _, _, c, role in loraserve_containers(objects):
