@@ -57,11 +57,12 @@ def scrape(registry: CollectorRegistry) -> dict:
 
 def consistent_scrape(engine: Engine, registry: CollectorRegistry):
     """A scrape and the snapshot it was made from: the engine published no new snapshot meanwhile."""
-    while True:
+    for _ in range(10_000):
         before = engine.snapshot()
         families = scrape(registry)
         if engine.snapshot() is before:
             return before, families
+    raise AssertionError("the engine published a new snapshot during every scrape")
 
 
 def check(snap, families, now: float) -> None:
