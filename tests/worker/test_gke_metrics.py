@@ -1,0 +1,122 @@
+"""The GKE Inference Gateway model-server protocol: what the endpoint picker (EPP) scrapes from a worker.
+
+The EPP reads four series by the names its flags give (deploy/k8s/gateway/epp.yaml): queued requests,
+running requests, KV-cache utilisation (0-1), and a LoRA info gauge in vLLM's format (labels
+``running_lora_adapters`` and ``waiting_lora_adapters``, comma-separated, and ``max_lora``; value = the
+time of the update, the EPP keeps the newest series). This test runs a real engine on a tiny model under a
+mixed-adapter load (more requests than decode rows, more adapters than slots, so some requests wait), scrapes
+the Prometheus text exposition while it runs, and checks each series against the engine snapshot of the
+same moment.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loraserve.adapters.sources import LocalAdapterSource
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.engine import Engine
+from loraserve.worker.metrics import EngineCollector
+from loraserve.worker.requests import EngineRequest, Sampling
+from tests.worker.fake_engine import Collector
+
+ADAPTERS = ("all-r4", "qv-r8-rslora", "mlp-r16")  # three adapters for two slots: one waits for a slot
+# test_engine.py's engine shapes, so that a test run compiles these programs once for both (JAX cache)
+CONFIG = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16, max_cpu_loras=1)
+EPP_METRICS = {  # name -> (type, label names): what the EPP's flags point at
+    "loraserve_requests_waiting": ("gauge", set()),
+    "loraserve_requests_running": ("gauge", set()),
+    "loraserve_kv_cache_utilisation": ("gauge", set()),
+    "loraserve_lora_requests_info": ("gauge", {"running_lora_adapters", "waiting_lora_adapters", "max_lora"}),
+}
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir, adapter_dirs):
+    """The suite's tiny Llama and PEFT adapters (tests/conftest.py), three of them for two slots."""
+    source = LocalAdapterSource()
+    for name in ADAPTERS:
+        source.register(name, str(adapter_dirs[name]))
+    eng = Engine(load_checkpoint(str(llama_dir)), CONFIG, source=source)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+def scrape(registry: CollectorRegistry) -> dict:
+    """``name -> family`` parsed from the text exposition, as the EPP receives it."""
+    text = generate_latest(registry).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def consistent_scrape(engine: Engine, registry: CollectorRegistry):
+    """A scrape and the snapshot it was made from: the engine published no new snapshot meanwhile."""
+    for _ in range(10_000):
+        before = engine.snapshot()
+        families = scrape(registry)
+        if engine.snapshot() is before:
+            return before, families
+    raise AssertionError("the engine published a new snapshot during every scrape")
+
+
+def check(snap, families, now: float) -> None:
+    for name, (kind, labels) in EPP_METRICS.items():
+        family = families[name]
+        assert family.type == kind, name
+        (sample,) = family.samples  # one series per worker
+        assert set(sample.labels) == labels, name
+    value = {name: families[name].samples[0].value for name in EPP_METRICS}
+    assert value["loraserve_requests_waiting"] == snap.waiting
+    assert value["loraserve_requests_running"] == snap.running
+    kv = value["loraserve_kv_cache_utilisation"]
+    assert 0.0 <= kv <= 1.0
+    assert kv == pytest.approx(snap.kv_utilisation, abs=1e-12)
+    info = families["loraserve_lora_requests_info"].samples[0]
+    split = lambda s: tuple(a for a in s.split(",") if a)  # noqa: E731  (the EPP splits on commas)
+    assert split(info.labels["running_lora_adapters"]) == snap.running_adapters
+    assert split(info.labels["waiting_lora_adapters"]) == snap.waiting_adapters
+    assert int(info.labels["max_lora"]) == len(snap.slots) == CONFIG.max_loras
+    assert abs(info.value - now) < 5.0  # the update time; the EPP keeps the newest series
+
+
+def test_the_four_epp_series_match_the_engine_under_a_mixed_adapter_load(engine) -> None:
+    registry = CollectorRegistry()  # the worker registers the same collector on the default registry
+    registry.register(EngineCollector(engine))
+
+    idle, families = consistent_scrape(engine, registry)
+    check(idle, families, time.time())
+    assert (
+        idle.running == idle.waiting == 0 and families["loraserve_kv_cache_utilisation"].samples[0].value == 0
+    )
+
+    collectors = []
+    for i in range(12):  # 12 requests for 4 rows; adapters cycle a, b, c and the base model
+        c = Collector()
+        adapter = (*ADAPTERS, "")[i % 4]
+        request = EngineRequest(uuid.uuid4().hex, adapter, [5, 17, 33, 100, 7], Sampling(max_tokens=48, ignore_eos=True), c)  # fmt: skip
+        engine.submit(request)
+        collectors.append(c)
+
+    seen_waiting_adapter = seen_busy = False
+    deadline = time.monotonic() + 60
+    while not all(c.done.is_set() for c in collectors):
+        assert time.monotonic() < deadline, "the load did not finish"
+        snap, families = consistent_scrape(engine, registry)
+        check(snap, families, time.time())
+        seen_busy |= snap.running > 0 and snap.waiting > 0 and snap.kv_utilisation > 0
+        seen_waiting_adapter |= bool(snap.running_adapters) and bool(snap.waiting_adapters)
+        time.sleep(0.002)
+    assert seen_busy, "never scraped the engine with requests both running and waiting"
+    assert seen_waiting_adapter, "never scraped an adapter waiting while another ran"
+    assert all(len(c.tokens) == 48 for c in collectors)
+
+    done, families = consistent_scrape(engine, registry)
+    check(done, families, time.time())
+    info = families["loraserve_lora_requests_info"].samples[0]
+    assert info.labels["running_lora_adapters"] == info.labels["waiting_lora_adapters"] == ""
