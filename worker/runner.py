@@ -56,16 +56,21 @@ class StepOutput:
 
     @staticmethod
     def concat(parts: Sequence[StepOutput]) -> StepOutput:
-        """The rows of ``parts`` in order (logprobs kept only when every part has them)."""
+        """The rows of ``parts`` in order; when some part has logprobs, the others' rows get zeros there."""
         tokens = np.concatenate([p.tokens for p in parts])
-        if any(p.logprob is None for p in parts):
+        have = [p for p in parts if p.logprob is not None]
+        if not have:
             return StepOutput(tokens)
-        return StepOutput(
-            tokens,
-            np.concatenate([p.logprob for p in parts]),
-            np.concatenate([p.top_ids for p in parts]),
-            np.concatenate([p.top_logprobs for p in parts]),
-        )
+        k = have[0].top_ids.shape[1]
+
+        def rows(p: StepOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            if p.logprob is not None:
+                return p.logprob, p.top_ids, p.top_logprobs
+            b = len(p.tokens)
+            return np.zeros(b, np.float32), np.zeros((b, k), np.int32), np.zeros((b, k), np.float32)
+
+        lp, ids, top = zip(*(rows(p) for p in parts), strict=True)
+        return StepOutput(tokens, np.concatenate(lp), np.concatenate(ids), np.concatenate(top))
 
 
 class Runner(Protocol):

@@ -482,3 +482,22 @@ def test_prompts_admitted_together_are_prefilled_in_one_call_and_share_a_prefix_
     assert all(c == (*prefix, 20 + r) for r, c in enumerate(h.runner.contexts))
     assert [r.tokens for r in reqs] == [[20 + r + 2, 20 + r + 4, 20 + r + 6] for r in range(4)]
     assert h.scheduler.snapshot().prefix_hit_tokens == 3 * 12
+
+
+def test_step_outputs_concatenate_with_and_without_logprobs() -> None:
+    """A prefill split over several calls: a call where no row asked has no logprob arrays; the joined
+    output keeps every row's own (zeros for rows that did not ask)."""
+    from loraserve.worker.runner import StepOutput
+
+    plain = StepOutput(np.array([4, 5], np.int32))
+    asked = StepOutput(
+        np.array([6], np.int32),
+        np.array([-0.5], np.float32),
+        np.array([[6, 1, 2]], np.int32),
+        np.array([[-0.5, -1.0, -2.0]], np.float32),
+    )
+    joined = StepOutput.concat([plain, asked, plain.head(1)])
+    assert joined.tokens.tolist() == [4, 5, 6, 4]
+    assert joined.logprobs(2, 2) == TokenLogprobs(-0.5, (6, 1), (-0.5, -1.0))
+    assert joined.logprobs(3, 1) == TokenLogprobs(0.0, (0,), (0.0,))
+    assert StepOutput.concat([plain, plain]).logprob is None
