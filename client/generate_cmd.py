@@ -1,4 +1,8 @@
-"""``loraserve generate [--adapter NAME] "prompt"``: stream an answer to the terminal."""
+"""``loraserve generate [--adapter NAME] "prompt"``: stream an answer to the terminal.
+
+With ``--logprobs N`` the answer is printed one token a line instead: ``id  token  logprob``, then the N most
+likely alternatives as ``token logprob`` pairs (tokens JSON-quoted, so spaces and newlines show).
+"""
 
 from __future__ import annotations
 
@@ -28,8 +32,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="print one line per token with its logprob and the N (0-20) most likely alternatives",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object per chunk")
     add_connection_flags(parser)
+
+
+def chunk_json(chunk) -> dict:
+    """A chunk as JSON-able fields; ``logprobs`` only when the chunk has some (token_bytes as a byte list)."""
+    out = dict(chunk.__dict__)
+    logprobs = out.pop("logprobs")
+    if logprobs:
+
+        def one(p):
+            return {
+                "token_id": p.token_id,
+                "logprob": p.logprob,
+                "token": p.token,
+                "bytes": list(p.token_bytes),
+            }
+
+        out["logprobs"] = [{"chosen": one(t.chosen), "top": [one(x) for x in t.top]} for t in logprobs]
+    return out
+
+
+def logprob_lines(chunk) -> list[str]:
+    """``id  token  logprob`` per token of ``chunk``, followed by its alternatives."""
+    lines = []
+    for lp in chunk.logprobs:
+        c = lp.chosen
+        line = f"{c.token_id}\t{json.dumps(c.token, ensure_ascii=False)}\t{c.logprob:.4f}"
+        if lp.top:
+            alts = ", ".join(f"{json.dumps(t.token, ensure_ascii=False)} {t.logprob:.4f}" for t in lp.top)
+            line += f"\t[{alts}]"
+        lines.append(line)
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,19 +90,25 @@ def run(args: argparse.Namespace) -> int:
                 top_k=args.top_k,
                 seed=args.seed,
                 stop=args.stop,
+                logprobs=args.logprobs,
             ):
                 last = chunk
                 if args.json:
-                    print(json.dumps(chunk.__dict__), flush=True)
+                    print(json.dumps(chunk_json(chunk)), flush=True)
+                elif args.logprobs is not None:
+                    for line in logprob_lines(chunk):
+                        print(line, flush=True)
                 else:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
         finished = True
     finally:
-        if not args.json and last is not None and not finished:
+        streaming_text = not args.json and args.logprobs is None
+        if streaming_text and last is not None and not finished:
             sys.stdout.write("\n")  # a stream cut short: the CLI's error line starts on a line of its own
     if not args.json and last is not None:
-        sys.stdout.write("\n")
+        if streaming_text:
+            sys.stdout.write("\n")
         print(
             f"[{last.adapter or 'base model'}; finish {last.finish_reason}; {last.prompt_tokens} prompt + "
             f"{last.completion_tokens} completion tokens]",

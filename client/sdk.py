@@ -8,6 +8,9 @@
     with Client("127.0.0.1:50071") as c:
         for chunk in c.generate("What is the capital of France?", adapter="geo-expert", max_tokens=32):
             print(chunk.text, end="", flush=True)
+
+``logprobs=N`` (0-20) asks for every token's log-probability and its N most likely alternatives:
+``chunk.logprobs`` then holds one ``TokenLogprobs`` per id of ``chunk.token_ids``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,24 @@ from loraserve.protos.v1 import inference_pb2_grpc
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """A token and its natural-log probability under the model's raw distribution."""
+
+    token_id: int
+    logprob: float
+    token: str = ""  # the token decoded on its own ("" when the server has no tokenizer)
+    token_bytes: bytes = b""  # its bytes (true bytes for byte-level BPE tokenizers)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The generated token and the requested number of most likely tokens at its position, most likely first."""
+
+    chosen: Logprob
+    top: tuple[Logprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class Chunk:
     text: str
     token_ids: list[int] = field(default_factory=list)
@@ -33,6 +54,7 @@ class Chunk:
     completion_tokens: int = 0
     adapter: str = ""  # resolved "name@version"
     request_id: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id when asked for
 
 
 def build_request(
@@ -48,6 +70,7 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool = False,
     request_id: str = "",
+    logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(
         max_tokens=max_tokens,
@@ -60,12 +83,18 @@ def build_request(
     )
     if seed is not None:
         sampling.seed = seed
+    if logprobs is not None:
+        sampling.logprobs = logprobs
     req = pb.GenerateRequest(adapter=adapter, sampling=sampling, request_id=request_id)
     if isinstance(prompt, str):
         req.text = prompt
     else:
         req.tokens.ids.extend(prompt)
     return req
+
+
+def _logprob(p: pb.Logprob) -> Logprob:
+    return Logprob(p.token_id, p.logprob, p.token, p.token_bytes)
 
 
 def to_chunk(r: pb.GenerateResponse) -> Chunk:
@@ -77,6 +106,7 @@ def to_chunk(r: pb.GenerateResponse) -> Chunk:
         completion_tokens=r.usage.completion_tokens,
         adapter=r.adapter,
         request_id=r.request_id,
+        logprobs=[TokenLogprobs(_logprob(t.chosen), tuple(_logprob(x) for x in t.top)) for t in r.logprobs],
     )
 
 
@@ -120,6 +150,7 @@ class Client:
             completion_tokens=last.completion_tokens,
             adapter=last.adapter,
             request_id=last.request_id,
+            logprobs=[lp for c in chunks for lp in c.logprobs],
         )
 
     def close(self) -> None:

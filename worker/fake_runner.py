@@ -3,7 +3,9 @@
 Rule: the prefill token and every decode token are ``(last + slot + 2) % vocab_size``, where ``last`` is
 the row's previous token (the prompt's last token for prefill) and ``slot`` is the row's adapter slot,
 -1 for the base model. So prompt ``[5]`` on the base model gives 6, 7, 8, ...; on slot 1 it gives
-8, 11, 14, .... Sampling parameters are ignored. Every call is recorded for assertions.
+8, 11, 14, .... Sampling parameters are ignored. Every call is recorded for assertions. A row whose
+``SamplingRow.logprobs`` is set gets ``fake_logprobs``: its token ranked first, then the next ids in order,
+the token at rank k with logprob ``-(k + 1) / 4``.
 
 The KV cache is simulated so that wrong page reuse fails loudly: ``cells[(page, offset)]`` is the
 ``(content, token)`` last written there, content being the sha256 of the adapter in the writing slot
@@ -23,8 +25,8 @@ import numpy as np
 
 from loraserve.adapters.peft import LoraWeights
 from loraserve.worker.config import EngineConfig
-from loraserve.worker.requests import SamplingRow
-from loraserve.worker.runner import PrefillInput
+from loraserve.worker.requests import MAX_LOGPROBS, SamplingRow
+from loraserve.worker.runner import PrefillInput, StepOutput
 
 # a default EngineConfig's pool, read off the class: building one would import the kernels (JAX)
 _PAGE = EngineConfig.kv_page_size
@@ -33,6 +35,30 @@ _PAGES = EngineConfig.max_batch_size * -(-EngineConfig.max_seq_len // _PAGE) + 1
 
 def next_token(last: int, slot: int, vocab_size: int) -> int:
     return (last + slot + 2) % vocab_size
+
+
+def fake_logprobs(token: int, vocab_size: int) -> tuple[list[int], list[float]]:
+    """The top ids and logprobs [K] the fake runner reports for ``token``: ``token + k`` at rank k
+    (mod vocab) with logprob ``-(k + 1) / 4``, so the token's own logprob is -0.25."""
+    k = min(MAX_LOGPROBS, vocab_size)
+    return [(token + i) % vocab_size for i in range(k)], [-(i + 1) / 4 for i in range(k)]
+
+
+def _output(tokens: list[int], rows: list[SamplingRow | None], vocab_size: int) -> StepOutput:
+    out = np.array(tokens, np.int32)
+    if not any(r is not None and r.logprobs for r in rows):
+        return StepOutput(out)
+    k = min(MAX_LOGPROBS, vocab_size)
+    lp, ids, top = (
+        np.zeros(len(rows), np.float32),
+        np.zeros((len(rows), k), np.int32),
+        np.zeros((len(rows), k), np.float32),
+    )
+    for i, row in enumerate(rows):
+        if row is not None and row.logprobs:
+            ids[i], top[i] = fake_logprobs(int(out[i]), vocab_size)
+            lp[i] = top[i, 0]
+    return StepOutput(out, lp, ids, top)
 
 
 @dataclass
@@ -87,9 +113,10 @@ class FakeRunner:
         self.zeroed.append(index)
         self.slot_contents[index] = ""
 
-    def prefill(self, batch: list[PrefillInput]) -> list[int]:
+    def prefill(self, batch: list[PrefillInput]) -> StepOutput:
         self.prefill_batches.append(len(batch))
-        return [self.prefill_one(p.tokens, p.start, p.slot, p.page_table, p.sampling) for p in batch]
+        tokens = [self.prefill_one(p.tokens, p.start, p.slot, p.page_table, p.sampling) for p in batch]
+        return _output(tokens, [p.sampling for p in batch], self.vocab_size)
 
     def prefill_one(
         self, tokens: list[int], start: int, slot: int, page_table: np.ndarray, sampling: SamplingRow
@@ -113,7 +140,7 @@ class FakeRunner:
         slots: np.ndarray,
         page_tables: np.ndarray,
         sampling: list[SamplingRow | None],
-    ) -> np.ndarray:
+    ) -> StepOutput:
         if self.gate is not None:
             self.gate.wait()
         self.decode_steps += 1
@@ -128,7 +155,7 @@ class FakeRunner:
             for q in range(pos):
                 self._read(table, q, content)
             out[i] = next_token(int(tokens[i]), slot, self.vocab_size)
-        return out
+        return _output(out.tolist(), sampling, self.vocab_size)
 
     # ----------------------------------------------------------------- the simulated cache
     def _content(self, slot: int) -> str:

@@ -25,8 +25,8 @@ from loraserve.worker import sharding
 from loraserve.worker.checkpoint import Checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.requests import SamplingRow
-from loraserve.worker.runner import PrefillInput
-from loraserve.worker.sampling import SamplingArrays, sample
+from loraserve.worker.runner import PrefillInput, StepOutput
+from loraserve.worker.sampling import Sampled, SamplingArrays, sample
 from loraserve.worker.slots import SlotPools, SlotValues, slot_arrays
 
 log = logging.getLogger("loraserve.worker.runner")
@@ -57,8 +57,17 @@ def _sampling_arrays(rows: list[SamplingRow | None]) -> SamplingArrays:
             continue
         arrays.temperature[i], arrays.top_k[i], arrays.top_p[i] = r.temperature, r.top_k, r.top_p
         arrays.seed_lo[i], arrays.seed_hi[i] = r.seed & 0xFFFFFFFF, r.seed >> 32
-        arrays.step[i] = r.step
+        arrays.step[i], arrays.logprobs[i] = r.step, r.logprobs
     return arrays
+
+
+def _to_host(out: Sampled, logprobs: bool) -> StepOutput:
+    """The device's draw on the host; the logprob arrays are copied only when some row asked."""
+    if not logprobs:
+        return StepOutput(np.asarray(out.tokens))
+    return StepOutput(
+        np.asarray(out.tokens), np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+    )
 
 
 class JaxRunner:
@@ -165,15 +174,15 @@ class JaxRunner:
     def zero_slot(self, index: int) -> None:
         self.pools.zero(index)
 
-    def prefill(self, batch: list[PrefillInput]) -> list[int]:
+    def prefill(self, batch: list[PrefillInput]) -> StepOutput:
         """Pack ``batch`` into the fewest calls of the compiled (prompts, tokens) shapes, in order."""
-        out: list[int] = []
+        parts: list[StepOutput] = []
         i = 0
         while i < len(batch):
             n, g, t = self._pack(batch[i:])
-            out.extend(self._prefill_call(batch[i : i + n], g, t)[:n])
+            parts.append(self._prefill_call(batch[i : i + n], g, t).head(n))
             i += n
-        return out
+        return parts[0] if len(parts) == 1 else StepOutput.concat(parts)
 
     def _pack(self, rest: list[PrefillInput]) -> tuple[int, int, int]:
         """How many of ``rest`` the next call takes and the compiled shape ``(prompts, tokens)`` it runs
@@ -193,9 +202,9 @@ class JaxRunner:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _prefill_call(self, items: list[PrefillInput], g: int, t: int) -> list[int]:
+    def _prefill_call(self, items: list[PrefillInput], g: int, t: int) -> StepOutput:
         """One compiled call of shape ``(g, t)`` for ``items`` (at most g; the rest are empty segments);
-        returns g tokens, the first ``len(items)`` of them real."""
+        returns g rows, the first ``len(items)`` of them real."""
         tokens = np.zeros((g, t), np.int32)
         lengths, starts = np.zeros(g, np.int32), np.zeros(g, np.int32)
         slots = np.full(g, -1, np.int32)
@@ -221,7 +230,7 @@ class JaxRunner:
             self.inv_freq,
             _sampling_arrays(rows).as_tuple(),
         )
-        return [int(x) for x in np.asarray(out)]
+        return _to_host(out, any(item.sampling.logprobs for item in items))
 
     def decode(
         self,
@@ -230,7 +239,7 @@ class JaxRunner:
         slots: np.ndarray,
         page_tables: np.ndarray,
         sampling: list[SamplingRow | None],
-    ) -> np.ndarray:
+    ) -> StepOutput:
         needed = int(np.max(positions)) // self.page_size + 1  # pages of the longest row
         width = next(w for w in self.page_buckets if w >= needed)
         out, self.cache = self._decode(
@@ -244,4 +253,4 @@ class JaxRunner:
             self.inv_freq,
             _sampling_arrays(sampling).as_tuple(),
         )
-        return np.asarray(out)
+        return _to_host(out, any(r is not None and r.logprobs for r in sampling))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from loraserve.worker.requests import Event, Failed, Finished, Started, Token
+from loraserve.worker.requests import Event, Failed, Finished, Started, Token, TokenLogprobs
 
 REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT = 4  # prompt tokens decoded along with the first new ones, for context-dependent spaces
@@ -53,6 +53,7 @@ class Chunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     adapter: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id when asked, else empty
 
 
 class StreamAssembler:
@@ -91,6 +92,7 @@ class StreamAssembler:
             self.done, self.error = True, event
             return []
         token_id = event.token_id if isinstance(event, Token | Finished) else None
+        lps = [] if token_id is None or event.logprobs is None else [event.logprobs]
         if token_id is not None:
             self.completion_tokens += 1
             if self.detok is not None:
@@ -100,18 +102,23 @@ class StreamAssembler:
                 if at >= 0:
                     self.text = self.text[:at]
                     self.stopped_by_string = True
-                    return [self._last("stop", [token_id])]
+                    return [self._last("stop", [token_id], lps)]
         if isinstance(event, Token):
             upto = len(self.text) - self._held_back()
-            chunk = Chunk(token_ids=[event.token_id], text=self.text[self.sent : upto], adapter=self.adapter)
+            chunk = Chunk(
+                token_ids=[event.token_id],
+                text=self.text[self.sent : upto],
+                adapter=self.adapter,
+                logprobs=lps,
+            )
             self.sent = max(self.sent, upto)
             return [chunk]
         assert isinstance(event, Finished)
         if self.detok is not None:
             self.text += self.detok.flush()
-        return [self._last(event.reason, [] if token_id is None else [token_id])]
+        return [self._last(event.reason, [] if token_id is None else [token_id], lps)]
 
-    def _last(self, reason: str, ids: list[int]) -> Chunk:
+    def _last(self, reason: str, ids: list[int], logprobs: list[TokenLogprobs]) -> Chunk:
         self.done = True
         chunk = Chunk(
             token_ids=ids,
@@ -120,6 +127,7 @@ class StreamAssembler:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             adapter=self.adapter,
+            logprobs=logprobs,
         )
         self.sent = len(self.text)
         return chunk

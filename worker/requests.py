@@ -12,6 +12,8 @@ import grpc
 
 from loraserve.common.errors import InvalidArgument
 
+MAX_LOGPROBS = 20  # most alternatives a request may ask for (the device computes this many: worker.sampling)
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -22,6 +24,7 @@ class Sampling:
     max_tokens: int = 0  # 0 = engine default
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None = no logprobs; N = the token's logprob and the N most likely
 
     def validate(self, vocab_size: int) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -34,6 +37,8 @@ class Sampling:
             raise InvalidArgument(f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidArgument(f"seed must fit in 64 bits, got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidArgument(f"stop_token_ids {bad[:5]} are outside the vocabulary")
@@ -50,18 +55,31 @@ class Started:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the raw distribution and the ``len(top_ids)`` most
+    likely tokens with theirs, most likely first (the request's ``Sampling.logprobs`` of them)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class Token:
     token_id: int
+    logprobs: TokenLogprobs | None = None  # set when the request asked for logprobs
 
 
 @dataclass(frozen=True)
 class Finished:
-    """The request ended; ``token_id`` is the last token when it came with the finish (else None)."""
+    """The request ended; ``token_id`` is the last token when it came with the finish (else None), with
+    its ``logprobs`` when the request asked for them."""
 
     reason: str  # "length" | "stop" | "eos"
     prompt_tokens: int
     completion_tokens: int
     token_id: int | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -109,18 +127,20 @@ class EngineRequest:
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """One row's sampling inputs as the runner takes them: parameters, seed halves, tokens drawn so far."""
+    """One row's sampling inputs as the runner takes them: parameters, seed, tokens drawn so far, and
+    whether the row wants logprobs."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 0.0
     seed: int = 0
     step: int = 0
+    logprobs: bool = False
 
     @classmethod
     def of(cls, req: EngineRequest) -> SamplingRow:
         s = req.sampling
-        return cls(s.temperature, s.top_k, s.top_p, req.seed, len(req.generated))
+        return cls(s.temperature, s.top_k, s.top_p, req.seed, len(req.generated), s.logprobs is not None)
 
 
 def validate_prompt(prompt: list[int], vocab_size: int, max_seq_len: int) -> None:

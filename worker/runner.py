@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from loraserve.adapters.peft import LoraWeights
-from loraserve.worker.requests import SamplingRow
+from loraserve.worker.requests import SamplingRow, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,50 @@ class PrefillInput:
     slot: int
     page_table: np.ndarray
     sampling: SamplingRow
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one prefill or decode drew for its B rows (prefill: one row per sequence, in order). The
+    logprob arrays are host copies, present only when some row asked (``SamplingRow.logprobs``); rows
+    that did not ask hold zeros there."""
+
+    tokens: np.ndarray  # [B] int32
+    logprob: np.ndarray | None = None  # [B] f32, the token's log-probability (raw distribution)
+    top_ids: np.ndarray | None = None  # [B, K] int32, the K most likely tokens, most likely first
+    top_logprobs: np.ndarray | None = None  # [B, K] f32
+
+    def logprobs(self, row: int, n: int) -> TokenLogprobs:
+        """Row ``row``'s token logprob and its ``n`` (<= K) most likely alternatives; the row asked."""
+        assert self.logprob is not None and self.top_ids is not None and self.top_logprobs is not None
+        return TokenLogprobs(
+            float(self.logprob[row]),
+            tuple(self.top_ids[row, :n].tolist()),
+            tuple(self.top_logprobs[row, :n].tolist()),
+        )
+
+    def head(self, n: int) -> StepOutput:
+        """The first ``n`` rows."""
+        cut = [None if a is None else a[:n] for a in (self.logprob, self.top_ids, self.top_logprobs)]
+        return StepOutput(self.tokens[:n], *cut)
+
+    @staticmethod
+    def concat(parts: Sequence[StepOutput]) -> StepOutput:
+        """The rows of ``parts`` in order; when some part has logprobs, the others' rows get zeros there."""
+        tokens = np.concatenate([p.tokens for p in parts])
+        have = [p for p in parts if p.logprob is not None]
+        if not have:
+            return StepOutput(tokens)
+        k = have[0].top_ids.shape[1]
+
+        def rows(p: StepOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            if p.logprob is not None:
+                return p.logprob, p.top_ids, p.top_logprobs
+            b = len(p.tokens)
+            return np.zeros(b, np.float32), np.zeros((b, k), np.int32), np.zeros((b, k), np.float32)
+
+        lp, ids, top = zip(*(rows(p) for p in parts), strict=True)
+        return StepOutput(tokens, np.concatenate(lp), np.concatenate(ids), np.concatenate(top))
 
 
 class Runner(Protocol):
@@ -56,11 +100,12 @@ class Runner(Protocol):
     def zero_slot(self, index: int) -> None:
         """Make slot ``index`` add exactly nothing."""
 
-    def prefill(self, batch: Sequence[PrefillInput]) -> list[int]:
+    def prefill(self, batch: Sequence[PrefillInput]) -> StepOutput:
         """For every sequence of ``batch`` (packed into as few calls as the runner's shapes allow):
         compute the keys/values of its ``tokens`` at positions ``start .. start+len-1`` under its adapter
         into the pages of its ``page_table``, attending to positions ``0 .. start-1`` already in those
-        pages (a cached prefix); returns the token sampled after each sequence's last one, in order.
+        pages (a cached prefix); returns the token sampled after each sequence's last one, in order (with
+        logprobs when some sequence's ``sampling.logprobs`` asks).
         A sequence may read pages an earlier sequence of the same batch writes (a prefix two prompts of
         one batch share): every sequence's keys/values of a layer are written before any attends."""
 
@@ -71,11 +116,11 @@ class Runner(Protocol):
         slots: np.ndarray,
         page_tables: np.ndarray,
         sampling: list[SamplingRow | None],
-    ) -> np.ndarray:
+    ) -> StepOutput:
         """One step for every row: ``tokens``/``positions``/``slots`` are ``[B]`` int32 (slot -1 = base or
         idle row, ``sampling[i]`` None for idle rows), ``page_tables`` is ``[B, pages_per_row]`` int32 (all
         0 for idle rows; the caller rewrites it after the call returns, so a runner that hands it to an
         asynchronous device copies it); row b writes its token's k/v at ``positions[b]`` and attends to
         ``0..positions[b]``.
-        Returns the next token per row, ``[B]`` int32.
+        Returns the next token per row (``tokens`` ``[B]`` int32), with logprobs when some row asks.
         """

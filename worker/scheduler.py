@@ -55,7 +55,7 @@ from loraserve.worker.residency import (
     Resident,
     Unload,
 )
-from loraserve.worker.runner import PrefillInput, Runner
+from loraserve.worker.runner import PrefillInput, Runner, StepOutput
 from loraserve.worker.snapshot import EngineSnapshot
 
 NO_ROOM = Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more KV pages than the pool holds")
@@ -287,15 +287,16 @@ class Scheduler:
         if not batch:
             return
         try:
-            tokens = self.runner.prefill(batch)
+            out = self.runner.prefill(batch)
         except BaseException:
             for _, _, pages in admitted:
                 self.kv.forget(pages)
             raise
-        for (row, req, _), token in zip(admitted, tokens, strict=True):
+        assert len(out.tokens) == len(admitted), (len(out.tokens), len(admitted))
+        for i, (row, req, _) in enumerate(admitted):
             if not req.generated:
                 self._emit(req, Started(req.key))
-            self._accept_token(row, token)
+            self._accept_token(row, out, i)
 
     def _adapter_key(self, req: EngineRequest) -> str:
         """The prefix cache's key for ``req``'s pages: its slot's adapter content sha256, or the base's."""
@@ -394,11 +395,15 @@ class Scheduler:
                 filled = int(positions[i]) + 1
                 if filled % self.kv.page_size == 0:  # this step filled a page: cache it
                     self.kv.register(self.pages[i], req.prompt + req.generated, filled)
-                self._accept_token(i, int(out[i]))
+                self._accept_token(i, out, i)
 
-    def _accept_token(self, row: int, token: int) -> None:
+    def _accept_token(self, row: int, out: StepOutput, i: int) -> None:
+        """Row ``row``'s request takes the token of ``out``'s row ``i`` (and its logprobs if it asked)."""
         req = self.rows[row]
         assert req is not None
+        token = int(out.tokens[i])
+        want = req.sampling.logprobs
+        logprobs = None if want is None else out.logprobs(i, want)
         req.generated.append(token)
         self.tokens_out += 1
         s, n = req.sampling, len(req.generated)
@@ -410,9 +415,9 @@ class Scheduler:
         elif n >= req.max_new_tokens:
             reason = "length"
         if reason:  # the last token travels with the finish, in one message
-            self._finish(row, Finished(reason, len(req.prompt), n, token_id=token))
+            self._finish(row, Finished(reason, len(req.prompt), n, token_id=token, logprobs=logprobs))
         else:
-            self._emit(req, Token(token))
+            self._emit(req, Token(token, logprobs))
 
     def _finish(self, row: int, event: Finished | Failed) -> None:
         req = self.rows[row]

@@ -27,6 +27,7 @@ from loraserve.worker.engine import Engine
 from loraserve.worker.outputs import Chunk, StreamAssembler
 from loraserve.worker.requests import EngineRequest, Sampling
 from loraserve.worker.snapshot import slot_info
+from loraserve.worker.token_strings import TokenStrings
 from loraserve.worker.tokenizer import apply_chat, encode
 
 log = logging.getLogger("loraserve.worker.server")
@@ -43,13 +44,31 @@ def sampling_from_proto(p: inference_pb2.SamplingParams) -> Sampling:
         max_tokens=p.max_tokens,
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
     )
 
 
-def chunk_to_proto(request_id: str, chunk: Chunk) -> inference_pb2.GenerateResponse:
+def _logprob(strings: TokenStrings, token_id: int, logprob: float) -> inference_pb2.Logprob:
+    token, token_bytes = strings.get(token_id)
+    return inference_pb2.Logprob(token_id=token_id, logprob=logprob, token=token, token_bytes=token_bytes)
+
+
+def chunk_to_proto(
+    request_id: str, chunk: Chunk, strings: TokenStrings | None = None
+) -> inference_pb2.GenerateResponse:
+    """``strings`` names the tokens of logprobs (None: token ids only, empty token strings)."""
     out = inference_pb2.GenerateResponse(
         request_id=request_id, token_ids=chunk.token_ids, text=chunk.text, adapter=chunk.adapter
     )
+    if chunk.logprobs:
+        strings = strings or TokenStrings(None)
+        for token_id, lp in zip(chunk.token_ids, chunk.logprobs, strict=True):
+            out.logprobs.append(
+                inference_pb2.TokenLogprobs(
+                    chosen=_logprob(strings, token_id, lp.logprob),
+                    top=[_logprob(strings, i, x) for i, x in zip(lp.top_ids, lp.top_logprobs, strict=True)],
+                )
+            )
     if chunk.finish_reason:
         out.finish_reason = FINISH_TO_PROTO[chunk.finish_reason]
         out.usage.prompt_tokens = chunk.prompt_tokens
@@ -66,6 +85,7 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, engine: Engine, tokenizer: Any) -> None:
         self.engine, self.tokenizer = engine, tokenizer
+        self.token_strings = TokenStrings(tokenizer)  # logprobs' token strings, cached across requests
 
     def _prompt(self, request: inference_pb2.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -110,7 +130,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             while not assembler.done:
                 for chunk in assembler.feed(await events.get()):
                     timer.chunk(len(chunk.token_ids))
-                    yield chunk_to_proto(request_id, chunk)
+                    yield chunk_to_proto(request_id, chunk, self.token_strings)
             if assembler.error is not None:
                 raise LoraserveError(assembler.error.message, assembler.error.code)
             timer.done(len(prompt))

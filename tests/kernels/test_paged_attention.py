@@ -290,11 +290,11 @@ def test_runner_serves_the_same_tokens_with_either_attention(llama_dir) -> None:
         tables = M.contiguous_page_tables(2, config.pages_per_row)
         greedy = SamplingRow()
         batch = [PrefillInput(p, 0, -1, tables[i], greedy) for i, p in enumerate(prompts)]
-        tokens = np.array(runner.prefill(batch), np.int32)
+        tokens = np.array(runner.prefill(batch).tokens, np.int32)
         positions = np.array([len(p) for p in prompts], np.int32)
         steps = [tokens.tolist()]
         for _ in range(4):
-            tokens = runner.decode(tokens, positions, np.full(2, -1), tables, [greedy] * 2).astype(np.int32)
+            tokens = runner.decode(tokens, positions, np.full(2, -1), tables, [greedy] * 2).tokens
             positions = positions + 1
             steps.append(tokens.tolist())
         out[name] = steps

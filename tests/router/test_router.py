@@ -2,12 +2,14 @@
 
 Covers: routing to a holder, falling back to the next candidate when a worker is unreachable before the
 first token, NOT_FOUND / UNAVAILABLE codes, one load for many concurrent requests of a cold adapter,
-a worker that keeps serving through a registry outage and registers again, the sync and asyncio SDK.
+a worker that keeps serving through a registry outage and registers again, the sync and asyncio SDK,
+logprobs passed through unchanged (SDK and `generate --logprobs`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -217,6 +219,38 @@ def test_generate_cli(stack, capsys) -> None:
     assert "[all-r4@1; finish " in out.err and "3 completion tokens]" in out.err
     assert main(["generate", "--target", stack.router_address, "--adapter", "missing", "hi"]) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_logprobs_through_the_router_sdk_and_cli(stack, capsys) -> None:
+    """The router passes logprobs through unchanged: the SDK gets the worker's own entries, one per token."""
+    from loraserve.cli import main
+
+    kw = dict(adapter="all-r4", max_tokens=4, ignore_eos=True, logprobs=3)
+    routed = Client(stack.router_address).complete(PROMPT, **kw)
+    direct = Client(stack.worker_address).complete(PROMPT, **kw)
+    assert routed.logprobs == direct.logprobs
+    assert [lp.chosen.token_id for lp in routed.logprobs] == routed.token_ids and len(routed.token_ids) == 4
+    for lp in routed.logprobs:
+        assert len(lp.top) == 3 and lp.top[0] == lp.chosen and lp.chosen.logprob < 0
+        assert lp.chosen.token_bytes  # the tiny model's tokenizer names every token
+    assert Client(stack.router_address).complete(PROMPT, max_tokens=2).logprobs == []
+    args = ["generate", "--target", stack.router_address, "--max-tokens", "3", "--logprobs", "2", "Colors"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    for line in lines:
+        token_id, token, logprob, alts = line.split("\t")
+        assert int(token_id) >= 0 and float(logprob) < 0 and alts.count(", ") == 1
+        assert alts.startswith(f"[{token} {logprob}, ")  # greedy: the token is the most likely one
+        assert isinstance(json.loads(token), str)
+    assert main([*args, "--json"]) == 0
+    chunks = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [len(c["logprobs"]) for c in chunks] == [len(c["token_ids"]) for c in chunks]
+    first = chunks[0]["logprobs"][0]
+    assert first["chosen"]["token_id"] == chunks[0]["token_ids"][0] and len(first["top"]) == 2
+    assert bytes(first["chosen"]["bytes"]).decode("utf-8", "replace") == first["chosen"]["token"]
+    assert main([*args[:-3], "Colors", "--json"]) == 0  # without --logprobs: no logprobs key at all
+    assert all("logprobs" not in json.loads(x) for x in capsys.readouterr().out.splitlines())
 
 
 def test_router_without_workers_is_unavailable(tmp_path) -> None:

@@ -7,7 +7,7 @@ import pytest
 
 from loraserve.testing import build_tokenizer
 from loraserve.worker.outputs import Detokenizer, StreamAssembler
-from loraserve.worker.requests import Failed, Finished, Started, Token
+from loraserve.worker.requests import Failed, Finished, Started, Token, TokenLogprobs
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,36 @@ def test_stop_string_cuts_before_match_and_holds_back_prefixes(tokenizer) -> Non
     assert all("thr" not in c.text for c in chunks)
     assert chunks[-1].completion_tokens == sum(len(c.token_ids) for c in chunks)
     assert {c.adapter for c in chunks} == {"a@1"}
+
+
+def test_logprobs_travel_with_their_token_ids_through_hold_back_and_stop(tokenizer) -> None:
+    """Text is held back (a possible stop-string prefix, half a character); token ids and their logprobs
+    never are: every chunk's logprobs are those of its own ids, up to the stop."""
+    text = "one 東京 two three four"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def lp(i: int) -> TokenLogprobs:
+        return TokenLogprobs(-float(i), (ids[i],), (-float(i),))
+
+    asm = StreamAssembler(tokenizer, [1, 2], ("three", "tw"))
+    chunks = asm.feed(Started(""))
+    for i, t in enumerate(ids[:-1]):
+        chunks += asm.feed(Token(t, lp(i)))
+        if asm.done:
+            break
+    assert chunks[-1].finish_reason == "stop"
+    assert "".join(c.text for c in chunks) == "one 東京 "
+    assert any(c.text == "" for c in chunks)  # some chunk's text was held back ...
+    for c in chunks:
+        assert len(c.logprobs) == len(c.token_ids) == 1  # ... but never its token or its logprobs
+        assert c.logprobs[0].top_ids == tuple(c.token_ids)
+    got = [t for c in chunks for t in c.token_ids]
+    assert got == ids[: len(got)] and [c.logprobs[0] for c in chunks] == [lp(i) for i in range(len(got))]
+    # the last token, carried by Finished, brings its logprobs; without logprobs chunks carry none
+    asm = StreamAssembler(tokenizer, [1], ())
+    (last,) = asm.feed(Finished("length", 1, 1, token_id=ids[0], logprobs=lp(0)))
+    assert last.logprobs == [lp(0)]
+    assert StreamAssembler(tokenizer, [1], ()).feed(Token(ids[0]))[0].logprobs == []
 
 
 def test_no_stop_match_flushes_everything(tokenizer) -> None:

@@ -187,8 +187,8 @@ def test_packed_prefill_of_mixed_adapters_matches_one_prompt_per_call(
         for i, (p, s) in enumerate(zip(PROMPTS[:3], (0, -1, 1), strict=True))
     ]
     with count_compilations() as count:
-        packed = runner.prefill(items)
-        alone = [runner.prefill([item])[0] for item in items]
+        packed = runner.prefill(items).tokens.tolist()
+        alone = [int(runner.prefill([item]).tokens[0]) for item in items]
     assert count.compilations == 0, count.names
     assert packed == alone
     # the logits themselves, through the model functions the runner jits

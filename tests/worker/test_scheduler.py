@@ -18,8 +18,9 @@ import pytest
 from loraserve.adapters.errors import AdapterDataLossError
 from loraserve.common.errors import FailedPrecondition, LoraserveError, ResourceExhausted
 from loraserve.worker.config import EngineConfig
+from loraserve.worker.fake_runner import fake_logprobs
 from loraserve.worker.kv_cache import KVCache
-from loraserve.worker.requests import Failed, Finished, SamplingRow, Started, Token
+from loraserve.worker.requests import Failed, Finished, SamplingRow, Started, Token, TokenLogprobs
 from loraserve.worker.residency import Load, Unload
 from loraserve.worker.scheduler import Cancel
 from loraserve.worker.slot_table import SlotState
@@ -46,6 +47,26 @@ def test_exact_tokens_for_base_and_two_adapter_slots() -> None:
     snap = h.scheduler.snapshot()
     assert (snap.tokens_out, snap.requests_done, snap.adapter_loads) == (10, 3, 2)
     assert [(s.index, s.adapter, s.refcount) for s in snap.slots] == [(0, "a", 0), (1, "b", 0)]
+
+
+def test_logprobs_only_for_requests_that_ask_sliced_to_their_n() -> None:
+    h = harness()
+    plain = h.submit(max_tokens=3)
+    asked = h.submit("a", max_tokens=3, logprobs=2)  # the same batch: prefill and decode steps shared
+    h.run(plain, asked)
+    assert plain.events == [Started(""), Token(6), Token(7), Finished("length", 1, 3, token_id=8)]
+
+    def lp(token: int) -> TokenLogprobs:
+        ids, lps = fake_logprobs(token, 50)
+        return TokenLogprobs(lps[0], tuple(ids[:2]), tuple(lps[:2]))
+
+    assert lp(7) == TokenLogprobs(-0.25, (7, 8), (-0.25, -0.5))
+    assert asked.events == [
+        Started("a"),
+        Token(7, lp(7)),
+        Token(9, lp(9)),
+        Finished("length", 1, 3, token_id=11, logprobs=lp(11)),
+    ]
 
 
 def test_eos_stop_and_ignore_eos() -> None:
@@ -461,3 +482,22 @@ def test_prompts_admitted_together_are_prefilled_in_one_call_and_share_a_prefix_
     assert all(c == (*prefix, 20 + r) for r, c in enumerate(h.runner.contexts))
     assert [r.tokens for r in reqs] == [[20 + r + 2, 20 + r + 4, 20 + r + 6] for r in range(4)]
     assert h.scheduler.snapshot().prefix_hit_tokens == 3 * 12
+
+
+def test_step_outputs_concatenate_with_and_without_logprobs() -> None:
+    """A prefill split over several calls: a call where no row asked has no logprob arrays; the joined
+    output keeps every row's own (zeros for rows that did not ask)."""
+    from loraserve.worker.runner import StepOutput
+
+    plain = StepOutput(np.array([4, 5], np.int32))
+    asked = StepOutput(
+        np.array([6], np.int32),
+        np.array([-0.5], np.float32),
+        np.array([[6, 1, 2]], np.int32),
+        np.array([[-0.5, -1.0, -2.0]], np.float32),
+    )
+    joined = StepOutput.concat([plain, asked, plain.head(1)])
+    assert joined.tokens.tolist() == [4, 5, 6, 4]
+    assert joined.logprobs(2, 2) == TokenLogprobs(-0.5, (6, 1), (-0.5, -1.0))
+    assert joined.logprobs(3, 1) == TokenLogprobs(0.0, (0,), (0.0,))
+    assert StepOutput.concat([plain, plain]).logprob is None

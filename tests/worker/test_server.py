@@ -108,6 +108,56 @@ def test_stop_string_and_stop_token(worker) -> None:
     assert by_id[-1].usage.completion_tokens == len(got)
 
 
+def test_logprobs_one_entry_per_token_with_strings_and_bytes(worker) -> None:
+    """Text prompt, greedy: every response carries one TokenLogprobs per token id (chosen = that id, top
+    = the 4 most likely, descending, greedy chosen = top[0]); token strings are the tokenizer's, and the
+    byte-level tokenizer's token_bytes of the chosen tokens decode (lossily, as the tokenizer does: the tiny
+    random model strings bytes into invalid UTF-8) to the text."""
+    tok = worker.tokenizer
+    sampling = pb.SamplingParams(max_tokens=24, ignore_eos=True, logprobs=4)
+    responses = _generate(worker, text="Ünïcödé café 東京", sampling=sampling)
+    assert all(len(r.logprobs) == len(r.token_ids) for r in responses)
+    chosen = [lp.chosen for r in responses for lp in r.logprobs]
+    tokens = [t for r in responses for t in r.token_ids]
+    assert [c.token_id for c in chosen] == tokens and len(tokens) == 24
+    for lp in (lp for r in responses for lp in r.logprobs):
+        assert len(lp.top) == 4 and lp.top[0].token_id == lp.chosen.token_id
+        assert lp.top[0].logprob == lp.chosen.logprob < 0
+        assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
+        for t in (lp.chosen, *lp.top):
+            want = tok.decode([t.token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            assert t.token == want
+    special = set(tok.all_special_ids)
+    text = "".join(r.text for r in responses)
+    raw = b"".join(c.token_bytes for c in chosen if c.token_id not in special)
+    assert raw.decode("utf-8", errors="replace") == text
+    # some token is a lone byte of a multi-byte character: true bytes, not the UTF-8 of its U+FFFD string
+    assert any(c.token_bytes != c.token.encode() for c in chosen)
+    plain = _generate(
+        worker, text="Ünïcödé café 東京", sampling=pb.SamplingParams(max_tokens=24, ignore_eos=True)
+    )
+    assert [t for r in plain for t in r.token_ids] == tokens
+    assert all(not r.logprobs for r in plain)  # unset: no logprobs
+
+
+def test_logprobs_travel_with_their_tokens_under_a_stop_string(worker) -> None:
+    free = _generate(worker, sampling=pb.SamplingParams(max_tokens=16, ignore_eos=True, logprobs=0))
+    text = "".join(r.text for r in free)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    sampling = pb.SamplingParams(max_tokens=16, ignore_eos=True, stop=[stop], logprobs=0)
+    stopped = _generate(worker, sampling=sampling)
+    assert stopped[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert all(len(r.logprobs) == len(r.token_ids) for r in stopped)
+    ids = [t for r in stopped for t in r.token_ids]
+    lps = [lp for r in stopped for lp in r.logprobs]
+    want = [lp for r in free for lp in r.logprobs][: len(ids)]
+    assert [lp.chosen.token_id for lp in lps] == ids
+    assert [(lp.chosen.token_id, lp.chosen.logprob) for lp in lps] == [
+        (lp.chosen.token_id, lp.chosen.logprob) for lp in want
+    ]
+    assert all(not lp.top for lp in lps)  # logprobs=0: the token's own only
+
+
 def _wait_refcounts_zero(worker, timeout=10.0):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -165,6 +215,11 @@ def test_deadline_exceeded_frees_row(worker) -> None:
             dict(sampling=pb.SamplingParams(stop_token_ids=[-3])),
             grpc.StatusCode.INVALID_ARGUMENT,
             "stop_token_ids",
+        ),
+        (
+            dict(sampling=pb.SamplingParams(logprobs=21)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "logprobs must be in [0, 20]",
         ),
         (dict(adapter="Bad/Name"), grpc.StatusCode.INVALID_ARGUMENT, "adapter name"),
         (dict(adapter="x@0"), grpc.StatusCode.INVALID_ARGUMENT, "version"),

@@ -77,7 +77,7 @@ def serve(
             PrefillInput(p, 0, s, tables[row], greedy)
             for row, (p, s) in enumerate(zip(PROMPTS, ROW_SLOTS, strict=True))
         ]
-    )
+    ).tokens.tolist()
     tokens = np.array(first, np.int32)
     positions = np.array([len(p) for p in PROMPTS], np.int32)
     slots = np.array(ROW_SLOTS, np.int32)
@@ -93,7 +93,7 @@ def serve(
             runner.params, runner.pools.pools, tokens, positions, tables, plan, runner.cache, runner.inv_freq
         )
         out_logits.append(np.asarray(logits).tolist())
-        tokens = runner.decode(tokens, positions, slots, tables, [greedy] * len(PROMPTS)).astype(np.int32)
+        tokens = runner.decode(tokens, positions, slots, tables, [greedy] * len(PROMPTS)).tokens
         out_tokens.append(tokens.tolist())
         positions = positions + 1
     layer = runner.params["layers"][0]
