@@ -29,7 +29,7 @@ class Served:
 
 @pytest.fixture(scope="package")
 def served(llama_dir, adapter_dirs):
-    cfg = EngineConfig(max_batch_size=4, max_seq_len=128, max_loras=2, max_lora_rank=16)
+    cfg = EngineConfig(max_batch_size=4, max_seq_len=512, max_loras=2, max_lora_rank=16)
     adapters = {"all-r4": adapter_dirs["all-r4"], "mlp-r16": adapter_dirs["mlp-r16"]}
     with running_worker(llama_dir, cfg, adapters) as w:
 

@@ -55,7 +55,7 @@ ROWS = [
     ("completions", {**OK, "prompt": []}, 400, "INVALID_ARGUMENT", "prompt is empty", None),
     ("completions", {**OK, "prompt": ["a", "b"]}, 400, "INVALID_ARGUMENT", "one prompt per request", None),
     ("completions", {**OK, "prompt": [1, 99999]}, 400, "INVALID_ARGUMENT", "outside the vocabulary", None),
-    ("completions", {**OK, "prompt": "word " * 400}, 400, "INVALID_ARGUMENT", "context", None),
+    ("completions", {**OK, "prompt": "word " * 1200}, 400, "INVALID_ARGUMENT", "context", None),
     ("completions", {**OK, "model": "no-such-adapter"}, 404, "NOT_FOUND", "no-such-adapter", None),
     ("completions", {**OK, "model": "org/other-model"}, 404, "NOT_FOUND", "neither a base model", None),
     ("completions", {"prompt": "x"}, 400, "INVALID_ARGUMENT", "model", "model"),
