@@ -26,11 +26,16 @@ protos: venv
 demo: venv $(PROTO_OUT)
 	$(BIN)/loraserve demo
 
+# Test files are spread over TEST_WORKERS processes (pytest-xdist; a file's tests stay in one process so its
+# module fixtures are built once); they share one JAX compilation cache. TEST_WORKERS=0 runs in-process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: venv $(PROTO_OUT)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: venv $(PROTO_OUT)
-	$(BIN)/python -m pytest -m "not slow and not e2e" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) -m "not slow and not e2e" $(PYTEST_ARGS)
 
 lint: venv $(PROTO_OUT)
 	$(BIN)/ruff check .
