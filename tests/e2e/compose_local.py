@@ -44,6 +44,7 @@ class LocalCompose:
             },
         }
         self.workdir = workdir
+        self.http_ports: dict[str, int] = {}  # services with an HTTP port -> this machine's
 
     def _value(self, service: str, value: str) -> str:
         value = str(value)
@@ -75,6 +76,8 @@ class LocalCompose:
         env = {k: self._value(service, v) for k, v in (COMPOSE[service].get("environment") or {}).items()}
         for key in [k for k in env if k.endswith("_METRICS_PORT")]:
             env[key] = str(free_port())  # one host here, not one per container
+        for key in [k for k in env if k.endswith("_HTTP_PORT")]:
+            env[key] = str(self.http_ports.setdefault(service, free_port()))
         return env
 
     def run_job(self, service: str) -> subprocess.CompletedProcess:
@@ -94,3 +97,7 @@ class LocalCompose:
 
     def address(self, service: str) -> str:
         return f"127.0.0.1:{self.ports[service]}"
+
+    def http_url(self, service: str) -> str:
+        """Base URL of the service's OpenAI-compatible HTTP API (set once ``env``/``start`` ran)."""
+        return f"http://127.0.0.1:{self.http_ports[service]}"

@@ -9,6 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import openai
 import pytest
 from sqlalchemy import create_engine, text
 
@@ -80,6 +81,16 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
         )
         for (adapter, _), got, want in zip(requests, results, expected, strict=True):
             assert got.token_ids == want and got.adapter == f"{adapter}@1" and got.finish_reason == "length"
+
+        # The router's OpenAI-compatible HTTP port (compose publishes it): the same tokens, and /v1/models
+        # lists the workers' base model and every adapter in the registry.
+        http = openai.OpenAI(base_url=f"{stack.http_url('router')}/v1", api_key="unused", max_retries=0)
+        for (adapter, prompt), got in list(zip(requests, results, strict=True))[:6]:
+            out = http.completions.create(
+                model=adapter, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+            )
+            assert out.choices[0].text == got.text and out.usage.completion_tokens == 6
+        assert [m.id for m in http.models.list()] == [MODEL_ID, *sorted(names)]
 
         time.sleep(2.5)  # one heartbeat (lease 6 s / 3): the database now mirrors every worker's slots
         engine = create_engine(postgres_url)

@@ -267,3 +267,36 @@ def test_router_without_workers_is_unavailable(tmp_path) -> None:
             with pytest.raises(LoraserveError) as exc:
                 client.complete(PROMPT)
             assert exc.value.code_name == "UNAVAILABLE" and "no worker" in exc.value.message
+
+
+def test_router_http_api(stack) -> None:
+    """The router's OpenAI-compatible API: the same tokens as its gRPC, /v1/models from the registry and the
+    live workers, NOT_FOUND as 404."""
+    import httpx
+    import openai
+
+    from loraserve.httpapi.app import build_app
+    from loraserve.router.http import RouterHttpBackend
+    from loraserve.router.server import RouterServicer
+    from tests.aio_thread import http_server_thread
+
+    def make():
+        locator = Locator(stack.registry.address, ttl=0.2, max_candidates=3)
+        return build_app(RouterHttpBackend(RouterServicer(locator, WorkerPool()), locator))
+
+    with http_server_thread(make) as port, Client(stack.router_address) as client:
+        url = f"http://127.0.0.1:{port}"
+        http = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        for model, adapter in ((TINY_MODEL, ""), ("qv-r8-rslora", "qv-r8-rslora")):
+            want = client.complete(PROMPT, adapter=adapter, max_tokens=6, ignore_eos=True)
+            out = http.completions.create(
+                model=model, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+            )
+            assert out.choices[0].text == want.text and out.usage.prompt_tokens == len(PROMPT)
+        models = {m.id: m for m in http.models.list()}
+        assert next(iter(models)) == TINY_MODEL
+        assert {"all-r4", "qv-r8-rslora", "mlp-r16"} <= set(models)
+        assert models["all-r4"].model_dump()["parent"] == TINY_MODEL
+        assert models["all-r4"].model_dump()["root"] == "all-r4@1"
+        resp = httpx.post(f"{url}/v1/completions", json={"model": "never-pushed", "prompt": "x"}, timeout=30)
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "NOT_FOUND"
