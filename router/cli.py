@@ -48,14 +48,11 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     services = router_services(locator, pool, config.max_concurrency)
     background = []
     if config.http_port:
-        from loraserve.httpapi.app import build_app
-        from loraserve.httpapi.server import HttpServer
+        from loraserve.httpapi import http_server
         from loraserve.router.http import RouterHttpBackend
 
         backend = RouterHttpBackend(services.inference, locator)
-        http = HttpServer(
-            build_app(backend, config.security()), config.host, config.http_port, config.security()
-        )
+        http = http_server(backend, config.host, config.http_port, config.security())
         background.append(http.run)
     await run_server(
         services,

@@ -99,14 +99,11 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
     services = worker_services(engine, tokenizer, model_id)
     background = []
     if config.http_port:
-        from loraserve.httpapi.app import build_app
-        from loraserve.httpapi.server import HttpServer
+        from loraserve.httpapi import http_server
         from loraserve.worker.http import WorkerHttpBackend
 
         backend = WorkerHttpBackend(services.inference, model_id, config.model)
-        http = HttpServer(
-            build_app(backend, config.security()), config.host, config.http_port, config.security()
-        )
+        http = http_server(backend, config.host, config.http_port, config.security())
         background.append(http.run)
 
     async def warmup() -> None:
