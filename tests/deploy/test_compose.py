@@ -37,8 +37,9 @@ THIRD_PARTY_PROBES = {"pg_isready", "wget"}  # shipped in the postgres and fake-
 ROLE_OF = {"migrate": "registry", "registry": "registry", "worker-1": "worker", "worker-2": "worker"}
 ROLE_OF |= {"router": "router", "seed": "client", "assets": "demo"}
 # target -> the extras its `pip install` names (DESIGN.md §10.1: a role's image installs that role only)
-EXTRAS_OF = {"client": set(), "router": set(), "registry": {"registry", "postgres", "gcs"}}
-EXTRAS_OF |= {"worker": {"worker", "gcs"}, "demo": {"worker", "gcs", "demo"}}
+# (the router and the workers serve the OpenAI-compatible HTTP API too: the `http` extra)
+EXTRAS_OF = {"client": set(), "router": {"http"}, "registry": {"registry", "postgres", "gcs"}}
+EXTRAS_OF |= {"worker": {"worker", "gcs", "http"}, "demo": {"worker", "gcs", "http", "demo"}}
 
 
 def dockerfile_stages() -> dict[str, dict]:
@@ -157,3 +158,19 @@ def test_health_probe_against_a_live_and_a_dead_server(tmp_path, capsys: pytest.
         assert capsys.readouterr().out.strip() == f"{env.address}: SERVING"
     assert main(["health", "127.0.0.1:1", "--timeout", "0.5"]) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_the_image_build_copies_every_room() -> None:
+    """The wheel is built inside the Dockerfile from COPYed folders: a room missing there is missing from
+    every image (the wheel test in tests/test_packaging.py builds from the checkout, which has them all)."""
+    import tomllib
+
+    rooms = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    )
+    copied = {
+        line.split()[1]
+        for line in (ROOT / "Dockerfile").read_text().splitlines()
+        if line.startswith("COPY ") and "--from" not in line
+    }
+    assert rooms <= copied, f"not copied into the build stage: {sorted(rooms - copied)}"
