@@ -75,6 +75,10 @@ class DeadlineExceeded(LoraserveError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class PermissionDenied(LoraserveError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class Unauthenticated(LoraserveError):
     code = grpc.StatusCode.UNAUTHENTICATED
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from loraserve.registry.catalog import Catalog
 from loraserve.registry.config import RegistryConfig
 from loraserve.registry.db import make_engine, make_sessionmaker
+from loraserve.registry.imports import ImportPolicy
 from loraserve.registry.migrate import upgrade
 from loraserve.registry.placement import Placement
 from loraserve.registry.storage import BlobStore
@@ -33,5 +34,6 @@ def open_registry(config: RegistryConfig) -> Registry:
         BlobStore(config.storage),
         max_upload_bytes=config.max_upload_bytes,
         max_lora_rank=config.max_lora_rank,
+        imports=ImportPolicy(config.import_allow.split(","), config.storage, config.max_upload_bytes),
     )
     return Registry(config, catalog, Placement(sessions, catalog, config.lease_seconds), engine)

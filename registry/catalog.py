@@ -20,7 +20,6 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
 from loraserve.adapters.errors import AdapterError, AdapterMismatchError, AdapterRankError, UnknownModuleError
-from loraserve.adapters.files import read_adapter_files
 from loraserve.adapters.peft import parse_adapter, parse_config
 from loraserve.adapters.refs import split_ref
 from loraserve.common.errors import (
@@ -31,6 +30,7 @@ from loraserve.common.errors import (
     ResourceExhausted,
 )
 from loraserve.registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow
+from loraserve.registry.imports import ImportPolicy
 from loraserve.registry.storage import BlobStore
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -73,10 +73,17 @@ def _decode_token(token: str) -> tuple[str, int]:
 
 class Catalog:
     def __init__(
-        self, sessions: sessionmaker, store: BlobStore, *, max_upload_bytes: int, max_lora_rank: int
+        self,
+        sessions: sessionmaker,
+        store: BlobStore,
+        *,
+        max_upload_bytes: int,
+        max_lora_rank: int,
+        imports: ImportPolicy | None = None,
     ) -> None:
         self.sessions, self.store = sessions, store
         self.max_upload_bytes, self.max_lora_rank = max_upload_bytes, max_lora_rank
+        self.imports = imports or ImportPolicy((), store.root_url, max_upload_bytes)
 
     # ------------------------------------------------------------------ upload
     def check_header(self, h: UploadHeader) -> None:
@@ -179,7 +186,7 @@ class Catalog:
         import hashlib
 
         try:
-            config, weights = read_adapter_files(uri)
+            config, weights = self.imports.read(uri)  # PERMISSION_DENIED outside --import-allow
         except AdapterError as exc:
             raise InvalidArgument(str(exc)) from exc
         except (OSError, ValueError) as exc:

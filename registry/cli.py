@@ -21,6 +21,8 @@ HELP = {
     "max_lora_rank": "largest adapter rank accepted (the largest slot rank of the fleet)",
     "migrate": "run database migrations at start",
     "metrics_port": "Prometheus /metrics port (0 = off)",
+    "import_allow": "comma-separated URL prefixes ImportAdapter may read from; anything else is "
+    "PERMISSION_DENIED (empty = the storage root only)",
     **SECURITY_HELP,
 }
 

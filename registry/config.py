@@ -22,6 +22,9 @@ class RegistryConfig(ServerSecurityConfig):
     max_lora_rank: int = 256  # largest rank accepted at upload (the largest slot rank of the fleet)
     migrate: bool = True  # run migrations at start
     metrics_port: int = 0  # Prometheus /metrics port (0 = off)
+    import_allow: str = (
+        ""  # comma-separated URL prefixes ImportAdapter may read (empty = the storage root only)
+    )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> RegistryConfig:

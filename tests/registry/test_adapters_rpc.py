@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import fsspec
 import grpc
@@ -139,12 +141,18 @@ def test_corrupted_blob_is_data_loss(reg, adapter_dirs, tmp_path) -> None:
 
 
 def test_import_from_uri(reg, adapter_dirs) -> None:
-    a = reg.client.import_uri(str(adapter_dirs["mlp-r16"]), "imported", TINY_MODEL)
+    """Imports read only under --import-allow (default: the store; tests/registry/test_imports.py)."""
+    inside = Path(reg.store_root) / "imports" / "mlp"
+    shutil.copytree(adapter_dirs["mlp-r16"], inside)
+    a = reg.client.import_uri(str(inside), "imported", TINY_MODEL)
     assert (a.name, a.version, a.rank) == ("imported", 1, 16)
     assert a.sha256 == hashlib.sha256(_weights(adapter_dirs["mlp-r16"])).hexdigest()
     with pytest.raises(LoraserveError) as exc:
-        reg.client.import_uri("/does/not/exist", "imported", TINY_MODEL)
+        reg.client.import_uri(str(Path(reg.store_root) / "no-such-folder"), "imported", TINY_MODEL)
     assert exc.value.code_name == "INVALID_ARGUMENT"
+    with pytest.raises(LoraserveError) as exc:
+        reg.client.import_uri(str(adapter_dirs["mlp-r16"]), "imported", TINY_MODEL)
+    assert exc.value.code_name == "PERMISSION_DENIED"
     assert reg.adapter_rows() == [("imported", 1, "READY")]
 
 

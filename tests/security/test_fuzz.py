@@ -41,6 +41,7 @@ DOCUMENTED = {
     grpc.StatusCode.RESOURCE_EXHAUSTED,
     grpc.StatusCode.DATA_LOSS,
     grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.PERMISSION_DENIED,  # ImportAdapter outside --import-allow
 }
 FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 text = st.text(max_size=40)
