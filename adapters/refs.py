@@ -1,21 +1,67 @@
-"""Adapter references: ``name`` (the latest version) or ``name@3``; names match DESIGN.md §2's pattern."""
+"""Adapter references: ``name`` (the latest version), ``name@3`` (a version) or ``name@prod`` (an alias the
+registry resolves to one version, or to one of a weighted split); names match DESIGN.md §2's pattern.
+An alias starts with a letter, so it can never be mistaken for a version number."""
 
 from __future__ import annotations
 
+import hashlib
+import math
+import random
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from loraserve.adapters.errors import AdapterError
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
+ALIAS_RE = re.compile(r"^[a-z][a-z0-9._-]{0,63}$")
 
 
-def split_ref(ref: str) -> tuple[str, int | None]:
-    """``"name@3" -> ("name", 3)``, ``"name" -> ("name", None)``; INVALID_ARGUMENT for a malformed ref."""
-    name, sep, version = ref.partition("@")
+@dataclass(frozen=True)
+class Ref:
+    name: str
+    version: int | None = None
+    alias: str | None = None
+
+
+def parse_ref(ref: str) -> Ref:
+    """``"name"``, ``"name@3"`` or ``"name@prod"``; INVALID_ARGUMENT for anything else."""
+    name, sep, tail = ref.partition("@")
     if not NAME_RE.match(name):
         raise AdapterError(f"adapter name {name[:64]!r} must match {NAME_RE.pattern}")
     if not sep:
-        return name, None
-    if not version.isdigit() or int(version) < 1:
-        raise AdapterError(f"adapter version in {ref[:64]!r} must be a positive integer")
-    return name, int(version)
+        return Ref(name)
+    if tail.isdigit() and int(tail) >= 1:
+        return Ref(name, version=int(tail))
+    if ALIAS_RE.match(tail):
+        return Ref(name, alias=tail)
+    raise AdapterError(
+        f"{ref[:64]!r}: after '@' comes a version (a positive integer) or an alias matching {ALIAS_RE.pattern}"
+    )
+
+
+def split_ref(ref: str) -> tuple[str, int | None]:
+    """``"name@3" -> ("name", 3)``, ``"name" -> ("name", None)``; INVALID_ARGUMENT for a malformed ref and for
+    an alias (only the registry resolves those)."""
+    parsed = parse_ref(ref)
+    if parsed.alias is not None:
+        raise AdapterError(f"{ref[:64]!r} names an alias, which only a registry resolves")
+    return parsed.name, parsed.version
+
+
+def pick_version(targets: Sequence[tuple[int, float]], routing_key: str = "") -> int:
+    """One version of a weighted split: by ``routing_key`` when given (the same key always gets the same
+    version while the split is unchanged, uniformly spread by sha256), else a random draw by weight."""
+    total = sum(w for _, w in targets)
+    if not targets or not math.isfinite(total) or total <= 0:
+        raise AdapterError("an alias split needs weights with a positive total")
+    if routing_key:
+        u = int.from_bytes(hashlib.sha256(routing_key.encode()).digest()[:8], "big") / 2**64
+    else:
+        u = random.random()
+    point, acc = u * total, 0.0
+    for version, weight in targets:
+        acc += weight
+        if point < acc:
+            return version
+    return next(v for v, w in reversed(targets) if w > 0)

@@ -1,4 +1,5 @@
-"""``loraserve adapters {push,ls,show,rm}`` and ``loraserve workers ls``: registry administration.
+"""``loraserve adapters {push,ls,show,rm,alias,unalias,history}`` and ``loraserve workers ls``: registry
+administration.
 
 Tables by default, ``--json`` for machines. The registry address comes from ``--registry`` or
 ``LORASERVE_REGISTRY_ADDRESS`` (default 127.0.0.1:50051).
@@ -38,6 +39,7 @@ def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
     push.add_argument("--description", default="")
     push.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     push.add_argument("--version", type=int, default=0, help="explicit version (default: next)")
+    push.add_argument("--alias", default="", help="then point this alias (e.g. prod) at the pushed version")
     _common(push)
     ls = sub.add_parser("ls", help="list adapters")
     ls.add_argument("--base-model", default="")
@@ -49,6 +51,23 @@ def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
     rm = sub.add_parser("rm", help="delete one version (name@3) or every version (name)")
     rm.add_argument("adapter")
     _common(rm)
+    alias = sub.add_parser(
+        "alias", help="point NAME@ALIAS at a version (3) or a weighted split (3=90 4=10); one transaction"
+    )
+    alias.add_argument("name")
+    alias.add_argument("alias")
+    alias.add_argument("targets", nargs="+", metavar="VERSION[=WEIGHT]")
+    alias.add_argument("--actor", default="", help="who is moving it (default: $USER)")
+    _common(alias)
+    unalias = sub.add_parser("unalias", help="remove NAME@ALIAS (its history stays)")
+    unalias.add_argument("name")
+    unalias.add_argument("alias")
+    unalias.add_argument("--actor", default="", help="who is removing it (default: $USER)")
+    _common(unalias)
+    history = sub.add_parser("history", help="every alias change of NAME: who, when, from, to")
+    history.add_argument("name")
+    history.add_argument("--alias", default="", help="only this alias")
+    _common(history)
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +107,30 @@ def _progress(sent: int, total: int) -> None:
     sys.stderr.flush()
 
 
+def parse_targets(items: list[str]) -> list[tuple[int, float]]:
+    """``["3"]`` or ``["3=90", "4=10"]`` -> [(version, weight)]; INVALID_ARGUMENT for anything else."""
+    from loraserve.common.errors import InvalidArgument
+
+    out = []
+    for item in items:
+        version, sep, weight = item.partition("=")
+        try:
+            out.append((int(version), float(weight) if sep else 1.0))
+        except ValueError:
+            raise InvalidArgument(f"alias target {item!r}: expected VERSION or VERSION=WEIGHT") from None
+    return out
+
+
+def _split(targets) -> str:
+    if len(targets) == 1:
+        return str(targets[0].version)
+    return " ".join(f"{t.version}={t.weight:g}" for t in targets)
+
+
+def _actor(args: argparse.Namespace) -> str:
+    return args.actor or os.environ.get("USER", "")
+
+
 def run_adapters(args: argparse.Namespace) -> int:
     with _client(args) as client:
         cmd = args.adapters_command
@@ -102,11 +145,15 @@ def run_adapters(args: argparse.Namespace) -> int:
                 version=args.version,
                 progress=None if args.json else _progress,
             )
-            print(
-                json.dumps(_dict(a))
-                if args.json
-                else f"pushed {a.name}@{a.version} ({a.size_bytes} bytes, sha256 {a.sha256[:12]}…)"
+            moved = (
+                client.set_alias(a.name, args.alias, [(a.version, 1.0)], _actor(args)) if args.alias else None
             )
+            if args.json:
+                print(json.dumps({**_dict(a), **({"alias": _dict(moved)} if moved else {})}))
+            else:
+                print(f"pushed {a.name}@{a.version} ({a.size_bytes} bytes, sha256 {a.sha256[:12]}…)")
+                if moved:
+                    print(f"{a.name}@{moved.alias} -> {_split(moved.targets)}")
         elif cmd == "ls":
             adapters = list(client.list(base_model=args.base_model, name_prefix=args.prefix))
             if args.json:
@@ -121,15 +168,45 @@ def run_adapters(args: argparse.Namespace) -> int:
                             f"{a.alpha:g}",
                             ",".join(a.target_modules),
                             a.size_bytes,
+                            ",".join(al.alias for al in a.aliases),
                         ]
                         for a in adapters
                     ],
-                    ["ADAPTER", "BASE MODEL", "RANK", "ALPHA", "TARGETS", "BYTES"],
+                    ["ADAPTER", "BASE MODEL", "RANK", "ALPHA", "TARGETS", "BYTES", "ALIASES"],
                 )
         elif cmd == "show":
             a = client.get(args.adapter)
             d = _dict(a)
             print(json.dumps(d) if args.json else "\n".join(f"{k:15s} {v}" for k, v in d.items()))
+        elif cmd in ("alias", "unalias"):
+            if cmd == "alias":
+                view = client.set_alias(args.name, args.alias, parse_targets(args.targets), _actor(args))
+            else:
+                view = client.delete_alias(args.name, args.alias, _actor(args))
+            verb = "->" if cmd == "alias" else "removed; it pointed at"
+            print(
+                json.dumps(_dict(view))
+                if args.json
+                else f"{view.name}@{view.alias} {verb} {_split(view.targets)}"
+            )
+        elif cmd == "history":
+            changes = client.alias_history(args.name, args.alias)
+            if args.json:
+                print(json.dumps([_dict(c) for c in changes]))
+            else:
+                _table(
+                    [
+                        [
+                            c.at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
+                            f"{c.name}@{c.alias}",
+                            _split(c.before) if c.before else "(new)",
+                            _split(c.after) if c.after else "(deleted)",
+                            c.actor,
+                        ]
+                        for c in changes
+                    ],
+                    ["WHEN (UTC)", "ALIAS", "FROM", "TO", "BY"],
+                )
         elif cmd == "rm":
             resp = client.delete(args.adapter)
             if args.json:

@@ -19,7 +19,12 @@ DEFAULT_TARGET = "127.0.0.1:50071"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument(
-        "--adapter", default="", help="adapter name or name@version (default: the base model)"
+        "--adapter", default="", help="adapter name, name@version or name@alias (default: the base model)"
+    )
+    parser.add_argument(
+        "--routing-key",
+        default="",
+        help="for an alias with a weighted split: the same key always gets the same version (e.g. a user id)",
     )
     parser.add_argument(
         "--target",
@@ -31,7 +36,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument(
+        "--stop-token-id",
+        type=int,
+        action="append",
+        default=[],
+        help="token id that ends generation (repeatable)",
+    )
+    parser.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token"
+    )
     parser.add_argument(
         "--logprobs",
         type=int,
@@ -90,7 +105,10 @@ def run(args: argparse.Namespace) -> int:
                 top_k=args.top_k,
                 seed=args.seed,
                 stop=args.stop,
+                stop_token_ids=args.stop_token_id,
+                ignore_eos=args.ignore_eos,
                 logprobs=args.logprobs,
+                routing_key=args.routing_key,
             ):
                 last = chunk
                 if args.json:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -91,8 +91,31 @@ class RegistryClient:
             registry_pb2.ImportAdapterRequest(uri=uri, name=name, base_model=base_model, **kw),
         )
 
-    def get(self, ref: str) -> registry_pb2.Adapter:
-        return self._call(self.adapters.GetAdapter, registry_pb2.GetAdapterRequest(adapter=ref))
+    def get(self, ref: str, routing_key: str = "") -> registry_pb2.Adapter:
+        return self._call(
+            self.adapters.GetAdapter, registry_pb2.GetAdapterRequest(adapter=ref, routing_key=routing_key)
+        )
+
+    def set_alias(
+        self, name: str, alias: str, targets: Sequence[tuple[int, float]], actor: str = ""
+    ) -> registry_pb2.Alias:
+        """Point ``name@alias`` at one version ``[(3, 1)]`` or a weighted split ``[(3, 90), (4, 10)]``."""
+        request = registry_pb2.SetAliasRequest(
+            name=name,
+            alias=alias,
+            targets=[registry_pb2.AliasTarget(version=v, weight=w) for v, w in targets],
+            actor=actor,
+        )
+        return self._call(self.adapters.SetAlias, request)
+
+    def delete_alias(self, name: str, alias: str, actor: str = "") -> registry_pb2.Alias:
+        return self._call(
+            self.adapters.DeleteAlias, registry_pb2.DeleteAliasRequest(name=name, alias=alias, actor=actor)
+        )
+
+    def alias_history(self, name: str, alias: str = "") -> list[registry_pb2.AliasChange]:
+        request = registry_pb2.ListAliasHistoryRequest(name=name, alias=alias)
+        return list(self._call(self.adapters.ListAliasHistory, request).changes)
 
     def list(
         self, *, base_model: str = "", name_prefix: str = "", page_size: int = 100

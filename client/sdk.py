@@ -71,6 +71,7 @@ def build_request(
     ignore_eos: bool = False,
     request_id: str = "",
     logprobs: int | None = None,
+    routing_key: str = "",
 ) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(
         max_tokens=max_tokens,
@@ -85,7 +86,9 @@ def build_request(
         sampling.seed = seed
     if logprobs is not None:
         sampling.logprobs = logprobs
-    req = pb.GenerateRequest(adapter=adapter, sampling=sampling, request_id=request_id)
+    req = pb.GenerateRequest(
+        adapter=adapter, sampling=sampling, request_id=request_id, routing_key=routing_key
+    )
     if isinstance(prompt, str):
         req.text = prompt
     else:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from loraserve.adapters.refs import split_ref
+from loraserve.adapters.refs import parse_ref
 from loraserve.common.errors import InvalidArgument, LoraserveError, NotFound
 from loraserve.protos.v1 import inference_pb2 as pb
 
@@ -132,7 +132,10 @@ class CompletionRequest(_Common):
     def to_grpc(self, adapter: str, request_id: str) -> pb.GenerateRequest:
         prompt = self.single_prompt()
         req = pb.GenerateRequest(
-            request_id=request_id, adapter=adapter, sampling=self.sampling(self.max_tokens, self.logprobs)
+            request_id=request_id,
+            adapter=adapter,
+            sampling=self.sampling(self.max_tokens, self.logprobs),
+            routing_key=self.user or "",
         )
         if isinstance(prompt, str):
             req.text = prompt
@@ -197,7 +200,10 @@ class ChatCompletionRequest(_Common):
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         req = pb.GenerateRequest(
-            request_id=request_id, adapter=adapter, sampling=self.sampling(limit, logprobs)
+            request_id=request_id,
+            adapter=adapter,
+            sampling=self.sampling(limit, logprobs),
+            routing_key=self.user or "",  # a rollout keeps each end user on one version
         )
         req.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.text()) for m in self.messages)
         return req
@@ -209,11 +215,11 @@ def new_id(prefix: str) -> str:
 
 def adapter_for_model(model: str, base_ids: set[str]) -> str:
     """OpenAI's ``model`` -> ``GenerateRequest.adapter``: "" for a base model id, else an adapter ref
-    ("name" or "name@3"); 404 for anything that is neither (e.g. another server's model name)."""
+    ("name", "name@3" or "name@prod"); 404 for anything that is neither (e.g. another server's model name)."""
     if model in base_ids:
         return ""
     try:
-        split_ref(model)
+        parse_ref(model)
     except LoraserveError:
         bases = ", ".join(sorted(base_ids)) or "none registered"
         raise NotFound(

@@ -19,9 +19,10 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
+from loraserve.adapters import refs
 from loraserve.adapters.errors import AdapterError, AdapterMismatchError, AdapterRankError, UnknownModuleError
 from loraserve.adapters.peft import parse_adapter, parse_config
-from loraserve.adapters.refs import split_ref
+from loraserve.adapters.refs import Ref
 from loraserve.common.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -29,6 +30,7 @@ from loraserve.common.errors import (
     NotFound,
     ResourceExhausted,
 )
+from loraserve.registry.aliases import Aliases
 from loraserve.registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow
 from loraserve.registry.imports import ImportPolicy
 from loraserve.registry.storage import BlobStore
@@ -50,9 +52,9 @@ class UploadHeader:
     version: int = 0  # 0 = next
 
 
-def parse_ref(ref: str) -> tuple[str, int | None]:
+def parse_ref(ref: str) -> Ref:
     try:
-        return split_ref(ref)
+        return refs.parse_ref(ref)
     except AdapterError as exc:
         raise InvalidArgument(str(exc)) from exc
 
@@ -84,13 +86,14 @@ class Catalog:
         self.sessions, self.store = sessions, store
         self.max_upload_bytes, self.max_lora_rank = max_upload_bytes, max_lora_rank
         self.imports = imports or ImportPolicy((), store.root_url, max_upload_bytes)
+        self.aliases = Aliases(sessions)
 
     # ------------------------------------------------------------------ upload
     def check_header(self, h: UploadHeader) -> None:
         """Everything that can be refused before a single weight byte arrives."""
-        _, version = parse_ref(h.name)
-        if version is not None:
-            raise InvalidArgument("name must not carry a version; set the version field instead")
+        ref = parse_ref(h.name)
+        if ref.version is not None or ref.alias is not None:
+            raise InvalidArgument("name must not carry a version or alias; set the version field instead")
         if not h.base_model:
             raise InvalidArgument("base_model is required")
         if len(h.base_model) > 512:
@@ -204,8 +207,13 @@ class Catalog:
         return self.create(header, weights)
 
     # ------------------------------------------------------------------ reads
-    def get(self, ref: str) -> AdapterRow:
-        name, version = parse_ref(ref)
+    def get(self, ref: str, routing_key: str = "") -> AdapterRow:
+        """``name`` (latest), ``name@3``, or ``name@alias`` (its version, or one of its split drawn by weight,
+        deterministically per ``routing_key`` when given)."""
+        parsed = parse_ref(ref)
+        name, version = parsed.name, parsed.version
+        if parsed.alias is not None:
+            version, _ = self.aliases.resolve(name, parsed.alias, routing_key)
         with self.sessions() as s:
             q = select(AdapterRow).where(AdapterRow.name == name, AdapterRow.state == "READY")
             q = q.where(AdapterRow.version == version) if version else q.order_by(AdapterRow.version.desc())
@@ -240,8 +248,14 @@ class Catalog:
 
     # ------------------------------------------------------------------ delete / gc
     def delete(self, ref: str) -> tuple[list[AdapterRow], int]:
-        """Delete one version (``name@3``) or all versions (``name``); order every holder to unload."""
-        name, version = parse_ref(ref)
+        """Delete one version (``name@3``) or all versions (``name``); order every holder to unload. A version
+        an alias points at is refused (FAILED_PRECONDITION) until the alias moves."""
+        parsed = parse_ref(ref)
+        if parsed.alias is not None:
+            raise InvalidArgument(
+                f"{ref!r} is an alias: delete versions by number, or the alias with DeleteAlias"
+            )
+        name, version = parsed.name, parsed.version
         with self.sessions() as s:
             q = select(AdapterRow).where(AdapterRow.name == name, AdapterRow.state == "READY")
             if version:
@@ -249,6 +263,11 @@ class Catalog:
             rows = list(s.scalars(q.with_for_update()))
             if not rows:
                 raise NotFound(f"adapter {ref!r} does not exist")
+            held = self.aliases.pointing_at(s, name, [r.version for r in rows])
+            if held:
+                raise FailedPrecondition(
+                    f"{ref} is the target of alias {', '.join(held)}: move the alias first (loraserve adapters alias)"
+                )
             keys = [r.key for r in rows]
             orders = 0
             holders = s.execute(

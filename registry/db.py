@@ -138,6 +138,36 @@ class UnloadOrderRow(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class AliasRow(Base):
+    """``name@alias`` -> one version or a weighted split: ``targets`` is ``[[version, weight], ...]``."""
+
+    __tablename__ = "adapter_aliases"
+    __table_args__ = (UniqueConstraint("name", "alias", name="uq_adapter_aliases_name_alias"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128))
+    alias: Mapped[str] = mapped_column(String(64))
+    targets: Mapped[list[list[float]]] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_by: Mapped[str] = mapped_column(String(256), default="")
+    generation: Mapped[int] = mapped_column(Integer, default=0)  # bumped by every move (compare-and-set)
+
+
+class AliasChangeRow(Base):
+    """Every alias move, append-only: ``before``/``after`` are targets lists (None: created / deleted)."""
+
+    __tablename__ = "alias_history"
+    __table_args__ = (Index("ix_alias_history_name_id", "name", "id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(128))
+    alias: Mapped[str] = mapped_column(String(64))
+    before: Mapped[list[list[float]] | None] = mapped_column(JSON, nullable=True)
+    after: Mapped[list[list[float]] | None] = mapped_column(JSON, nullable=True)
+    actor: Mapped[str] = mapped_column(String(256), default="")
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 def make_engine(url: str) -> Engine:
     """A SQLAlchemy engine for ``url``; SQLite gets WAL, foreign keys and a busy timeout."""
     if url.startswith("sqlite"):

@@ -193,13 +193,14 @@ class Placement:
                 q = q.where(WorkerRow.state != "EXPIRED")
             return list(s.scalars(q))
 
-    def locate(self, ref: str, max_candidates: int = 0) -> tuple[str, list[Candidate]]:
-        """Resolve ``ref`` and rank live workers for it; ("", ranking) for the base model."""
+    def locate(self, ref: str, max_candidates: int = 0, routing_key: str = "") -> tuple[str, list[Candidate]]:
+        """Resolve ``ref`` (an alias by ``routing_key``) and rank live workers for it; ("", ranking) for the
+        base model."""
         limit = min(max_candidates or 3, MAX_CANDIDATES)
         now = utcnow()
         key, model = "", None
         if ref:
-            row = self.catalog.get(ref)
+            row = self.catalog.get(ref, routing_key)
             key, model = row.key, row.base_model
         with self.sessions() as s:
             q = select(WorkerRow).where(WorkerRow.state == "READY", WorkerRow.lease_expires_at > now)

@@ -27,7 +27,8 @@ from loraserve.protos.v1 import (
     registry_pb2_grpc,
     worker_admin_pb2,
 )
-from loraserve.registry.catalog import Catalog, UploadHeader
+from loraserve.registry.aliases import AliasView
+from loraserve.registry.catalog import Catalog, UploadHeader, parse_ref
 from loraserve.registry.db import AdapterRow, WorkerRow, as_utc
 from loraserve.registry.placement import Load, Placement, SlotReport
 
@@ -48,8 +49,25 @@ def ts(value: datetime | None) -> Timestamp:
     return out
 
 
-def adapter_to_proto(row: AdapterRow) -> registry_pb2.Adapter:
+def targets_to_proto(targets) -> list[registry_pb2.AliasTarget]:
+    return [registry_pb2.AliasTarget(version=v, weight=w) for v, w in targets or ()]
+
+
+def alias_to_proto(view: AliasView) -> registry_pb2.Alias:
+    return registry_pb2.Alias(
+        name=view.name,
+        alias=view.alias,
+        targets=targets_to_proto(view.targets),
+        updated_at=ts(view.updated_at),
+        updated_by=view.updated_by,
+    )
+
+
+def adapter_to_proto(row: AdapterRow, aliases: list[AliasView] = ()) -> registry_pb2.Adapter:
+    """``aliases``: the name's aliases; those pointing at this version are included."""
+    own = [alias_to_proto(a) for a in aliases if any(v == row.version for v, _ in a.targets)]
     return registry_pb2.Adapter(
+        aliases=own,
         name=row.name,
         version=row.version,
         base_model=row.base_model,
@@ -64,6 +82,11 @@ def adapter_to_proto(row: AdapterRow) -> registry_pb2.Adapter:
         description=row.description,
         labels=row.labels,
     )
+
+
+def _actor(request, context) -> str:
+    """Who made a change: the request's ``actor``, else the caller's address."""
+    return (request.actor or context.peer() or "unknown")[:256]
 
 
 def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
@@ -163,8 +186,9 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
         return adapter_to_proto(row)
 
     async def GetAdapter(self, request, context):
-        row = await _call(context, self.catalog.get, request.adapter)
-        out = adapter_to_proto(row)
+        row = await _call(context, self.catalog.get, request.adapter, request.routing_key)
+        aliases = await _call(context, self.catalog.aliases.of_names, [row.name])
+        out = adapter_to_proto(row, aliases.get(row.name, []))
         out.adapter_config_json = row.config.encode()
         return out
 
@@ -177,8 +201,38 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
             request.base_model,
             request.name_prefix,
         )
+        aliases = await _call(context, self.catalog.aliases.of_names, [r.name for r in rows])
         return registry_pb2.ListAdaptersResponse(
-            adapters=[adapter_to_proto(r) for r in rows], next_page_token=token
+            adapters=[adapter_to_proto(r, aliases.get(r.name, [])) for r in rows], next_page_token=token
+        )
+
+    async def SetAlias(self, request, context):
+        targets = [(t.version, t.weight) for t in request.targets]
+        view = await _call(
+            context, self.catalog.aliases.set, request.name, request.alias, targets, _actor(request, context)
+        )
+        return alias_to_proto(view)
+
+    async def DeleteAlias(self, request, context):
+        view = await _call(
+            context, self.catalog.aliases.delete, request.name, request.alias, _actor(request, context)
+        )
+        return alias_to_proto(view)
+
+    async def ListAliasHistory(self, request, context):
+        rows = await _call(context, self.catalog.aliases.history, request.name, request.alias)
+        return registry_pb2.ListAliasHistoryResponse(
+            changes=[
+                registry_pb2.AliasChange(
+                    name=r.name,
+                    alias=r.alias,
+                    before=targets_to_proto(r.before),
+                    after=targets_to_proto(r.after),
+                    actor=r.actor,
+                    at=ts(r.at),
+                )
+                for r in rows
+            ]
         )
 
     async def DeleteAdapter(self, request, context):
@@ -244,9 +298,18 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
         return placement_pb2.ListWorkersResponse(workers=[worker_to_proto(r) for r in rows])
 
     async def LocateAdapter(self, request, context):
-        key, candidates = await _call(context, self.placement.locate, request.adapter, request.max_candidates)
+        key, candidates = await _call(
+            context, self.placement.locate, request.adapter, request.max_candidates, request.routing_key
+        )
+        split = []
+        ref = parse_ref(request.adapter) if request.adapter else None  # valid: locate resolved it
+        if ref is not None and ref.alias is not None:
+            split = targets_to_proto(
+                (await _call(context, self.placement.catalog.aliases.get, ref.name, ref.alias)).targets
+            )
         return placement_pb2.LocateAdapterResponse(
             adapter=key,
+            split=split,
             candidates=[
                 placement_pb2.WorkerCandidate(
                     worker_id=c.worker_id,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from loraserve.adapters.refs import pick_version
 from loraserve.common.errors import Unavailable, error_from_rpc
 from loraserve.common.security import aio_channel
 from loraserve.protos.v1 import inference_pb2_grpc, placement_pb2, placement_pb2_grpc
@@ -18,6 +19,9 @@ class Route:
     addresses: tuple[str, ...]  # best first, as the registry ranked them
     holders: frozenset[str]  # addresses that already hold the adapter
     at: float
+    split: tuple[
+        tuple[int, float], ...
+    ] = ()  # an alias's versions and weights (the router picks per request)
 
 
 class Locator:
@@ -51,9 +55,20 @@ class Locator:
             tuple(c.address for c in resp.candidates),
             frozenset(c.address for c in resp.candidates if c.holds_adapter),
             time.monotonic(),
+            tuple((t.version, t.weight) for t in resp.split),
         )
         self._routes[adapter] = route
         return route
+
+    async def route(self, adapter: str, routing_key: str = "") -> Route:
+        """``locate``, plus rollouts: for an alias with a split, one version is picked per request (by
+        ``routing_key``, else at random by weight) from the cached split, then that version is located."""
+        route = await self.locate(adapter)
+        if len(route.split) <= 1:
+            return route
+        version = pick_version(route.split, routing_key)
+        name = adapter.partition("@")[0]
+        return await self.locate(f"{name}@{version}")
 
     def forget(self, adapter: str) -> None:
         self._routes.pop(adapter, None)

@@ -41,7 +41,9 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             self.active -= 1
 
     async def _generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        route = await self.locator.locate(request.adapter)  # LoraserveError: NOT_FOUND, UNAVAILABLE, ...
+        # LoraserveError: NOT_FOUND, UNAVAILABLE, ...; an alias's split is resolved here, once per request, so
+        # the request stays on that version even if the alias moves while it decodes.
+        route = await self.locator.route(request.adapter, request.routing_key)
         if not route.addresses:
             raise Unavailable(f"no worker can serve {request.adapter or 'the base model'}")
         forward = inference_pb2.GenerateRequest()

@@ -16,7 +16,7 @@ import fsspec
 import grpc
 
 from loraserve.adapters.errors import AdapterError, AdapterUnavailableError
-from loraserve.adapters.refs import split_ref
+from loraserve.adapters.refs import parse_ref
 from loraserve.adapters.sources import FetchedAdapter
 from loraserve.common.security import channel
 from loraserve.protos.v1 import registry_pb2, registry_pb2_grpc
@@ -74,7 +74,14 @@ class RegistryAdapterSource:
             raise _adapter_error(exc, f"resolving {ref!r}", (NOT_FOUND, INVALID_ARGUMENT)) from None
 
     def resolve(self, ref: str) -> str:
-        name, version = split_ref(ref)
+        parsed = parse_ref(ref)
+        name, version = parsed.name, parsed.version
+        if parsed.alias is not None:  # the registry resolves aliases (and their splits) every time
+            meta = self._get(ref)
+            key = f"{meta.name}@{meta.version}"
+            with self._lock:
+                self._meta[key] = meta
+            return key
         if version is not None and ref in self._meta:
             return ref
         if version is None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from loraserve.adapters.refs import split_ref
+from loraserve.adapters.refs import parse_ref
 from loraserve.common.errors import ResourceExhausted
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.kv_cache import BASE_KEY, KVCache, SeqPages
@@ -109,7 +109,7 @@ class Scheduler:
         validate_prompt(req.prompt, cfg.vocab_size, self.config.max_seq_len)
         req.sampling.validate(cfg.vocab_size)
         if req.adapter:
-            split_ref(req.adapter)  # an AdapterError (INVALID_ARGUMENT) for a malformed ref
+            parse_ref(req.adapter)  # an AdapterError (INVALID_ARGUMENT) for a malformed ref
         room = self.config.max_seq_len - len(req.prompt)
         req.max_new_tokens = min(req.sampling.max_tokens or self.config.default_max_tokens, room)
         req.seed = req.sampling.resolved_seed()

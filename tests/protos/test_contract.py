@@ -24,6 +24,9 @@ SERVICES = {
         "ListAdapters": UNARY,
         "DeleteAdapter": UNARY,
         "DownloadAdapter": SERVER_STREAM,
+        "SetAlias": UNARY,
+        "DeleteAlias": UNARY,
+        "ListAliasHistory": UNARY,
     },
     (placement_pb2, "Placement"): {
         "RegisterWorker": UNARY,
@@ -69,6 +72,10 @@ FIELDS = {
     inference_pb2.TokenLogprobs: {"chosen": 1, "top": 2},
     inference_pb2.Logprob: {"token_id": 1, "logprob": 2, "token": 3, "token_bytes": 4},
     inference_pb2.Usage: {"prompt_tokens": 1, "completion_tokens": 2},
+    registry_pb2.AliasTarget: {"version": 1, "weight": 2},
+    registry_pb2.Alias: {"name": 1, "alias": 2, "targets": 3, "updated_at": 4, "updated_by": 5},
+    registry_pb2.AliasChange: {"name": 1, "alias": 2, "before": 3, "after": 4, "actor": 5, "at": 6},
+    placement_pb2.LocateAdapterResponse: {"candidates": 1, "adapter": 2, "split": 3},
     registry_pb2.Adapter: {
         "name": 1,
         "version": 2,

@@ -39,7 +39,7 @@ def test_migration_0002_adds_the_column_with_1_for_existing_workers(tmp_path) ->
             ),
             {"t": now},
         )
-    migrate.upgrade(url)
+    migrate.upgrade(url, "0002")
     assert migrate.current_revision(url) == "0002"
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT id, tensor_parallel_size FROM workers")).all() == [("w1", 1)]
