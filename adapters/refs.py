@@ -65,3 +65,12 @@ def pick_version(targets: Sequence[tuple[int, float]], routing_key: str = "") ->
         if point < acc:
             return version
     return next(v for v, w in reversed(targets) if w > 0)
+
+
+# A Hugging Face Hub repo id: "name" or "org/name". Anything else ("/x", "./x", "~/x", "a/b/c", "C:\\x") is a path.
+HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hugging Face repo id rather than a local path."""
+    return bool(HUB_ID_RE.match(name))

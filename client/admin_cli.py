@@ -40,6 +40,11 @@ def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
     push.add_argument("--label", action="append", default=[], metavar="KEY=VALUE")
     push.add_argument("--version", type=int, default=0, help="explicit version (default: next)")
     push.add_argument("--alias", default="", help="then point this alias (e.g. prod) at the pushed version")
+    push.add_argument(
+        "--allow-base-mismatch",
+        action="store_true",
+        help="accept an adapter_config.json that names another base model (recorded in its labels)",
+    )
     _common(push)
     ls = sub.add_parser("ls", help="list adapters")
     ls.add_argument("--base-model", default="")
@@ -64,6 +69,13 @@ def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
     unalias.add_argument("alias")
     unalias.add_argument("--actor", default="", help="who is removing it (default: $USER)")
     _common(unalias)
+    base = sub.add_parser(
+        "base", help="show a base model's other names (e.g. its Hugging Face repo id); change them"
+    )
+    base.add_argument("model_id")
+    base.add_argument("--alias", action="append", default=[], help="add this name (repeatable)")
+    base.add_argument("--remove", action="append", default=[], help="remove this name (repeatable)")
+    _common(base)
     history = sub.add_parser("history", help="every alias change of NAME: who, when, from, to")
     history.add_argument("name")
     history.add_argument("--alias", default="", help="only this alias")
@@ -128,7 +140,7 @@ def _split(targets) -> str:
 
 
 def _actor(args: argparse.Namespace) -> str:
-    return args.actor or os.environ.get("USER", "")
+    return getattr(args, "actor", "") or os.environ.get("USER", "")
 
 
 def run_adapters(args: argparse.Namespace) -> int:
@@ -144,7 +156,10 @@ def run_adapters(args: argparse.Namespace) -> int:
                 labels=labels,
                 version=args.version,
                 progress=None if args.json else _progress,
+                allow_base_mismatch=args.allow_base_mismatch,
             )
+            for warning in a.warnings:
+                print(f"warning: {warning}", file=sys.stderr)
             moved = (
                 client.set_alias(a.name, args.alias, [(a.version, 1.0)], _actor(args)) if args.alias else None
             )
@@ -189,6 +204,15 @@ def run_adapters(args: argparse.Namespace) -> int:
                 if args.json
                 else f"{view.name}@{view.alias} {verb} {_split(view.targets)}"
             )
+        elif cmd == "base":
+            if args.alias or args.remove:
+                model = client.set_base_model_aliases(args.model_id, args.alias, args.remove)
+            else:
+                model = client.base_model(args.model_id)
+            if args.json:
+                print(json.dumps(_dict(model)))
+            else:
+                print(f"{model.id}  also known as: {', '.join(model.aliases) or '(no other names)'}")
         elif cmd == "history":
             changes = client.alias_history(args.name, args.alias)
             if args.json:

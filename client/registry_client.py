@@ -62,8 +62,10 @@ class RegistryClient:
         version: int = 0,
         progress: Progress | None = None,
         chunk_size: int = CHUNK,
+        allow_base_mismatch: bool = False,
     ) -> registry_pb2.Adapter:
-        """Upload a PEFT folder (adapter_config.json + adapter_model.safetensors) as ``name``."""
+        """Upload a PEFT folder (adapter_config.json + adapter_model.safetensors) as ``name``; the answer's
+        ``warnings`` say what the registry accepted but could not check."""
         config, weights = read_adapter_files(str(folder))
         header = registry_pb2.UploadHeader(
             name=name,
@@ -74,6 +76,7 @@ class RegistryClient:
             weights_size=len(weights),
             weights_sha256=hashlib.sha256(weights).hexdigest(),
             version=version,
+            allow_base_mismatch=allow_base_mismatch,
         )
 
         def messages() -> Iterator[registry_pb2.UploadAdapterRequest]:
@@ -90,6 +93,15 @@ class RegistryClient:
             self.adapters.ImportAdapter,
             registry_pb2.ImportAdapterRequest(uri=uri, name=name, base_model=base_model, **kw),
         )
+
+    def set_base_model_aliases(
+        self, model_id: str, add: Sequence[str] = (), remove: Sequence[str] = ()
+    ) -> registry_pb2.BaseModel:
+        request = registry_pb2.SetBaseModelAliasesRequest(id=model_id, add=list(add), remove=list(remove))
+        return self._call(self.adapters.SetBaseModelAliases, request)
+
+    def base_model(self, model_id: str) -> registry_pb2.BaseModel:
+        return self._call(self.adapters.GetBaseModel, registry_pb2.GetBaseModelRequest(id=model_id))
 
     def get(self, ref: str, routing_key: str = "") -> registry_pb2.Adapter:
         return self._call(

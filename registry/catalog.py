@@ -31,6 +31,7 @@ from loraserve.common.errors import (
     ResourceExhausted,
 )
 from loraserve.registry.aliases import Aliases
+from loraserve.registry.base_models import BaseModels
 from loraserve.registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow
 from loraserve.registry.imports import ImportPolicy
 from loraserve.registry.storage import BlobStore
@@ -50,6 +51,7 @@ class UploadHeader:
     description: str = ""
     labels: dict[str, str] = field(default_factory=dict)
     version: int = 0  # 0 = next
+    allow_base_mismatch: bool = False
 
 
 def parse_ref(ref: str) -> Ref:
@@ -87,6 +89,7 @@ class Catalog:
         self.max_upload_bytes, self.max_lora_rank = max_upload_bytes, max_lora_rank
         self.imports = imports or ImportPolicy((), store.root_url, max_upload_bytes)
         self.aliases = Aliases(sessions)
+        self.base_models = BaseModels(sessions)
 
     # ------------------------------------------------------------------ upload
     def check_header(self, h: UploadHeader) -> None:
@@ -122,8 +125,9 @@ class Catalog:
     def _validate(self, h: UploadHeader, weights: bytes):
         with self.sessions() as s:
             base = s.get(BaseModelRow, h.base_model)
-            shapes = {k: tuple(v) for k, v in base.module_shapes.items()} if base else None
-            layers = base.num_layers if base else None
+            known = base is not None and bool(base.module_shapes)  # an admin may name a model before workers
+            shapes = {k: tuple(v) for k, v in base.module_shapes.items()} if known else None
+            layers = base.num_layers if known else None
         try:
             return parse_adapter(
                 h.config_bytes, weights, module_shapes=shapes, num_layers=layers, max_rank=self.max_lora_rank
@@ -138,6 +142,7 @@ class Catalog:
     def create(self, h: UploadHeader, weights: bytes) -> AdapterRow:
         """Validate, store and register one adapter version (the whole upload, after all bytes arrived)."""
         self.check_header(h)
+        labels, warnings = self.base_models.check(h.base_model, h.config_bytes, h.allow_base_mismatch)
         if len(weights) != h.weights_size:
             raise InvalidArgument(f"received {len(weights)} weight bytes, header promised {h.weights_size}")
         lora = self._validate(h, weights)
@@ -164,12 +169,13 @@ class Catalog:
                     uri=blob.uri,
                     config=h.config_bytes.decode("utf-8"),
                     description=h.description,
-                    labels=dict(h.labels),
+                    labels={**h.labels, **labels},
                     state="READY",
                 )
                 s.add(row)
                 try:
                     s.commit()
+                    row.warnings = warnings  # not a column: told to this caller only
                     return row
                 except IntegrityError:
                     s.rollback()
@@ -185,6 +191,7 @@ class Catalog:
         description: str = "",
         labels: dict[str, str] | None = None,
         version: int = 0,
+        allow_base_mismatch: bool = False,
     ) -> AdapterRow:
         import hashlib
 
@@ -203,6 +210,7 @@ class Catalog:
             description=description,
             labels=dict(labels or {}),
             version=version,
+            allow_base_mismatch=allow_base_mismatch,
         )
         return self.create(header, weights)
 

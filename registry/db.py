@@ -77,6 +77,7 @@ class BaseModelRow(Base):
     module_shapes: Mapped[dict[str, Any]] = mapped_column(JSON)  # module -> [in, out]
     num_layers: Mapped[int] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    aliases: Mapped[list[str]] = mapped_column(JSON, default=list)  # other names (HF repo ids); 0003
 
 
 class WorkerRow(Base):

@@ -67,6 +67,7 @@ class Placement:
         max_lora_rank: int = 0,
         max_batch_size: int = 0,
         tensor_parallel_size: int = 1,
+        model_aliases: list[str] | None = None,
     ) -> WorkerRow:
         """``module_shapes``: module -> (in, out, num_layers). Replaces any earlier worker at ``address``.
 
@@ -77,14 +78,23 @@ class Placement:
             raise InvalidArgument("slots must be positive")
         now = utcnow()
         with self.sessions() as s:
+            known = s.get(BaseModelRow, model_id)
+            names = [a[:512] for a in model_aliases or () if a and a != model_id]
+            if known is None and (module_shapes or names):
+                known = BaseModelRow(id=model_id, module_shapes={}, num_layers=0, aliases=[])
+                s.add(known)
             if module_shapes:
                 shapes = {m: [int(i), int(o)] for m, (i, o, _) in module_shapes.items()}
                 layers = max(n for _, _, n in module_shapes.values())
-                known = s.get(BaseModelRow, model_id)
-                if known is None:
-                    s.add(BaseModelRow(id=model_id, module_shapes=shapes, num_layers=layers))
+                if not known.module_shapes:  # new, or named by an admin before any worker registered it
+                    known.module_shapes, known.num_layers = shapes, layers
                 elif known.module_shapes != shapes or known.num_layers != layers:
                     raise FailedPrecondition(f"model {model_id!r} is registered with other module shapes")
+            if names:  # the checkpoint's repo id: adapters declaring it fit this model
+                known.aliases = [
+                    *(known.aliases or []),
+                    *(a for a in names if a not in (known.aliases or [])),
+                ]
             s.execute(delete(WorkerRow).where(WorkerRow.address == address))
             row = WorkerRow(
                 id=uuid.uuid4().hex,

@@ -68,6 +68,7 @@ def adapter_to_proto(row: AdapterRow, aliases: list[AliasView] = ()) -> registry
     own = [alias_to_proto(a) for a in aliases if any(v == row.version for v, _ in a.targets)]
     return registry_pb2.Adapter(
         aliases=own,
+        warnings=getattr(row, "warnings", []),
         name=row.name,
         version=row.version,
         base_model=row.base_model,
@@ -82,6 +83,10 @@ def adapter_to_proto(row: AdapterRow, aliases: list[AliasView] = ()) -> registry
         description=row.description,
         labels=row.labels,
     )
+
+
+def base_model_to_proto(row) -> registry_pb2.BaseModel:
+    return registry_pb2.BaseModel(id=row.id, aliases=list(row.aliases or []), num_layers=row.num_layers)
 
 
 def _actor(request, context) -> str:
@@ -158,6 +163,7 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
             description=h.description,
             labels=dict(h.labels),
             version=h.version,
+            allow_base_mismatch=h.allow_base_mismatch,
         )
         await _call(context, self.catalog.check_header, header)
         buf = bytearray()
@@ -182,6 +188,7 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
             request.description,
             dict(request.labels),
             request.version,
+            request.allow_base_mismatch,
         )
         return adapter_to_proto(row)
 
@@ -218,6 +225,15 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
             context, self.catalog.aliases.delete, request.name, request.alias, _actor(request, context)
         )
         return alias_to_proto(view)
+
+    async def SetBaseModelAliases(self, request, context):
+        row = await _call(
+            context, self.catalog.base_models.set_aliases, request.id, list(request.add), list(request.remove)
+        )
+        return base_model_to_proto(row)
+
+    async def GetBaseModel(self, request, context):
+        return base_model_to_proto(await _call(context, self.catalog.base_models.get, request.id))
 
     async def ListAliasHistory(self, request, context):
         rows = await _call(context, self.catalog.aliases.history, request.name, request.alias)
@@ -271,6 +287,7 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
             request.max_lora_rank,
             request.max_batch_size,
             request.tensor_parallel_size,
+            list(request.model_aliases),
         )
         return placement_pb2.RegisterWorkerResponse(
             worker_id=row.id,

@@ -120,6 +120,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
             model_id,
             token=config.registry_token,
             tls_ca=config.registry_tls_ca,
+            model_aliases=hub_names(config.model),
         ).run()
 
     if config.registry:
@@ -135,6 +136,15 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
         cleanup=[engine.stop],
         stop=stop,
     )
+
+
+def hub_names(model: str) -> list[str]:
+    """The checkpoint's Hugging Face repo id (``_name_or_path`` in config.json) when it reads as one."""
+    from loraserve.adapters.refs import is_hub_id
+    from loraserve.worker.checkpoint import read_config
+
+    name = read_config(model).get("_name_or_path") or ""
+    return [name] if isinstance(name, str) and is_hub_id(name) else []
 
 
 def run(args: argparse.Namespace) -> int:

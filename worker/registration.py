@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import grpc
 
@@ -22,10 +23,18 @@ log = logging.getLogger("loraserve.worker.registration")
 
 class Registration:
     def __init__(
-        self, engine: Engine, target: str, address: str, model_id: str, token: str = "", tls_ca: str = ""
+        self,
+        engine: Engine,
+        target: str,
+        address: str,
+        model_id: str,
+        token: str = "",
+        tls_ca: str = "",
+        model_aliases: Sequence[str] = (),
     ) -> None:
+        """``model_aliases``: other names of the base model (the checkpoint's Hugging Face repo id)."""
         self.engine, self.target, self.address, self.model_id = engine, target, address, model_id
-        self.token, self.tls_ca = token, tls_ca
+        self.token, self.tls_ca, self.model_aliases = token, tls_ca, tuple(model_aliases)
         self.worker_id = ""
         self.lease_seconds = 15
         self.registered = asyncio.Event()
@@ -40,6 +49,7 @@ class Registration:
             max_lora_rank=e.max_lora_rank,
             max_batch_size=e.max_batch_size,
             tensor_parallel_size=e.tensor_parallel_size,
+            model_aliases=list(self.model_aliases),
             module_shapes=[
                 placement_pb2.ModuleShape(module=m, in_features=i, out_features=o, num_layers=cfg.num_layers)
                 for m, (i, o) in cfg.module_shapes().items()

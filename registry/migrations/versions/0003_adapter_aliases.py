@@ -1,4 +1,5 @@
-"""Adapter aliases (``name@prod`` -> a version or a weighted split) and their append-only history.
+"""Adapter aliases (``name@prod`` -> a version or a weighted split) and their append-only history; other names
+of base models (``base_models.aliases``, e.g. Hugging Face repo ids).
 
 Revision ID: 0003
 Revises: 0002
@@ -39,9 +40,13 @@ def upgrade() -> None:
         sa.Column("at", sa.DateTime(timezone=True), nullable=False),
     )
     op.create_index("ix_alias_history_name_id", "alias_history", ["name", "id"])
+    with op.batch_alter_table("base_models") as batch:  # batch: SQLite cannot alter tables in place
+        batch.add_column(sa.Column("aliases", sa.JSON(), nullable=False, server_default="[]"))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("base_models") as batch:
+        batch.drop_column("aliases")
     op.drop_index("ix_alias_history_name_id", table_name="alias_history")
     op.drop_table("alias_history")
     op.drop_table("adapter_aliases")
