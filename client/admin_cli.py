@@ -88,6 +88,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     ls = sub.add_parser("ls", help="list registered workers and their slots")
     ls.add_argument("--model-id", default="")
     ls.add_argument("--all", action="store_true", help="include workers whose lease expired")
+    ls.add_argument(
+        "--adapters",
+        action="store_true",
+        help="one row per adapter held: its tier (device, host, disk) and pin",
+    )
     _common(ls)
 
 
@@ -247,6 +252,17 @@ def run_workers(args: argparse.Namespace) -> int:
         workers = client.workers(model_id=args.model_id, include_expired=args.all)
     if args.json:
         print(json.dumps([_dict(w) for w in workers]))
+        return 0
+    if args.adapters:
+        tiers = {1: "device", 2: "host", 3: "disk"}
+        _table(
+            [
+                [w.worker_id[:12], w.address, r.adapter, tiers.get(r.tier, "?"), "yes" if r.pinned else ""]
+                for w in workers
+                for r in w.residency
+            ],
+            ["WORKER", "ADDRESS", "ADAPTER", "TIER", "PINNED"],
+        )
         return 0
     _table(
         [

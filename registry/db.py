@@ -98,6 +98,7 @@ class WorkerRow(Base):
     waiting: Mapped[int] = mapped_column(Integer, default=0)
     free_slots: Mapped[int] = mapped_column(Integer, default=0)
     utilization: Mapped[float] = mapped_column(Float, default=0.0)
+    cached: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)  # adapter -> "HOST" | "DISK"; 0003
     registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     placements: Mapped[list[PlacementRow]] = relationship(

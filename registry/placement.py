@@ -46,12 +46,16 @@ class Load:
     utilization: float = 0.0
 
 
+TIERS = ("DEVICE", "HOST", "DISK")  # fastest first; a worker holding nothing is a cold load
+
+
 @dataclass(frozen=True)
 class Candidate:
     worker_id: str
     address: str
     holds_adapter: bool
     load: Load
+    tier: str = ""  # "DEVICE" | "HOST" | "DISK" | "" (cold)
 
 
 class Placement:
@@ -114,7 +118,7 @@ class Placement:
             return row
 
     def heartbeat(
-        self, worker_id: str, slots: list[SlotReport], load: Load
+        self, worker_id: str, slots: list[SlotReport], load: Load, cached: dict[str, str] | None = None
     ) -> tuple[WorkerRow, list[UnloadOrderRow]]:
         """Renew the lease, replace the worker's placements, return its pending unload orders."""
         now = utcnow()
@@ -125,6 +129,7 @@ class Placement:
             worker.lease_expires_at, worker.last_heartbeat = now + self.lease, now
             worker.running, worker.waiting = load.running, load.waiting
             worker.free_slots, worker.utilization = load.free_slots, load.utilization
+            worker.cached = {a[:160]: t for a, t in (cached or {}).items() if t in ("HOST", "DISK")}
             s.execute(delete(PlacementRow).where(PlacementRow.worker_id == worker_id))
             reported = {r.adapter for r in slots if r.adapter}
             for r in slots:
@@ -227,18 +232,26 @@ class Placement:
                     )
                 )
 
+        def tier(w: WorkerRow) -> str:
+            return "DEVICE" if w.id in holders else (w.cached or {}).get(key, "") if key else ""
+
         def rank(w: WorkerRow) -> tuple:
-            busy = w.running + w.waiting
-            if w.id in holders:
-                return (0, busy, 0, w.id)
+            """Device slot > host memory > disk cache > cold (free slots first), then the least busy."""
+            busy, t = w.running + w.waiting, tier(w)
+            if t:
+                return (TIERS.index(t), busy, 0, w.id)
             if w.free_slots > 0:
-                return (1, -w.free_slots, busy, w.id)
-            return (2, busy, 0, w.id)
+                return (3, -w.free_slots, busy, w.id)
+            return (4, busy, 0, w.id)
 
         ranked = sorted(workers, key=rank)[:limit]
         return key, [
             Candidate(
-                w.id, w.address, w.id in holders, Load(w.running, w.waiting, w.free_slots, w.utilization)
+                w.id,
+                w.address,
+                w.id in holders,
+                Load(w.running, w.waiting, w.free_slots, w.utilization),
+                tier(w),
             )
             for w in ranked
         ]

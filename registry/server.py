@@ -94,6 +94,14 @@ def _actor(request, context) -> str:
     return (request.actor or context.peer() or "unknown")[:256]
 
 
+TIERS_PB = {
+    "DEVICE": placement_pb2.RESIDENCY_TIER_DEVICE,
+    "HOST": placement_pb2.RESIDENCY_TIER_HOST,
+    "DISK": placement_pb2.RESIDENCY_TIER_DISK,
+}
+TIER_NAMES = {v: k for k, v in TIERS_PB.items()}
+
+
 def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
     states = {
         "READY": placement_pb2.WORKER_STATE_READY,
@@ -124,6 +132,17 @@ def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
         ),
         last_heartbeat=ts(row.last_heartbeat),
         lease_expires_at=ts(row.lease_expires_at),
+        residency=[
+            placement_pb2.AdapterResidency(
+                adapter=p.adapter, tier=placement_pb2.RESIDENCY_TIER_DEVICE, pinned=p.pinned
+            )
+            for p in row.placements
+        ]
+        + [
+            placement_pb2.AdapterResidency(adapter=a, tier=TIERS_PB[t])
+            for a, t in sorted((row.cached or {}).items())
+            if t in TIERS_PB
+        ],
     )
 
 
@@ -304,7 +323,10 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
         load = Load(
             request.load.running, request.load.waiting, request.load.free_slots, request.load.utilization
         )
-        worker, orders = await _call(context, self.placement.heartbeat, request.worker_id, slots, load)
+        cached = {c.adapter: TIER_NAMES.get(c.tier, "") for c in request.cached if c.adapter}
+        worker, orders = await _call(
+            context, self.placement.heartbeat, request.worker_id, slots, load, cached
+        )
         return placement_pb2.HeartbeatResponse(
             lease_expires_at=ts(worker.lease_expires_at),
             unload=[placement_pb2.UnloadOrder(adapter=o.adapter, reason=o.reason) for o in orders],
@@ -332,6 +354,7 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
                     worker_id=c.worker_id,
                     address=c.address,
                     holds_adapter=c.holds_adapter,
+                    tier=TIERS_PB.get(c.tier, placement_pb2.RESIDENCY_TIER_UNSPECIFIED),
                     load=placement_pb2.WorkerLoad(
                         running=c.load.running,
                         waiting=c.load.waiting,

@@ -19,9 +19,8 @@ class Route:
     addresses: tuple[str, ...]  # best first, as the registry ranked them
     holders: frozenset[str]  # addresses that already hold the adapter
     at: float
-    split: tuple[
-        tuple[int, float], ...
-    ] = ()  # an alias's versions and weights (the router picks per request)
+    split: tuple[tuple[int, float], ...] = ()  # an alias's (version, weight): the router picks per request
+    warm: tuple[str, ...] = ()  # addresses holding it in host memory or disk cache, fastest first
 
 
 class Locator:
@@ -56,6 +55,11 @@ class Locator:
             frozenset(c.address for c in resp.candidates if c.holds_adapter),
             time.monotonic(),
             tuple((t.version, t.weight) for t in resp.split),
+            tuple(
+                c.address
+                for c in sorted(resp.candidates, key=lambda c: c.tier)
+                if c.tier in (placement_pb2.RESIDENCY_TIER_HOST, placement_pb2.RESIDENCY_TIER_DISK)
+            ),
         )
         self._routes[adapter] = route
         return route
@@ -87,12 +91,15 @@ class WorkerPool:
         self.token, self.tls_ca = token, tls_ca
 
     def order(self, route: Route) -> list[str]:
-        """Holders first (registry order), then the others with the fewest streams open from here."""
+        """Holders first (registry order), then those holding it in host memory or on disk (faster to load
+        than from the object store), then the others with the fewest streams open from here."""
         holders = [a for a in route.addresses if a in route.holders]
+        warm = [a for a in route.warm if a in route.addresses and a not in route.holders]
         others = sorted(
-            (a for a in route.addresses if a not in route.holders), key=lambda a: self.inflight.get(a, 0)
+            (a for a in route.addresses if a not in route.holders and a not in warm),
+            key=lambda a: self.inflight.get(a, 0),
         )
-        return holders + others
+        return holders + warm + others
 
     def stub(self, address: str) -> inference_pb2_grpc.InferenceStub:
         channel = self._channels.get(address)

@@ -59,8 +59,26 @@ class Registration:
     def _heartbeat_request(self) -> placement_pb2.HeartbeatRequest:
         snap = self.engine.snapshot()
         return placement_pb2.HeartbeatRequest(
-            worker_id=self.worker_id, slots=occupied_slot_infos(snap), load=worker_load(snap)
+            worker_id=self.worker_id,
+            slots=occupied_slot_infos(snap),
+            load=worker_load(snap),
+            cached=self._cached(snap),
         )
+
+    def _cached(self, snap) -> list[placement_pb2.AdapterResidency]:
+        """Adapters held outside the device slots, each at its fastest tier: host memory, then disk cache."""
+        on_device = {s.adapter for s in snap.slots if s.adapter}
+        tiers: dict[str, int] = {}
+        disk_keys = getattr(self.engine.source, "disk_keys", lambda: [])()
+        for key in disk_keys:
+            tiers[key] = placement_pb2.RESIDENCY_TIER_DISK
+        for key in snap.host_tier:
+            tiers[key] = placement_pb2.RESIDENCY_TIER_HOST
+        return [
+            placement_pb2.AdapterResidency(adapter=k, tier=t)
+            for k, t in sorted(tiers.items())
+            if k not in on_device
+        ]
 
     async def run(self) -> None:
         backoff = 0.2

@@ -64,6 +64,14 @@ class RegistryAdapterSource:
         self._lock = threading.Lock()
         self.stats = {"direct": 0, "download": 0, "disk_cache": 0}
 
+    def disk_keys(self) -> list[str]:
+        """Adapters (``name@version``) whose blob sits in the disk cache: a parse away, no object store."""
+        if not self.cache_dir:
+            return []
+        with self._lock:
+            metas = list(self._meta.items())
+        return sorted(key for key, meta in metas if (self.cache_dir / meta.sha256).exists())
+
     def close(self) -> None:
         self.channel.close()
 

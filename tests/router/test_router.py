@@ -334,3 +334,45 @@ def test_rollout_split_and_rollback_through_the_router(stack, adapter_dirs) -> N
         assert set(pool.map(ask, range(100))) == {"rollout@1"}
     history = reg.alias_history("rollout", "prod")
     assert [[t.version for t in h.after] for h in history] == [[1, 2], [1]]
+
+
+def test_heartbeats_report_tiers_and_a_warm_worker_is_chosen_over_a_cold_one(stack) -> None:
+    """The real worker reports adapters evicted from its slots as host-tier; LocateAdapter ranks a host-tier
+    worker over a cold one with free slots, and the router tries it first."""
+    for name in ("all-r4", "qv-r8-rslora", "mlp-r16"):  # three adapters through two slots: one is evicted
+        with Client(stack.router_address) as client:
+            client.complete(PROMPT, adapter=name, max_tokens=1)
+    deadline = time.monotonic() + 10
+    while True:
+        worker = next(w for w in stack.registry.client.workers() if w.address == stack.worker_address)
+        tiers = {r.adapter: r.tier for r in worker.residency}
+        if list(tiers.values()).count(pp.RESIDENCY_TIER_HOST) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    on_host = [a for a, t in tiers.items() if t == pp.RESIDENCY_TIER_HOST]
+    assert on_host and sum(t == pp.RESIDENCY_TIER_DEVICE for t in tiers.values()) == 2, tiers
+    warm = on_host[0]
+
+    # A cold worker with every slot free, registered beside the real one (it never serves: only ranked).
+    placement = stack.registry.client.placement
+    cold = placement.RegisterWorker(
+        pp.RegisterWorkerRequest(address="127.0.0.1:9", model_id=TINY_MODEL, slots=8), timeout=5
+    )
+    placement.Heartbeat(
+        pp.HeartbeatRequest(worker_id=cold.worker_id, load=pp.WorkerLoad(free_slots=8)), timeout=5
+    )
+    resp = placement.LocateAdapter(pp.LocateAdapterRequest(adapter=warm, max_candidates=3), timeout=5)
+    assert [(c.address, c.tier) for c in resp.candidates] == [
+        (stack.worker_address, pp.RESIDENCY_TIER_HOST),
+        ("127.0.0.1:9", pp.RESIDENCY_TIER_UNSPECIFIED),
+    ]
+
+    async def order() -> list[str]:
+        locator = Locator(stack.registry.address, ttl=0.2, max_candidates=3)
+        try:
+            return WorkerPool().order(await locator.locate(warm))
+        finally:
+            await locator.close()
+
+    assert asyncio.run(order()) == [stack.worker_address, "127.0.0.1:9"]
+    placement.Heartbeat(pp.HeartbeatRequest(worker_id=cold.worker_id), timeout=5)  # keeps ListWorkers tidy

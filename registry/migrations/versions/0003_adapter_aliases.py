@@ -1,5 +1,6 @@
 """Adapter aliases (``name@prod`` -> a version or a weighted split) and their append-only history; other names
-of base models (``base_models.aliases``, e.g. Hugging Face repo ids).
+of base models (``base_models.aliases``, e.g. Hugging Face repo ids); the adapters each worker holds in host
+memory or its disk cache (``workers.cached``).
 
 Revision ID: 0003
 Revises: 0002
@@ -42,9 +43,13 @@ def upgrade() -> None:
     op.create_index("ix_alias_history_name_id", "alias_history", ["name", "id"])
     with op.batch_alter_table("base_models") as batch:  # batch: SQLite cannot alter tables in place
         batch.add_column(sa.Column("aliases", sa.JSON(), nullable=False, server_default="[]"))
+    with op.batch_alter_table("workers") as batch:  # adapters in host memory / disk cache, by heartbeat
+        batch.add_column(sa.Column("cached", sa.JSON(), nullable=False, server_default="{}"))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("workers") as batch:
+        batch.drop_column("cached")
     with op.batch_alter_table("base_models") as batch:
         batch.drop_column("aliases")
     op.drop_index("ix_alias_history_name_id", table_name="alias_history")
