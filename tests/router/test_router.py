@@ -336,7 +336,7 @@ def test_rollout_split_and_rollback_through_the_router(stack, adapter_dirs) -> N
     assert [[t.version for t in h.after] for h in history] == [[1, 2], [1]]
 
 
-def test_heartbeats_report_tiers_and_a_warm_worker_is_chosen_over_a_cold_one(stack) -> None:
+def test_heartbeats_report_tiers_and_a_warm_worker_is_chosen_over_a_cold_one(stack, capsys) -> None:
     """The real worker reports adapters evicted from its slots as host-tier; LocateAdapter ranks a host-tier
     worker over a cold one with free slots, and the router tries it first."""
     for name in ("all-r4", "qv-r8-rslora", "mlp-r16"):  # three adapters through two slots: one is evicted
@@ -375,4 +375,10 @@ def test_heartbeats_report_tiers_and_a_warm_worker_is_chosen_over_a_cold_one(sta
             await locator.close()
 
     assert asyncio.run(order()) == [stack.worker_address, "127.0.0.1:9"]
+    from loraserve.cli import main
+
+    assert main(["workers", "ls", "--adapters", "--registry", stack.registry.address]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[3] for r in rows if r[2] == warm] == ["host"]
+    assert sorted(r[3] for r in rows if r[1] == stack.worker_address).count("device") == 2
     placement.Heartbeat(pp.HeartbeatRequest(worker_id=cold.worker_id), timeout=5)  # keeps ListWorkers tidy
