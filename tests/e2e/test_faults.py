@@ -37,8 +37,9 @@ def test_kill_9_a_worker_mid_stream(llama_dir, adapter_dirs, tmp_path) -> None:
             "2",
         ]
         with (
-            loraserve_process(args) as a,
-            loraserve_process(args) as b,
+            # two workers warming up a 2048-token context at once, beside another test process: allow time
+            loraserve_process(args, timeout=300) as a,
+            loraserve_process(args, timeout=300) as b,
             loraserve_process(
                 ["router", "serve", "--port", "0", "--registry", reg.address, "--locate-ttl", "0.2"]
             ) as router,

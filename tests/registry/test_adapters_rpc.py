@@ -97,7 +97,9 @@ def test_explicit_version_conflict_and_lookup_errors(reg, adapter_dirs) -> None:
         ("nope", "NOT_FOUND"),
         ("a@3", "NOT_FOUND"),
         ("Bad Name", "INVALID_ARGUMENT"),
-        ("a@x", "INVALID_ARGUMENT"),
+        ("a@x", "NOT_FOUND"),  # a well-formed alias that was never set
+        ("a@0", "INVALID_ARGUMENT"),
+        ("a@Prod!", "INVALID_ARGUMENT"),
         ("", "INVALID_ARGUMENT"),
     ]:
         with pytest.raises(LoraserveError) as exc:

@@ -50,7 +50,7 @@ def test_adapters_commands(reg, adapter_dirs, capsys: pytest.CaptureFixture[str]
     assert json.loads(out)["version"] == 2
     code, out, _ = _run(capsys, "adapters", "ls", "--registry", reg.address)
     lines = out.splitlines()
-    assert lines[0].split() == ["ADAPTER", "BASE", "MODEL", "RANK", "ALPHA", "TARGETS", "BYTES"]
+    assert lines[0].split() == ["ADAPTER", "BASE", "MODEL", "RANK", "ALPHA", "TARGETS", "BYTES", "ALIASES"]
     assert [line.split()[0] for line in lines[1:]] == ["cli-a@1", "cli-a@2"] and "q_proj,v_proj" in lines[1]
     code, out, _ = _run(capsys, "adapters", "show", "cli-a@1", "--registry", reg.address, "--json")
     shown = json.loads(out)

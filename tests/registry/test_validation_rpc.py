@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,9 +151,9 @@ def test_rank_above_the_limit(reg, adapter_dirs) -> None:
     assert reg.adapter_rows() == [] and reg.blobs() == []
 
 
-def test_pickle_adapter_is_refused(reg, adapter_dirs, tmp_path) -> None:
-    folder = tmp_path / "pickled"
-    folder.mkdir()
+def test_pickle_adapter_is_refused(reg, adapter_dirs) -> None:
+    folder = Path(reg.store_root) / "imports" / "pickled"  # under the storage root: imports are allowed there
+    folder.mkdir(parents=True)
     shutil.copy(adapter_dirs["all-r4"] / "adapter_config.json", folder)
     (folder / "adapter_model.bin").write_bytes(b"\x80\x04pickle")
     with pytest.raises(LoraserveError) as exc:
