@@ -27,6 +27,7 @@ class FetchedAdapter:
     config_bytes: bytes
     weights_bytes: bytes
     sha256: str = ""  # expected hash when the source knows it; a mismatch is DATA_LOSS
+    origin: str = "local"  # where the bytes came from: "local", "disk" (a cache) or "store" (object storage)
 
 
 class AdapterSource(Protocol):

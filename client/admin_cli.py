@@ -76,6 +76,12 @@ def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
     base.add_argument("--alias", action="append", default=[], help="add this name (repeatable)")
     base.add_argument("--remove", action="append", default=[], help="remove this name (repeatable)")
     _common(base)
+    stats = sub.add_parser(
+        "stats",
+        help="per version of NAME: requests, tokens, loads, bytes fetched (live workers), holders, aliases",
+    )
+    stats.add_argument("name")
+    _common(stats)
     history = sub.add_parser("history", help="every alias change of NAME: who, when, from, to")
     history.add_argument("name")
     history.add_argument("--alias", default="", help="only this alias")
@@ -218,6 +224,37 @@ def run_adapters(args: argparse.Namespace) -> int:
                 print(json.dumps(_dict(model)))
             else:
                 print(f"{model.id}  also known as: {', '.join(model.aliases) or '(no other names)'}")
+        elif cmd == "stats":
+            resp = client.stats(args.name)
+            if args.json:
+                print(json.dumps(_dict(resp)))
+            else:
+                tiers = {1: "device", 2: "host", 3: "disk"}
+                _table(
+                    [
+                        [
+                            f"{resp.name}@{v.version}",
+                            ",".join(v.aliases) or "-",
+                            v.usage.requests,
+                            v.usage.prompt_tokens,
+                            v.usage.completion_tokens,
+                            v.usage.loads,
+                            v.usage.fetched_bytes,
+                            " ".join(f"{h.address}:{tiers.get(h.tier, '?')}" for h in v.holders) or "-",
+                        ]
+                        for v in resp.versions
+                    ],
+                    [
+                        "VERSION",
+                        "ALIASES",
+                        "REQUESTS",
+                        "PROMPT TOK",
+                        "OUTPUT TOK",
+                        "LOADS",
+                        "FETCHED B",
+                        "HELD BY",
+                    ],
+                )
         elif cmd == "history":
             changes = client.alias_history(args.name, args.alias)
             if args.json:

@@ -100,6 +100,9 @@ class RegistryClient:
         request = registry_pb2.SetBaseModelAliasesRequest(id=model_id, add=list(add), remove=list(remove))
         return self._call(self.adapters.SetBaseModelAliases, request)
 
+    def stats(self, name: str) -> placement_pb2.AdapterStats:
+        return self._call(self.placement.GetAdapterStats, placement_pb2.GetAdapterStatsRequest(name=name))
+
     def base_model(self, model_id: str) -> registry_pb2.BaseModel:
         return self._call(self.adapters.GetBaseModel, registry_pb2.GetBaseModelRequest(id=model_id))
 

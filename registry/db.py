@@ -99,6 +99,8 @@ class WorkerRow(Base):
     free_slots: Mapped[int] = mapped_column(Integer, default=0)
     utilization: Mapped[float] = mapped_column(Float, default=0.0)
     cached: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)  # adapter -> "HOST" | "DISK"; 0003
+    # adapter -> [requests, prompt_tokens, completion_tokens, loads, fetched_bytes] since the worker started
+    usage: Mapped[dict[str, list[int]]] = mapped_column(JSON, default=dict)
     registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     placements: Mapped[list[PlacementRow]] = relationship(

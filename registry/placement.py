@@ -47,6 +47,7 @@ class Load:
 
 
 TIERS = ("DEVICE", "HOST", "DISK")  # fastest first; a worker holding nothing is a cold load
+MAX_USAGE = 4096  # adapters of a heartbeat's usage report kept (bounds a worker row)
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,12 @@ class Placement:
             return row
 
     def heartbeat(
-        self, worker_id: str, slots: list[SlotReport], load: Load, cached: dict[str, str] | None = None
+        self,
+        worker_id: str,
+        slots: list[SlotReport],
+        load: Load,
+        cached: dict[str, str] | None = None,
+        usage: dict[str, list[int]] | None = None,
     ) -> tuple[WorkerRow, list[UnloadOrderRow]]:
         """Renew the lease, replace the worker's placements, return its pending unload orders."""
         now = utcnow()
@@ -130,6 +136,8 @@ class Placement:
             worker.running, worker.waiting = load.running, load.waiting
             worker.free_slots, worker.utilization = load.free_slots, load.utilization
             worker.cached = {a[:160]: t for a, t in (cached or {}).items() if t in ("HOST", "DISK")}
+            if usage is not None:
+                worker.usage = {a[:160]: [int(x) for x in v[:5]] for a, v in list(usage.items())[:MAX_USAGE]}
             s.execute(delete(PlacementRow).where(PlacementRow.worker_id == worker_id))
             reported = {r.adapter for r in slots if r.adapter}
             for r in slots:
@@ -255,3 +263,43 @@ class Placement:
             )
             for w in ranked
         ]
+
+
+@dataclass
+class VersionStats:
+    version: int
+    usage: list[int]  # requests, prompt_tokens, completion_tokens, loads, fetched_bytes (live workers)
+    holders: list[tuple[str, str, str]]  # (worker_id, address, tier)
+    aliases: list[str]
+
+
+def adapter_stats(placement: Placement, name: str) -> list[VersionStats]:
+    """Per READY version of ``name``: usage summed over live workers' heartbeats, holders and their tier,
+    aliases. NOT_FOUND when the name has no READY version."""
+    with placement.sessions() as s:
+        versions = list(
+            s.scalars(
+                select(AdapterRow.version)
+                .where(AdapterRow.name == name, AdapterRow.state == "READY")
+                .order_by(AdapterRow.version)
+            )
+        )
+    if not versions:
+        raise NotFound(f"adapter {name!r} does not exist")
+    aliases = placement.catalog.aliases.of_names([name]).get(name, [])
+    workers = placement.list_workers()
+    out = []
+    for v in versions:
+        key = f"{name}@{v}"
+        total = [0] * 5
+        holders = []
+        for w in workers:
+            for i, x in enumerate((w.usage or {}).get(key, [])[:5]):
+                total[i] += x
+            if any(p.adapter == key for p in w.placements):
+                holders.append((w.id, w.address, "DEVICE"))
+            elif key in (w.cached or {}):
+                holders.append((w.id, w.address, w.cached[key]))
+        named = [a.alias for a in aliases if any(tv == v for tv, _ in a.targets)]
+        out.append(VersionStats(v, total, holders, named))
+    return out

@@ -30,7 +30,7 @@ from loraserve.protos.v1 import (
 from loraserve.registry.aliases import AliasView
 from loraserve.registry.catalog import Catalog, UploadHeader, parse_ref
 from loraserve.registry.db import AdapterRow, WorkerRow, as_utc
-from loraserve.registry.placement import Load, Placement, SlotReport
+from loraserve.registry.placement import Load, Placement, SlotReport, adapter_stats
 
 log = logging.getLogger("loraserve.registry.server")
 CHUNK = 1 << 20
@@ -324,12 +324,42 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
             request.load.running, request.load.waiting, request.load.free_slots, request.load.utilization
         )
         cached = {c.adapter: TIER_NAMES.get(c.tier, "") for c in request.cached if c.adapter}
+        usage = {
+            u.adapter: [u.requests, u.prompt_tokens, u.completion_tokens, u.loads, u.fetched_bytes]
+            for u in request.usage
+            if u.adapter
+        }
         worker, orders = await _call(
-            context, self.placement.heartbeat, request.worker_id, slots, load, cached
+            context, self.placement.heartbeat, request.worker_id, slots, load, cached, usage
         )
         return placement_pb2.HeartbeatResponse(
             lease_expires_at=ts(worker.lease_expires_at),
             unload=[placement_pb2.UnloadOrder(adapter=o.adapter, reason=o.reason) for o in orders],
+        )
+
+    async def GetAdapterStats(self, request, context):
+        stats = await _call(context, adapter_stats, self.placement, request.name)
+        return placement_pb2.AdapterStats(
+            name=request.name,
+            versions=[
+                placement_pb2.AdapterVersionStats(
+                    version=v.version,
+                    usage=placement_pb2.AdapterUsage(
+                        adapter=f"{request.name}@{v.version}",
+                        requests=v.usage[0],
+                        prompt_tokens=v.usage[1],
+                        completion_tokens=v.usage[2],
+                        loads=v.usage[3],
+                        fetched_bytes=v.usage[4],
+                    ),
+                    holders=[
+                        placement_pb2.AdapterHolder(worker_id=wid, address=addr, tier=TIERS_PB.get(tier, 0))
+                        for wid, addr, tier in v.holders
+                    ],
+                    aliases=v.aliases,
+                )
+                for v in stats
+            ],
         )
 
     async def ListWorkers(self, request, context):

@@ -24,6 +24,7 @@ HELP = {
     "cache_dir": "local disk cache of adapter blobs fetched from the registry (keyed by sha256)",
     "metrics_port": "Prometheus /metrics port (0 = off)",
     "http_port": "OpenAI-compatible HTTP API port, also serving /metrics and /health (0 = off)",
+    "metrics_top_adapters": "adapters with per-adapter metric series of their own (the rest are summed as 'other')",
     "registry_token": "bearer token presented to the registry",
     "registry_tls_ca": "PEM CA of the registry's certificate",
     "max_batch_size": "decode rows per step",
@@ -94,7 +95,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
     if config.metrics_port or config.http_port:  # the HTTP API serves /metrics too
         from loraserve.worker.metrics import register_engine_metrics
 
-        register_engine_metrics(engine)
+        register_engine_metrics(engine, config.metrics_top_adapters)
     model_id = config.model_id or config.model
     services = worker_services(engine, tokenizer, model_id)
     background = []

@@ -151,6 +151,7 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
     cache_dir: str = ""  # local disk cache of adapter blobs, keyed by sha256
     metrics_port: int = 0  # Prometheus /metrics port (0 = off)
     http_port: int = 0  # OpenAI-compatible HTTP API (+ /metrics, /health) on host:http_port (0 = off)
+    metrics_top_adapters: int = 20  # adapters with per-adapter metric series of their own; the rest: "other"
     registry_token: str = ""  # token this worker presents to the registry
     registry_tls_ca: str = ""  # PEM CA of the registry's certificate (TLS to the registry)
     compilation_cache_dir: str = ""  # JAX persistent compilation cache: restarts warm up from disk

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from loraserve.adapters.sources import AdapterSource, LocalAdapterSource
+from loraserve.worker.accounting import AdapterAccounting
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.requests import EngineRequest, Failed
@@ -76,6 +77,8 @@ class Engine:
             runner, self.source, self.model_config, config, self._post, self._loader.submit
         )
         self.scheduler = Scheduler(runner, self.residency, self.model_config, config)
+        self.accounting = AdapterAccounting()  # per-adapter requests, tokens, loads (metrics and heartbeats)
+        self.residency.load_recorder = self.accounting.loaded
         self._snapshot = self.scheduler.snapshot()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()

@@ -8,6 +8,7 @@ from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loraserve.common.observability import LATENCY_BUCKETS
+from loraserve.worker.accounting import AccountingCollector
 from loraserve.worker.engine import Engine
 
 ADAPTER_LOAD_SECONDS = Histogram(
@@ -70,6 +71,9 @@ class EngineCollector:
         yield info
 
 
-def register_engine_metrics(engine: Engine) -> None:
+def register_engine_metrics(engine: Engine, top_adapters: int = 20) -> None:
+    """The engine's gauges and counters, and per-adapter series for at most ``top_adapters`` adapters."""
     REGISTRY.register(EngineCollector(engine))
+    engine.accounting.top_n = top_adapters
+    REGISTRY.register(AccountingCollector(engine.accounting))
     engine.load_observer = ADAPTER_LOAD_SECONDS.observe

@@ -63,6 +63,17 @@ class Registration:
             slots=occupied_slot_infos(snap),
             load=worker_load(snap),
             cached=self._cached(snap),
+            usage=[
+                placement_pb2.AdapterUsage(
+                    adapter=key,
+                    requests=u.requests,
+                    prompt_tokens=u.prompt_tokens,
+                    completion_tokens=u.completion_tokens,
+                    loads=u.loads,
+                    fetched_bytes=u.fetched_bytes,
+                )
+                for key, u in sorted(self.engine.accounting.totals().items())
+            ],
         )
 
     def _cached(self, snap) -> list[placement_pb2.AdapterResidency]:

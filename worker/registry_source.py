@@ -156,9 +156,14 @@ class RegistryAdapterSource:
         if meta is None or not meta.adapter_config_json:
             meta = self._meta[key] = self._get(key)
         config = meta.adapter_config_json
-        data = self._cached(meta.sha256) or self._direct(meta)
+        data = self._cached(meta.sha256)
+        origin = "disk" if data is not None else "store"
+        data = data or self._direct(meta)
         if data is None or hashlib.sha256(data).hexdigest() != meta.sha256:
             config, data = self._download(key)
+            origin = "store"
         if hashlib.sha256(data).hexdigest() == meta.sha256:
             self._store(meta.sha256, data)
-        return FetchedAdapter(key=key, config_bytes=config, weights_bytes=data, sha256=meta.sha256)
+        return FetchedAdapter(
+            key=key, config_bytes=config, weights_bytes=data, sha256=meta.sha256, origin=origin
+        )

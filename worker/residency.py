@@ -60,6 +60,8 @@ class Prepared:
     values: Any = None
     error: LoraserveError | None = None
     seconds: float = 0.0
+    origin: str = ""  # "host" (host tier), "disk", "store" or "local": where the bytes came from
+    fetched_bytes: int = 0  # bytes read from outside the process (0 for a host-tier hit)
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,8 @@ class Residency:
         self.adapter_loads = 0
         self.outbox: list[Callable[[], None]] = []  # future completions, run after the next snapshot
         self.load_observer: Callable[[float], None] | None = None  # seconds per prepared adapter
+        # (key, seconds, origin, bytes fetched) per prepared adapter: per-adapter accounting
+        self.load_recorder: Callable[[str, float, str, int], None] | None = None
 
     # ----------------------------------------------------------------- engine thread
     def handle(self, command: Load | Unload | Prepared) -> list[Outcome]:
@@ -185,6 +189,8 @@ class Residency:
         self._resolved[p.ref] = p.key
         if self.load_observer is not None:
             self.load_observer(p.seconds)
+        if self.load_recorder is not None:
+            self.load_recorder(p.key, p.seconds, p.origin, p.fetched_bytes)
         slot = self.table.find(p.key)
         if slot is not None and slot.state == SlotState.LOADED:
             self._settle(p.ref, p.key)
@@ -222,10 +228,12 @@ class Residency:
         try:
             key = self.source.resolve(ref)
             cached = self.host_tier.get(key)
+            origin, fetched_bytes = "host", 0
             if cached is not None:
                 weights, values = cached
             else:
                 fetched = self.source.fetch(key)
+                origin, fetched_bytes = fetched.origin, len(fetched.weights_bytes)
                 verify_sha256(fetched)
                 cfg = self.model_config
                 weights = parse_adapter(
@@ -238,7 +246,14 @@ class Residency:
                 values = self.runner.prepare(weights)
                 self.host_tier.put(key, (weights, values))
             result = Prepared(
-                ref, key, weights.sha256, weights.rank, values, seconds=time.perf_counter() - started
+                ref,
+                key,
+                weights.sha256,
+                weights.rank,
+                values,
+                seconds=time.perf_counter() - started,
+                origin=origin,
+                fetched_bytes=fetched_bytes if origin == "store" else 0,
             )
         except LoraserveError as exc:  # adapter errors included: each carries its status
             result = Prepared(ref, error=exc)

@@ -130,6 +130,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             while not assembler.done:
                 for chunk in assembler.feed(await events.get()):
                     timer.chunk(len(chunk.token_ids))
+                    if chunk.finish_reason:
+                        self.engine.accounting.request_done(
+                            chunk.adapter, chunk.prompt_tokens, chunk.completion_tokens
+                        )
                     yield chunk_to_proto(request_id, chunk, self.token_strings)
             if assembler.error is not None:
                 raise LoraserveError(assembler.error.message, assembler.error.code)

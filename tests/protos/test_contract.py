@@ -27,12 +27,15 @@ SERVICES = {
         "SetAlias": UNARY,
         "DeleteAlias": UNARY,
         "ListAliasHistory": UNARY,
+        "SetBaseModelAliases": UNARY,
+        "GetBaseModel": UNARY,
     },
     (placement_pb2, "Placement"): {
         "RegisterWorker": UNARY,
         "Heartbeat": UNARY,
         "ListWorkers": UNARY,
         "LocateAdapter": UNARY,
+        "GetAdapterStats": UNARY,
     },
 }
 

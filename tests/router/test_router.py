@@ -382,3 +382,49 @@ def test_heartbeats_report_tiers_and_a_warm_worker_is_chosen_over_a_cold_one(sta
     assert [r[3] for r in rows if r[2] == warm] == ["host"]
     assert sorted(r[3] for r in rows if r[1] == stack.worker_address).count("device") == 2
     placement.Heartbeat(pp.HeartbeatRequest(worker_id=cold.worker_id), timeout=5)  # keeps ListWorkers tidy
+
+
+def test_per_adapter_usage_reaches_the_registry_and_the_metrics(stack, adapter_dirs, capsys) -> None:
+    """Three requests for one adapter through the router: the worker's heartbeats carry its exact totals,
+    `GetAdapterStats` / `loraserve adapters stats` sum them per version with the holder and its tier, and the
+    worker's per-adapter Prometheus series say the same."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from loraserve.cli import main
+    from loraserve.worker.accounting import AccountingCollector
+
+    reg = stack.registry.client
+    pushed = reg.push(adapter_dirs["qv-r8-rslora"], "acct", TINY_MODEL)
+    with Client(stack.router_address) as client:
+        answers = [client.complete(PROMPT, adapter="acct", max_tokens=4, ignore_eos=True) for _ in range(3)]
+    assert [(a.adapter, a.prompt_tokens, a.completion_tokens) for a in answers] == [("acct@1", 5, 4)] * 3
+    deadline = time.monotonic() + 10
+    while (v := reg.stats("acct").versions[0]).usage.requests < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)  # one heartbeat (lease 3 s / 3)
+    u = v.usage
+    assert (v.version, u.requests, u.prompt_tokens, u.completion_tokens, u.loads) == (1, 3, 15, 12, 1)
+    assert u.fetched_bytes == pushed.size_bytes  # the one load read the blob from the object store
+    assert [(h.address, h.tier) for h in v.holders] == [(stack.worker_address, pp.RESIDENCY_TIER_DEVICE)]
+
+    assert main(["adapters", "stats", "acct", "--registry", stack.registry.address]) == 0
+    header, row = capsys.readouterr().out.splitlines()[:2]
+    assert header.split()[:3] == ["VERSION", "ALIASES", "REQUESTS"]
+    assert row.split() == [
+        "acct@1",
+        "-",
+        "3",
+        "15",
+        "12",
+        "1",
+        str(pushed.size_bytes),
+        f"{stack.worker_address}:device",
+    ]
+    assert main(["adapters", "stats", "never-pushed", "--registry", stack.registry.address]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+
+    registry = CollectorRegistry()
+    registry.register(AccountingCollector(stack.engine.accounting))
+    text = generate_latest(registry).decode()
+    assert 'loraserve_adapter_requests_total{adapter="acct@1"} 3.0' in text
+    assert 'loraserve_adapter_completion_tokens_total{adapter="acct@1"} 12.0' in text
+    assert f'loraserve_adapter_fetched_bytes_total{{adapter="acct@1"}} {float(pushed.size_bytes)}' in text

@@ -1,6 +1,6 @@
 """Adapter aliases (``name@prod`` -> a version or a weighted split) and their append-only history; other names
 of base models (``base_models.aliases``, e.g. Hugging Face repo ids); the adapters each worker holds in host
-memory or its disk cache (``workers.cached``).
+memory or its disk cache (``workers.cached``) and its per-adapter usage totals (``workers.usage``).
 
 Revision ID: 0003
 Revises: 0002
@@ -45,10 +45,12 @@ def upgrade() -> None:
         batch.add_column(sa.Column("aliases", sa.JSON(), nullable=False, server_default="[]"))
     with op.batch_alter_table("workers") as batch:  # adapters in host memory / disk cache, by heartbeat
         batch.add_column(sa.Column("cached", sa.JSON(), nullable=False, server_default="{}"))
+        batch.add_column(sa.Column("usage", sa.JSON(), nullable=False, server_default="{}"))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("workers") as batch:
+        batch.drop_column("usage")
         batch.drop_column("cached")
     with op.batch_alter_table("base_models") as batch:
         batch.drop_column("aliases")
