@@ -4,6 +4,12 @@ Moving an alias is one transaction that also appends the change (who, when, befo
 ``alias_history``; concurrent moves serialise on the alias row (``SELECT … FOR UPDATE`` on PostgreSQL, the
 write lock on SQLite), so the last one wins and the history lists both in order. A version an alias points
 at cannot be deleted until the alias moves (``Catalog.delete`` asks ``Aliases.pointing_at``).
+
+A move that takes a version out of every alias of its name (and it is not the latest version, which a bare
+``name`` still reaches) retires it, in the same transaction; pointing an alias at it again un-retires it.
+Every heartbeat of a worker holding a retired version answers with a *drain* order: unload it once no
+request uses it. Requests in flight finish on it; the new version loads next to it meanwhile (an in-place
+update, as an RL loop pushing a version a minute needs).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import sessionmaker
 
@@ -121,6 +127,7 @@ class Aliases:
                         continue
                 s.add(AliasChangeRow(name=name, alias=alias, before=before, after=after, actor=actor, at=now))
                 try:
+                    _retire(s, name, alias, before, after)  # its queries flush the new row: inside the try
                     s.commit()
                 except IntegrityError:  # created concurrently: retry as a move
                     s.rollback()
@@ -145,6 +152,7 @@ class Aliases:
             if gone.rowcount != 1:
                 raise Unavailable(f"alias {name}@{alias} moved while being deleted; try again")
             s.add(AliasChangeRow(name=name, alias=alias, before=row.targets, after=None, actor=actor))
+            _retire(s, name, alias, row.targets, None)
             s.commit()
             return view
 
@@ -182,3 +190,25 @@ class Aliases:
             if alias:
                 q = q.where(AliasChangeRow.alias == alias)
             return list(s.scalars(q.order_by(AliasChangeRow.id)))
+
+
+def _retire(s, name: str, alias: str, before: Sequence | None, after: Sequence | None) -> None:
+    """In session ``s``: the versions ``name@alias`` points at now are not retired; those this move took out of
+    every alias of ``name`` are, unless it is the latest READY version (a bare ``name`` reaches it)."""
+    now = {int(v) for v, _ in after or ()}
+    dropped = {int(v) for v, _ in before or ()} - now
+    for targets in s.scalars(select(AliasRow.targets).where(AliasRow.name == name, AliasRow.alias != alias)):
+        dropped -= {int(v) for v, _ in targets}
+    dropped.discard(
+        s.scalar(
+            select(func.max(AdapterRow.version)).where(AdapterRow.name == name, AdapterRow.state == "READY")
+        )
+    )
+    for versions, retired in ((now, False), (dropped, True)):
+        if versions:
+            s.execute(
+                update(AdapterRow)
+                .where(AdapterRow.name == name, AdapterRow.version.in_(versions))
+                .values(retired=retired)
+                .execution_options(synchronize_session=False)
+            )

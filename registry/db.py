@@ -63,6 +63,8 @@ class AdapterRow(Base):
     description: Mapped[str] = mapped_column(Text, default="")
     labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
     state: Mapped[str] = mapped_column(String(16), default="READY")
+    # an alias moved away from it and none points at it: workers unload it once idle (registry/aliases.py); 0003
+    retired: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
     @property

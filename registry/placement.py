@@ -30,6 +30,15 @@ MAX_CANDIDATES = 16
 
 
 @dataclass(frozen=True)
+class Order:
+    """An unload order for a heartbeat's reply: at once (deleted), or once idle (``drain``: retired)."""
+
+    adapter: str
+    reason: str
+    drain: bool = False
+
+
+@dataclass(frozen=True)
 class SlotReport:
     slot: int
     adapter: str  # resolved "name@version"; "" = empty
@@ -125,7 +134,7 @@ class Placement:
         load: Load,
         cached: dict[str, str] | None = None,
         usage: dict[str, list[int]] | None = None,
-    ) -> tuple[WorkerRow, list[UnloadOrderRow]]:
+    ) -> tuple[WorkerRow, list[Order]]:
         """Renew the lease, replace the worker's placements, return its pending unload orders."""
         now = utcnow()
         with self.sessions() as s:
@@ -169,25 +178,24 @@ class Placement:
             done = [o for o in orders if o.adapter not in reported]
             for o in done:  # the worker no longer holds it: the order is fulfilled
                 s.delete(o)
-            pending = [o for o in orders if o.adapter in reported]
+            pending = [Order(o.adapter, o.reason) for o in orders if o.adapter in reported]
             # An adapter deleted before any heartbeat reported it has no order row: any reported adapter
-            # without a READY version is unloaded too, so nothing deleted stays resident.
-            ready = {
-                f"{name}@{version}"
-                for name, version in s.execute(
-                    select(AdapterRow.name, AdapterRow.version).where(
-                        AdapterRow.state == "READY",
-                        AdapterRow.name.in_({k.partition("@")[0] for k in reported}),
-                    )
+            # without a READY version is unloaded too, so nothing deleted stays resident. A retired version
+            # (an alias moved away from it) is drained: unloaded once no request uses it.
+            ready, retired = set(), set()
+            for name, version, is_retired in s.execute(
+                select(AdapterRow.name, AdapterRow.version, AdapterRow.retired).where(
+                    AdapterRow.state == "READY",
+                    AdapterRow.name.in_({k.partition("@")[0] for k in reported}),
                 )
-            }
+            ):
+                (retired if is_retired else ready).add(f"{name}@{version}")
             ordered = {o.adapter for o in pending}
-            for key in sorted(reported - ready - ordered):
-                pending.append(
-                    UnloadOrderRow(
-                        worker_id=worker_id, adapter=key, reason=f"adapter {key} is not in the registry"
-                    )
-                )
+            for key in sorted(reported - ordered):
+                if key in retired:
+                    pending.append(Order(key, f"{key} is retired: no alias points at it", drain=True))
+                elif key not in ready:
+                    pending.append(Order(key, f"adapter {key} is not in the registry"))
             s.commit()
             return worker, pending
 

@@ -334,7 +334,9 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
         )
         return placement_pb2.HeartbeatResponse(
             lease_expires_at=ts(worker.lease_expires_at),
-            unload=[placement_pb2.UnloadOrder(adapter=o.adapter, reason=o.reason) for o in orders],
+            unload=[
+                placement_pb2.UnloadOrder(adapter=o.adapter, reason=o.reason, drain=o.drain) for o in orders
+            ],
         )
 
     async def GetAdapterStats(self, request, context):

@@ -1,6 +1,7 @@
 """Keep this worker registered with the registry: RegisterWorker, then heartbeats with slots and load.
 
-Unload orders in heartbeat replies (deleted adapters) are carried out at once. If the registry is down
+Unload orders in heartbeat replies are carried out at once (deleted adapters) or once the adapter is idle
+(drain orders: a version an alias moved away from, so requests in flight finish on it). If the registry is down
 the worker keeps serving what it holds and retries; if the registry forgot it (lease expired, registry
 restarted on an empty database) the next heartbeat is NOT_FOUND and the worker registers again.
 """
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from loraserve.common.errors import FailedPrecondition
 from loraserve.common.security import aio_channel
 from loraserve.protos.v1 import placement_pb2, placement_pb2_grpc
 from loraserve.worker.engine import Engine
@@ -91,6 +93,17 @@ class Registration:
             if k not in on_device
         ]
 
+    async def _unload(self, order: placement_pb2.UnloadOrder) -> None:
+        """A deleted adapter goes at once (its requests fail); a drained one (an alias moved away from it) only
+        once no request uses it: the registry repeats the order every heartbeat until it is gone."""
+        try:
+            await asyncio.wrap_future(self.engine.unload_adapter(order.adapter, force=not order.drain))
+            log.info("unloaded %s: %s", order.adapter, order.reason)
+        except FailedPrecondition as exc:  # drain: still in use; the next heartbeat asks again
+            log.debug("drain of %s waits: %s", order.adapter, exc)
+        except Exception as exc:
+            log.info("unload of %s: %s", order.adapter, exc)
+
     async def run(self) -> None:
         backoff = 0.2
         async with aio_channel(self.target, token=self.token, tls_ca=self.tls_ca) as channel:
@@ -110,12 +123,7 @@ class Registration:
                     resp = await stub.Heartbeat(self._heartbeat_request(), timeout=10)
                     self.heartbeats += 1
                     for order in resp.unload:
-                        log.info("registry orders unload of %s: %s", order.adapter, order.reason)
-                        fut = self.engine.unload_adapter(order.adapter, force=True)
-                        try:
-                            await asyncio.wrap_future(fut)
-                        except Exception as exc:
-                            log.info("unload of %s: %s", order.adapter, exc)
+                        await self._unload(order)
                     backoff = 0.2
                     await asyncio.sleep(max(0.2, self.lease_seconds / 3))
                 except grpc.aio.AioRpcError as exc:

@@ -168,3 +168,41 @@ def test_migration_from_0002_keeps_data_and_adds_aliases(tmp_path) -> None:
     migrate.command.downgrade(migrate.alembic_config(url), "0002")
     assert "adapter_aliases" not in set(sa.inspect(sa.create_engine(url)).get_table_names())
     engine.dispose()
+
+
+def _retired(reg) -> dict[int, bool]:
+    with reg.registry.catalog.sessions() as s:
+        rows = s.execute(sa.text("SELECT version, retired FROM adapters WHERE name = 'support-bot'")).all()
+    return {v: bool(r) for v, r in rows}
+
+
+def test_alias_moves_retire_versions_and_heartbeats_drain_them(three, tiny_shapes) -> None:
+    """A version taken out of every alias (and not the latest) is retired in the move's transaction; pointing
+    an alias at it again un-retires it. A worker reporting a retired version is told to drain it (unload once
+    idle); a deleted one, to unload at once; anything else is left alone."""
+    from tests.registry.test_placement_rpc import _beat, _register
+
+    c = three.client
+    c.set_alias("support-bot", "prod", [(1, 1)], "ci")
+    c.set_alias("support-bot", "canary", [(2, 1)], "ci")
+    assert _retired(three) == {1: False, 2: False, 3: False}
+    c.set_alias("support-bot", "prod", [(2, 1)], "ci")  # v1: no alias, not the latest -> retired
+    assert _retired(three) == {1: True, 2: False, 3: False}
+    c.set_alias("support-bot", "canary", [(3, 1)], "ci")  # v2: prod still points at it
+    assert _retired(three) == {1: True, 2: False, 3: False}
+    c.set_alias("support-bot", "prod", [(1, 9), (2, 1)], "ci")  # rollback to v1 (90 %) un-retires it
+    assert _retired(three) == {1: False, 2: False, 3: False}
+    c.set_alias("support-bot", "prod", [(1, 1)], "ci")  # v2 leaves the split
+    assert _retired(three) == {1: False, 2: True, 3: False}
+    c.delete_alias("support-bot", "canary", "ci")  # v3 is the latest: a bare name reaches it
+    assert _retired(three) == {1: False, 2: True, 3: False}
+
+    worker = _register(three, "10.0.0.1:1", tiny_shapes)
+    c.delete("other@1")
+    resp = _beat(three, worker, ["support-bot@1", "support-bot@2", "support-bot@3", "other@1"])
+    orders = {o.adapter: o.drain for o in resp.unload}
+    assert orders == {"support-bot@2": True, "other@1": False}
+    assert "retired" in next(o.reason for o in resp.unload if o.adapter == "support-bot@2")
+    again = _beat(three, worker, ["support-bot@1", "support-bot@2"])  # still held (in use): asked again
+    assert [(o.adapter, o.drain) for o in again.unload] == [("support-bot@2", True)]
+    assert not _beat(three, worker, ["support-bot@1"]).unload  # drained

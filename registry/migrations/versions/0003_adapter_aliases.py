@@ -1,6 +1,7 @@
 """Adapter aliases (``name@prod`` -> a version or a weighted split) and their append-only history; other names
 of base models (``base_models.aliases``, e.g. Hugging Face repo ids); the adapters each worker holds in host
-memory or its disk cache (``workers.cached``) and its per-adapter usage totals (``workers.usage``).
+memory or its disk cache (``workers.cached``) and its per-adapter usage totals (``workers.usage``); versions retired
+by an alias move (``adapters.retired``: workers unload them once no request uses them).
 
 Revision ID: 0003
 Revises: 0002
@@ -46,9 +47,13 @@ def upgrade() -> None:
     with op.batch_alter_table("workers") as batch:  # adapters in host memory / disk cache, by heartbeat
         batch.add_column(sa.Column("cached", sa.JSON(), nullable=False, server_default="{}"))
         batch.add_column(sa.Column("usage", sa.JSON(), nullable=False, server_default="{}"))
+    with op.batch_alter_table("adapters") as batch:  # retired by an alias move: drained off the workers
+        batch.add_column(sa.Column("retired", sa.Boolean(), nullable=False, server_default=sa.false()))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table("adapters") as batch:
+        batch.drop_column("retired")
     with op.batch_alter_table("workers") as batch:
         batch.drop_column("usage")
         batch.drop_column("cached")
