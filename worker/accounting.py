@@ -108,10 +108,11 @@ class AccountingCollector:
             "requests": "Finished requests per adapter (top-N adapters, the rest as 'other')",
             "prompt_tokens": "Prompt tokens of finished requests per adapter",
             "completion_tokens": "Generated tokens of finished requests per adapter",
-            "loads": "Adapter preparations (fetch, validate, host arrays) per adapter",
             "fetched_bytes": "Adapter bytes fetched from object storage per adapter",
         }
         for name in SCALARS:
+            if name == "loads":  # the load histogram's _count per adapter and source says it
+                continue
             family = CounterMetricFamily(f"loraserve_adapter_{name}", help_text[name], labels=["adapter"])
             for adapter, usage in sorted(series.items()):
                 family.add_metric([adapter], getattr(usage, name))

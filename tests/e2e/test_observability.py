@@ -66,6 +66,19 @@ def test_worker_metrics_and_json_logs(llama_dir, adapter_dirs, tmp_path) -> None
         assert _metric(text, "loraserve_prompt_tokens_total", '{server="worker"}') == 9
         assert _metric(text, "loraserve_adapter_loads_total") == 1
         assert _metric(text, "loraserve_adapter_load_seconds_count") == 1
+        # per adapter (#17 item 5): the local folder's adapter and the base model, with their own series
+        assert _metric(text, "loraserve_adapter_requests_total", '{adapter="all-r4"}') == 2
+        assert _metric(text, "loraserve_adapter_requests_total", '{adapter="base"}') == 1
+        assert _metric(text, "loraserve_adapter_completion_tokens_total", '{adapter="all-r4"}') == 8
+        assert (
+            _metric(text, "loraserve_adapter_fetched_bytes_total", '{adapter="all-r4"}') == 0
+        )  # a local folder
+        assert (
+            _metric(
+                text, "loraserve_adapter_load_seconds_by_source_count", '{adapter="all-r4",source="local"}'
+            )
+            == 1
+        )
         assert _metric(text, "loraserve_lora_slots_used") == 1 and _metric(text, "loraserve_lora_slots") == 2
         assert _metric(text, "loraserve_requests_running") == 0
         # paged KV: 8 rows x 32 pages of 2 tokens; the second all-r4 request found the first one's full
