@@ -146,28 +146,56 @@ def test_locate_returns_the_split(three) -> None:
     assert not stub.LocateAdapter(pp.LocateAdapterRequest(adapter="support-bot@1")).split
 
 
-def test_migration_from_0002_keeps_data_and_adds_aliases(tmp_path) -> None:
-    url = f"sqlite:///{tmp_path / 'r.db'}"
-    migrate.upgrade(url, "0002")
+def test_migration_from_wave_1_keeps_data_and_the_registry_serves_it(db_url, tmp_path) -> None:
+    """A wave-1 database (revision 0001) with an adapter, a base model and a worker holding it is upgraded to
+    the head: the rows stay, the new columns take their defaults, and the registry works on it (an alias set
+    on the old version, a heartbeat). Then back down to 0002."""
+    from loraserve.registry.config import RegistryConfig
+    from tests.registry.conftest import start_registry
+
+    url = db_url
+    migrate.upgrade(url, "0001")
     engine = sa.create_engine(url)
+    t = "'2026-06-01 00:00:00+00'"
+    far = "'2099-01-01 00:00:00+00'"
     with engine.begin() as conn:
         conn.execute(
             sa.text(
                 "INSERT INTO adapters (name, version, base_model, rank, alpha, use_rslora, target_modules,"
-                " size_bytes, sha256, uri, config, description, labels, state, created_at) VALUES"
-                " ('a', 1, 'm', 4, 8.0, 0, '[\"q_proj\"]', 10, :sha, 'file:///x', '{}', '', '{}', 'READY', :t)"
-            ),
-            {"sha": "0" * 64, "t": "2026-12-01 00:00:00"},
+                f" size_bytes, sha256, uri, config, description, labels, state, created_at) VALUES ('a', 1,"
+                f" '{TINY_MODEL}', 4, 8.0, false, '[\"q_proj\"]', 10, '{'0' * 64}', 'file:///x', '{{}}', '',"
+                f" '{{}}', 'READY', {t})"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO workers (id, address, model_id, slots, max_lora_rank, max_batch_size, state,"
+                " lease_expires_at, last_heartbeat, running, waiting, free_slots, utilization, registered_at)"
+                f" VALUES ('w1', 'h:1', '{TINY_MODEL}', 4, 16, 8, 'READY', {far}, {t}, 0, 0, 3, 0.0, {t})"
+            )
         )
     migrate.upgrade(url)
     assert migrate.current_revision(url) == "0003"
-    tables = set(sa.inspect(engine).get_table_names())
-    assert {"adapter_aliases", "alias_history"} <= tables
+    assert {"adapter_aliases", "alias_history"} <= set(sa.inspect(engine).get_table_names())
     with engine.connect() as conn:
-        assert conn.execute(sa.text("SELECT name, version FROM adapters")).all() == [("a", 1)]
+        assert conn.execute(sa.text("SELECT name, version, retired FROM adapters")).all() == [("a", 1, False)]
+        row = conn.execute(sa.text("SELECT tensor_parallel_size, cached, usage FROM workers")).one()
+        assert (row[0], _json(row[1]), _json(row[2])) == (1, {}, {})
+    store = str(tmp_path / "store")
+    with start_registry(RegistryConfig(db=url, storage=store, lease_seconds=60), store) as reg:
+        assert reg.client.set_alias("a", "prod", [(1, 1)], "ops").targets[0].version == 1
+        assert reg.client.get("a@prod").version == 1
+        beat = reg.client.placement.Heartbeat(pp.HeartbeatRequest(worker_id="w1", load=pp.WorkerLoad()))
+        assert not beat.unload
     migrate.command.downgrade(migrate.alembic_config(url), "0002")
     assert "adapter_aliases" not in set(sa.inspect(sa.create_engine(url)).get_table_names())
     engine.dispose()
+
+
+def _json(value):
+    import json
+
+    return json.loads(value) if isinstance(value, str) else value
 
 
 def _retired(reg) -> dict[int, bool]:
