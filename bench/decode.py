@@ -152,7 +152,8 @@ def run_engine(
         src.register(f"a{i}", str(path))
     cfg = EngineConfig(
         max_batch_size=w["batch"],
-        max_seq_len=128,
+        # the smallest power of two that holds a request: fewer prefill buckets to compile at warm-up
+        max_seq_len=max(16, 1 << (w["prompt"] + w["new"] - 1).bit_length()),
         max_loras=len(adapters),
         max_lora_rank=w["rank"],
         prefill_per_step=w["batch"],

@@ -92,7 +92,9 @@ def test_new_version_under_the_alias_loads_next_to_the_old_one_which_drains(
         es.callback(lambda: task.get_loop().call_soon_threadsafe(task.cancel))
 
         async def router():
-            return build_router(Locator(registry.address, ttl=0.1, max_candidates=3), WorkerPool(), "127.0.0.1:0")[:2]
+            return build_router(
+                Locator(registry.address, ttl=0.1, max_candidates=3), WorkerPool(), "127.0.0.1:0"
+            )[:2]
 
         router_address = f"127.0.0.1:{es.enter_context(aio_server_thread(router))}"
         wait_for_workers(reg, 1)

@@ -394,7 +394,8 @@ def test_per_adapter_usage_reaches_the_registry_and_the_metrics(stack, adapter_d
     from loraserve.worker.accounting import AccountingCollector
 
     reg = stack.registry.client
-    pushed = reg.push(adapter_dirs["qv-r8-rslora"], "acct", TINY_MODEL)
+    # bytes no other test of this module loads: the worker's disk cache (keyed by sha256) cannot have them
+    pushed = reg.push(adapter_dirs["attn-pattern"], "acct", TINY_MODEL)
     with Client(stack.router_address) as client:
         answers = [client.complete(PROMPT, adapter="acct", max_tokens=4, ignore_eos=True) for _ in range(3)]
     assert [(a.adapter, a.prompt_tokens, a.completion_tokens) for a in answers] == [("acct@1", 5, 4)] * 3

@@ -25,7 +25,7 @@ from loraserve.testing import make_adapter, save_model
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.sharding import check_tensor_parallel, fuse_order
-from tests.conftest import ADAPTERS
+from tests.conftest import ADAPTERS, TEST_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 ATOL = 1e-4
@@ -49,7 +49,9 @@ def tp_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]
 
 
 def run_child(*args: str) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    # compile-bound (every size warms up its own programs): the suite's faster-compiling XLA level too
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS} --xla_force_host_platform_device_count=8"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
         [sys.executable, "-m", "tests.worker.tp_child", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,

@@ -53,7 +53,7 @@ def serve(
     ck = load_checkpoint(model, dtype=dtype)
     config = EngineConfig(
         max_batch_size=len(PROMPTS), max_seq_len=32, max_loras=SLOTS, max_lora_rank=RANK,
-        kernel_backend=backend, tensor_parallel_size=n, min_prefill_bucket=16, dtype=dtype,
+        kernel_backend=backend, tensor_parallel_size=n, min_prefill_bucket=32, dtype=dtype,
     )  # fmt: skip
     runner = JaxRunner(ck, config)
     runner.warmup()
