@@ -18,17 +18,22 @@ import numpy as np
 
 from loraserve.adapters.peft import LoraWeights
 from loraserve.kernels.backends import LoraBackend
-from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, lora_slot_shapes
+from loraserve.worker.dora import bias_name, dora_scale, is_vector_pool, magnitude_name, mask_name, scale_name
+from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, lora_slot_shapes, lora_vector_sizes
 from loraserve.worker.model_config import ModelConfig
 
 SlotValues = list[dict[str, np.ndarray]]  # per layer, pool name -> one slot's array
+BaseWeights = list[dict[str, jax.Array]]  # per layer, LoRA group -> fused base weight [out, in]
 
 
 def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotValues:
     """Host arrays for one slot, per layer, in the canonical layout of ``model.lora_slot_shapes``
-    (``A_<group> [in, n*R]``, ``B_<module> [R, out]``), rank zero-padded to ``max_rank``.
+    (``A_<group> [in, n*R]``, ``B_<module> [R, out]``), rank zero-padded to ``max_rank``; and per group
+    the vectors of ``worker.dora`` side by side like the fused output: ``magnitude_<group>``,
+    ``dora_<group>`` (1.0 on DoRA channels) and ``lora_bias_<group>``, each ``[out]``.
 
-    Semantics: untargeted modules (and layers) are zero, so they add exactly nothing.
+    Semantics: untargeted modules (and layers) are zero, so they add exactly nothing; a module is DoRA
+    (its scale computed at the slot write) exactly in the layers where the adapter has its magnitude.
     """
     shapes = cfg.module_shapes()
     R = max_rank
@@ -38,36 +43,71 @@ def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotVa
         for group, modules in LORA_GROUPS.items():
             fan_in = shapes[modules[0]][0]
             a_cat = np.zeros((fan_in, len(modules) * R), np.float32)
+            vectors: dict[str, list[np.ndarray]] = {"m": [], "mask": [], "bias": []}
             for i, module in enumerate(modules):
-                b = np.zeros((R, shapes[module][1]), np.float32)
+                size = shapes[module][1]
+                b = np.zeros((R, size), np.float32)
                 if module in weights.modules:
                     a_m, b_m = weights.modules[module]
                     r = a_m.shape[2]
                     a_cat[:, i * R : i * R + r] = a_m[layer]
                     b[:r] = b_m[layer]
                 values[b_name(module)] = b
+                m, mask = weights.magnitudes.get(module, (None, None))
+                dora = m is not None and bool(mask[layer])
+                vectors["m"].append(m[layer] if dora else np.zeros(size, np.float32))
+                vectors["mask"].append(np.full(size, 1.0 if dora else 0.0, np.float32))
+                bias = weights.biases.get(module)
+                vectors["bias"].append(bias[layer] if bias is not None else np.zeros(size, np.float32))
             values[f"A_{group}"] = a_cat
+            values[magnitude_name(group)] = np.concatenate(vectors["m"])
+            values[mask_name(group)] = np.concatenate(vectors["mask"])
+            values[bias_name(group)] = np.concatenate(vectors["bias"])
         out.append(values)
     return out
 
 
-def _write_slot(pools: Lora, slot: jax.Array, values: Lora, backend: LoraBackend) -> Lora:
+def base_weights(params: dict[str, Any]) -> BaseWeights:
+    """Per layer, LoRA group -> its fused base weight ``[out, in]`` (what DoRA's norm is taken of)."""
+    keys = {"qkv": "wqkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}
+    return [{group: layer[key] for group, key in keys.items()} for layer in params["layers"]]
+
+
+def _write_slot(
+    pools: Lora, slot: jax.Array, values: Lora, base: BaseWeights | None, backend: LoraBackend
+) -> Lora:
     def put(pool: jax.Array, value: jax.Array) -> jax.Array:
         return pool.at[slot].set(backend.to_pool_layout(value.astype(pool.dtype)))
 
-    return [{k: put(layer[k], vals[k]) for k in layer} for layer, vals in zip(pools, values, strict=True)]
+    out: Lora = []
+    for n, (layer, vals) in enumerate(zip(pools, values, strict=True)):
+        new = {k: put(v, vals[k]) for k, v in layer.items() if not is_vector_pool(k)}
+        for group, modules in LORA_GROUPS.items():
+            new[bias_name(group)] = layer[bias_name(group)].at[slot].set(vals[bias_name(group)])
+            scale = jnp.ones(vals[mask_name(group)].shape, jnp.float32)
+            if base is not None:  # without base weights no slot may be DoRA (SlotPools.write checks)
+                bs = tuple(vals[b_name(m)] for m in modules)
+                scale = dora_scale(
+                    base[n][group], vals[f"A_{group}"], bs, vals[magnitude_name(group)],
+                    vals[mask_name(group)], backend.shards,
+                )  # fmt: skip
+            new[scale_name(group)] = layer[scale_name(group)].at[slot].set(scale)
+        out.append(new)
+    return out
 
 
-_write_slot_jit = jax.jit(_write_slot, donate_argnums=0, static_argnums=3)
+_write_slot_jit = jax.jit(_write_slot, donate_argnums=0, static_argnums=4)
 
 
 class SlotPools:
     """The device-resident pools. Only the engine thread calls ``write``/``zero``.
 
     Slot values are always given in the canonical layout (``slot_arrays``); ``backend`` decides how
-    the pools store them (``to_pool_layout`` runs inside the jitted write). ``shardings`` (pool name ->
-    ``jax.sharding.Sharding``, tensor parallelism) places every layer's pools so and keeps them so
-    across writes; None = the default device.
+    the pools store the matrices (``to_pool_layout`` runs inside the jitted write; the ``worker.dora``
+    vector pools are the same in every backend). ``shardings`` (pool name -> ``jax.sharding.Sharding``,
+    tensor parallelism) places every layer's pools so and keeps them so across writes; None = the
+    default device. ``base`` (``base_weights(params)``, on the device) is what DoRA slots' scales are
+    computed from at the write; without it only non-DoRA values can be written.
     """
 
     def __init__(
@@ -78,25 +118,36 @@ class SlotPools:
         dtype: jnp.dtype,
         backend: LoraBackend,
         shardings: dict[str, Any] | None = None,
+        base: BaseWeights | None = None,
     ) -> None:
         self.cfg, self.max_loras, self.max_rank, self.dtype = cfg, max_loras, max_rank, dtype
-        self.backend, self.shardings = backend, shardings
+        self.backend, self.shardings, self.base = backend, shardings, base
         self.pools: Lora = empty_lora(cfg, max_loras, max_rank, dtype, backend)
         self._write = _write_slot_jit
         if shardings is not None:
             layered = [dict(shardings) for _ in range(cfg.num_layers)]
             self.pools = jax.device_put(self.pools, layered)
-            self._write = jax.jit(_write_slot, donate_argnums=0, static_argnums=3, out_shardings=layered)
+            self._write = jax.jit(_write_slot, donate_argnums=0, static_argnums=4, out_shardings=layered)
         zeros = {k: np.zeros(s, np.float32) for k, s in lora_slot_shapes(cfg, max_rank).items()}
+        for group, size in lora_vector_sizes(cfg).items():
+            zeros.update(
+                {f(group): np.zeros(size, np.float32) for f in (magnitude_name, mask_name, bias_name)}
+            )
         self._zeros: SlotValues = [zeros] * cfg.num_layers
 
     def write(self, slot: int, values: SlotValues) -> None:
-        self.pools = self._write(self.pools, jnp.int32(slot), values, self.backend)
+        """Write one slot (a jitted, donated ``.at[slot].set``; DoRA scales computed on the device)."""
+        if self.base is None and any(np.any(v[mask_name(g)]) for v in values for g in LORA_GROUPS):
+            raise ValueError("a DoRA slot needs the base weights: SlotPools(..., base=base_weights(params))")
+        self.pools = self._write(self.pools, jnp.int32(slot), values, self.base, self.backend)
 
     def read(self, slot: int) -> SlotValues:
-        """One slot's values back in the canonical layout (host arrays in the pools' dtype)."""
+        """One slot back: matrices in the canonical layout, vectors as stored (host arrays)."""
         return [
-            {k: np.asarray(self.backend.from_pool_layout(pool[slot])) for k, pool in layer.items()}
+            {
+                k: np.asarray(pool[slot] if is_vector_pool(k) else self.backend.from_pool_layout(pool[slot]))
+                for k, pool in layer.items()
+            }
             for layer in self.pools
         ]
 
