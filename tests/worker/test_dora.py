@@ -1,0 +1,307 @@
+"""DoRA and LoRA-bias adapters served in ONE batch with plain LoRA and base rows, against PEFT (#16 items 1-2).
+
+Real PEFT adapters made on the tiny random models (``loraserve.testing.make_adapter``): DoRA on every
+module (rank 4), DoRA with rsLoRA, ``rank_pattern`` and ``alpha_pattern`` on a target subset, a
+``lora_bias`` adapter and a plain one. Their logits (a prefill and STEPS teacher-forced decode steps) are
+compared with PEFT's in f32 within ATOL through every LoRA backend on Llama, and on Qwen2 (q/k/v bias:
+PEFT's DoRA scales only the non-bias part) with the CPU default; the stored per-slot scales with PEFT's
+``m / ||W + s·B·A||``; nothing compiles after warm-up while DoRA/bias adapters are swapped in and served;
+malformed adapters are INVALID_ARGUMENT; N = 2 and 4 tensor parallelism serves what N = 1 serves.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from loraserve.adapters.errors import AdapterError
+from loraserve.adapters.files import read_adapter_files
+from loraserve.adapters.peft import load_tensors, parse_adapter
+from loraserve.kernels import get_backend
+from loraserve.kernels.testing import count_compilations
+from loraserve.testing import make_adapter
+from loraserve.worker import model as M
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.slots import SlotPools, base_weights, slot_arrays
+from tests.conftest import ADAPTERS
+from tests.worker.test_lora_parity import PROMPT, STEPS, _reference_logits, _serve_mixed
+
+ATOL = 2e-4
+RANK = 16
+# name -> make_adapter kwargs; the plain adapter is conftest's "all-r4"
+DORA_ADAPTERS = {
+    "dora-all-r4": dict(r=4, alpha=8.0, use_dora=True, seed=11),
+    "dora-pattern-rslora": dict(
+        r=8,
+        alpha=4.0,
+        use_rslora=True,
+        use_dora=True,
+        targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"),
+        rank_pattern={"k_proj": 2},
+        alpha_pattern={"o_proj": 3.0},
+        seed=12,
+    ),
+    "bias-r4": dict(r=4, alpha=8.0, lora_bias=True, seed=13),
+    "plain-r4": ADAPTERS["all-r4"],
+}
+NAMES = list(DORA_ADAPTERS)
+# every slot, DoRA slot 0 on three rows, a base row; then teacher-forced decode of one sequence
+ROW_SLOTS = np.array([0, 2, -1, 1, 3, 0, 1, 0], np.int32)
+
+
+@pytest.fixture(scope="module")
+def dora_dirs(model_dirs, tmp_path_factory):
+    """``family -> {name -> folder}`` of DORA_ADAPTERS made on that family's base, built on first use."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, dict] = {}
+
+    def get(family: str) -> dict:
+        if family not in made:
+            root = tmp_path_factory.mktemp(f"dora-{family}")
+            for name, kw in DORA_ADAPTERS.items():
+                make_adapter(AutoModelForCausalLM.from_pretrained(str(model_dirs[family])), root / name, **kw)
+            made[family] = {name: root / name for name in NAMES}
+        return made[family]
+
+    return get
+
+
+def _weights(cfg, path):
+    return parse_adapter(
+        *read_adapter_files(str(path)),
+        module_shapes=cfg.module_shapes(),
+        num_layers=cfg.num_layers,
+        max_rank=RANK,
+    )
+
+
+def _pools(ck, dirs, backend) -> SlotPools:
+    cfg = ck.config
+    pools = SlotPools(cfg, len(dirs), RANK, jnp.dtype(jnp.float32), backend, base=base_weights(ck.params))
+    for slot, path in enumerate(dirs):
+        pools.write(slot, slot_arrays(cfg, _weights(cfg, path), RANK))
+    return pools
+
+
+def _check_against_peft(model_dir, dirs, backend_name: str) -> float:
+    """Serve ROW_SLOTS in one batch; every row within ATOL of PEFT with its adapter, the same greedy
+    tokens at every step; returns the largest |diff|."""
+    ck = load_checkpoint(str(model_dir))
+    backend = get_backend(backend_name)
+    pools = _pools(ck, [dirs[n] for n in NAMES], backend)
+    rng = np.random.default_rng(3)
+    seq = PROMPT + rng.integers(3, ck.config.vocab_size, STEPS).tolist()
+    want = {
+        s: _reference_logits(model_dir, None if s < 0 else dirs[NAMES[s]], seq)[len(PROMPT) - 1 :]
+        for s in set(ROW_SLOTS.tolist())
+    }
+    got = _serve_mixed(ck, backend, pools, ROW_SLOTS, backend.plan(ROW_SLOTS, len(NAMES)), seq, "float32")
+    worst = 0.0
+    for row, slot in enumerate(ROW_SLOTS):
+        err = np.abs(got[row] - want[slot]).max(axis=-1)
+        assert err.max() <= ATOL, f"row {row} (slot {slot}): max |diff| per step {err.tolist()}"
+        np.testing.assert_array_equal(got[row].argmax(-1), want[slot].argmax(-1), err_msg=f"row {row}")
+        worst = max(worst, float(err.max()))
+    for slot in range(len(NAMES)):  # every adapter moves PEFT's logits far more than our deviation
+        assert np.abs(want[slot] - want[-1]).max() > max(0.1, 100 * worst), slot
+    return worst
+
+
+# measured max |diff| on Llama (f32): 1.3e-6 .. 1.8e-6 for every backend
+@pytest.mark.parametrize("backend", ["reference", "xla-onehot", "xla-grouped", "cpu", "pallas"])
+def test_dora_and_bias_mixed_batch_match_peft(model_dirs, dora_dirs, backend: str) -> None:
+    assert _check_against_peft(model_dirs["llama"], dora_dirs("llama"), backend) <= ATOL
+
+
+# Qwen2 has a q/k/v bias: PEFT's DoRA scales W x + s·B A x and adds the bias unscaled (measured 2.0e-6)
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_dora_and_bias_on_other_families_match_peft(model_dirs, dora_dirs, family: str) -> None:
+    assert _check_against_peft(model_dirs[family], dora_dirs(family), "cpu") <= ATOL
+
+
+def test_stored_scales_and_biases_are_peft_s(model_dirs, dora_dirs) -> None:
+    """The slot's ``dora_scale_<group>`` is PEFT's ``m / ||W + s·B·A||`` of each module side by side
+    (q|k|v, gate|up); ``lora_bias_<group>`` is ``lora_B.bias · s``; plain slots hold ones and zeros."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ck = load_checkpoint(str(model_dirs["llama"]))
+    dirs = dora_dirs("llama")
+    pools = _pools(ck, [dirs[n] for n in NAMES], get_backend("cpu"))
+    groups = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj")}
+    groups["down"] = ("down_proj",)
+    for slot, name in enumerate(NAMES):
+        base = AutoModelForCausalLM.from_pretrained(str(model_dirs["llama"]))
+        peft = PeftModel.from_pretrained(base, str(dirs[name])).eval()
+        stored = pools.read(slot)
+        for layer in range(ck.config.num_layers):
+            attn = peft.base_model.model.model.layers[layer].self_attn
+            mlp = peft.base_model.model.model.layers[layer].mlp
+            for group, modules in groups.items():
+                scales, biases = [], []
+                for module in modules:
+                    mod = getattr(attn if module in ("q_proj", "k_proj", "v_proj", "o_proj") else mlp, module)
+                    linear = mod.get_base_layer() if hasattr(mod, "get_base_layer") else mod  # untargeted
+                    scales.append(np.ones(linear.weight.shape[0], np.float32))
+                    biases.append(np.zeros(linear.weight.shape[0], np.float32))
+                    if linear is mod or "default" not in mod.lora_A:
+                        continue
+                    s = mod.scaling["default"]
+                    with torch.no_grad():
+                        if mod.lora_magnitude_vector and "default" in mod.lora_magnitude_vector:
+                            dora = mod.lora_magnitude_vector["default"]
+                            delta = mod.lora_B["default"].weight @ mod.lora_A["default"].weight
+                            norm = dora.get_weight_norm(linear.weight, delta, s)
+                            scales[-1] = (dora.weight / norm).numpy()
+                        if mod.lora_B["default"].bias is not None:
+                            biases[-1] = (mod.lora_B["default"].bias * s).numpy()
+                np.testing.assert_allclose(
+                    stored[layer][f"dora_scale_{group}"], np.concatenate(scales), rtol=1e-5
+                )
+                np.testing.assert_allclose(
+                    stored[layer][f"lora_bias_{group}"], np.concatenate(biases), rtol=1e-6
+                )
+        if name.startswith("dora"):  # the scales really differ from 1
+            assert np.abs(stored[0]["dora_scale_qkv"] - 1).max() > 0.1
+        else:  # exactly ones: plain-LoRA rows are untouched bit for bit
+            assert all((layer[f"dora_scale_{g}"] == 1).all() for layer in stored for g in groups)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
+def test_loading_and_serving_dora_compiles_nothing_after_warmup(model_dirs, dora_dirs, backend: str) -> None:
+    ck = load_checkpoint(str(model_dirs["llama"]))
+    cfg, lora = ck.config, get_backend(backend)
+    dirs = dora_dirs("llama")
+    values = [slot_arrays(cfg, _weights(cfg, dirs[n]), RANK) for n in NAMES]
+    rows, slots = 4, 3
+    pools = SlotPools(cfg, slots, RANK, jnp.dtype(jnp.float32), lora, base=base_weights(ck.params))
+    cache = M.init_cache(cfg, rows * 2 + 1, 16, jnp.float32)
+    tables = M.contiguous_page_tables(rows, 2)
+    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    prefill = jax.jit(partial(M.prefill, cfg, backend=lora), donate_argnums=(7,))
+    decode = jax.jit(partial(M.decode, cfg, backend=lora), donate_argnums=(6,))
+    tokens = np.zeros(16, np.int32)
+    tokens[: len(PROMPT)] = PROMPT
+    n, zero, same = np.int32(len(PROMPT)), np.int32(0), np.full(rows, len(PROMPT), np.int32)
+    pools.zero(0)  # warm-up, as the runner does it
+    _, cache = prefill(ck.params, pools.pools, tokens, n, zero, zero, tables[0], cache, inv)
+    for plan in lora.warmup_plans(rows, slots):
+        _, cache = decode(ck.params, pools.pools, np.full(rows, 9, np.int32), same, tables, plan, cache, inv)
+    jax.block_until_ready(cache)
+    with count_compilations() as count:
+        for i, v in enumerate(values * 2):  # DoRA, bias and plain adapters swapped through 3 slots
+            pools.write(i % slots, v)
+        for row, slot in enumerate([0, 1, 2, -1]):
+            _, cache = prefill(
+                ck.params, pools.pools, tokens, n, zero, np.int32(slot), tables[row], cache, inv
+            )
+        for mix in ([0, 1, 2, -1], [0, 0, 0, 0], [2, -1, 1, 1]):
+            plan = lora.plan(np.array(mix, np.int32), slots)
+            out, cache = decode(
+                ck.params, pools.pools, np.full(rows, 9, np.int32), same, tables, plan, cache, inv
+            )
+        jax.block_until_ready(out)
+    assert count.compilations == 0, count.names
+    # the last writes left bias-r4, plain-r4 and dora-pattern-rslora in slots 0, 1, 2
+    assert np.abs(np.asarray(pools.pools[0]["dora_scale_qkv"][2]) - 1).max() > 0.1
+    assert np.abs(np.asarray(pools.pools[0]["lora_bias_qkv"][0])).max() > 0
+
+
+def _save_tensors(tensors: dict) -> bytes:
+    from safetensors.numpy import save
+
+    return save({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+
+
+def _edit(path, config=None, tensors=None) -> tuple[bytes, bytes]:
+    cfg_bytes, weights = read_adapter_files(str(path))
+    cfg = json.loads(cfg_bytes)
+    cfg.update(config or {})
+    t = load_tensors(weights)
+    if tensors is not None:
+        tensors(t)
+    return json.dumps(cfg).encode(), _save_tensors(t)
+
+
+def _first(t: dict, needle: str) -> str:
+    return next(k for k in sorted(t) if needle in k)
+
+
+def _drop_magnitude(t: dict) -> None:
+    del t[_first(t, "lora_magnitude_vector")]
+
+
+def _shorten(needle: str):
+    def fn(t: dict) -> None:
+        k = _first(t, needle)
+        t[k] = t[k][:-1]
+
+    return fn
+
+
+# (adapter, config changes, tensor edit, message): each refused with INVALID_ARGUMENT, at the worker and
+# at the registry alike (one parser)
+REFUSED = [
+    ("dora-all-r4", None, _drop_magnitude, "lora_magnitude_vector is missing"),
+    ("dora-all-r4", None, _shorten("lora_magnitude_vector"), "does not match lora_B's"),
+    ("bias-r4", None, _shorten("lora_B.bias"), "does not match lora_B's"),
+    ("bias-r4", None, lambda t: t.update({_first(t, "lora_B.bias"): np.zeros((2, 2), np.float32)}), "1-D"),
+    ("dora-all-r4", {"use_dora": False}, None, "use_dora is not set"),
+    ("bias-r4", {"lora_bias": False}, None, "lora_bias is not set"),
+    ("dora-all-r4", {"lora_bias": True}, None, "DoRA does not support a LoRA bias"),
+    ("plain-r4", {"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+    ("plain-r4", {"bias": "all"}, None, "bias 'all' is not supported"),
+    ("plain-r4", {"bias": "lora_only"}, None, "bias 'lora_only' is not supported"),
+]
+
+
+@pytest.mark.parametrize(("name", "config", "edit", "needle"), REFUSED)
+def test_malformed_dora_and_bias_adapters_are_refused(
+    model_dirs, dora_dirs, name, config, edit, needle
+) -> None:
+    cfg = load_checkpoint(str(model_dirs["llama"])).config
+    config_bytes, weights = _edit(dora_dirs("llama")[name], config, edit)
+    with pytest.raises(AdapterError, match=needle) as info:
+        parse_adapter(config_bytes, weights, module_shapes=cfg.module_shapes(), num_layers=cfg.num_layers)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    # the untouched adapter parses, with its magnitudes / biases
+    weights = _weights(cfg, dora_dirs("llama")[name])
+    assert weights.use_dora == name.startswith("dora") and bool(weights.biases) == name.startswith("bias")
+
+
+def test_tensor_parallel_dora_matches_one_device(model_dirs, dora_dirs, tmp_path_factory) -> None:
+    """N = 2 and 4 (KV heads repeated) serve the DoRA, bias and plain adapters with N = 1's logits and
+    greedy tokens; 200 slot swaps of them after warm-up compile nothing (tests/worker/tp_child.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.testing import save_model
+    from tests.worker.test_tensor_parallel import ATOL as TP_ATOL
+    from tests.worker.test_tensor_parallel import TP_MODEL, run_child
+
+    root = tmp_path_factory.mktemp("tp-dora")
+    model = save_model(root / "qwen2", "qwen2", seed=7, **TP_MODEL)
+    adapters = []
+    for name, kw in DORA_ADAPTERS.items():
+        make_adapter(AutoModelForCausalLM.from_pretrained(str(model)), root / name, **kw)
+        adapters.append(str(root / name))
+    out = run_child(
+        "--model", str(model), "--adapters", ",".join(adapters), "--backend", "cpu",
+        "--sizes", "1,2,4", "--steps", "4", "--swaps", "200",
+    )  # fmt: skip
+    ref = np.array(out["1"]["logits"])
+    moved = np.abs(ref[0] - np.array(out["1"]["base_logits"])).max(axis=-1)
+    assert moved[4] < 1e-5 and (moved[[0, 1, 2, 3, 5]] > 0.1).all(), moved
+    for n in ("2", "4"):
+        got = out[n]
+        assert got["tokens"] == out["1"]["tokens"], n
+        np.testing.assert_allclose(np.array(got["logits"]), ref, atol=TP_ATOL, rtol=0, err_msg=f"N={n}")
+        assert got["compilations"] == 0, (n, got["compiled"])
+        assert got["abstract_matches"] == {"params": True, "cache": True, "pools": True}
