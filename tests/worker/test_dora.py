@@ -215,6 +215,49 @@ def test_loading_and_serving_dora_compiles_nothing_after_warmup(model_dirs, dora
     assert np.abs(np.asarray(pools.pools[0]["lora_bias_qkv"][0])).max() > 0
 
 
+@pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
+def test_packed_prefill_of_dora_and_bias_prompts_matches_peft(model_dirs, dora_dirs, backend: str) -> None:
+    """The runner's prefill: prompts of different lengths on DoRA, bias, plain and no adapter packed into
+    one call of G segments; each segment's last-token logits are PEFT's (f32, ATOL)."""
+    model_dir, dirs = model_dirs["llama"], dora_dirs("llama")
+    ck = load_checkpoint(str(model_dir))
+    cfg, lora = ck.config, get_backend(backend)
+    pools = _pools(ck, [dirs[n] for n in NAMES], lora)
+    prompts = [
+        [5, 17, 33, 100, 7, 9],
+        [3, 4],
+        [250, 11, 12, 13, 14, 15, 16, 2, 8],
+        [60, 61, 62],
+        [8, 8, 8, 1],
+    ]
+    seg_slots = np.array([0, 2, 1, -1, 3], np.int32)
+    g, t = len(prompts), 16
+    tokens = np.zeros((g, t), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    cache = M.init_cache(cfg, g + 1, 16, jnp.float32)
+    tables = M.contiguous_page_tables(g, 1)
+    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    logits, _ = jax.jit(partial(M.prefill_packed, cfg, backend=lora))(
+        ck.params,
+        pools.pools,
+        tokens,
+        lengths,
+        np.zeros(g, np.int32),
+        seg_slots,
+        tables,
+        np.int32(1),
+        cache,
+        inv,
+    )
+    for i, (p, slot) in enumerate(zip(prompts, seg_slots, strict=True)):
+        want = _reference_logits(model_dir, None if slot < 0 else dirs[NAMES[slot]], p)[-1]
+        np.testing.assert_allclose(
+            np.asarray(logits[i]), want, atol=ATOL, err_msg=f"segment {i} (slot {slot})"
+        )
+
+
 def _save_tensors(tensors: dict) -> bytes:
     from safetensors.numpy import save
 
@@ -299,6 +342,7 @@ def test_tensor_parallel_dora_matches_one_device(model_dirs, dora_dirs, tmp_path
     ref = np.array(out["1"]["logits"])
     moved = np.abs(ref[0] - np.array(out["1"]["base_logits"])).max(axis=-1)
     assert moved[4] < 1e-5 and (moved[[0, 1, 2, 3, 5]] > 0.1).all(), moved
+    assert out["1"]["compilations"] == 0, out["1"]["compiled"]  # the runner's swaps of them on one device
     for n in ("2", "4"):
         got = out[n]
         assert got["tokens"] == out["1"]["tokens"], n
