@@ -270,6 +270,56 @@ def test_packed_prefill_of_dora_and_bias_prompts_matches_peft(model_dirs, dora_d
         )
 
 
+def _peft_greedy(model_dir, adapter_dir, prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(_reference_logits(model_dir, adapter_dir, seq)[-1].argmax()))
+    return seq[len(prompt) :]
+
+
+def test_engine_serves_dora_and_bias_with_peft_s_greedy_tokens(model_dirs, dora_dirs) -> None:
+    """The whole worker path (residency: fetch, validate, prepare; slot writes with the scale computed on
+    the device; packed prefill; decode): DoRA, bias and plain adapters and the base model, concurrently,
+    through 2 slots (so loads evict and reload), give PEFT's greedy tokens; nothing compiles after start."""
+    import uuid
+
+    from loraserve.adapters.sources import LocalAdapterSource
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.engine import Engine
+    from loraserve.worker.requests import EngineRequest, Sampling
+    from tests.worker.fake_engine import Collector
+
+    model_dir, dirs = model_dirs["llama"], dora_dirs("llama")
+    source = LocalAdapterSource()
+    for name, path in dirs.items():
+        source.register(name, str(path))
+    config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=RANK, max_cpu_loras=1)
+    engine = Engine(load_checkpoint(str(model_dir)), config, source=source)
+    engine.start()
+    prompts = {name: [5, 17, 33 + i, 100, 7] for i, name in enumerate(["", *NAMES])}
+    try:
+        with count_compilations() as count:
+            collectors = {}
+            for round_ in range(2):  # the second round reloads what the first evicted
+                for name, prompt in prompts.items():
+                    c = Collector()
+                    req = EngineRequest(
+                        uuid.uuid4().hex, name, prompt, Sampling(max_tokens=8, ignore_eos=True), c
+                    )
+                    engine.submit(req)
+                    collectors[name, round_] = c
+            for c in collectors.values():
+                assert c.done.wait(120), "request did not finish"
+        assert count.compilations == 0, count.names
+    finally:
+        engine.stop()
+    for (name, _), c in collectors.items():
+        want = _peft_greedy(model_dir, dirs[name] if name else None, prompts[name], 8)
+        assert c.tokens == want, name
+        if name:  # the adapter changes the text: base tokens on its prompt would have failed
+            assert want != _peft_greedy(model_dir, None, prompts[name], 8), name
+
+
 def _save_tensors(tensors: dict) -> bytes:
     from safetensors.numpy import save
 
