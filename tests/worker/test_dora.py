@@ -1,79 +1,42 @@
 """DoRA and LoRA-bias adapters served in ONE batch with plain LoRA and base rows, against PEFT (#16 items 1-2).
 
-Real PEFT adapters made on the tiny random models (``loraserve.testing.make_adapter``): DoRA on every
-module (rank 4), DoRA with rsLoRA, ``rank_pattern`` and ``alpha_pattern`` on a target subset, a
-``lora_bias`` adapter and a plain one. Their logits (a prefill and STEPS teacher-forced decode steps) are
-compared with PEFT's in f32 within ATOL through every LoRA backend on Llama, and on Qwen2 (q/k/v bias:
-PEFT's DoRA scales only the non-bias part) with the CPU default; the stored per-slot scales with PEFT's
-``m / ||W + s·B·A||``; nothing compiles after warm-up while DoRA/bias adapters are swapped in and served;
-malformed adapters are INVALID_ARGUMENT; N = 2 and 4 tensor parallelism serves what N = 1 serves.
+Real PEFT adapters made on the tiny random models (``tests.conftest.DORA_ADAPTERS``): DoRA on every module
+(rank 4), DoRA with rsLoRA, ``rank_pattern`` and ``alpha_pattern`` on a target subset, a ``lora_bias``
+adapter and a plain one. Their logits (a prefill and STEPS teacher-forced decode steps) are compared with
+PEFT's in f32 within ATOL through every LoRA backend on Llama, and on every other family (Qwen2's q/k/v
+bias: PEFT's DoRA scales only the non-bias part) with the CPU default, and in bf16; the stored per-slot
+scales with PEFT's ``m / ||W + s·B·A||``; the packed prefill; nothing compiles after warm-up while
+DoRA/bias adapters are swapped in and served. The engine, tensor parallelism and the refusals:
+``test_dora_worker.py``.
 """
 
 from __future__ import annotations
 
-import json
 from functools import partial
 
-import grpc
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from loraserve.adapters.errors import AdapterError
 from loraserve.adapters.files import read_adapter_files
-from loraserve.adapters.peft import load_tensors, parse_adapter
+from loraserve.adapters.peft import parse_adapter
 from loraserve.kernels import get_backend
 from loraserve.kernels.testing import count_compilations
-from loraserve.testing import make_adapter
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slots import SlotPools, base_weights, slot_arrays
-from tests.conftest import ADAPTERS
+from tests.conftest import DORA_ADAPTERS
 from tests.worker.test_lora_parity import PROMPT, STEPS, _reference_logits, _serve_mixed
 
 ATOL = 2e-4
 # bf16 model and pools against peft on the bf16 base, as in test_lora_parity (its ATOL_BF16)
 ATOL_BF16 = 0.08
 RANK = 16
-# name -> make_adapter kwargs; the plain adapter is conftest's "all-r4"
-DORA_ADAPTERS = {
-    "dora-all-r4": dict(r=4, alpha=8.0, use_dora=True, seed=11),
-    "dora-pattern-rslora": dict(
-        r=8,
-        alpha=4.0,
-        use_rslora=True,
-        use_dora=True,
-        targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"),
-        rank_pattern={"k_proj": 2},
-        alpha_pattern={"o_proj": 3.0},
-        seed=12,
-    ),
-    "bias-r4": dict(r=4, alpha=8.0, lora_bias=True, seed=13),
-    "plain-r4": ADAPTERS["all-r4"],
-}
 NAMES = list(DORA_ADAPTERS)
 # every slot, DoRA slot 0 on three rows, a base row; then teacher-forced decode of one sequence
 ROW_SLOTS = np.array([0, 2, -1, 1, 3, 0, 1, 0], np.int32)
-
-
-@pytest.fixture(scope="module")
-def dora_dirs(model_dirs, tmp_path_factory):
-    """``family -> {name -> folder}`` of DORA_ADAPTERS made on that family's base, built on first use."""
-    from transformers import AutoModelForCausalLM
-
-    made: dict[str, dict] = {}
-
-    def get(family: str) -> dict:
-        if family not in made:
-            root = tmp_path_factory.mktemp(f"dora-{family}")
-            for name, kw in DORA_ADAPTERS.items():
-                make_adapter(AutoModelForCausalLM.from_pretrained(str(model_dirs[family])), root / name, **kw)
-            made[family] = {name: root / name for name in NAMES}
-        return made[family]
-
-    return get
 
 
 def _weights(cfg, path):
@@ -268,146 +231,3 @@ def test_packed_prefill_of_dora_and_bias_prompts_matches_peft(model_dirs, dora_d
         np.testing.assert_allclose(
             np.asarray(logits[i]), want, atol=ATOL, err_msg=f"segment {i} (slot {slot})"
         )
-
-
-def _peft_greedy(model_dir, adapter_dir, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(_reference_logits(model_dir, adapter_dir, seq)[-1].argmax()))
-    return seq[len(prompt) :]
-
-
-def test_engine_serves_dora_and_bias_with_peft_s_greedy_tokens(model_dirs, dora_dirs) -> None:
-    """The whole worker path (residency: fetch, validate, prepare; slot writes with the scale computed on
-    the device; packed prefill; decode): DoRA, bias and plain adapters and the base model, concurrently,
-    through 2 slots (so loads evict and reload), give PEFT's greedy tokens; nothing compiles after start."""
-    import uuid
-
-    from loraserve.adapters.sources import LocalAdapterSource
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
-    from loraserve.worker.requests import EngineRequest, Sampling
-    from tests.worker.fake_engine import Collector
-
-    model_dir, dirs = model_dirs["llama"], dora_dirs("llama")
-    source = LocalAdapterSource()
-    for name, path in dirs.items():
-        source.register(name, str(path))
-    config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=RANK, max_cpu_loras=1)
-    engine = Engine(load_checkpoint(str(model_dir)), config, source=source)
-    engine.start()
-    prompts = {name: [5, 17, 33 + i, 100, 7] for i, name in enumerate(["", *NAMES])}
-    try:
-        with count_compilations() as count:
-            collectors = {}
-            for round_ in range(2):  # the second round reloads what the first evicted
-                for name, prompt in prompts.items():
-                    c = Collector()
-                    req = EngineRequest(
-                        uuid.uuid4().hex, name, prompt, Sampling(max_tokens=8, ignore_eos=True), c
-                    )
-                    engine.submit(req)
-                    collectors[name, round_] = c
-            for c in collectors.values():
-                assert c.done.wait(120), "request did not finish"
-        assert count.compilations == 0, count.names
-    finally:
-        engine.stop()
-    for (name, _), c in collectors.items():
-        want = _peft_greedy(model_dir, dirs[name] if name else None, prompts[name], 8)
-        assert c.tokens == want, name
-        if name:  # the adapter changes the text: base tokens on its prompt would have failed
-            assert want != _peft_greedy(model_dir, None, prompts[name], 8), name
-
-
-def _save_tensors(tensors: dict) -> bytes:
-    from safetensors.numpy import save
-
-    return save({k: np.ascontiguousarray(v) for k, v in tensors.items()})
-
-
-def _edit(path, config=None, tensors=None) -> tuple[bytes, bytes]:
-    cfg_bytes, weights = read_adapter_files(str(path))
-    cfg = json.loads(cfg_bytes)
-    cfg.update(config or {})
-    t = load_tensors(weights)
-    if tensors is not None:
-        tensors(t)
-    return json.dumps(cfg).encode(), _save_tensors(t)
-
-
-def _first(t: dict, needle: str) -> str:
-    return next(k for k in sorted(t) if needle in k)
-
-
-def _drop_magnitude(t: dict) -> None:
-    del t[_first(t, "lora_magnitude_vector")]
-
-
-def _shorten(needle: str):
-    def fn(t: dict) -> None:
-        k = _first(t, needle)
-        t[k] = t[k][:-1]
-
-    return fn
-
-
-# (adapter, config changes, tensor edit, message): each refused with INVALID_ARGUMENT, at the worker and
-# at the registry alike (one parser)
-REFUSED = [
-    ("dora-all-r4", None, _drop_magnitude, "lora_magnitude_vector is missing"),
-    ("dora-all-r4", None, _shorten("lora_magnitude_vector"), "does not match lora_B's"),
-    ("bias-r4", None, _shorten("lora_B.bias"), "does not match lora_B's"),
-    ("bias-r4", None, lambda t: t.update({_first(t, "lora_B.bias"): np.zeros((2, 2), np.float32)}), "1-D"),
-    ("dora-all-r4", {"use_dora": False}, None, "use_dora is not set"),
-    ("bias-r4", {"lora_bias": False}, None, "lora_bias is not set"),
-    ("dora-all-r4", {"lora_bias": True}, None, "DoRA does not support a LoRA bias"),
-    ("plain-r4", {"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
-    ("plain-r4", {"bias": "all"}, None, "bias 'all' is not supported"),
-    ("plain-r4", {"bias": "lora_only"}, None, "bias 'lora_only' is not supported"),
-]
-
-
-@pytest.mark.parametrize(("name", "config", "edit", "needle"), REFUSED)
-def test_malformed_dora_and_bias_adapters_are_refused(
-    model_dirs, dora_dirs, name, config, edit, needle
-) -> None:
-    cfg = load_checkpoint(str(model_dirs["llama"])).config
-    config_bytes, weights = _edit(dora_dirs("llama")[name], config, edit)
-    with pytest.raises(AdapterError, match=needle) as info:
-        parse_adapter(config_bytes, weights, module_shapes=cfg.module_shapes(), num_layers=cfg.num_layers)
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    # the untouched adapter parses, with its magnitudes / biases
-    weights = _weights(cfg, dora_dirs("llama")[name])
-    assert weights.use_dora == name.startswith("dora") and bool(weights.biases) == name.startswith("bias")
-
-
-def test_tensor_parallel_dora_matches_one_device(model_dirs, dora_dirs, tmp_path_factory) -> None:
-    """N = 2 and 4 (KV heads repeated) serve the DoRA, bias and plain adapters with N = 1's logits and
-    greedy tokens; 200 slot swaps of them after warm-up compile nothing (tests/worker/tp_child.py)."""
-    from transformers import AutoModelForCausalLM
-
-    from loraserve.testing import save_model
-    from tests.worker.test_tensor_parallel import ATOL as TP_ATOL
-    from tests.worker.test_tensor_parallel import TP_MODEL, run_child
-
-    root = tmp_path_factory.mktemp("tp-dora")
-    model = save_model(root / "qwen2", "qwen2", seed=7, **TP_MODEL)
-    adapters = []
-    for name, kw in DORA_ADAPTERS.items():
-        make_adapter(AutoModelForCausalLM.from_pretrained(str(model)), root / name, **kw)
-        adapters.append(str(root / name))
-    out = run_child(
-        "--model", str(model), "--adapters", ",".join(adapters), "--backend", "cpu",
-        "--sizes", "1,2,4", "--steps", "4", "--swaps", "200",
-    )  # fmt: skip
-    ref = np.array(out["1"]["logits"])
-    moved = np.abs(ref[0] - np.array(out["1"]["base_logits"])).max(axis=-1)
-    assert moved[4] < 1e-5 and (moved[[0, 1, 2, 3, 5]] > 0.1).all(), moved
-    assert out["1"]["compilations"] == 0, out["1"]["compiled"]  # the runner's swaps of them on one device
-    for n in ("2", "4"):
-        got = out[n]
-        assert got["tokens"] == out["1"]["tokens"], n
-        np.testing.assert_allclose(np.array(got["logits"]), ref, atol=TP_ATOL, rtol=0, err_msg=f"N={n}")
-        assert got["compilations"] == 0, (n, got["compiled"])
-        assert got["abstract_matches"] == {"params": True, "cache": True, "pools": True}
