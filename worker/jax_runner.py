@@ -137,7 +137,7 @@ class JaxRunner:
             jnp.dtype(config.pool_dtype),
             self.backend,
             shardings,
-            base=base_weights(self.params),  # DoRA scales are computed from them at each slot write
+            base=base_weights(self.params),  # DoRA scales are computed from them (prepare)
         )
         self.cache = M.init_cache(cfg, self.num_pages, self.page_size, jnp.dtype(config.dtype))
         if self.mesh is not None:
@@ -172,7 +172,8 @@ class JaxRunner:
 
     def prepare(self, weights: LoraWeights) -> SlotValues:
         values = slot_arrays(self.checkpoint_config, weights, self.config.max_lora_rank)
-        return sharding.expand_slot_values(self.checkpoint_config, values, self.config.tensor_parallel_size)
+        values = sharding.expand_slot_values(self.checkpoint_config, values, self.config.tensor_parallel_size)
+        return self.pools.with_scales(values)  # DoRA's norms here, on the loader thread, not between steps
 
     def write_slot(self, index: int, values: SlotValues) -> None:
         self.pools.write(index, values)

@@ -73,30 +73,44 @@ def base_weights(params: dict[str, Any]) -> BaseWeights:
     return [{group: layer[key] for group, key in keys.items()} for layer in params["layers"]]
 
 
-def _write_slot(
-    pools: Lora, slot: jax.Array, values: Lora, base: BaseWeights | None, backend: LoraBackend
-) -> Lora:
-    def put(pool: jax.Array, value: jax.Array) -> jax.Array:
-        return pool.at[slot].set(backend.to_pool_layout(value.astype(pool.dtype)))
-
-    out: Lora = []
-    for n, (layer, vals) in enumerate(zip(pools, values, strict=True)):
-        new = {k: put(v, vals[k]) for k, v in layer.items() if not is_vector_pool(k)}
+def _dora_scales(values: Lora, base: BaseWeights, shards: int) -> list[dict[str, jax.Array]]:
+    """Per layer, ``dora_scale_<group> [out]`` of one slot's values (``worker.dora.dora_scale``)."""
+    out = []
+    for n, vals in enumerate(values):
+        scales = {}
         for group, modules in LORA_GROUPS.items():
-            new[bias_name(group)] = layer[bias_name(group)].at[slot].set(vals[bias_name(group)])
-            scale = jnp.ones(vals[mask_name(group)].shape, jnp.float32)
-            if base is not None:  # without base weights no slot may be DoRA (SlotPools.write checks)
-                bs = tuple(vals[b_name(m)] for m in modules)
-                scale = dora_scale(
-                    base[n][group], vals[f"A_{group}"], bs, vals[magnitude_name(group)],
-                    vals[mask_name(group)], backend.shards,
-                )  # fmt: skip
-            new[scale_name(group)] = layer[scale_name(group)].at[slot].set(scale)
-        out.append(new)
+            bs = tuple(vals[b_name(m)] for m in modules)
+            scales[scale_name(group)] = dora_scale(
+                base[n][group],
+                vals[f"A_{group}"],
+                bs,
+                vals[magnitude_name(group)],
+                vals[mask_name(group)],
+                shards,
+            )
+        out.append(scales)
     return out
 
 
-_write_slot_jit = jax.jit(_write_slot, donate_argnums=0, static_argnums=4)
+_dora_scales_jit = jax.jit(_dora_scales, static_argnums=2)
+
+
+def _write_slot(pools: Lora, slot: jax.Array, values: Lora, backend: LoraBackend) -> Lora:
+    def put(name: str, pool: jax.Array, value: jax.Array) -> jax.Array:
+        value = value.astype(pool.dtype)  # the worker.dora vectors have one layout for every backend
+        return pool.at[slot].set(value if is_vector_pool(name) else backend.to_pool_layout(value))
+
+    return [
+        {k: put(k, v, vals[k]) for k, v in layer.items()} for layer, vals in zip(pools, values, strict=True)
+    ]
+
+
+_write_slot_jit = jax.jit(_write_slot, donate_argnums=0, static_argnums=3)
+
+
+def is_scaled(values: SlotValues) -> bool:
+    """Whether ``values`` already carry their ``dora_scale_<group>`` (:meth:`SlotPools.with_scales`)."""
+    return scale_name("qkv") in values[0]
 
 
 class SlotPools:
@@ -107,7 +121,7 @@ class SlotPools:
     vector pools are the same in every backend). ``shardings`` (pool name -> ``jax.sharding.Sharding``,
     tensor parallelism) places every layer's pools so and keeps them so across writes; None = the
     default device. ``base`` (``base_weights(params)``, on the device) is what DoRA slots' scales are
-    computed from at the write; without it only non-DoRA values can be written.
+    computed from (:meth:`with_scales`); without it only non-DoRA values can be written.
     """
 
     def __init__(
@@ -127,7 +141,7 @@ class SlotPools:
         if shardings is not None:
             layered = [dict(shardings) for _ in range(cfg.num_layers)]
             self.pools = jax.device_put(self.pools, layered)
-            self._write = jax.jit(_write_slot, donate_argnums=0, static_argnums=4, out_shardings=layered)
+            self._write = jax.jit(_write_slot, donate_argnums=0, static_argnums=3, out_shardings=layered)
         zeros = {k: np.zeros(s, np.float32) for k, s in lora_slot_shapes(cfg, max_rank).items()}
         for group, size in lora_vector_sizes(cfg).items():
             zeros.update(
@@ -135,11 +149,37 @@ class SlotPools:
             )
         self._zeros: SlotValues = [zeros] * cfg.num_layers
 
+    def with_scales(self, values: SlotValues) -> SlotValues:
+        """``slot_arrays`` values -> the same with each group's magnitudes and DoRA mask replaced by its
+        ``dora_scale_<group>`` (host arrays), computed on the device from the base weights.
+
+        Thread-safe (reads only the base weights): the runner calls it on the loader thread, so a DoRA
+        load's norm computation never runs between two decode steps. Compiled once (the first call,
+        ``zero`` at warm-up); a slot without DoRA costs one skipped ``lax.cond``.
+        """
+        if is_scaled(values):
+            return values
+        if self.base is None:
+            if any(np.any(v[mask_name(g)]) for v in values for g in LORA_GROUPS):
+                raise ValueError(
+                    "a DoRA slot needs the base weights: SlotPools(..., base=base_weights(params))"
+                )
+            scales = [
+                {scale_name(g): np.ones(v[mask_name(g)].shape, np.float32) for g in LORA_GROUPS}
+                for v in values
+            ]
+        else:
+            scales = jax.tree.map(np.asarray, _dora_scales_jit(values, self.base, self.backend.shards))
+        drop = {f(g) for g in LORA_GROUPS for f in (magnitude_name, mask_name)}
+        return [
+            {**{k: v for k, v in vals.items() if k not in drop}, **sc}
+            for vals, sc in zip(values, scales, strict=True)
+        ]
+
     def write(self, slot: int, values: SlotValues) -> None:
-        """Write one slot (a jitted, donated ``.at[slot].set``; DoRA scales computed on the device)."""
-        if self.base is None and any(np.any(v[mask_name(g)]) for v in values for g in LORA_GROUPS):
-            raise ValueError("a DoRA slot needs the base weights: SlotPools(..., base=base_weights(params))")
-        self.pools = self._write(self.pools, jnp.int32(slot), values, self.base, self.backend)
+        """Write one slot: a jitted, donated ``.at[slot].set`` (values without their DoRA scales get them
+        first, :meth:`with_scales`, here on the calling thread)."""
+        self.pools = self._write(self.pools, jnp.int32(slot), self.with_scales(values), self.backend)
 
     def read(self, slot: int) -> SlotValues:
         """One slot back: matrices in the canonical layout, vectors as stored (host arrays)."""
