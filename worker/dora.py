@@ -7,8 +7,9 @@ two vector pools per LoRA group (q|k|v, o, gate|up, down), each laid out like th
 
 * ``dora_scale_<group> [S, out]`` float32: DoRA's ``m / ||W + s·B·A||`` per output channel (PEFT's
   ``DoraLinearLayer``: the L2 norm of each output row of the combined weight, over the input features),
-  computed on the device once per slot write from the base weight ``W`` (:func:`dora_scale`, inside the
-  jitted write: one compilation at warm-up, none per load); ones for plain-LoRA and empty slots.
+  computed on the device once per load from the base weight ``W`` (:func:`dora_scale`, through
+  ``SlotPools.with_scales`` on the loader thread: one compilation at warm-up, none per load); ones for
+  plain-LoRA and empty slots.
 * ``lora_bias_<group> [S, out]`` float32: ``lora_B``'s bias times the LoRA scaling (PEFT ``lora_bias``:
   ``(B(A x) + b) · s``); zeros elsewhere.
 

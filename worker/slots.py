@@ -1,11 +1,12 @@
 """Adapter slots on the device: preallocated pools and the host arrays written into one slot.
 
 The pools (per layer one ``A_<group>`` and one ``B_<module>`` per module, in the layout of the LoRA
-backend object, ``kernels.backends``) are allocated once; a swap writes one
-slot through a jitted ``.at[slot].set`` on donated buffers, so shapes never change and nothing compiles.
-The bookkeeping (which adapter is where, LRU, pins, host tier) is ``worker.slot_table`` (no JAX);
-``SlotPools`` owns the device arrays and is touched only by the JAX runner on the engine thread, which
-applies writes between decode steps.
+backend object, ``kernels.backends``, plus the DoRA-scale and LoRA-bias vectors of ``worker.dora``) are
+allocated once; a swap writes one slot through a jitted ``.at[slot].set`` on donated buffers, so shapes
+never change and nothing compiles. The bookkeeping (which adapter is where, LRU, pins, host tier) is
+``worker.slot_table`` (no JAX); ``SlotPools`` owns the device arrays and is touched only by the JAX runner
+on the engine thread, which applies writes between decode steps (``with_scales``, which reads only the
+base weights, runs on the loader thread).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotVa
     ``dora_<group>`` (1.0 on DoRA channels) and ``lora_bias_<group>``, each ``[out]``.
 
     Semantics: untargeted modules (and layers) are zero, so they add exactly nothing; a module is DoRA
-    (its scale computed at the slot write) exactly in the layers where the adapter has its magnitude.
+    (its scale computed by ``SlotPools.with_scales``) exactly in the layers where the adapter has its magnitude.
     """
     shapes = cfg.module_shapes()
     R = max_rank
