@@ -73,6 +73,28 @@ def test_engine_serves_dora_and_bias_with_peft_s_greedy_tokens(model_dirs, dora_
             assert want != _peft_greedy(model_dir, None, prompts[name], 8), name
 
 
+def test_runner_computes_dora_scales_on_prepare(model_dirs, dora_dirs) -> None:
+    """``JaxRunner.prepare`` (the loader thread) hands over values that already carry each group's DoRA
+    scale (no magnitudes left), so the engine thread's write only sets the slot; neither compiles."""
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.jax_runner import JaxRunner
+
+    ck = load_checkpoint(str(model_dirs["llama"]))
+    config = EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=2, max_lora_rank=RANK)
+    runner = JaxRunner(ck, config)
+    runner.warmup()
+    weights = _weights(ck.config, dora_dirs("llama")["dora-all-r4"])
+    with count_compilations() as count:
+        values = runner.prepare(weights)
+        runner.write_slot(1, values)
+    assert count.compilations == 0, count.names
+    assert {"dora_scale_qkv", "lora_bias_qkv"} <= set(values[0]) and "magnitude_qkv" not in values[0]
+    assert isinstance(values[0]["dora_scale_qkv"], np.ndarray)  # host arrays: the host tier keeps them
+    stored = np.asarray(runner.pools.pools[0]["dora_scale_qkv"][1])
+    np.testing.assert_array_equal(stored, values[0]["dora_scale_qkv"])
+    assert np.abs(stored - 1).max() > 0.1
+
+
 def _save_tensors(tensors: dict) -> bytes:
     from safetensors.numpy import save
 
