@@ -2,10 +2,12 @@
 
 One parser serves the worker (before a slot write) and the registry (before anything is stored). It
 refuses, with an ``AdapterError`` whose ``code`` is the gRPC status to return (DESIGN.md §3, §8):
-unparsable files, pickle formats, non-LoRA / DoRA / modules_to_save / bias adapters, NaN or inf weights,
-tensors that are not 2-D floats, ranks of 0 or above the limit, modules the model lacks, and shapes that
-do not fit the base model. The result keeps per-module ``A [L, in, r]`` and ``B [L, r, out]`` with the
-LoRA scaling already folded into B, ready to be zero-padded into a slot.
+unparsable files, pickle formats, non-LoRA / modules_to_save / ``bias`` adapters, NaN or inf weights,
+tensors that are not floats of the right rank, ranks of 0 or above the limit, modules the model lacks,
+shapes that do not fit the base model, DoRA modules without (or with a wrongly sized) magnitude vector,
+LoRA biases of the wrong size, and DoRA with ``lora_bias`` (PEFT refuses that pair too). The result keeps
+per-module ``A [L, in, r]`` and ``B [L, r, out]`` with the LoRA scaling already folded into B, ready to be
+zero-padded into a slot, plus DoRA's magnitudes ``m [L, out]`` and ``lora_B``'s biases (scaled) ``[L, out]``.
 """
 
 from __future__ import annotations
@@ -25,13 +27,24 @@ from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE
 
 # The modules a LoRA slot can adapt, in the order pools and reports list them.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# PEFT's saved names: ``…layers.N.<self_attn|mlp>.<module>.`` then ``lora_A.weight``, ``lora_B.weight``,
+# ``lora_B.bias`` (lora_bias) or ``lora_magnitude_vector`` (DoRA), optionally with an adapter name before
+# the last part (``lora_A.default.weight``, ``lora_magnitude_vector.default.weight``).
+_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\."
+    r"(?:lora_(A)(?:\.[\w-]+)?\.weight|lora_(B)(?:\.[\w-]+)?\.(weight|bias)|lora_magnitude_vector(?:(?:\.[\w-]+)?\.weight)?)$"
+)
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 
 
 @dataclass(frozen=True)
 class LoraWeights:
-    """A validated adapter: per module ``(A [L, in, r], B [L, r, out])`` float32, scaling folded into B."""
+    """A validated adapter: per module ``(A [L, in, r], B [L, r, out])`` float32, scaling folded into B.
+
+    ``magnitudes`` (DoRA): module -> ``(m [L, out], mask [L] bool)``, the mask saying which layers are DoRA
+    layers (those the adapter targets). ``biases`` (``lora_bias``): module -> ``[L, out]``, the scaling folded
+    in (PEFT computes ``(B(A x) + b) * scaling``), zero for layers without one.
+    """
 
     rank: int  # largest rank over modules
     alpha: float
@@ -42,6 +55,12 @@ class LoraWeights:
     size_bytes: int
     config: dict[str, Any] = field(default_factory=dict)
     base_model: str = ""
+    magnitudes: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    biases: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def use_dora(self) -> bool:
+        return bool(self.magnitudes)
 
 
 def parse_config(data: bytes) -> dict[str, Any]:
@@ -54,14 +73,16 @@ def parse_config(data: bytes) -> dict[str, Any]:
         raise AdapterError(f"{CONFIG_FILE} must hold a JSON object")
     if str(cfg.get("peft_type", "LORA")).upper() != "LORA":
         raise AdapterError(f"peft_type {cfg.get('peft_type')!r} is not supported (LORA only)")
-    if cfg.get("use_dora"):
-        raise AdapterError("use_dora: DoRA adapters are not supported")
+    if cfg.get("use_dora") and cfg.get("lora_bias"):
+        raise AdapterError("use_dora with lora_bias: DoRA does not support a LoRA bias (PEFT refuses it too)")
     if cfg.get("modules_to_save"):
         raise AdapterError(
             f"modules_to_save {cfg['modules_to_save']!r}: full-weight modules are not supported"
         )
     if cfg.get("bias", "none") != "none":
-        raise AdapterError(f"bias {cfg.get('bias')!r} is not supported (only 'none')")
+        raise AdapterError(
+            f"bias {cfg.get('bias')!r} is not supported (only 'none'; lora_bias=true is the supported LoRA bias)"
+        )
     r = cfg.get("r", 8)
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
         raise AdapterError(f"r must be a positive integer, got {r!r}")
@@ -157,16 +178,30 @@ def parse_adapter(
     tensors = load_tensors(weights_bytes)
     if not tensors:
         raise AdapterError(f"{WEIGHTS_FILE} holds no tensors")
+    dora, lora_bias = bool(cfg.get("use_dora")), bool(cfg.get("lora_bias"))
     found: dict[tuple[str, int], dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
         match = _KEY.search(key)
         if match is None:
             raise AdapterError(f"tensor {key} is not a LoRA A/B matrix of a decoder layer projection")
-        layer, module, which = int(match.group(1)), match.group(2), match.group(3)
+        layer, module = int(match.group(1)), match.group(2)
+        which = (
+            "A"
+            if match.group(3)
+            else ("bias" if match.group(5) == "bias" else "B")
+            if match.group(4)
+            else "m"
+        )
         if module not in LORA_MODULES:
             raise UnknownModuleError(f"tensor {key} targets {module!r}, which this model does not adapt")
-        if value.ndim != 2:
-            raise AdapterError(f"tensor {key} has shape {list(value.shape)}; LoRA matrices are 2-D")
+        if which == "m" and not dora:
+            raise AdapterError(f"tensor {key} is a DoRA magnitude vector but use_dora is not set")
+        if which == "bias" and not lora_bias:
+            raise AdapterError(f"tensor {key} is a lora_B bias but lora_bias is not set")
+        ndim = 1 if which in ("m", "bias") else 2
+        if value.ndim != ndim:
+            what = "LoRA matrices are 2-D" if ndim == 2 else "magnitude vectors and biases are 1-D"
+            raise AdapterError(f"tensor {key} has shape {list(value.shape)}; {what}")
         if not np.isfinite(value).all():
             raise AdapterError(f"tensor {key} contains NaN or inf")
         found.setdefault((module, layer), {})[which] = value
@@ -174,10 +209,11 @@ def parse_adapter(
     default_r, default_alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", cfg.get("r", 8)))
     rslora = bool(cfg.get("use_rslora", False))
     per_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    vectors: dict[str, dict[str, dict[int, np.ndarray]]] = {"m": {}, "bias": {}}
     max_seen = 0
     for (module, layer), pair in sorted(found.items()):
         path = f"model.layers.{layer}.{'self_attn' if module.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{module}"
-        if set(pair) != {"A", "B"}:
+        if not {"A", "B"} <= set(pair):
             missing = ({"A", "B"} - set(pair)).pop()
             raise AdapterError(f"{path}: lora_{missing} is missing")
         a, b = pair["A"], pair["B"]  # PEFT: A [r, in], B [out, r]
@@ -199,9 +235,20 @@ def parse_adapter(
             raise AdapterMismatchError(
                 f"{path}: layer {layer} does not exist (the model has {num_layers} layers)"
             )
+        if dora and "m" not in pair:
+            raise AdapterError(f"{path}: use_dora is set but the DoRA lora_magnitude_vector is missing")
+        for which, label in (("m", "lora_magnitude_vector"), ("bias", "lora_B bias")):
+            if which in pair and pair[which].shape != (b.shape[0],):
+                raise AdapterError(
+                    f"{path}: {label} {list(pair[which].shape)} does not match lora_B's {b.shape[0]} outputs"
+                )
         alpha = float(_pattern_value(alpha_pattern, path, default_alpha))
         scaling = alpha / math.sqrt(r) if rslora else alpha / r
         per_module.setdefault(module, {})[layer] = (a.T, b.T * np.float32(scaling))
+        if "m" in pair:
+            vectors["m"].setdefault(module, {})[layer] = pair["m"]
+        if "bias" in pair:
+            vectors["bias"].setdefault(module, {})[layer] = pair["bias"] * np.float32(scaling)
         max_seen = max(max_seen, r)
     layers = num_layers if num_layers is not None else 1 + max(layer for _, layer in found)
     modules: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -214,6 +261,9 @@ def parse_adapter(
             a_all[layer, :, : a.shape[1]] = a
             b_all[layer, : b.shape[0]] = b
         modules[module] = (a_all, b_all)
+    stacked = {
+        which: {m: _stack(v, layers) for m, v in by_module.items()} for which, by_module in vectors.items()
+    }
     return LoraWeights(
         rank=max_seen,
         alpha=default_alpha,
@@ -224,4 +274,15 @@ def parse_adapter(
         size_bytes=len(weights_bytes),
         config=cfg,
         base_model=str(cfg.get("base_model_name_or_path") or ""),
+        magnitudes=stacked["m"],
+        biases={m: v for m, (v, _) in stacked["bias"].items()},
     )
+
+
+def _stack(by_layer: dict[int, np.ndarray], layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """``layer -> [out]`` -> ``([L, out]`` zero where absent, ``[L]`` bool: present)."""
+    out = np.zeros((layers, next(iter(by_layer.values())).shape[0]), np.float32)
+    mask = np.zeros(layers, bool)
+    for layer, value in by_layer.items():
+        out[layer], mask[layer] = value, True
+    return out, mask

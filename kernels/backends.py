@@ -106,6 +106,13 @@ class LoraBackend(ABC):
         """One plan per compiled decode variant (no adapter rows in any): after these, serving compiles nothing."""
         return [None, np.full(rows, -1, np.int32)]
 
+    def row_slots(self, plan: Plan) -> Array:
+        """The slot of every row of a (non-None) plan, ``[B]`` int32, −1 = none (traceable).
+
+        *Semantics:* the ``slots`` :meth:`plan` was made from; the default plan is exactly that.
+        """
+        return plan
+
     # ------------------------------------------------------------------ tensor parallelism
     @property
     def shards(self) -> int:
@@ -263,6 +270,9 @@ class XlaGroupedBackend(LoraBackend):
 
     def warmup_plans(self, rows, num_slots):
         return [None] + [grouped.empty_plan(rows, num_slots, j, single) for j, single in grouped.VARIANTS]
+
+    def row_slots(self, plan):  # [B] int32
+        return plan.slots
 
     def add_decode(self, y, x, a, bs, plan):  # [B, sum(out_i)]
         return grouped.add_lora_slices_grouped(y, x, a, tuple(bs), plan)

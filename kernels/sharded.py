@@ -81,6 +81,9 @@ class ShardedBackend(LoraBackend):
     def warmup_plans(self, rows, num_slots):
         return self.inner.warmup_plans(rows, num_slots)
 
+    def row_slots(self, plan):
+        return self.inner.row_slots(plan)
+
     def check(self) -> None:
         self.inner.check()
 

@@ -168,7 +168,9 @@ def make_adapter(
 ) -> Any:
     """Wrap ``model`` with a random LoRA adapter (both A and B non-zero) and optionally save it to ``out``.
 
-    Returns the ``PeftModel``. ``scale`` is the std of the random A/B entries.
+    Returns the ``PeftModel``. ``scale`` is the std of the random A/B entries (and of ``lora_bias``'s
+    biases). With ``use_dora=True`` each DoRA magnitude is the norm PEFT starts from (``||W + s·B·A||``
+    per output row) times ``1 + 0.3·N(0, 1)``, so every channel's scale differs from 1.
     """
     import torch
     from peft import LoraConfig, get_peft_model
@@ -190,6 +192,14 @@ def make_adapter(
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.normal_(0.0, scale)
+        for module in peft_model.modules():
+            dora = getattr(module, "lora_magnitude_vector", None)
+            if dora is None or "default" not in dora:
+                continue
+            weight = module.get_base_layer().weight
+            delta = module.lora_B["default"].weight @ module.lora_A["default"].weight
+            norm = torch.linalg.norm(weight + module.scaling["default"] * delta, dim=1)
+            dora["default"].weight.copy_(norm * (1.0 + 0.3 * torch.randn(norm.shape)))
     if out is not None:
         peft_model.save_pretrained(str(out), safe_serialization=True)
     return peft_model

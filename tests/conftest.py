@@ -169,3 +169,40 @@ def family_adapter_dirs(model_dirs: dict[str, Path], tmp_path_factory: pytest.Te
         return made[family]
 
     return get
+
+
+# name -> make_adapter kwargs of the DoRA / lora_bias tests (tests/worker/test_dora*.py); the plain one is
+# "all-r4" above
+DORA_ADAPTERS = {
+    "dora-all-r4": dict(r=4, alpha=8.0, use_dora=True, seed=11),
+    "dora-pattern-rslora": dict(
+        r=8,
+        alpha=4.0,
+        use_rslora=True,
+        use_dora=True,
+        targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "down_proj"),
+        rank_pattern={"k_proj": 2},
+        alpha_pattern={"o_proj": 3.0},
+        seed=12,
+    ),
+    "bias-r4": dict(r=4, alpha=8.0, lora_bias=True, seed=13),
+    "plain-r4": ADAPTERS["all-r4"],
+}
+
+
+@pytest.fixture(scope="session")
+def dora_dirs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """``family -> {name -> folder}`` of DORA_ADAPTERS made on that family's base, built on first use."""
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, dict[str, Path]] = {}
+
+    def get(family: str) -> dict[str, Path]:
+        if family not in made:
+            root = tmp_path_factory.mktemp(f"dora-{family}")
+            for name, kw in DORA_ADAPTERS.items():
+                make_adapter(AutoModelForCausalLM.from_pretrained(str(model_dirs[family])), root / name, **kw)
+            made[family] = {name: root / name for name in DORA_ADAPTERS}
+        return made[family]
+
+    return get

@@ -27,7 +27,7 @@ from loraserve.worker.config import EngineConfig
 from loraserve.worker.requests import SamplingRow
 from loraserve.worker.runner import PrefillInput, StepOutput
 from loraserve.worker.sampling import Sampled, SamplingArrays, sample
-from loraserve.worker.slots import SlotPools, SlotValues, slot_arrays
+from loraserve.worker.slots import SlotPools, SlotValues, base_weights, slot_arrays
 
 log = logging.getLogger("loraserve.worker.runner")
 
@@ -131,7 +131,13 @@ class JaxRunner:
         cfg, config = self.model_config, self.config
         shardings = None if self.mesh is None else sharding.pool_shardings(cfg, self.backend)
         self.pools = SlotPools(
-            cfg, config.max_loras, config.max_lora_rank, jnp.dtype(config.pool_dtype), self.backend, shardings
+            cfg,
+            config.max_loras,
+            config.max_lora_rank,
+            jnp.dtype(config.pool_dtype),
+            self.backend,
+            shardings,
+            base=base_weights(self.params),  # DoRA scales are computed from them (prepare)
         )
         self.cache = M.init_cache(cfg, self.num_pages, self.page_size, jnp.dtype(config.dtype))
         if self.mesh is not None:
@@ -166,7 +172,8 @@ class JaxRunner:
 
     def prepare(self, weights: LoraWeights) -> SlotValues:
         values = slot_arrays(self.checkpoint_config, weights, self.config.max_lora_rank)
-        return sharding.expand_slot_values(self.checkpoint_config, values, self.config.tensor_parallel_size)
+        values = sharding.expand_slot_values(self.checkpoint_config, values, self.config.tensor_parallel_size)
+        return self.pools.with_scales(values)  # DoRA's norms here, on the loader thread, not between steps
 
     def write_slot(self, index: int, values: SlotValues) -> None:
         self.pools.write(index, values)

@@ -9,9 +9,10 @@ Parameters come from ``worker.checkpoint`` (one dict per layer, matrices ``[out,
 q/k/v and gate/up fused); LoRA slot pools come from ``worker.slots`` (per layer one ``A_<group>`` with the
 ranks of the group's modules side by side and one ``B_<module>`` per module, scaling folded into B; the
 layout and the ops belong to a LoRA backend object, ``kernels.backends``, which the model calls
-without knowing which one it is); the KV cache is paged (DESIGN.md §10.3): one ``(k_pages, v_pages)``
-pair per layer, each ``[kv_heads, pages, page_size, head_dim]`` (see ``init_cache``), updated in place
-(donated). A sequence's positions live in the pages its page table lists (``worker.kv_cache`` hands them
+without knowing which one it is; plus per group the DoRA-scale and LoRA-bias vectors of ``worker.dora``,
+applied to each adapter row's output after the backend's LoRA, the same for every backend); the KV cache
+is paged (DESIGN.md §10.3): one ``(k_pages, v_pages)`` pair per layer, each ``[kv_heads, pages,
+page_size, head_dim]`` (see ``init_cache``), updated in place (donated). A sequence's positions live in the pages its page table lists (``worker.kv_cache`` hands them
 out); attention gathers a row's pages and masks by position, so the shapes never depend on which pages.
 
 Layers are unrolled over separate per-layer arrays rather than scanned over stacked ones: on XLA:CPU a
@@ -32,15 +33,17 @@ import numpy as np
 from loraserve.kernels.attention import DecodeAttention
 from loraserve.kernels.backends import COLUMN, ROW, LoraBackend, Plan
 from loraserve.kernels.linear import linear
+from loraserve.worker.dora import apply_vectors, init_vector_pools
 from loraserve.worker.model_config import ModelConfig
 
 Array = jax.Array
 Params = dict[str, Any]  # embed, final_norm, lm_head?, layers: list of per-layer dicts
 Lora = list[dict[str, Array]]  # per layer: A_qkv, B_q, ...
 Cache = list[tuple[Array, Array]]  # per layer: k_pages, v_pages [kv_heads, pages, page_size, D]
-# (y, x, A, Bs, parallel) -> y + LoRA(x): the strategy differs between decode (per-row slots) and prefill
-# (one slot); ``parallel`` (kernels.backends.COLUMN / ROW) says how tensor parallelism splits the layer.
-LoraFn = Callable[[Array, Array, Array, tuple[Array, ...], str], Array]
+# (y, x, layer pools, group, parallel, base bias) -> y + LoRA(x), then DoRA's scale and the LoRA bias of
+# each row's slot (worker.dora): the strategy differs between decode (per-row slots) and prefill (per
+# segment); ``parallel`` (kernels.backends.COLUMN / ROW) says how tensor parallelism splits the layer.
+LoraFn = Callable[[Array, Array, dict[str, Array], str, str, Array | None], Array]
 
 # LoRA pool names: one A per fused matmul (ranks side by side), one B per module.
 LORA_GROUPS: dict[str, tuple[str, ...]] = {
@@ -115,6 +118,11 @@ def split_fused(y: Array, sizes: tuple[int, ...], shards: int) -> list[Array]:
     return [blk.reshape(*lead, size) for blk, size in zip(blocks, sizes, strict=True)]
 
 
+def _group_pools(ll: dict[str, Array], group: str) -> tuple[Array, tuple[Array, ...]]:
+    """A layer's pools of one LoRA group: its ``A_<group>`` and the B pools of its modules."""
+    return ll[f"A_{group}"], tuple(ll[b_name(m)] for m in LORA_GROUPS[group])
+
+
 def _matmul(x: Array, w: Array, b: Array | None) -> Array:
     y = linear(x, w).astype(x.dtype)
     return y if b is None else y + b
@@ -125,11 +133,11 @@ def _layer_mlp(
 ) -> Array:
     x = _norm(cfg, h, lp["mlp_norm"])
     gu = _matmul(x, lp["w_gate_up"], lp.get("b_gate_up"))
-    gu = lora_fn(gu, x, ll["A_gate_up"], (ll["B_gate"], ll["B_up"]), COLUMN)
+    gu = lora_fn(gu, x, ll, "gate_up", COLUMN, lp.get("b_gate_up"))
     gate, up = split_fused(gu, (cfg.intermediate_size,) * 2, shards)
     act = _activation(cfg, gate).astype(h.dtype) * up
     down = _matmul(act, lp["w_down"], lp.get("b_down"))
-    down = lora_fn(down, act, ll["A_down"], (ll["B_down"],), ROW)
+    down = lora_fn(down, act, ll, "down", ROW, lp.get("b_down"))
     if cfg.sandwich_norms:
         down = _norm(cfg, down, lp["post_mlp_norm"])
     return h + down
@@ -140,7 +148,7 @@ def _qkv(
 ) -> tuple[Array, ...]:
     x = _norm(cfg, h, lp["attn_norm"])
     qkv = _matmul(x, lp["wqkv"], lp.get("bqkv"))
-    qkv = lora_fn(qkv, x, ll["A_qkv"], (ll["B_q"], ll["B_k"], ll["B_v"]), COLUMN)
+    qkv = lora_fn(qkv, x, ll, "qkv", COLUMN, lp.get("bqkv"))
     q, k, v = split_fused(qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size), shards)
     lead = h.shape[:-1]
     q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
@@ -154,7 +162,7 @@ def _out_proj(
     lp: dict[str, Array], ll: Lora, h: Array, attn: Array, lora_fn: LoraFn, cfg: ModelConfig
 ) -> Array:
     o = _matmul(attn, lp["wo"], lp.get("bo"))
-    o = lora_fn(o, attn, ll["A_o"], (ll["B_o"],), ROW)
+    o = lora_fn(o, attn, ll, "o", ROW, lp.get("bo"))
     if cfg.sandwich_norms:  # Gemma: norm the attention output before the residual
         o = _norm(cfg, o, lp["post_attn_norm"])
     return h + o
@@ -270,8 +278,11 @@ def prefill_packed(
     flat_index = jnp.take_along_axis(page_tables, in_row, axis=1) * page + positions % page
     flat_index = jnp.where(real, flat_index, positions % page).reshape(g * t)
 
-    def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...], parallel: str) -> Array:
-        return backend.apply_segments(y, x, a, bs, slots, parallel)
+    def lora_fn(
+        y: Array, x: Array, ll: dict[str, Array], group: str, parallel: str, bias: Array | None
+    ) -> Array:
+        y = backend.apply_segments(y, x, *_group_pools(ll, group), slots, parallel)
+        return apply_vectors(y, ll, group, slots, bias)
 
     flat_pos = positions.reshape(g * t)
     h = _embed(cfg, params, tokens.reshape(g * t))
@@ -356,8 +367,15 @@ def decode(
     flat_index = jnp.take_along_axis(page_tables, (positions // page)[:, None], axis=1)[:, 0] * page
     flat_index = flat_index + positions % page
 
-    def lora_fn(y: Array, x: Array, a: Array, bs: tuple[Array, ...], parallel: str) -> Array:
-        return y if plan is None else backend.apply_decode(y, x, a, bs, plan, parallel)
+    rows = None if plan is None else backend.row_slots(plan)  # [B] int32 slot per row, -1 = none
+
+    def lora_fn(
+        y: Array, x: Array, ll: dict[str, Array], group: str, parallel: str, bias: Array | None
+    ) -> Array:
+        if plan is None:
+            return y
+        y = backend.apply_decode(y, x, *_group_pools(ll, group), plan, parallel)
+        return apply_vectors(y, ll, group, rows, bias)
 
     h = _embed(cfg, params, tokens)
     new_cache: Cache = []
@@ -395,8 +413,15 @@ def lora_slot_shapes(cfg: ModelConfig, max_rank: int) -> dict[str, tuple[int, in
 
 def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, backend: LoraBackend) -> Lora:
     """Zeroed slot pools, in ``backend``'s layout, for ``max_loras`` adapters of rank up to ``max_rank``
-    on all seven modules."""
-    return backend.init_pools(lora_slot_shapes(cfg, max_rank), cfg.num_layers, max_loras, dtype)
+    on all seven modules, plus the DoRA-scale (ones) and LoRA-bias (zeros) vector pools of ``worker.dora``."""
+    pools = backend.init_pools(lora_slot_shapes(cfg, max_rank), cfg.num_layers, max_loras, dtype)
+    return [{**layer, **init_vector_pools(lora_vector_sizes(cfg), max_loras)} for layer in pools]
+
+
+def lora_vector_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """LoRA group -> its fused output size: the length of one slot's DoRA-scale and LoRA-bias vectors."""
+    shapes = cfg.module_shapes()
+    return {group: sum(shapes[m][1] for m in modules) for group, modules in LORA_GROUPS.items()}
 
 
 def b_name(module: str) -> str:

@@ -150,15 +150,18 @@ def kv_bytes(cfg: ModelConfig, tp: int, batch: int, context: int, dtype: str, pa
 
 
 def pool_bytes(cfg: ModelConfig, tp: int, max_loras: int, rank: int, dtype: str) -> int:
-    """Slot pools sharded like their layer: column-parallel A whole + B split; row-parallel A split + B whole."""
+    """Slot pools sharded like their layer: column-parallel A whole + B split; row-parallel A split + B whole;
+    plus the f32 DoRA-scale and LoRA-bias vectors (``worker.dora``), split like their layer's output."""
     full = cfg.module_shapes()
-    per_layer = 0
+    per_layer, vectors = 0, 0
     for module, (fan_in, fan_out) in _module_shapes_per_device(cfg, tp).items():
         if module in ROW_PARALLEL:
             per_layer += rank * (fan_in + full[module][1])
+            vectors += 2 * full[module][1]
         else:
             per_layer += rank * (full[module][0] + fan_out)
-    return DTYPE_BYTES[dtype] * max_loras * cfg.num_layers * per_layer
+            vectors += 2 * fan_out
+    return max_loras * cfg.num_layers * (DTYPE_BYTES[dtype] * per_layer + DTYPE_BYTES["float32"] * vectors)
 
 
 def activation_bytes(cfg: ModelConfig, tp: int, batch: int, prefill_tokens: int, dtype: str) -> int:

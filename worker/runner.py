@@ -92,7 +92,8 @@ class Runner(Protocol):
         """Compile every shape serving will use, so that serving never compiles."""
 
     def prepare(self, weights: LoraWeights) -> Any:
-        """Host-side values for one slot from parsed adapter weights (loader thread; no device work)."""
+        """Host-side values for one slot from parsed adapter weights (loader thread; no slot-pool or cache
+        access: the JAX runner computes DoRA's per-channel scales from the base weights here)."""
 
     def write_slot(self, index: int, values: Any) -> None:
         """Write ``prepare``'s values into slot ``index`` (between steps)."""

@@ -29,13 +29,16 @@ from jax.sharding import PartitionSpec as P
 from loraserve.common.errors import FailedPrecondition, InvalidArgument
 from loraserve.kernels.backends import COLUMN, ROW, LoraBackend
 from loraserve.kernels.sharded import AXIS, ShardedBackend
-from loraserve.worker.model import LORA_GROUPS, b_name, kv_page_bytes, lora_slot_shapes
+from loraserve.worker.dora import VECTOR_DTYPE, bias_name, scale_name
+from loraserve.worker.model import LORA_GROUPS, b_name, kv_page_bytes, lora_slot_shapes, lora_vector_sizes
 from loraserve.worker.model_config import ModelConfig
 
 # Which way each LoRA group's layer is split (Megatron): by output (column) or by input (row).
 GROUP_PARALLEL: dict[str, str] = {"qkv": COLUMN, "o": ROW, "gate_up": COLUMN, "down": ROW}
 # Per-layer parameter -> the dimension split over ``model`` (absent: replicated).
 LAYER_SPLIT_DIM: dict[str, int] = {"wqkv": 0, "bqkv": 0, "w_gate_up": 0, "b_gate_up": 0, "wo": 1, "w_down": 1}
+# Slot values that are fused [out] vectors (worker.dora: magnitude_<g>, dora_<g>, lora_bias_<g>).
+VECTOR_VALUES = ("magnitude_", "dora_", "lora_bias_")
 CACHE_SPEC = P(AXIS, None, None, None)  # k and v pages [kv_heads, pages, page_size, D]: by KV head
 
 
@@ -155,6 +158,10 @@ def pool_specs(cfg: ModelConfig, backend: ShardedBackend) -> dict[str, P]:
     for group, modules in LORA_GROUPS.items():
         out[f"A_{group}"] = backend.pool_spec("A", GROUP_PARALLEL[group])
         out.update({b_name(m): backend.pool_spec("B", GROUP_PARALLEL[group]) for m in modules})
+        # worker.dora's [S, out] vectors: split by output like a column-parallel layer's output, whole
+        # for o/down (applied to the all-reduced output)
+        vec = P(None, AXIS) if GROUP_PARALLEL[group] == COLUMN else P()
+        out.update({scale_name(group): vec, bias_name(group): vec})
     return out
 
 
@@ -166,16 +173,34 @@ def expand_slot_values(
     cfg: ModelConfig, values: list[dict[str, np.ndarray]], n: int
 ) -> list[dict[str, np.ndarray]]:
     """One slot's canonical host values (``slots.slot_arrays`` of the checkpoint's config) -> the values
-    for the N-device model: the k/v B columns repeated per KV head like the weights (no-op otherwise)."""
-    r = kv_repeat(cfg, n)
-    if r == 1:
+    for the N-device model: the k/v B columns repeated per KV head like the weights, and the fused
+    ``worker.dora`` vectors (k/v parts repeated the same way) in the device order of the fused weight
+    rows (:func:`fuse_order`); no-op for N = 1."""
+    if n == 1:
         return values
-    d = cfg.head_dim
+    r, d, tcfg = kv_repeat(cfg, n), cfg.head_dim, tp_model_config(cfg, n)
+    order = {
+        "qkv": fuse_order((tcfg.q_size, tcfg.kv_size, tcfg.kv_size), n),
+        "gate_up": fuse_order((cfg.intermediate_size,) * 2, n),
+    }
 
     def rep(b: np.ndarray) -> np.ndarray:  # [R, kv*D] -> [R, kv*r*D]
+        if r == 1:
+            return b
         return np.repeat(b.reshape(b.shape[0], cfg.num_kv_heads, d), r, axis=1).reshape(b.shape[0], -1)
 
-    return [{k: (rep(v) if k in ("B_k", "B_v") else v) for k, v in layer.items()} for layer in values]
+    def vector(key: str, v: np.ndarray) -> np.ndarray:  # fused [out] -> the device order of its weight's rows
+        group = key.split("_", 1)[1].removeprefix("bias_")
+        if group == "qkv":
+            v = _repeat_kv_rows(v, cfg, r)
+        return v[order[group]] if group in order else v
+
+    def one(k: str, v: np.ndarray) -> np.ndarray:
+        if k in ("B_k", "B_v"):
+            return rep(v)
+        return vector(k, v) if k.startswith(VECTOR_VALUES) else v
+
+    return [{k: one(k, v) for k, v in layer.items()} for layer in values]
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
@@ -244,8 +269,19 @@ def abstract_state(
     ]
     pspecs = pool_specs(tcfg, sharded)
     slot = lora_slot_shapes(tcfg, config.max_lora_rank)
+    vectors = {
+        name(group): sds((config.max_loras, size), VECTOR_DTYPE, pspecs[name(group)])
+        for group, size in lora_vector_sizes(tcfg).items()
+        for name in (scale_name, bias_name)
+    }
     pools = [
-        {k: sds((config.max_loras, *sharded.slot_shape(s)), pool_dtype, pspecs[k]) for k, s in slot.items()}
+        {
+            **{
+                k: sds((config.max_loras, *sharded.slot_shape(s)), pool_dtype, pspecs[k])
+                for k, s in slot.items()
+            },
+            **vectors,
+        }
         for _ in range(cfg.num_layers)
     ]
     cache_out = [(NamedSharding(mesh, CACHE_SPEC),) * 2 for _ in range(cfg.num_layers)]

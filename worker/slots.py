@@ -1,11 +1,12 @@
 """Adapter slots on the device: preallocated pools and the host arrays written into one slot.
 
 The pools (per layer one ``A_<group>`` and one ``B_<module>`` per module, in the layout of the LoRA
-backend object, ``kernels.backends``) are allocated once; a swap writes one
-slot through a jitted ``.at[slot].set`` on donated buffers, so shapes never change and nothing compiles.
-The bookkeeping (which adapter is where, LRU, pins, host tier) is ``worker.slot_table`` (no JAX);
-``SlotPools`` owns the device arrays and is touched only by the JAX runner on the engine thread, which
-applies writes between decode steps.
+backend object, ``kernels.backends``, plus the DoRA-scale and LoRA-bias vectors of ``worker.dora``) are
+allocated once; a swap writes one slot through a jitted ``.at[slot].set`` on donated buffers, so shapes
+never change and nothing compiles. The bookkeeping (which adapter is where, LRU, pins, host tier) is
+``worker.slot_table`` (no JAX); ``SlotPools`` owns the device arrays and is touched only by the JAX runner
+on the engine thread, which applies writes between decode steps (``with_scales``, which reads only the
+base weights, runs on the loader thread).
 """
 
 from __future__ import annotations
@@ -18,17 +19,22 @@ import numpy as np
 
 from loraserve.adapters.peft import LoraWeights
 from loraserve.kernels.backends import LoraBackend
-from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, lora_slot_shapes
+from loraserve.worker.dora import bias_name, dora_scale, is_vector_pool, magnitude_name, mask_name, scale_name
+from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, lora_slot_shapes, lora_vector_sizes
 from loraserve.worker.model_config import ModelConfig
 
 SlotValues = list[dict[str, np.ndarray]]  # per layer, pool name -> one slot's array
+BaseWeights = list[dict[str, jax.Array]]  # per layer, LoRA group -> fused base weight [out, in]
 
 
 def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotValues:
     """Host arrays for one slot, per layer, in the canonical layout of ``model.lora_slot_shapes``
-    (``A_<group> [in, n*R]``, ``B_<module> [R, out]``), rank zero-padded to ``max_rank``.
+    (``A_<group> [in, n*R]``, ``B_<module> [R, out]``), rank zero-padded to ``max_rank``; and per group
+    the vectors of ``worker.dora`` side by side like the fused output: ``magnitude_<group>``,
+    ``dora_<group>`` (1.0 on DoRA channels) and ``lora_bias_<group>``, each ``[out]``.
 
-    Semantics: untargeted modules (and layers) are zero, so they add exactly nothing.
+    Semantics: untargeted modules (and layers) are zero, so they add exactly nothing; a module is DoRA
+    (its scale computed by ``SlotPools.with_scales``) exactly in the layers where the adapter has its magnitude.
     """
     shapes = cfg.module_shapes()
     R = max_rank
@@ -38,36 +44,85 @@ def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotVa
         for group, modules in LORA_GROUPS.items():
             fan_in = shapes[modules[0]][0]
             a_cat = np.zeros((fan_in, len(modules) * R), np.float32)
+            vectors: dict[str, list[np.ndarray]] = {"m": [], "mask": [], "bias": []}
             for i, module in enumerate(modules):
-                b = np.zeros((R, shapes[module][1]), np.float32)
+                size = shapes[module][1]
+                b = np.zeros((R, size), np.float32)
                 if module in weights.modules:
                     a_m, b_m = weights.modules[module]
                     r = a_m.shape[2]
                     a_cat[:, i * R : i * R + r] = a_m[layer]
                     b[:r] = b_m[layer]
                 values[b_name(module)] = b
+                m, mask = weights.magnitudes.get(module, (None, None))
+                dora = m is not None and bool(mask[layer])
+                vectors["m"].append(m[layer] if dora else np.zeros(size, np.float32))
+                vectors["mask"].append(np.full(size, 1.0 if dora else 0.0, np.float32))
+                bias = weights.biases.get(module)
+                vectors["bias"].append(bias[layer] if bias is not None else np.zeros(size, np.float32))
             values[f"A_{group}"] = a_cat
+            values[magnitude_name(group)] = np.concatenate(vectors["m"])
+            values[mask_name(group)] = np.concatenate(vectors["mask"])
+            values[bias_name(group)] = np.concatenate(vectors["bias"])
         out.append(values)
     return out
 
 
-def _write_slot(pools: Lora, slot: jax.Array, values: Lora, backend: LoraBackend) -> Lora:
-    def put(pool: jax.Array, value: jax.Array) -> jax.Array:
-        return pool.at[slot].set(backend.to_pool_layout(value.astype(pool.dtype)))
+def base_weights(params: dict[str, Any]) -> BaseWeights:
+    """Per layer, LoRA group -> its fused base weight ``[out, in]`` (what DoRA's norm is taken of)."""
+    keys = {"qkv": "wqkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}
+    return [{group: layer[key] for group, key in keys.items()} for layer in params["layers"]]
 
-    return [{k: put(layer[k], vals[k]) for k in layer} for layer, vals in zip(pools, values, strict=True)]
+
+def _dora_scales(values: Lora, base: BaseWeights, shards: int) -> list[dict[str, jax.Array]]:
+    """Per layer, ``dora_scale_<group> [out]`` of one slot's values (``worker.dora.dora_scale``)."""
+    out = []
+    for n, vals in enumerate(values):
+        scales = {}
+        for group, modules in LORA_GROUPS.items():
+            bs = tuple(vals[b_name(m)] for m in modules)
+            scales[scale_name(group)] = dora_scale(
+                base[n][group],
+                vals[f"A_{group}"],
+                bs,
+                vals[magnitude_name(group)],
+                vals[mask_name(group)],
+                shards,
+            )
+        out.append(scales)
+    return out
+
+
+_dora_scales_jit = jax.jit(_dora_scales, static_argnums=2)
+
+
+def _write_slot(pools: Lora, slot: jax.Array, values: Lora, backend: LoraBackend) -> Lora:
+    def put(name: str, pool: jax.Array, value: jax.Array) -> jax.Array:
+        value = value.astype(pool.dtype)  # the worker.dora vectors have one layout for every backend
+        return pool.at[slot].set(value if is_vector_pool(name) else backend.to_pool_layout(value))
+
+    return [
+        {k: put(k, v, vals[k]) for k, v in layer.items()} for layer, vals in zip(pools, values, strict=True)
+    ]
 
 
 _write_slot_jit = jax.jit(_write_slot, donate_argnums=0, static_argnums=3)
+
+
+def is_scaled(values: SlotValues) -> bool:
+    """Whether ``values`` already carry their ``dora_scale_<group>`` (:meth:`SlotPools.with_scales`)."""
+    return scale_name("qkv") in values[0]
 
 
 class SlotPools:
     """The device-resident pools. Only the engine thread calls ``write``/``zero``.
 
     Slot values are always given in the canonical layout (``slot_arrays``); ``backend`` decides how
-    the pools store them (``to_pool_layout`` runs inside the jitted write). ``shardings`` (pool name ->
-    ``jax.sharding.Sharding``, tensor parallelism) places every layer's pools so and keeps them so
-    across writes; None = the default device.
+    the pools store the matrices (``to_pool_layout`` runs inside the jitted write; the ``worker.dora``
+    vector pools are the same in every backend). ``shardings`` (pool name -> ``jax.sharding.Sharding``,
+    tensor parallelism) places every layer's pools so and keeps them so across writes; None = the
+    default device. ``base`` (``base_weights(params)``, on the device) is what DoRA slots' scales are
+    computed from (:meth:`with_scales`); without it only non-DoRA values can be written.
     """
 
     def __init__(
@@ -78,9 +133,10 @@ class SlotPools:
         dtype: jnp.dtype,
         backend: LoraBackend,
         shardings: dict[str, Any] | None = None,
+        base: BaseWeights | None = None,
     ) -> None:
         self.cfg, self.max_loras, self.max_rank, self.dtype = cfg, max_loras, max_rank, dtype
-        self.backend, self.shardings = backend, shardings
+        self.backend, self.shardings, self.base = backend, shardings, base
         self.pools: Lora = empty_lora(cfg, max_loras, max_rank, dtype, backend)
         self._write = _write_slot_jit
         if shardings is not None:
@@ -88,15 +144,51 @@ class SlotPools:
             self.pools = jax.device_put(self.pools, layered)
             self._write = jax.jit(_write_slot, donate_argnums=0, static_argnums=3, out_shardings=layered)
         zeros = {k: np.zeros(s, np.float32) for k, s in lora_slot_shapes(cfg, max_rank).items()}
+        for group, size in lora_vector_sizes(cfg).items():
+            zeros.update(
+                {f(group): np.zeros(size, np.float32) for f in (magnitude_name, mask_name, bias_name)}
+            )
         self._zeros: SlotValues = [zeros] * cfg.num_layers
 
+    def with_scales(self, values: SlotValues) -> SlotValues:
+        """``slot_arrays`` values -> the same with each group's magnitudes and DoRA mask replaced by its
+        ``dora_scale_<group>`` (host arrays), computed on the device from the base weights.
+
+        Thread-safe (reads only the base weights): the runner calls it on the loader thread, so a DoRA
+        load's norm computation never runs between two decode steps. Compiled once (the first call,
+        ``zero`` at warm-up); a slot without DoRA costs one skipped ``lax.cond``.
+        """
+        if is_scaled(values):
+            return values
+        if self.base is None:
+            if any(np.any(v[mask_name(g)]) for v in values for g in LORA_GROUPS):
+                raise ValueError(
+                    "a DoRA slot needs the base weights: SlotPools(..., base=base_weights(params))"
+                )
+            scales = [
+                {scale_name(g): np.ones(v[mask_name(g)].shape, np.float32) for g in LORA_GROUPS}
+                for v in values
+            ]
+        else:
+            scales = jax.tree.map(np.asarray, _dora_scales_jit(values, self.base, self.backend.shards))
+        drop = {f(g) for g in LORA_GROUPS for f in (magnitude_name, mask_name)}
+        return [
+            {**{k: v for k, v in vals.items() if k not in drop}, **sc}
+            for vals, sc in zip(values, scales, strict=True)
+        ]
+
     def write(self, slot: int, values: SlotValues) -> None:
-        self.pools = self._write(self.pools, jnp.int32(slot), values, self.backend)
+        """Write one slot: a jitted, donated ``.at[slot].set`` (values without their DoRA scales get them
+        first, :meth:`with_scales`, here on the calling thread)."""
+        self.pools = self._write(self.pools, jnp.int32(slot), self.with_scales(values), self.backend)
 
     def read(self, slot: int) -> SlotValues:
-        """One slot's values back in the canonical layout (host arrays in the pools' dtype)."""
+        """One slot back: matrices in the canonical layout, vectors as stored (host arrays)."""
         return [
-            {k: np.asarray(self.backend.from_pool_layout(pool[slot])) for k, pool in layer.items()}
+            {
+                k: np.asarray(pool[slot] if is_vector_pool(k) else self.backend.from_pool_layout(pool[slot]))
+                for k, pool in layer.items()
+            }
             for layer in self.pools
         ]
 

@@ -46,8 +46,17 @@ def _break(kind, folder):
         (folder / "adapter_config.json").write_text("{not json")
     elif kind == "not-lora":
         _edit_config(folder, peft_type="PREFIX_TUNING")
-    elif kind == "dora":
+    elif kind == "dora-without-magnitudes":  # a plain adapter claiming DoRA
         _edit_config(folder, use_dora=True)
+    elif kind == "dora-with-lora-bias":
+        _edit_config(folder, use_dora=True, lora_bias=True)
+    elif kind == "bias-without-lora-bias":  # a lora_B bias the config does not declare
+
+        def add_bias(t):
+            k = _first(t, "lora_B")
+            t[k.replace(".weight", ".bias")] = np.zeros(t[k].shape[0], np.float32)
+
+        _edit_tensors(folder, add_bias)
     elif kind == "modules-to-save":
         _edit_config(folder, modules_to_save=["lm_head"])
     elif kind == "bias":
@@ -111,7 +120,9 @@ def _break(kind, folder):
 CASES = [
     ("config-not-json", "INVALID_ARGUMENT", "not valid JSON"),
     ("not-lora", "INVALID_ARGUMENT", "peft_type"),
-    ("dora", "INVALID_ARGUMENT", "DoRA"),
+    ("dora-without-magnitudes", "INVALID_ARGUMENT", "DoRA lora_magnitude_vector is missing"),
+    ("dora-with-lora-bias", "INVALID_ARGUMENT", "DoRA does not support a LoRA bias"),
+    ("bias-without-lora-bias", "INVALID_ARGUMENT", "lora_bias is not set"),
     ("modules-to-save", "INVALID_ARGUMENT", "modules_to_save"),
     ("bias", "INVALID_ARGUMENT", "bias"),
     ("unknown-target", "INVALID_ARGUMENT", "lm_head"),
@@ -184,3 +195,15 @@ def test_adapter_for_another_base_model_fails_precondition(reg, model_dirs, tiny
     assert reg.adapter_rows() == [] and reg.blobs() == []
     # the same adapter is accepted for a base model whose shapes the registry does not know yet
     assert reg.client.push(tmp_path / "qwen-adapter", "right-base", "tiny-qwen2").version == 1
+
+
+@pytest.mark.parametrize("kind", [dict(use_dora=True), dict(lora_bias=True)], ids=["dora", "lora-bias"])
+def test_dora_and_lora_bias_adapters_are_accepted(reg, llama_dir, tmp_path, kind) -> None:
+    """DoRA (magnitude vectors) and lora_bias (lora_B biases) are served since #16: the registry stores them."""
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.testing import make_adapter
+
+    make_adapter(AutoModelForCausalLM.from_pretrained(str(llama_dir)), tmp_path / "a", r=4, **kind)
+    assert reg.client.push(tmp_path / "a", "variant", TINY_MODEL).version == 1
+    assert len(reg.adapter_rows()) == 1

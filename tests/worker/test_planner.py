@@ -49,8 +49,15 @@ def test_lora_pools_shard_like_their_layer(llama8b) -> None:
         row = (4096 // tp + 4096) + (14336 // tp + 4096)
         return r * (column + row)
 
+    # the f32 DoRA-scale and LoRA-bias vectors [S, out] of each group: split like the column-parallel
+    # outputs, whole for o and down
+    def vectors(tp: int) -> int:
+        kv = max(8 // tp, 1) * 128
+        return 2 * (4096 // tp + 2 * kv + 2 * 14336 // tp + 2 * 4096)
+
     for tp in (1, 2, 4, 8):
-        assert planner.pool_bytes(llama8b, tp, s, r, "bfloat16") == 2 * s * layers * per_layer(tp)
+        want = s * layers * (2 * per_layer(tp) + 4 * vectors(tp))
+        assert planner.pool_bytes(llama8b, tp, s, r, "bfloat16") == want
 
 
 def test_layouts_that_do_not_divide_are_refused(llama8b) -> None:

@@ -74,6 +74,9 @@ def expected_pool_specs(backend: str) -> dict[str, str]:
         "A_gate_up": WHOLE,
         "B_o": WHOLE,
         "B_down": WHOLE,
+        # worker.dora's [S, out] DoRA-scale and LoRA-bias vectors: split like the layer's output
+        **{f"{v}_{g}": "(None, 'model')" for v in ("dora_scale", "lora_bias") for g in ("qkv", "gate_up")},
+        **{f"{v}_{g}": "()" for v in ("dora_scale", "lora_bias") for g in ("o", "down")},
     }
 
 
