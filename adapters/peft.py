@@ -185,13 +185,12 @@ def parse_adapter(
         if match is None:
             raise AdapterError(f"tensor {key} is not a LoRA A/B matrix of a decoder layer projection")
         layer, module = int(match.group(1)), match.group(2)
-        which = (
-            "A"
-            if match.group(3)
-            else ("bias" if match.group(5) == "bias" else "B")
-            if match.group(4)
-            else "m"
-        )
+        if match.group(3):
+            which = "A"
+        elif match.group(4):
+            which = "bias" if match.group(5) == "bias" else "B"
+        else:
+            which = "m"  # lora_magnitude_vector
         if module not in LORA_MODULES:
             raise UnknownModuleError(f"tensor {key} targets {module!r}, which this model does not adapt")
         if which == "m" and not dora:
