@@ -27,12 +27,23 @@ from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE
 
 # The modules a LoRA slot can adapt, in the order pools and reports list them.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The vocabulary-sized targets (one per model, not per layer): ``(in, out)`` is ``(vocab, hidden)`` for the
+# embedding and ``(hidden, vocab)`` for lm_head in ``module_shapes``.
+VOCAB_MODULES = ("embed_tokens", "lm_head")
 # PEFT's saved names: ``…layers.N.<self_attn|mlp>.<module>.`` then ``lora_A.weight``, ``lora_B.weight``,
 # ``lora_B.bias`` (lora_bias) or ``lora_magnitude_vector`` (DoRA), optionally with an adapter name before
 # the last part (``lora_A.default.weight``, ``lora_magnitude_vector.default.weight``).
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\."
     r"(?:lora_(A)(?:\.[\w-]+)?\.weight|lora_(B)(?:\.[\w-]+)?\.(weight|bias)|lora_magnitude_vector(?:(?:\.[\w-]+)?\.weight)?)$"
+)
+# PEFT's names for them: ``…embed_tokens.lora_embedding_A`` ``[r, vocab]`` / ``lora_embedding_B``
+# ``[hidden, r]`` (parameters, no ``.weight``), ``…lm_head.lora_A.weight`` ``[r, hidden]`` / ``lora_B.weight``
+# ``[vocab, r]``, and the base weights PEFT saves next to them (``save_embedding_layers``):
+# ``….base_layer.weight``.
+_VOCAB_KEY = re.compile(
+    r"(?:^|\.)(embed_tokens|lm_head)\."
+    r"(?:lora_embedding_(A|B)(?:\.[\w-]+)?|lora_(A|B)(?:\.[\w-]+)?\.(weight|bias)|(base_layer)\.weight)$"
 )
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 
@@ -57,6 +68,10 @@ class LoraWeights:
     base_model: str = ""
     magnitudes: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     biases: dict[str, np.ndarray] = field(default_factory=dict)
+    # embed_tokens / lm_head LoRA (``VOCAB_MODULES``): module -> ``(A [in, r], B [r, out])`` float32, scaling
+    # folded into B: ``embed_tokens`` ``A [vocab, r]`` (rows gathered per token), ``B [r, hidden]``;
+    # ``lm_head`` ``A [hidden, r]``, ``B [r, vocab]``
+    vocab: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     @property
     def use_dora(self) -> bool:
@@ -98,10 +113,25 @@ def parse_config(data: bytes) -> dict[str, Any]:
                 raise AdapterError(f"{key}[{name!r}] must be positive, got {value!r}")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(LORA_MODULES))
+        unknown = sorted(set(targets) - set(LORA_MODULES) - set(VOCAB_MODULES))
         if unknown:
             raise UnknownModuleError(
-                f"target_modules {unknown} are not adaptable modules of this model ({', '.join(LORA_MODULES)})"
+                f"target_modules {unknown} are not adaptable modules of this model "
+                f"({', '.join(LORA_MODULES + VOCAB_MODULES)})"
+            )
+        vocab = sorted(set(targets) & set(VOCAB_MODULES))
+        if vocab and cfg.get("use_dora"):
+            raise AdapterError(
+                f"use_dora with target_modules {vocab}: DoRA on embed_tokens/lm_head is not supported"
+            )
+        if vocab and cfg.get("lora_bias"):
+            raise AdapterError(
+                f"lora_bias with target_modules {vocab}: a LoRA bias on embed_tokens/lm_head is not supported"
+            )
+        if vocab and cfg.get("ensure_weight_tying"):
+            raise AdapterError(
+                f"ensure_weight_tying with target_modules {vocab} is not supported (the worker adapts the input "
+                "embedding and the output projection separately, PEFT's default)"
             )
     return cfg
 
@@ -180,7 +210,12 @@ def parse_adapter(
         raise AdapterError(f"{WEIGHTS_FILE} holds no tensors")
     dora, lora_bias = bool(cfg.get("use_dora")), bool(cfg.get("lora_bias"))
     found: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+    vocab_found: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
+        vmatch = _VOCAB_KEY.search(key)
+        if vmatch is not None:
+            _vocab_tensor(key, value, vmatch, vocab_found, module_shapes)
+            continue
         match = _KEY.search(key)
         if match is None:
             raise AdapterError(f"tensor {key} is not a LoRA A/B matrix of a decoder layer projection")
@@ -250,7 +285,19 @@ def parse_adapter(
         if "bias" in pair:
             vectors["bias"].setdefault(module, {})[layer] = pair["bias"] * np.float32(scaling)
         max_seen = max(max_seen, r)
-    layers = num_layers if num_layers is not None else 1 + max(layer for _, layer in found)
+    vocab = {
+        module: _vocab_pair(
+            module, pair, rank_pattern, alpha_pattern, default_r, default_alpha, rslora, max_rank
+        )
+        for module, pair in sorted(vocab_found.items())
+        if set(pair) != {"base"}
+    }
+    if module_shapes is not None and vocab:
+        check_vocab_shapes_of(vocab, module_shapes)
+    max_seen = max([max_seen, *(a.shape[1] for a, _ in vocab.values())])
+    if not found and not vocab:
+        raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA matrices")
+    layers = num_layers if num_layers is not None else 1 + max((layer for _, layer in found), default=-1)
     modules: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for module, by_layer in per_module.items():
         r = max(a.shape[1] for a, _ in by_layer.values())
@@ -268,7 +315,7 @@ def parse_adapter(
         rank=max_seen,
         alpha=default_alpha,
         use_rslora=rslora,
-        target_modules=tuple(m for m in LORA_MODULES if m in modules),
+        target_modules=tuple(m for m in LORA_MODULES if m in modules) + tuple(vocab),
         modules=modules,
         sha256=hashlib.sha256(weights_bytes).hexdigest(),
         size_bytes=len(weights_bytes),
@@ -276,7 +323,90 @@ def parse_adapter(
         base_model=str(cfg.get("base_model_name_or_path") or ""),
         magnitudes=stacked["m"],
         biases={m: v for m, (v, _) in stacked["bias"].items()},
+        vocab=vocab,
     )
+
+
+def _vocab_tensor(
+    key: str,
+    value: np.ndarray,
+    match: re.Match[str],
+    found: dict[str, dict[str, np.ndarray]],
+    module_shapes: dict[str, tuple[int, int]] | None,
+) -> None:
+    """Check one embed_tokens / lm_head tensor and file it under ``found[module]`` (``A``, ``B``, ``base``).
+
+    The base weights PEFT saves with them (``base_layer.weight``, ``[vocab, hidden]``) are checked for shape
+    and otherwise ignored: the worker serves its own base (an adapter for a resized vocabulary is refused)."""
+    module = match.group(1)
+    if match.group(4) == "bias":
+        raise AdapterError(f"tensor {key} is a lora_B bias; a LoRA bias on {module} is not supported")
+    if module == "embed_tokens" and match.group(3):
+        raise AdapterError(f"tensor {key}: PEFT saves embed_tokens LoRA as lora_embedding_A/B")
+    if module == "lm_head" and match.group(2):
+        raise AdapterError(f"tensor {key}: lm_head LoRA is lora_A/lora_B (a Linear LoRA)")
+    which = "base" if match.group(5) else (match.group(2) or match.group(3))
+    if value.ndim != 2:
+        raise AdapterError(f"tensor {key} has shape {list(value.shape)}; LoRA matrices are 2-D")
+    if not np.isfinite(value).all():
+        raise AdapterError(f"tensor {key} contains NaN or inf")
+    if which == "base" and module_shapes is not None and module in module_shapes:
+        want = (
+            module_shapes["embed_tokens"] if "embed_tokens" in module_shapes else module_shapes[module][::-1]
+        )
+        if value.shape != tuple(want):
+            raise AdapterMismatchError(
+                f"{module}: the saved base weight {list(value.shape)} is not the model's [vocab, hidden] "
+                f"{list(want)}; the adapter was built for another (or resized) vocabulary"
+            )
+    found.setdefault(module, {})[which] = value
+
+
+def _vocab_pair(
+    module: str,
+    pair: dict[str, np.ndarray],
+    rank_pattern: dict[str, Any],
+    alpha_pattern: dict[str, Any],
+    default_r: int,
+    default_alpha: float,
+    rslora: bool,
+    max_rank: int | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``embed_tokens``: ``lora_embedding_A [r, vocab]``, ``B [hidden, r]``; ``lm_head``: ``lora_A [r, hidden]``,
+    ``lora_B [vocab, r]`` -> ``(A [in, r], B [r, out] · scaling)`` (PEFT's ``Embedding``/``Linear``: the
+    same ``alpha / r`` or rsLoRA scaling; no dropout at inference)."""
+    path = "model.embed_tokens" if module == "embed_tokens" else "lm_head"
+    if not {"A", "B"} <= set(pair):
+        missing = ({"A", "B"} - set(pair)).pop()
+        raise AdapterError(f"{path}: lora_{missing} is missing")
+    a, b = pair["A"], pair["B"]
+    r = int(_pattern_value(rank_pattern, path, default_r))
+    if a.shape[0] != r or b.shape[1] != r:
+        raise AdapterError(
+            f"{path}: A {list(a.shape)} / B {list(b.shape)} do not match rank {r} (A [r, in], B [out, r])"
+        )
+    if max_rank is not None and r > max_rank:
+        raise AdapterRankError(f"{path}: rank {r} is above the largest slot rank {max_rank}")
+    alpha = float(_pattern_value(alpha_pattern, path, default_alpha))
+    scaling = alpha / math.sqrt(r) if rslora else alpha / r
+    return a.T.copy(), (b.T * np.float32(scaling)).astype(np.float32)
+
+
+def check_vocab_shapes_of(
+    vocab: dict[str, tuple[np.ndarray, np.ndarray]], module_shapes: dict[str, tuple[int, int]]
+) -> None:
+    """Raise AdapterMismatchError when an embed_tokens / lm_head LoRA does not fit ``module_shapes``
+    (``embed_tokens: (vocab, hidden)``, ``lm_head: (hidden, vocab)``); UnknownModuleError when the model
+    does not report that module."""
+    for module, (a, b) in vocab.items():
+        if module not in module_shapes:
+            raise UnknownModuleError(f"{module}: this base model does not report an adaptable {module}")
+        want_in, want_out = module_shapes[module]
+        if a.shape[0] != want_in or b.shape[1] != want_out:
+            raise AdapterMismatchError(
+                f"{module}: A [in={a.shape[0]}] / B [out={b.shape[1]}] expect in={want_in}, out={want_out}; "
+                "the adapter was built for another base model (vocabulary or hidden size)"
+            )
 
 
 def _stack(by_layer: dict[int, np.ndarray], layers: int) -> tuple[np.ndarray, np.ndarray]:

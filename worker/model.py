@@ -34,6 +34,7 @@ from loraserve.kernels.attention import DecodeAttention
 from loraserve.kernels.backends import COLUMN, ROW, LoraBackend, Plan
 from loraserve.kernels.linear import linear
 from loraserve.worker.dora import apply_vectors, init_vector_pools
+from loraserve.worker.embed_lora import apply_embed, apply_lm_head, init_vocab_pools
 from loraserve.worker.model_config import ModelConfig
 
 Array = jax.Array
@@ -79,9 +80,15 @@ def _softcap(x: Array, cap: float | None) -> Array:
     return x if cap is None else jnp.tanh(x / cap) * cap
 
 
-def _embed(cfg: ModelConfig, params: Params, tokens: Array) -> Array:
-    """tokens [...] -> [..., H]; Gemma scales by sqrt(hidden), rounded to the embedding dtype as HF does."""
+def _embed(
+    cfg: ModelConfig, params: Params, tokens: Array, lora: Lora | None = None, slots: Array | None = None
+) -> Array:
+    """tokens [T] -> [T, H]; with ``lora`` and ``slots`` ([G], T = G groups of consecutive tokens) each
+    row's embed_tokens LoRA is added (``worker.embed_lora``); then Gemma scales by sqrt(hidden), rounded to
+    the embedding dtype as HF does."""
     h = params["embed"][tokens]
+    if lora is not None and slots is not None and "A_embed" in lora[0]:
+        h = apply_embed(h, tokens, lora[0], slots)
     return h if cfg.embed_scale is None else h * jnp.asarray(cfg.embed_scale, h.dtype)
 
 
@@ -173,11 +180,16 @@ def _scores(cfg: ModelConfig, scores: Array) -> Array:
     return _softcap(scores * cfg.attn_scale, cfg.attn_logit_softcap)
 
 
-def logits_from_hidden(cfg: ModelConfig, params: Params, h: Array) -> Array:
-    """h [..., H] -> logits [..., V] in f32. Semantics: final norm, lm_head (or tied embeddings), then
-    the final soft-cap where the config has one (Gemma 2)."""
+def logits_from_hidden(
+    cfg: ModelConfig, params: Params, h: Array, lora: Lora | None = None, slots: Array | None = None
+) -> Array:
+    """h [G, H] -> logits [G, V] in f32. Semantics: final norm, lm_head (or tied embeddings), plus each
+    row's lm_head LoRA (``slots`` [G], ``worker.embed_lora``) where given, then the final soft-cap where the
+    config has one (Gemma 2)."""
     x = _norm(cfg, h, params["final_norm"])
     logits = linear(x, params["lm_head"] if "lm_head" in params else params["embed"])
+    if lora is not None and slots is not None and "A_lm_head" in lora[0]:
+        logits = apply_lm_head(logits, x, lora[0], slots)
     return _softcap(logits, cfg.final_logit_softcap)
 
 
@@ -285,7 +297,7 @@ def prefill_packed(
         return apply_vectors(y, ll, group, slots, bias)
 
     flat_pos = positions.reshape(g * t)
-    h = _embed(cfg, params, tokens.reshape(g * t))
+    h = _embed(cfg, params, tokens.reshape(g * t), lora, slots)
     new_cache: Cache = []
     for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [G*L, heads, D]
@@ -301,7 +313,7 @@ def prefill_packed(
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
         new_cache.append((k_pages, v_pages))
     last = jnp.take_along_axis(h.reshape(g, t, -1), jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    return logits_from_hidden(cfg, params, last), new_cache
+    return logits_from_hidden(cfg, params, last, lora, slots), new_cache
 
 
 def prefill(
@@ -377,7 +389,7 @@ def decode(
         y = backend.apply_decode(y, x, *_group_pools(ll, group), plan, parallel)
         return apply_vectors(y, ll, group, rows, bias)
 
-    h = _embed(cfg, params, tokens)
+    h = _embed(cfg, params, tokens, lora, rows)
     new_cache: Cache = []
     for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [B, heads, D]
@@ -394,7 +406,7 @@ def decode(
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
         new_cache.append((k_pages, v_pages))
-    return logits_from_hidden(cfg, params, h), new_cache
+    return logits_from_hidden(cfg, params, h, lora, rows), new_cache
 
 
 def lora_slot_shapes(cfg: ModelConfig, max_rank: int) -> dict[str, tuple[int, int]]:
@@ -413,9 +425,12 @@ def lora_slot_shapes(cfg: ModelConfig, max_rank: int) -> dict[str, tuple[int, in
 
 def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, backend: LoraBackend) -> Lora:
     """Zeroed slot pools, in ``backend``'s layout, for ``max_loras`` adapters of rank up to ``max_rank``
-    on all seven modules, plus the DoRA-scale (ones) and LoRA-bias (zeros) vector pools of ``worker.dora``."""
+    on all seven modules, plus the DoRA-scale (ones) and LoRA-bias (zeros) vector pools of ``worker.dora``,
+    and in layer 0 only the embed_tokens / lm_head pools of ``worker.embed_lora``."""
     pools = backend.init_pools(lora_slot_shapes(cfg, max_rank), cfg.num_layers, max_loras, dtype)
-    return [{**layer, **init_vector_pools(lora_vector_sizes(cfg), max_loras)} for layer in pools]
+    out = [{**layer, **init_vector_pools(lora_vector_sizes(cfg), max_loras)} for layer in pools]
+    out[0].update(init_vocab_pools(cfg, max_loras, max_rank, dtype))
+    return out
 
 
 def lora_vector_sizes(cfg: ModelConfig) -> dict[str, int]:
