@@ -13,8 +13,10 @@ Ranks below R are zero-padded (exact); a slot without these targets holds zeros.
 in XLA (a gather and two small matmuls per row, in f32), the same for every backend: the embedding delta
 before Gemma's embedding scale (PEFT scales the LoRA output by the embedding's scale, transformers' Gemma 2
 multiplies the sum: the same product), the lm_head delta before the final soft-cap. Rows without a slot
-(−1) keep the base values bit for bit. Under tensor parallelism the pools are replicated (GSPMD computes
-the vocab-split embedding/logits with them: correct, not communication-optimal).
+(−1) keep the base values bit for bit. Under tensor parallelism (``worker.sharding.pool_specs``)
+``A_embed`` is split by vocabulary like the embedding and ``B_lm_head`` like lm_head (when N divides the
+vocabulary; replicated otherwise, as the weights are); ``B_embed`` and ``A_lm_head`` are whole. The ops
+are plain XLA under GSPMD: each device's logits columns come from its own ``B_lm_head`` columns.
 """
 
 from __future__ import annotations

@@ -163,8 +163,13 @@ def pool_specs(cfg: ModelConfig, backend: ShardedBackend) -> dict[str, P]:
         # for o/down (applied to the all-reduced output)
         vec = P(None, AXIS) if GROUP_PARALLEL[group] == COLUMN else P()
         out.update({scale_name(group): vec, bias_name(group): vec})
-    # worker.embed_lora's vocabulary-sized pools (layer 0 only): replicated
+    # worker.embed_lora's vocabulary-sized pools (layer 0 only): A_embed [S, V, R] split by vocab like the
+    # embedding, B_lm_head [S, R, V] like lm_head (when N divides the vocabulary, else replicated, as the
+    # weights are); B_embed and A_lm_head whole
+    split = cfg.vocab_size % backend.shards == 0
     out.update({name: P() for name in VOCAB_POOLS})
+    if split:
+        out.update(A_embed=P(None, AXIS, None), B_lm_head=P(None, None, AXIS))
     return out
 
 
