@@ -13,7 +13,6 @@ what N = 1 serves.
 
 from __future__ import annotations
 
-import json
 from functools import partial
 
 import grpc
@@ -120,3 +119,199 @@ def test_embed_and_lm_head_lora_on_tied_and_gemma_families_match_peft(
     model_dirs, embed_dirs, family: str
 ) -> None:
     assert _check_against_peft(model_dirs[family], embed_dirs(family), "cpu") <= ATOL
+
+
+def test_stored_pools_are_peft_s_matrices(model_dirs, embed_dirs) -> None:
+    """``A_embed[s] [:, :r]`` is ``lora_embedding_A.T``, ``B_embed[s][:r]`` is ``lora_embedding_B.T · s``;
+    ``A_lm_head`` / ``B_lm_head`` the lm_head's ``lora_A.T`` / ``lora_B.T · s``; zero-padded to R; zeros
+    for slots without them."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ck = load_checkpoint(str(model_dirs["llama"]))
+    dirs = embed_dirs("llama")
+    pools = _pools(ck, [dirs[n] for n in NAMES], get_backend("cpu"))
+    for slot, name in enumerate(NAMES):
+        base = AutoModelForCausalLM.from_pretrained(str(model_dirs["llama"]))
+        peft = PeftModel.from_pretrained(base, str(dirs[name])).eval()
+        stored = pools.read(slot)[0]
+        emb, head = peft.base_model.model.model.embed_tokens, peft.base_model.model.lm_head
+        want = {
+            k: np.zeros(v.shape, np.float32) for k, v in stored.items() if k.endswith(("embed", "lm_head"))
+        }
+        if hasattr(emb, "lora_embedding_A") and "default" in emb.lora_embedding_A:
+            a, b = emb.lora_embedding_A["default"].detach().numpy(), emb.lora_embedding_B["default"].detach()
+            want["A_embed"][:, : a.shape[0]] = a.T
+            want["B_embed"][: a.shape[0]] = b.numpy().T * emb.scaling["default"]
+        if hasattr(head, "lora_A") and "default" in head.lora_A:
+            a, b = head.lora_A["default"].weight.detach().numpy(), head.lora_B["default"].weight.detach()
+            want["A_lm_head"][:, : a.shape[0]] = a.T
+            want["B_lm_head"][: a.shape[0]] = b.numpy().T * head.scaling["default"]
+        assert set(want) == {"A_embed", "B_embed", "A_lm_head", "B_lm_head"}
+        for k, v in want.items():
+            np.testing.assert_allclose(stored[k], v, rtol=1e-6, atol=0, err_msg=f"{name} {k}")
+        assert not set(pools.read(slot)[1]) & set(want)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
+def test_packed_prefill_of_embed_and_lm_head_prompts_matches_peft(
+    model_dirs, embed_dirs, backend: str
+) -> None:
+    """Prompts of different lengths on each adapter and none, packed into one prefill of G segments: each
+    segment's last-token logits are PEFT's (the embedding delta gathered per token of its own segment)."""
+    model_dir, dirs = model_dirs["llama"], embed_dirs("llama")
+    ck = load_checkpoint(str(model_dir))
+    cfg, lora = ck.config, get_backend(backend)
+    pools = _pools(ck, [dirs[n] for n in NAMES], lora)
+    prompts = [
+        [5, 17, 33, 100, 7, 9],
+        [3, 4],
+        [250, 11, 12, 13, 14, 15, 16, 2, 8],
+        [60, 61, 62],
+        [8, 8, 1],
+        [9],
+    ]
+    seg_slots = np.array([0, 1, -1, 2, 3, 4], np.int32)
+    g, t = len(prompts), 16
+    tokens = np.zeros((g, t), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    cache = M.init_cache(cfg, g + 1, 16, jnp.float32)
+    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    logits, _ = jax.jit(partial(M.prefill_packed, cfg, backend=lora))(
+        ck.params, pools.pools, tokens, lengths, np.zeros(g, np.int32), seg_slots,
+        M.contiguous_page_tables(g, 1), np.int32(1), cache, inv,
+    )  # fmt: skip
+    for i, (p, slot) in enumerate(zip(prompts, seg_slots, strict=True)):
+        want = _reference_logits(model_dir, None if slot < 0 else dirs[NAMES[slot]], p)[-1]
+        np.testing.assert_allclose(
+            np.asarray(logits[i]), want, atol=ATOL, err_msg=f"segment {i} (slot {slot})"
+        )
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
+def test_loading_and_serving_embed_lora_compiles_nothing_after_warmup(
+    model_dirs, embed_dirs, backend: str
+) -> None:
+    ck = load_checkpoint(str(model_dirs["llama"]))
+    cfg, lora = ck.config, get_backend(backend)
+    dirs = embed_dirs("llama")
+    values = [slot_arrays(cfg, _weights(cfg, dirs[n]), RANK) for n in NAMES]
+    rows, slots = 4, 3
+    pools = SlotPools(cfg, slots, RANK, jnp.dtype(jnp.float32), lora, base=base_weights(ck.params))
+    cache = M.init_cache(cfg, rows * 2 + 1, 16, jnp.float32)
+    tables = M.contiguous_page_tables(rows, 2)
+    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    prefill = jax.jit(partial(M.prefill, cfg, backend=lora), donate_argnums=(7,))
+    decode = jax.jit(partial(M.decode, cfg, backend=lora), donate_argnums=(6,))
+    tokens = np.zeros(16, np.int32)
+    tokens[: len(PROMPT)] = PROMPT
+    n, zero, same = np.int32(len(PROMPT)), np.int32(0), np.full(rows, len(PROMPT), np.int32)
+    pools.zero(0)  # warm-up, as the runner does it
+    _, cache = prefill(ck.params, pools.pools, tokens, n, zero, zero, tables[0], cache, inv)
+    for plan in lora.warmup_plans(rows, slots):
+        _, cache = decode(ck.params, pools.pools, np.full(rows, 9, np.int32), same, tables, plan, cache, inv)
+    jax.block_until_ready(cache)
+    with count_compilations() as count:
+        for i, v in enumerate(values * 2):  # embed/lm_head, plain and DoRA adapters swapped through 3 slots
+            pools.write(i % slots, v)
+        for row, slot in enumerate([0, 1, 2, -1]):
+            _, cache = prefill(
+                ck.params, pools.pools, tokens, n, zero, np.int32(slot), tables[row], cache, inv
+            )
+        for mix in ([0, 1, 2, -1], [0, 0, 0, 0], [2, -1, 1, 1]):
+            plan = lora.plan(np.array(mix, np.int32), slots)
+            out, cache = decode(
+                ck.params, pools.pools, np.full(rows, 9, np.int32), same, tables, plan, cache, inv
+            )
+        jax.block_until_ready(out)
+    assert count.compilations == 0, count.names
+    # the last writes left head-rslora, plain-r4 and dora-all-r4 in slots 1, 2, 0 (values * 2 over 3 slots)
+    assert np.abs(np.asarray(pools.pools[0]["B_lm_head"][1])).max() > 0
+    assert not np.asarray(pools.pools[0]["A_embed"]).any()
+
+
+def _replace(needle: str, shape_fn):
+    def fn(t: dict) -> None:
+        k = _first(t, needle)
+        t[k] = np.zeros(shape_fn(t[k].shape), np.float32)
+
+    return fn
+
+
+# (adapter, config changes, tensor edit, message, status): refused before anything is stored, at the worker
+# and at the registry alike (one parser)
+INVALID, MISMATCH = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+REFUSED = [
+    # another vocabulary / hidden size: built for another base model (as for the projections' shapes)
+    ("embed-down", None, _replace("lora_embedding_A", lambda s: (s[0], s[1] + 8)), "expect in=384", MISMATCH),
+    (
+        "embed-down",
+        None,
+        _replace("lora_embedding_B", lambda s: (s[0] * 2, s[1])),
+        "expect in=384, out=64",
+        MISMATCH,
+    ),
+    ("head-rslora", None, _replace("lm_head.lora_B", lambda s: (s[0] - 1, s[1])), "out=384", MISMATCH),
+    ("head-rslora", None, _replace("lm_head.lora_A", lambda s: (s[0], s[1] + 1)), "expect in=64", MISMATCH),
+    (
+        "embed-down",
+        None,
+        _replace("embed_tokens.base_layer", lambda s: (s[0] + 16, s[1])),
+        "resized",
+        MISMATCH,
+    ),
+    (
+        "embed-down",
+        None,
+        _replace("lora_embedding_A", lambda s: (s[0] + 1, s[1])),
+        "do not match rank",
+        INVALID,
+    ),
+    ("embed-down", None, lambda t: t.pop(_first(t, "lora_embedding_B")), "lora_B is missing", INVALID),
+    ("embed-head-qv", {"use_dora": True}, None, "DoRA on embed_tokens/lm_head is not supported", INVALID),
+    (
+        "embed-head-qv",
+        {"lora_bias": True},
+        None,
+        "LoRA bias on embed_tokens/lm_head is not supported",
+        INVALID,
+    ),
+    ("embed-head-qv", {"ensure_weight_tying": True}, None, "ensure_weight_tying", INVALID),
+    (
+        "head-rslora",
+        None,
+        lambda t: t.update({"base_model.model.lm_head.lora_B.bias": np.zeros(384, np.float32)}),
+        "LoRA bias on lm_head is not supported",
+        INVALID,
+    ),
+    # PEFT's modules_to_save=["lm_head"] is a full copy, not LoRA: still refused
+    ("head-rslora", {"modules_to_save": ["lm_head"]}, None, "modules_to_save", INVALID),
+]
+
+
+@pytest.mark.parametrize(("name", "config", "edit", "needle", "code"), REFUSED)
+def test_malformed_embed_and_lm_head_adapters_are_refused(
+    model_dirs, embed_dirs, name, config, edit, needle, code
+) -> None:
+    cfg = load_checkpoint(str(model_dirs["llama"])).config
+    config_bytes, weights = _edit(embed_dirs("llama")[name], config, edit)
+    with pytest.raises(AdapterError, match=needle) as info:
+        parse_adapter(config_bytes, weights, module_shapes=cfg.adapter_shapes(), num_layers=cfg.num_layers)
+    assert info.value.code == code
+    weights = _weights(cfg, embed_dirs("llama")[name])  # the untouched adapter parses, with its targets
+    assert set(weights.vocab) == {
+        m for m in ("embed_tokens", "lm_head") if m in EMBED_ADAPTERS[name]["targets"]
+    }
+    assert set(weights.vocab) <= set(weights.target_modules)
+
+
+def test_a_model_without_vocab_shapes_refuses_them(model_dirs, embed_dirs) -> None:
+    """A base model known only by its projections (e.g. registered by an older worker) cannot validate an
+    embed_tokens LoRA: refused as a module the model does not report."""
+    cfg = load_checkpoint(str(model_dirs["llama"])).config
+    with pytest.raises(AdapterError, match="does not report an adaptable embed_tokens"):
+        parse_adapter(
+            *read_adapter_files(str(embed_dirs("llama")["embed-down"])), module_shapes=cfg.module_shapes()
+        )
