@@ -315,3 +315,76 @@ def test_a_model_without_vocab_shapes_refuses_them(model_dirs, embed_dirs) -> No
         parse_adapter(
             *read_adapter_files(str(embed_dirs("llama")["embed-down"])), module_shapes=cfg.module_shapes()
         )
+
+
+def test_engine_serves_embed_and_lm_head_lora_with_peft_s_greedy_tokens(model_dirs, embed_dirs) -> None:
+    """The whole worker path (residency: fetch, validate against the model's vocab, prepare; slot writes;
+    packed prefill; decode): embed/lm_head, plain and DoRA adapters and the base model, concurrently,
+    through 2 slots (so loads evict and reload), give PEFT's greedy tokens; nothing compiles after start."""
+    import uuid
+
+    from loraserve.adapters.sources import LocalAdapterSource
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.engine import Engine
+    from loraserve.worker.requests import EngineRequest, Sampling
+    from tests.worker.fake_engine import Collector
+    from tests.worker.test_dora_worker import _peft_greedy
+
+    model_dir, dirs = model_dirs["qwen2"], embed_dirs("qwen2")  # tied embeddings
+    source = LocalAdapterSource()
+    for name, path in dirs.items():
+        source.register(name, str(path))
+    config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=RANK, max_cpu_loras=1)
+    engine = Engine(load_checkpoint(str(model_dir)), config, source=source)
+    engine.start()
+    prompts = {name: [5, 17, 33 + i, 100, 7] for i, name in enumerate(["", *NAMES])}
+    try:
+        with count_compilations() as count:
+            collectors = {}
+            for round_ in range(2):  # the second round reloads what the first evicted
+                for name, prompt in prompts.items():
+                    c = Collector()
+                    req = EngineRequest(
+                        uuid.uuid4().hex, name, prompt, Sampling(max_tokens=8, ignore_eos=True), c
+                    )
+                    engine.submit(req)
+                    collectors[name, round_] = c
+            for c in collectors.values():
+                assert c.done.wait(120), "request did not finish"
+        assert count.compilations == 0, count.names
+    finally:
+        engine.stop()
+    for (name, _), c in collectors.items():
+        want = _peft_greedy(model_dir, dirs[name] if name else None, prompts[name], 8)
+        assert c.tokens == want, name
+
+
+def test_tensor_parallel_embed_and_lm_head_lora_matches_one_device(model_dirs, tmp_path_factory) -> None:
+    """N = 2 (A_embed and B_lm_head split by vocab) serves the embed/lm_head, plain and DoRA adapters with
+    N = 1's logits and greedy tokens; 100 slot swaps of them after warm-up compile nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.testing import save_model
+    from tests.worker.test_tensor_parallel import ATOL as TP_ATOL
+    from tests.worker.test_tensor_parallel import TP_MODEL, run_child
+
+    root = tmp_path_factory.mktemp("tp-embed")
+    model = save_model(root / "qwen2", "qwen2", seed=7, **TP_MODEL)
+    adapters = []
+    for name, kw in EMBED_ADAPTERS.items():
+        make_adapter(AutoModelForCausalLM.from_pretrained(str(model)), root / name, **kw)
+        adapters.append(str(root / name))
+    out = run_child(
+        "--model", str(model), "--adapters", ",".join(adapters), "--backend", "cpu",
+        "--sizes", "1,2", "--steps", "4", "--swaps", "100",
+    )  # fmt: skip
+    ref = np.array(out["1"]["logits"])
+    moved = np.abs(ref[0] - np.array(out["1"]["base_logits"])).max(axis=-1)
+    assert moved[4] < 1e-5 and (moved[[0, 1, 2, 3, 5]] > 0.1).all(), moved
+    got = out["2"]
+    assert got["tokens"] == out["1"]["tokens"]
+    np.testing.assert_allclose(np.array(got["logits"]), ref, atol=TP_ATOL, rtol=0)
+    assert out["1"]["compilations"] == got["compilations"] == 0, (out["1"]["compiled"], got["compiled"])
+    assert got["abstract_matches"] == {"params": True, "cache": True, "pools": True}
+    assert got["shardings"]["pools"]["A_embed"] == "(None, 'model', None)"
+    assert got["shardings"]["pools"]["B_lm_head"] == "(None, None, 'model')"
