@@ -7,7 +7,9 @@ tensors that are not floats of the right rank, ranks of 0 or above the limit, mo
 shapes that do not fit the base model, DoRA modules without (or with a wrongly sized) magnitude vector,
 LoRA biases of the wrong size, and DoRA with ``lora_bias`` (PEFT refuses that pair too). The result keeps
 per-module ``A [L, in, r]`` and ``B [L, r, out]`` with the LoRA scaling already folded into B, ready to be
-zero-padded into a slot, plus DoRA's magnitudes ``m [L, out]`` and ``lora_B``'s biases (scaled) ``[L, out]``.
+zero-padded into a slot, plus DoRA's magnitudes ``m [L, out]`` and ``lora_B``'s biases (scaled) ``[L, out]``,
+and the embed_tokens / lm_head LoRA (``adapters.peft_vocab``: shapes checked against the model's vocabulary
+and hidden size; neither DoRA nor ``lora_bias`` on them).
 """
 
 from __future__ import annotations
@@ -24,26 +26,23 @@ import numpy as np
 
 from loraserve.adapters.errors import AdapterError, AdapterMismatchError, AdapterRankError, UnknownModuleError
 from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE
+from loraserve.adapters.peft_vocab import (
+    VOCAB_KEY,
+    VOCAB_MODULES,
+    check_vocab_shapes_of,
+    vocab_pair,
+    vocab_path,
+    vocab_tensor,
+)
 
 # The modules a LoRA slot can adapt, in the order pools and reports list them.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# The vocabulary-sized targets (one per model, not per layer): ``(in, out)`` is ``(vocab, hidden)`` for the
-# embedding and ``(hidden, vocab)`` for lm_head in ``module_shapes``.
-VOCAB_MODULES = ("embed_tokens", "lm_head")
 # PEFT's saved names: ``…layers.N.<self_attn|mlp>.<module>.`` then ``lora_A.weight``, ``lora_B.weight``,
 # ``lora_B.bias`` (lora_bias) or ``lora_magnitude_vector`` (DoRA), optionally with an adapter name before
 # the last part (``lora_A.default.weight``, ``lora_magnitude_vector.default.weight``).
 _KEY = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\."
     r"(?:lora_(A)(?:\.[\w-]+)?\.weight|lora_(B)(?:\.[\w-]+)?\.(weight|bias)|lora_magnitude_vector(?:(?:\.[\w-]+)?\.weight)?)$"
-)
-# PEFT's names for them: ``…embed_tokens.lora_embedding_A`` ``[r, vocab]`` / ``lora_embedding_B``
-# ``[hidden, r]`` (parameters, no ``.weight``), ``…lm_head.lora_A.weight`` ``[r, hidden]`` / ``lora_B.weight``
-# ``[vocab, r]``, and the base weights PEFT saves next to them (``save_embedding_layers``):
-# ``….base_layer.weight``.
-_VOCAB_KEY = re.compile(
-    r"(?:^|\.)(embed_tokens|lm_head)\."
-    r"(?:lora_embedding_(A|B)(?:\.[\w-]+)?|lora_(A|B)(?:\.[\w-]+)?\.(weight|bias)|(base_layer)\.weight)$"
 )
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 
@@ -212,9 +211,9 @@ def parse_adapter(
     found: dict[tuple[str, int], dict[str, np.ndarray]] = {}
     vocab_found: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
-        vmatch = _VOCAB_KEY.search(key)
+        vmatch = VOCAB_KEY.search(key)
         if vmatch is not None:
-            _vocab_tensor(key, value, vmatch, vocab_found, module_shapes)
+            vocab_tensor(key, value, vmatch, vocab_found, module_shapes)
             continue
         match = _KEY.search(key)
         if match is None:
@@ -286,8 +285,13 @@ def parse_adapter(
             vectors["bias"].setdefault(module, {})[layer] = pair["bias"] * np.float32(scaling)
         max_seen = max(max_seen, r)
     vocab = {
-        module: _vocab_pair(
-            module, pair, rank_pattern, alpha_pattern, default_r, default_alpha, rslora, max_rank
+        module: vocab_pair(
+            module,
+            pair,
+            int(_pattern_value(rank_pattern, vocab_path(module), default_r)),
+            float(_pattern_value(alpha_pattern, vocab_path(module), default_alpha)),
+            rslora,
+            max_rank,
         )
         for module, pair in sorted(vocab_found.items())
         if set(pair) != {"base"}
@@ -325,88 +329,6 @@ def parse_adapter(
         biases={m: v for m, (v, _) in stacked["bias"].items()},
         vocab=vocab,
     )
-
-
-def _vocab_tensor(
-    key: str,
-    value: np.ndarray,
-    match: re.Match[str],
-    found: dict[str, dict[str, np.ndarray]],
-    module_shapes: dict[str, tuple[int, int]] | None,
-) -> None:
-    """Check one embed_tokens / lm_head tensor and file it under ``found[module]`` (``A``, ``B``, ``base``).
-
-    The base weights PEFT saves with them (``base_layer.weight``, ``[vocab, hidden]``) are checked for shape
-    and otherwise ignored: the worker serves its own base (an adapter for a resized vocabulary is refused)."""
-    module = match.group(1)
-    if match.group(4) == "bias":
-        raise AdapterError(f"tensor {key} is a lora_B bias; a LoRA bias on {module} is not supported")
-    if module == "embed_tokens" and match.group(3):
-        raise AdapterError(f"tensor {key}: PEFT saves embed_tokens LoRA as lora_embedding_A/B")
-    if module == "lm_head" and match.group(2):
-        raise AdapterError(f"tensor {key}: lm_head LoRA is lora_A/lora_B (a Linear LoRA)")
-    which = "base" if match.group(5) else (match.group(2) or match.group(3))
-    if value.ndim != 2:
-        raise AdapterError(f"tensor {key} has shape {list(value.shape)}; LoRA matrices are 2-D")
-    if not np.isfinite(value).all():
-        raise AdapterError(f"tensor {key} contains NaN or inf")
-    if which == "base" and module_shapes is not None and module in module_shapes:
-        want = (
-            module_shapes["embed_tokens"] if "embed_tokens" in module_shapes else module_shapes[module][::-1]
-        )
-        if value.shape != tuple(want):
-            raise AdapterMismatchError(
-                f"{module}: the saved base weight {list(value.shape)} is not the model's [vocab, hidden] "
-                f"{list(want)}; the adapter was built for another (or resized) vocabulary"
-            )
-    found.setdefault(module, {})[which] = value
-
-
-def _vocab_pair(
-    module: str,
-    pair: dict[str, np.ndarray],
-    rank_pattern: dict[str, Any],
-    alpha_pattern: dict[str, Any],
-    default_r: int,
-    default_alpha: float,
-    rslora: bool,
-    max_rank: int | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``embed_tokens``: ``lora_embedding_A [r, vocab]``, ``B [hidden, r]``; ``lm_head``: ``lora_A [r, hidden]``,
-    ``lora_B [vocab, r]`` -> ``(A [in, r], B [r, out] · scaling)`` (PEFT's ``Embedding``/``Linear``: the
-    same ``alpha / r`` or rsLoRA scaling; no dropout at inference)."""
-    path = "model.embed_tokens" if module == "embed_tokens" else "lm_head"
-    if not {"A", "B"} <= set(pair):
-        missing = ({"A", "B"} - set(pair)).pop()
-        raise AdapterError(f"{path}: lora_{missing} is missing")
-    a, b = pair["A"], pair["B"]
-    r = int(_pattern_value(rank_pattern, path, default_r))
-    if a.shape[0] != r or b.shape[1] != r:
-        raise AdapterError(
-            f"{path}: A {list(a.shape)} / B {list(b.shape)} do not match rank {r} (A [r, in], B [out, r])"
-        )
-    if max_rank is not None and r > max_rank:
-        raise AdapterRankError(f"{path}: rank {r} is above the largest slot rank {max_rank}")
-    alpha = float(_pattern_value(alpha_pattern, path, default_alpha))
-    scaling = alpha / math.sqrt(r) if rslora else alpha / r
-    return a.T.copy(), (b.T * np.float32(scaling)).astype(np.float32)
-
-
-def check_vocab_shapes_of(
-    vocab: dict[str, tuple[np.ndarray, np.ndarray]], module_shapes: dict[str, tuple[int, int]]
-) -> None:
-    """Raise AdapterMismatchError when an embed_tokens / lm_head LoRA does not fit ``module_shapes``
-    (``embed_tokens: (vocab, hidden)``, ``lm_head: (hidden, vocab)``); UnknownModuleError when the model
-    does not report that module."""
-    for module, (a, b) in vocab.items():
-        if module not in module_shapes:
-            raise UnknownModuleError(f"{module}: this base model does not report an adaptable {module}")
-        want_in, want_out = module_shapes[module]
-        if a.shape[0] != want_in or b.shape[1] != want_out:
-            raise AdapterMismatchError(
-                f"{module}: A [in={a.shape[0]}] / B [out={b.shape[1]}] expect in={want_in}, out={want_out}; "
-                "the adapter was built for another base model (vocabulary or hidden size)"
-            )
 
 
 def _stack(by_layer: dict[int, np.ndarray], layers: int) -> tuple[np.ndarray, np.ndarray]:
