@@ -388,3 +388,24 @@ def test_tensor_parallel_embed_and_lm_head_lora_matches_one_device(model_dirs, t
     assert got["abstract_matches"] == {"params": True, "cache": True, "pools": True}
     assert got["shardings"]["pools"]["A_embed"] == "(None, 'model', None)"
     assert got["shardings"]["pools"]["B_lm_head"] == "(None, None, 'model')"
+
+
+def test_rows_without_embed_or_lm_head_lora_are_bit_exact(model_dirs, embed_dirs) -> None:
+    """Base rows and rows of slots without these targets give the same bits whether or not other slots hold
+    embed_tokens / lm_head LoRA (the same batch, the same programs; only the vocab pools' contents differ)."""
+    ck = load_checkpoint(str(model_dirs["llama"]))
+    backend = get_backend("cpu")
+    dirs = embed_dirs("llama")
+    pools = _pools(ck, [dirs[n] for n in NAMES], backend)
+    seq = PROMPT + list(range(10, 10 + STEPS))
+    plan = backend.plan(ROW_SLOTS, len(NAMES))
+    with_vocab = _serve_mixed(ck, backend, pools, ROW_SLOTS, plan, seq, "float32")
+    for name in ("A_embed", "B_embed", "A_lm_head", "B_lm_head"):
+        pools.pools[0][name] = jnp.zeros_like(pools.pools[0][name])
+    without = _serve_mixed(ck, backend, pools, ROW_SLOTS, plan, seq, "float32")
+    for row, slot in enumerate(ROW_SLOTS):
+        name = NAMES[slot] if slot >= 0 else "base"
+        if slot < 0 or not {"embed_tokens", "lm_head"} & set(EMBED_ADAPTERS[name].get("targets", ())):
+            np.testing.assert_array_equal(with_vocab[row], without[row], err_msg=f"row {row} ({name})")
+        else:
+            assert np.abs(with_vocab[row] - without[row]).max() > 0.1, name
