@@ -10,7 +10,8 @@ q/k/v and gate/up fused); LoRA slot pools come from ``worker.slots`` (per layer 
 ranks of the group's modules side by side and one ``B_<module>`` per module, scaling folded into B; the
 layout and the ops belong to a LoRA backend object, ``kernels.backends``, which the model calls
 without knowing which one it is; plus per group the DoRA-scale and LoRA-bias vectors of ``worker.dora``,
-applied to each adapter row's output after the backend's LoRA, the same for every backend); the KV cache
+applied to each adapter row's output after the backend's LoRA, the same for every backend; and in layer 0
+the embed_tokens / lm_head pools of ``worker.embed_lora``, added to each row's embedding and logits); the KV cache
 is paged (DESIGN.md §10.3): one ``(k_pages, v_pages)`` pair per layer, each ``[kv_heads, pages,
 page_size, head_dim]`` (see ``init_cache``), updated in place (donated). A sequence's positions live in the pages its page table lists (``worker.kv_cache`` hands them
 out); attention gathers a row's pages and masks by position, so the shapes never depend on which pages.

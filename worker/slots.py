@@ -1,7 +1,8 @@
 """Adapter slots on the device: preallocated pools and the host arrays written into one slot.
 
 The pools (per layer one ``A_<group>`` and one ``B_<module>`` per module, in the layout of the LoRA
-backend object, ``kernels.backends``, plus the DoRA-scale and LoRA-bias vectors of ``worker.dora``) are
+backend object, ``kernels.backends``, plus the DoRA-scale and LoRA-bias vectors of ``worker.dora``, and in
+layer 0 the embed_tokens / lm_head pools of ``worker.embed_lora``, canonical for every backend) are
 allocated once; a swap writes one slot through a jitted ``.at[slot].set`` on donated buffers, so shapes
 never change and nothing compiles. The bookkeeping (which adapter is where, LRU, pins, host tier) is
 ``worker.slot_table`` (no JAX); ``SlotPools`` owns the device arrays and is touched only by the JAX runner
