@@ -7,7 +7,9 @@ tensors that are not floats of the right rank, ranks of 0 or above the limit, mo
 shapes that do not fit the base model, DoRA modules without (or with a wrongly sized) magnitude vector,
 LoRA biases of the wrong size, and DoRA with ``lora_bias`` (PEFT refuses that pair too). The result keeps
 per-module ``A [L, in, r]`` and ``B [L, r, out]`` with the LoRA scaling already folded into B, ready to be
-zero-padded into a slot, plus DoRA's magnitudes ``m [L, out]`` and ``lora_B``'s biases (scaled) ``[L, out]``.
+zero-padded into a slot, plus DoRA's magnitudes ``m [L, out]`` and ``lora_B``'s biases (scaled) ``[L, out]``,
+and the embed_tokens / lm_head LoRA (``adapters.peft_vocab``: shapes checked against the model's vocabulary
+and hidden size; neither DoRA nor ``lora_bias`` on them).
 """
 
 from __future__ import annotations
@@ -24,6 +26,14 @@ import numpy as np
 
 from loraserve.adapters.errors import AdapterError, AdapterMismatchError, AdapterRankError, UnknownModuleError
 from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE
+from loraserve.adapters.peft_vocab import (
+    VOCAB_KEY,
+    VOCAB_MODULES,
+    check_vocab_shapes_of,
+    vocab_pair,
+    vocab_path,
+    vocab_tensor,
+)
 
 # The modules a LoRA slot can adapt, in the order pools and reports list them.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -57,6 +67,10 @@ class LoraWeights:
     base_model: str = ""
     magnitudes: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     biases: dict[str, np.ndarray] = field(default_factory=dict)
+    # embed_tokens / lm_head LoRA (``VOCAB_MODULES``): module -> ``(A [in, r], B [r, out])`` float32, scaling
+    # folded into B: ``embed_tokens`` ``A [vocab, r]`` (rows gathered per token), ``B [r, hidden]``;
+    # ``lm_head`` ``A [hidden, r]``, ``B [r, vocab]``
+    vocab: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     @property
     def use_dora(self) -> bool:
@@ -98,10 +112,25 @@ def parse_config(data: bytes) -> dict[str, Any]:
                 raise AdapterError(f"{key}[{name!r}] must be positive, got {value!r}")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(LORA_MODULES))
+        unknown = sorted(set(targets) - set(LORA_MODULES) - set(VOCAB_MODULES))
         if unknown:
             raise UnknownModuleError(
-                f"target_modules {unknown} are not adaptable modules of this model ({', '.join(LORA_MODULES)})"
+                f"target_modules {unknown} are not adaptable modules of this model "
+                f"({', '.join(LORA_MODULES + VOCAB_MODULES)})"
+            )
+        vocab = sorted(set(targets) & set(VOCAB_MODULES))
+        if vocab and cfg.get("use_dora"):
+            raise AdapterError(
+                f"use_dora with target_modules {vocab}: DoRA on embed_tokens/lm_head is not supported"
+            )
+        if vocab and cfg.get("lora_bias"):
+            raise AdapterError(
+                f"lora_bias with target_modules {vocab}: a LoRA bias on embed_tokens/lm_head is not supported"
+            )
+        if vocab and cfg.get("ensure_weight_tying"):
+            raise AdapterError(
+                f"ensure_weight_tying with target_modules {vocab} is not supported (the worker adapts the input "
+                "embedding and the output projection separately, PEFT's default)"
             )
     return cfg
 
@@ -180,7 +209,12 @@ def parse_adapter(
         raise AdapterError(f"{WEIGHTS_FILE} holds no tensors")
     dora, lora_bias = bool(cfg.get("use_dora")), bool(cfg.get("lora_bias"))
     found: dict[tuple[str, int], dict[str, np.ndarray]] = {}
+    vocab_found: dict[str, dict[str, np.ndarray]] = {}
     for key, value in tensors.items():
+        vmatch = VOCAB_KEY.search(key)
+        if vmatch is not None:
+            vocab_tensor(key, value, vmatch, vocab_found, module_shapes)
+            continue
         match = _KEY.search(key)
         if match is None:
             raise AdapterError(f"tensor {key} is not a LoRA A/B matrix of a decoder layer projection")
@@ -249,7 +283,24 @@ def parse_adapter(
         if "bias" in pair:
             vectors["bias"].setdefault(module, {})[layer] = pair["bias"] * np.float32(scaling)
         max_seen = max(max_seen, r)
-    layers = num_layers if num_layers is not None else 1 + max(layer for _, layer in found)
+    vocab = {
+        module: vocab_pair(
+            module,
+            pair,
+            int(_pattern_value(rank_pattern, vocab_path(module), default_r)),
+            float(_pattern_value(alpha_pattern, vocab_path(module), default_alpha)),
+            rslora,
+            max_rank,
+        )
+        for module, pair in sorted(vocab_found.items())
+        if set(pair) != {"base"}
+    }
+    if module_shapes is not None and vocab:
+        check_vocab_shapes_of(vocab, module_shapes)
+    max_seen = max([max_seen, *(a.shape[1] for a, _ in vocab.values())])
+    if not found and not vocab:
+        raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA matrices")
+    layers = num_layers if num_layers is not None else 1 + max((layer for _, layer in found), default=-1)
     modules: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for module, by_layer in per_module.items():
         r = max(a.shape[1] for a, _ in by_layer.values())
@@ -267,7 +318,7 @@ def parse_adapter(
         rank=max_seen,
         alpha=default_alpha,
         use_rslora=rslora,
-        target_modules=tuple(m for m in LORA_MODULES if m in modules),
+        target_modules=tuple(m for m in LORA_MODULES if m in modules) + tuple(vocab),
         modules=modules,
         sha256=hashlib.sha256(weights_bytes).hexdigest(),
         size_bytes=len(weights_bytes),
@@ -275,6 +326,7 @@ def parse_adapter(
         base_model=str(cfg.get("base_model_name_or_path") or ""),
         magnitudes=stacked["m"],
         biases={m: v for m, (v, _) in stacked["bias"].items()},
+        vocab=vocab,
     )
 
 

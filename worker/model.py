@@ -10,7 +10,8 @@ q/k/v and gate/up fused); LoRA slot pools come from ``worker.slots`` (per layer 
 ranks of the group's modules side by side and one ``B_<module>`` per module, scaling folded into B; the
 layout and the ops belong to a LoRA backend object, ``kernels.backends``, which the model calls
 without knowing which one it is; plus per group the DoRA-scale and LoRA-bias vectors of ``worker.dora``,
-applied to each adapter row's output after the backend's LoRA, the same for every backend); the KV cache
+applied to each adapter row's output after the backend's LoRA, the same for every backend; and in layer 0
+the embed_tokens / lm_head pools of ``worker.embed_lora``, added to each row's embedding and logits); the KV cache
 is paged (DESIGN.md §10.3): one ``(k_pages, v_pages)`` pair per layer, each ``[kv_heads, pages,
 page_size, head_dim]`` (see ``init_cache``), updated in place (donated). A sequence's positions live in the pages its page table lists (``worker.kv_cache`` hands them
 out); attention gathers a row's pages and masks by position, so the shapes never depend on which pages.
@@ -34,6 +35,7 @@ from loraserve.kernels.attention import DecodeAttention
 from loraserve.kernels.backends import COLUMN, ROW, LoraBackend, Plan
 from loraserve.kernels.linear import linear
 from loraserve.worker.dora import apply_vectors, init_vector_pools
+from loraserve.worker.embed_lora import apply_embed, apply_lm_head, init_vocab_pools
 from loraserve.worker.model_config import ModelConfig
 
 Array = jax.Array
@@ -79,9 +81,15 @@ def _softcap(x: Array, cap: float | None) -> Array:
     return x if cap is None else jnp.tanh(x / cap) * cap
 
 
-def _embed(cfg: ModelConfig, params: Params, tokens: Array) -> Array:
-    """tokens [...] -> [..., H]; Gemma scales by sqrt(hidden), rounded to the embedding dtype as HF does."""
+def _embed(
+    cfg: ModelConfig, params: Params, tokens: Array, lora: Lora | None = None, slots: Array | None = None
+) -> Array:
+    """tokens [T] -> [T, H]; with ``lora`` and ``slots`` ([G], T = G groups of consecutive tokens) each
+    row's embed_tokens LoRA is added (``worker.embed_lora``); then Gemma scales by sqrt(hidden), rounded to
+    the embedding dtype as HF does."""
     h = params["embed"][tokens]
+    if lora is not None and slots is not None and "A_embed" in lora[0]:
+        h = apply_embed(h, tokens, lora[0], slots)
     return h if cfg.embed_scale is None else h * jnp.asarray(cfg.embed_scale, h.dtype)
 
 
@@ -173,11 +181,16 @@ def _scores(cfg: ModelConfig, scores: Array) -> Array:
     return _softcap(scores * cfg.attn_scale, cfg.attn_logit_softcap)
 
 
-def logits_from_hidden(cfg: ModelConfig, params: Params, h: Array) -> Array:
-    """h [..., H] -> logits [..., V] in f32. Semantics: final norm, lm_head (or tied embeddings), then
-    the final soft-cap where the config has one (Gemma 2)."""
+def logits_from_hidden(
+    cfg: ModelConfig, params: Params, h: Array, lora: Lora | None = None, slots: Array | None = None
+) -> Array:
+    """h [G, H] -> logits [G, V] in f32. Semantics: final norm, lm_head (or tied embeddings), plus each
+    row's lm_head LoRA (``slots`` [G], ``worker.embed_lora``) where given, then the final soft-cap where the
+    config has one (Gemma 2)."""
     x = _norm(cfg, h, params["final_norm"])
     logits = linear(x, params["lm_head"] if "lm_head" in params else params["embed"])
+    if lora is not None and slots is not None and "A_lm_head" in lora[0]:
+        logits = apply_lm_head(logits, x, lora[0], slots)
     return _softcap(logits, cfg.final_logit_softcap)
 
 
@@ -285,7 +298,7 @@ def prefill_packed(
         return apply_vectors(y, ll, group, slots, bias)
 
     flat_pos = positions.reshape(g * t)
-    h = _embed(cfg, params, tokens.reshape(g * t))
+    h = _embed(cfg, params, tokens.reshape(g * t), lora, slots)
     new_cache: Cache = []
     for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [G*L, heads, D]
@@ -301,7 +314,7 @@ def prefill_packed(
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
         new_cache.append((k_pages, v_pages))
     last = jnp.take_along_axis(h.reshape(g, t, -1), jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    return logits_from_hidden(cfg, params, last), new_cache
+    return logits_from_hidden(cfg, params, last, lora, slots), new_cache
 
 
 def prefill(
@@ -377,7 +390,7 @@ def decode(
         y = backend.apply_decode(y, x, *_group_pools(ll, group), plan, parallel)
         return apply_vectors(y, ll, group, rows, bias)
 
-    h = _embed(cfg, params, tokens)
+    h = _embed(cfg, params, tokens, lora, rows)
     new_cache: Cache = []
     for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [B, heads, D]
@@ -394,7 +407,7 @@ def decode(
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
         new_cache.append((k_pages, v_pages))
-    return logits_from_hidden(cfg, params, h), new_cache
+    return logits_from_hidden(cfg, params, h, lora, rows), new_cache
 
 
 def lora_slot_shapes(cfg: ModelConfig, max_rank: int) -> dict[str, tuple[int, int]]:
@@ -413,9 +426,12 @@ def lora_slot_shapes(cfg: ModelConfig, max_rank: int) -> dict[str, tuple[int, in
 
 def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, backend: LoraBackend) -> Lora:
     """Zeroed slot pools, in ``backend``'s layout, for ``max_loras`` adapters of rank up to ``max_rank``
-    on all seven modules, plus the DoRA-scale (ones) and LoRA-bias (zeros) vector pools of ``worker.dora``."""
+    on all seven modules, plus the DoRA-scale (ones) and LoRA-bias (zeros) vector pools of ``worker.dora``,
+    and in layer 0 only the embed_tokens / lm_head pools of ``worker.embed_lora``."""
     pools = backend.init_pools(lora_slot_shapes(cfg, max_rank), cfg.num_layers, max_loras, dtype)
-    return [{**layer, **init_vector_pools(lora_vector_sizes(cfg), max_loras)} for layer in pools]
+    out = [{**layer, **init_vector_pools(lora_vector_sizes(cfg), max_loras)} for layer in pools]
+    out[0].update(init_vocab_pools(cfg, max_loras, max_rank, dtype))
+    return out
 
 
 def lora_vector_sizes(cfg: ModelConfig) -> dict[str, int]:

@@ -162,6 +162,12 @@ class ModelConfig:
             "down_proj": (i, h),
         }
 
+    def adapter_shapes(self) -> dict[str, tuple[int, int]]:
+        """``module_shapes`` plus the vocabulary-sized LoRA targets: ``embed_tokens (vocab, hidden)`` and
+        ``lm_head (hidden, vocab)`` (``adapters.peft.VOCAB_MODULES``): what an adapter is validated against."""
+        v, h = self.vocab_size, self.hidden_size
+        return {**self.module_shapes(), "embed_tokens": (v, h), "lm_head": (h, v)}
+
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies (float64): ``[head_dim // 2]``, or ``[2, head_dim // 2]`` (global, local)
         when sliding layers have a RoPE table of their own (Gemma 3).

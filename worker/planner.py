@@ -151,7 +151,10 @@ def kv_bytes(cfg: ModelConfig, tp: int, batch: int, context: int, dtype: str, pa
 
 def pool_bytes(cfg: ModelConfig, tp: int, max_loras: int, rank: int, dtype: str) -> int:
     """Slot pools sharded like their layer: column-parallel A whole + B split; row-parallel A split + B whole;
-    plus the f32 DoRA-scale and LoRA-bias vectors (``worker.dora``), split like their layer's output."""
+    plus the f32 DoRA-scale and LoRA-bias vectors (``worker.dora``), split like their layer's output; plus
+    once per model the embed_tokens / lm_head pools (``worker.embed_lora``): ``A_embed [V, R]`` and
+    ``B_lm_head [R, V]`` split by vocab like the embedding (whole when N does not divide V), ``B_embed
+    [R, H]`` and ``A_lm_head [H, R]`` whole."""
     full = cfg.module_shapes()
     per_layer, vectors = 0, 0
     for module, (fan_in, fan_out) in _module_shapes_per_device(cfg, tp).items():
@@ -161,7 +164,9 @@ def pool_bytes(cfg: ModelConfig, tp: int, max_loras: int, rank: int, dtype: str)
         else:
             per_layer += rank * (full[module][0] + fan_out)
             vectors += 2 * fan_out
-    return max_loras * cfg.num_layers * (DTYPE_BYTES[dtype] * per_layer + DTYPE_BYTES["float32"] * vectors)
+    vocab = rank * (2 * vocab_rows_per_device(cfg, tp) + 2 * cfg.hidden_size)
+    layers = cfg.num_layers * (DTYPE_BYTES[dtype] * per_layer + DTYPE_BYTES["float32"] * vectors)
+    return max_loras * (layers + DTYPE_BYTES[dtype] * vocab)
 
 
 def activation_bytes(cfg: ModelConfig, tp: int, batch: int, prefill_tokens: int, dtype: str) -> int:

@@ -54,7 +54,7 @@ class Registration:
             model_aliases=list(self.model_aliases),
             module_shapes=[
                 placement_pb2.ModuleShape(module=m, in_features=i, out_features=o, num_layers=cfg.num_layers)
-                for m, (i, o) in cfg.module_shapes().items()
+                for m, (i, o) in cfg.adapter_shapes().items()
             ],
         )
 

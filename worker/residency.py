@@ -239,7 +239,7 @@ class Residency:
                 weights = parse_adapter(
                     fetched.config_bytes,
                     fetched.weights_bytes,
-                    module_shapes=cfg.module_shapes(),
+                    module_shapes=cfg.adapter_shapes(),
                     num_layers=cfg.num_layers,
                     max_rank=self.config.max_lora_rank,
                 )

@@ -167,14 +167,14 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
         e, cfg, snap = self.engine.config, self.engine.model_config, self.engine.snapshot()
         import jax
 
-        from loraserve.adapters.peft import LORA_MODULES
+        from loraserve.adapters.peft import LORA_MODULES, VOCAB_MODULES
 
         return worker_admin_pb2.WorkerInfo(
             model_id=self.model_id,
             dtype=e.dtype,
             max_loras=e.max_loras,
             max_lora_rank=e.max_lora_rank,
-            target_modules=list(LORA_MODULES),
+            target_modules=list(LORA_MODULES + VOCAB_MODULES),
             max_batch_size=e.max_batch_size,
             max_seq_len=e.max_seq_len,
             max_cpu_loras=e.max_cpu_loras,

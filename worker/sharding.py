@@ -30,6 +30,7 @@ from loraserve.common.errors import FailedPrecondition, InvalidArgument
 from loraserve.kernels.backends import COLUMN, ROW, LoraBackend
 from loraserve.kernels.sharded import AXIS, ShardedBackend
 from loraserve.worker.dora import VECTOR_DTYPE, bias_name, scale_name
+from loraserve.worker.embed_lora import VOCAB_POOLS, vocab_slot_shapes
 from loraserve.worker.model import LORA_GROUPS, b_name, kv_page_bytes, lora_slot_shapes, lora_vector_sizes
 from loraserve.worker.model_config import ModelConfig
 
@@ -162,6 +163,13 @@ def pool_specs(cfg: ModelConfig, backend: ShardedBackend) -> dict[str, P]:
         # for o/down (applied to the all-reduced output)
         vec = P(None, AXIS) if GROUP_PARALLEL[group] == COLUMN else P()
         out.update({scale_name(group): vec, bias_name(group): vec})
+    # worker.embed_lora's vocabulary-sized pools (layer 0 only): A_embed [S, V, R] split by vocab like the
+    # embedding, B_lm_head [S, R, V] like lm_head (when N divides the vocabulary, else replicated, as the
+    # weights are); B_embed and A_lm_head whole
+    split = cfg.vocab_size % backend.shards == 0
+    out.update({name: P() for name in VOCAB_POOLS})
+    if split:
+        out.update(A_embed=P(None, AXIS, None), B_lm_head=P(None, None, AXIS))
     return out
 
 
@@ -284,6 +292,12 @@ def abstract_state(
         }
         for _ in range(cfg.num_layers)
     ]
+    pools[0].update(
+        {
+            k: sds((config.max_loras, *s), pool_dtype, pspecs[k])
+            for k, s in vocab_slot_shapes(tcfg, config.max_lora_rank).items()
+        }
+    )
     cache_out = [(NamedSharding(mesh, CACHE_SPEC),) * 2 for _ in range(cfg.num_layers)]
     return {
         "params": aparams, "cache": cache, "pools": pools, "model_config": tcfg, "backend": sharded,

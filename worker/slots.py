@@ -1,7 +1,8 @@
 """Adapter slots on the device: preallocated pools and the host arrays written into one slot.
 
 The pools (per layer one ``A_<group>`` and one ``B_<module>`` per module, in the layout of the LoRA
-backend object, ``kernels.backends``, plus the DoRA-scale and LoRA-bias vectors of ``worker.dora``) are
+backend object, ``kernels.backends``, plus the DoRA-scale and LoRA-bias vectors of ``worker.dora``, and in
+layer 0 the embed_tokens / lm_head pools of ``worker.embed_lora``, canonical for every backend) are
 allocated once; a swap writes one slot through a jitted ``.at[slot].set`` on donated buffers, so shapes
 never change and nothing compiles. The bookkeeping (which adapter is where, LRU, pins, host tier) is
 ``worker.slot_table`` (no JAX); ``SlotPools`` owns the device arrays and is touched only by the JAX runner
@@ -20,6 +21,7 @@ import numpy as np
 from loraserve.adapters.peft import LoraWeights
 from loraserve.kernels.backends import LoraBackend
 from loraserve.worker.dora import bias_name, dora_scale, is_vector_pool, magnitude_name, mask_name, scale_name
+from loraserve.worker.embed_lora import is_vocab_pool, vocab_slot_shapes, vocab_slot_values
 from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, lora_slot_shapes, lora_vector_sizes
 from loraserve.worker.model_config import ModelConfig
 
@@ -65,6 +67,7 @@ def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotVa
             values[mask_name(group)] = np.concatenate(vectors["mask"])
             values[bias_name(group)] = np.concatenate(vectors["bias"])
         out.append(values)
+    out[0].update(vocab_slot_values(cfg, weights, max_rank))  # embed_tokens / lm_head: layer 0 holds them
     return out
 
 
@@ -99,7 +102,8 @@ _dora_scales_jit = jax.jit(_dora_scales, static_argnums=2)
 def _write_slot(pools: Lora, slot: jax.Array, values: Lora, backend: LoraBackend) -> Lora:
     def put(name: str, pool: jax.Array, value: jax.Array) -> jax.Array:
         value = value.astype(pool.dtype)  # the worker.dora vectors have one layout for every backend
-        return pool.at[slot].set(value if is_vector_pool(name) else backend.to_pool_layout(value))
+        canonical = is_vector_pool(name) or is_vocab_pool(name)
+        return pool.at[slot].set(value if canonical else backend.to_pool_layout(value))
 
     return [
         {k: put(k, v, vals[k]) for k, v in layer.items()} for layer, vals in zip(pools, values, strict=True)
@@ -140,7 +144,7 @@ class SlotPools:
         self.pools: Lora = empty_lora(cfg, max_loras, max_rank, dtype, backend)
         self._write = _write_slot_jit
         if shardings is not None:
-            layered = [dict(shardings) for _ in range(cfg.num_layers)]
+            layered = [{k: shardings[k] for k in layer} for layer in self.pools]
             self.pools = jax.device_put(self.pools, layered)
             self._write = jax.jit(_write_slot, donate_argnums=0, static_argnums=3, out_shardings=layered)
         zeros = {k: np.zeros(s, np.float32) for k, s in lora_slot_shapes(cfg, max_rank).items()}
@@ -149,6 +153,10 @@ class SlotPools:
                 {f(group): np.zeros(size, np.float32) for f in (magnitude_name, mask_name, bias_name)}
             )
         self._zeros: SlotValues = [zeros] * cfg.num_layers
+        self._zeros[0] = {
+            **zeros,
+            **{k: np.zeros(s, np.float32) for k, s in vocab_slot_shapes(cfg, max_rank).items()},
+        }
 
     def with_scales(self, values: SlotValues) -> SlotValues:
         """``slot_arrays`` values -> the same with each group's magnitudes and DoRA mask replaced by its
@@ -186,7 +194,11 @@ class SlotPools:
         """One slot back: matrices in the canonical layout, vectors as stored (host arrays)."""
         return [
             {
-                k: np.asarray(pool[slot] if is_vector_pool(k) else self.backend.from_pool_layout(pool[slot]))
+                k: np.asarray(
+                    pool[slot]
+                    if is_vector_pool(k) or is_vocab_pool(k)
+                    else self.backend.from_pool_layout(pool[slot])
+                )
                 for k, pool in layer.items()
             }
             for layer in self.pools

@@ -86,4 +86,5 @@ def tiny_shapes(llama_dir) -> dict[str, tuple[int, int, int]]:
     from loraserve.worker.model_config import ModelConfig
 
     cfg = ModelConfig.from_hf(read_config(str(llama_dir)))
-    return {m: (i, o, cfg.num_layers) for m, (i, o) in cfg.module_shapes().items()}
+    # what a worker registers: the projections and the vocabulary-sized targets (embed_tokens, lm_head)
+    return {m: (i, o, cfg.num_layers) for m, (i, o) in cfg.adapter_shapes().items()}

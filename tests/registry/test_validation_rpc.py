@@ -62,7 +62,9 @@ def _break(kind, folder):
     elif kind == "bias":
         _edit_config(folder, bias="all")
     elif kind == "unknown-target":
-        _edit_config(folder, target_modules=["q_proj", "lm_head"])
+        _edit_config(
+            folder, target_modules=["q_proj", "score"]
+        )  # embed_tokens / lm_head are targets since #16
     elif kind == "zero-rank":
         _edit_config(folder, r=0)
     elif kind == "shape-mismatch":
@@ -125,7 +127,7 @@ CASES = [
     ("bias-without-lora-bias", "INVALID_ARGUMENT", "lora_bias is not set"),
     ("modules-to-save", "INVALID_ARGUMENT", "modules_to_save"),
     ("bias", "INVALID_ARGUMENT", "bias"),
-    ("unknown-target", "INVALID_ARGUMENT", "lm_head"),
+    ("unknown-target", "INVALID_ARGUMENT", "score"),
     ("zero-rank", "INVALID_ARGUMENT", "r must be a positive integer"),
     ("shape-mismatch", "INVALID_ARGUMENT", "do not match rank"),
     ("nan-weights", "INVALID_ARGUMENT", "NaN"),
@@ -207,3 +209,43 @@ def test_dora_and_lora_bias_adapters_are_accepted(reg, llama_dir, tmp_path, kind
     make_adapter(AutoModelForCausalLM.from_pretrained(str(llama_dir)), tmp_path / "a", r=4, **kind)
     assert reg.client.push(tmp_path / "a", "variant", TINY_MODEL).version == 1
     assert len(reg.adapter_rows()) == 1
+
+
+def _register_tiny(reg, tiny_shapes) -> None:
+    shapes = [
+        placement_pb2.ModuleShape(module=m, in_features=i, out_features=o, num_layers=n)
+        for m, (i, o, n) in tiny_shapes.items()
+    ]
+    reg.client.placement.RegisterWorker(
+        placement_pb2.RegisterWorkerRequest(
+            address="127.0.0.1:9", model_id=TINY_MODEL, module_shapes=shapes, slots=1
+        )
+    )
+
+
+def test_embed_tokens_and_lm_head_adapters_are_accepted_and_checked(
+    reg, llama_dir, tiny_shapes, tmp_path
+) -> None:
+    """embed_tokens / lm_head LoRA targets are served since #16 item 3: stored when they fit the base model's
+    vocabulary and hidden size (which workers register), refused (nothing stored) when they do not."""
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.testing import make_adapter
+
+    _register_tiny(reg, tiny_shapes)
+    targets = ("q_proj", "embed_tokens", "lm_head")
+    make_adapter(AutoModelForCausalLM.from_pretrained(str(llama_dir)), tmp_path / "a", r=4, targets=targets)
+    bad = _copy(tmp_path / "a", tmp_path / "bad")
+
+    def grow_vocab(t):
+        k = _first(t, "lora_embedding_A")
+        t[k] = np.zeros((t[k].shape[0], t[k].shape[1] + 8), np.float32)
+
+    _edit_tensors(bad, grow_vocab)
+    with pytest.raises(LoraserveError) as exc:
+        reg.client.push(bad, "wrong-vocab", TINY_MODEL)
+    assert exc.value.code_name == "FAILED_PRECONDITION" and "vocabulary" in exc.value.message
+    assert reg.adapter_rows() == [] and reg.blobs() == []
+    assert reg.client.push(tmp_path / "a", "embed-head", TINY_MODEL).version == 1
+    rows = reg.adapter_rows()
+    assert len(rows) == 1

@@ -55,8 +55,13 @@ def test_lora_pools_shard_like_their_layer(llama8b) -> None:
         kv = max(8 // tp, 1) * 128
         return 2 * (4096 // tp + 2 * kv + 2 * 14336 // tp + 2 * 4096)
 
+    # once per model, the embed_tokens / lm_head pools: A_embed [V, R] and B_lm_head [R, V] split by vocab
+    # (128256 divides by 8), B_embed [R, H] and A_lm_head [H, R] whole
+    def vocab(tp: int) -> int:
+        return r * (2 * 128256 // tp + 2 * 4096)
+
     for tp in (1, 2, 4, 8):
-        want = s * layers * (2 * per_layer(tp) + 4 * vectors(tp))
+        want = s * (layers * (2 * per_layer(tp) + 4 * vectors(tp)) + 2 * vocab(tp))
         assert planner.pool_bytes(llama8b, tp, s, r, "bfloat16") == want
 
 

@@ -77,6 +77,11 @@ def expected_pool_specs(backend: str) -> dict[str, str]:
         # worker.dora's [S, out] DoRA-scale and LoRA-bias vectors: split like the layer's output
         **{f"{v}_{g}": "(None, 'model')" for v in ("dora_scale", "lora_bias") for g in ("qkv", "gate_up")},
         **{f"{v}_{g}": "()" for v in ("dora_scale", "lora_bias") for g in ("o", "down")},
+        # worker.embed_lora's pools (layer 0): A_embed by vocab like the embedding, B_lm_head like lm_head
+        "A_embed": "(None, 'model', None)",
+        "B_lm_head": "(None, None, 'model')",
+        "B_embed": "()",
+        "A_lm_head": "()",
     }
 
 
@@ -135,23 +140,29 @@ def test_sizes_serve_the_same_tokens(tp_model, backend: str, sizes: tuple[int, .
         assert shapes["A_o"] == sorted([16, 64 // n])
         assert shapes["A_down"] == sorted([16, 128 // n])
         assert shapes["A_qkv"] == sorted([64, 48])
+        assert shapes["A_embed"] == shapes["B_lm_head"] == sorted([384 // n, 16])  # vocab 384 split
+        assert shapes["B_embed"] == shapes["A_lm_head"] == sorted([16, 64])
 
 
 @pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
 def test_lora_collectives_are_rank_sized(tp_model, backend: str) -> None:
     """DESIGN.md §7: at N = 4 the collectives LoRA adds to the compiled decode step move at most
-    2 · layers · batch · rank elements (one [batch, rank] reduction per row-parallel module)."""
+    (2 · layers + 1) · batch · rank elements (one [batch, rank] reduction per row-parallel module, and one
+    for the embed_tokens LoRA's gather from the vocab-split ``A_embed``; lm_head's ``B_lm_head`` is split
+    like the logits and adds none)."""
     model, _ = tp_model
     out = run_child("--model", str(model), "--adapters", "-", "--backend", backend, "--sizes", "4", "--hlo")[
         "4"
     ]
-    bound = 2 * out["layers"] * out["batch"] * out["rank"]
+    bound = (2 * out["layers"] + 1) * out["batch"] * out["rank"]
     base = out["base"]
     assert base["all-reduce"] > 0  # the base model's own reductions are there and counted
     assert out["lora"], "no plan variant with adapter rows"
     for variant in out["lora"]:
         added = {k: variant[k] - base[k] for k in base}
-        assert added["all-reduce"] == bound, added  # exactly the two psums of [batch, rank] per layer
+        assert added["all-reduce"] == bound, (
+            added
+        )  # exactly two [batch, rank] psums per layer + the embedding's
         assert sum(added.values()) <= bound, added  # nothing hidden-sized anywhere else
 
 

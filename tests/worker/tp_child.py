@@ -61,7 +61,7 @@ def serve(
     weights = [
         parse_adapter(
             *read_adapter_files(path),
-            module_shapes=cfg.module_shapes(),
+            module_shapes=cfg.adapter_shapes(),
             num_layers=cfg.num_layers,
             max_rank=RANK,
         )
