@@ -153,22 +153,27 @@ def adapter_dirs(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     return out
 
 
-@pytest.fixture(scope="session")
-def family_adapter_dirs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
-    """``family -> {adapter name -> folder}``: the ADAPTERS made on that family's base, built on first use."""
+def _adapters_per_family(model_dirs, tmp_path_factory, prefix: str, specs: dict[str, dict]):
+    """``get(family) -> {name -> folder}``: ``specs`` made with peft on that family's base, on first use."""
     from transformers import AutoModelForCausalLM
 
     made: dict[str, dict[str, Path]] = {}
 
     def get(family: str) -> dict[str, Path]:
         if family not in made:
-            root = tmp_path_factory.mktemp(f"adapters-{family}")
-            for name, kw in ADAPTERS.items():
+            root = tmp_path_factory.mktemp(f"{prefix}-{family}")
+            for name, kw in specs.items():
                 make_adapter(AutoModelForCausalLM.from_pretrained(str(model_dirs[family])), root / name, **kw)
-            made[family] = {name: root / name for name in ADAPTERS}
+            made[family] = {name: root / name for name in specs}
         return made[family]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def family_adapter_dirs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """``family -> {adapter name -> folder}``: the ADAPTERS made on that family's base, built on first use."""
+    return _adapters_per_family(model_dirs, tmp_path_factory, "adapters", ADAPTERS)
 
 
 # name -> make_adapter kwargs of the DoRA / lora_bias tests (tests/worker/test_dora*.py); the plain one is
@@ -193,16 +198,4 @@ DORA_ADAPTERS = {
 @pytest.fixture(scope="session")
 def dora_dirs(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
     """``family -> {name -> folder}`` of DORA_ADAPTERS made on that family's base, built on first use."""
-    from transformers import AutoModelForCausalLM
-
-    made: dict[str, dict[str, Path]] = {}
-
-    def get(family: str) -> dict[str, Path]:
-        if family not in made:
-            root = tmp_path_factory.mktemp(f"dora-{family}")
-            for name, kw in DORA_ADAPTERS.items():
-                make_adapter(AutoModelForCausalLM.from_pretrained(str(model_dirs[family])), root / name, **kw)
-            made[family] = {name: root / name for name in DORA_ADAPTERS}
-        return made[family]
-
-    return get
+    return _adapters_per_family(model_dirs, tmp_path_factory, "dora", DORA_ADAPTERS)
