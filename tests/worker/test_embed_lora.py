@@ -30,7 +30,7 @@ from loraserve.testing import make_adapter
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slots import SlotPools, base_weights, slot_arrays
-from tests.conftest import DORA_ADAPTERS
+from tests.conftest import DORA_ADAPTERS, _adapters_per_family
 from tests.worker.test_dora_worker import _edit, _first
 from tests.worker.test_lora_parity import PROMPT, STEPS, _reference_logits, _serve_mixed
 
@@ -51,19 +51,7 @@ ROW_SLOTS = np.array([0, 1, -1, 2, 3, 4, 0], np.int32)
 @pytest.fixture(scope="module")
 def embed_dirs(model_dirs, tmp_path_factory):
     """``family -> {name -> folder}`` of EMBED_ADAPTERS made on that family's base, built on first use."""
-    from transformers import AutoModelForCausalLM
-
-    made: dict = {}
-
-    def get(family: str) -> dict:
-        if family not in made:
-            root = tmp_path_factory.mktemp(f"embed-{family}")
-            for name, kw in EMBED_ADAPTERS.items():
-                make_adapter(AutoModelForCausalLM.from_pretrained(str(model_dirs[family])), root / name, **kw)
-            made[family] = {name: root / name for name in EMBED_ADAPTERS}
-        return made[family]
-
-    return get
+    return _adapters_per_family(model_dirs, tmp_path_factory, "embed", EMBED_ADAPTERS)
 
 
 def _weights(cfg, path):
