@@ -1,4 +1,7 @@
-"""``loraserve generate [--adapter NAME] "prompt"``: stream an answer to the terminal.
+"""``loraserve generate [--adapter NAME | --mix A=W,B=W] "prompt"``: stream an answer to the terminal.
+
+Every ``SamplingParams`` field has a flag (``--max-tokens``, ``--temperature``, ``--top-p``, ``--top-k``,
+``--seed``, ``--stop``, ``--stop-token-id``, ``--ignore-eos``, ``--logprobs``).
 
 With ``--logprobs N`` the answer is printed one token a line instead: ``id  token  logprob``, then the N most
 likely alternatives as ``token logprob`` pairs (tokens JSON-quoted, so spaces and newlines show).
@@ -20,6 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument(
         "--adapter", default="", help="adapter name, name@version or name@alias (default: the base model)"
+    )
+    parser.add_argument(
+        "--mix",
+        type=parse_mix_flag,
+        default=(),
+        metavar="A=W,B=W",
+        help="a weighted mix of adapters instead of --adapter, e.g. 'sql-helper=0.7,polite@prod=0.3' "
+        "(weights may be negative; the server allows a few adapters, see --max-mix of loraserve worker)",
     )
     parser.add_argument(
         "--routing-key",
@@ -56,6 +67,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object per chunk")
     add_connection_flags(parser)
+
+
+def parse_mix_flag(value: str) -> tuple[tuple[str, float], ...]:
+    """``"a=0.7,b@2=0.3"`` -> ``(("a", 0.7), ("b@2", 0.3))``; a usage error (exit 2) when malformed."""
+    parts = []
+    for item in value.split(","):
+        name, sep, weight = item.strip().rpartition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            parts.append((name.strip(), float(weight)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item.strip()!r} is not ADAPTER=WEIGHT") from None
+    return tuple(parts)
 
 
 def chunk_json(chunk) -> dict:
@@ -109,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
                 ignore_eos=args.ignore_eos,
                 logprobs=args.logprobs,
                 routing_key=args.routing_key,
+                mix=args.mix,
             ):
                 last = chunk
                 if args.json:

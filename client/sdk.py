@@ -9,13 +9,17 @@
         for chunk in c.generate("What is the capital of France?", adapter="geo-expert", max_tokens=32):
             print(chunk.text, end="", flush=True)
 
+``mix={"sql-helper": 0.7, "polite@prod": 0.3}`` (instead of ``adapter``) asks for a weighted mix of adapters,
+``Σ w_k · scaling_k · B_k A_k x`` per layer (PEFT's ``add_weighted_adapter(..., combination_type="cat")``);
+``chunk.adapter`` then names the resolved versions, ``"sql-helper@2*0.7+polite@5*0.3"``.
+
 ``logprobs=N`` (0-20) asks for every token's log-probability and its N most likely alternatives:
 ``chunk.logprobs`` then holds one ``TokenLogprobs`` per id of ``chunk.token_ids``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -52,7 +56,7 @@ class Chunk:
     finish_reason: str = ""  # "" until the last chunk
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    adapter: str = ""  # resolved "name@version"
+    adapter: str = ""  # resolved "name@version" (a mix: "a@1*0.7+b@2*0.3")
     request_id: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id when asked for
 
@@ -72,6 +76,7 @@ def build_request(
     request_id: str = "",
     logprobs: int | None = None,
     routing_key: str = "",
+    mix: Mapping[str, float] | Sequence[tuple[str, float]] = (),
 ) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(
         max_tokens=max_tokens,
@@ -89,6 +94,8 @@ def build_request(
     req = pb.GenerateRequest(
         adapter=adapter, sampling=sampling, request_id=request_id, routing_key=routing_key
     )
+    parts = mix.items() if isinstance(mix, Mapping) else mix
+    req.mix.extend(pb.MixPart(adapter=name, weight=weight) for name, weight in parts)
     if isinstance(prompt, str):
         req.text = prompt
     else:

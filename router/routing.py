@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
+from loraserve.adapters.mixes import MixPart, mix_ref
 from loraserve.adapters.refs import pick_version
 from loraserve.common.errors import Unavailable, error_from_rpc
 from loraserve.common.security import aio_channel
@@ -79,6 +81,27 @@ class Locator:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+def mix_route(parts: Sequence[tuple[float, Route]]) -> Route:
+    """One route for a weighted mix (``GenerateRequest.mix``) from its parts' routes: the workers holding
+    more of the mix first (a part in a device slot counts 2, in host memory or on disk 1), ties in the first
+    part's order; ``adapter`` is the mix ref of the resolved versions (``adapters.mixes``)."""
+    addresses: list[str] = []
+    score: dict[str, int] = {}
+    for _, route in parts:
+        addresses += [a for a in route.addresses if a not in addresses]
+        for a in route.holders:
+            score[a] = score.get(a, 0) + 2
+        for a in route.warm:
+            score[a] = score.get(a, 0) + 1
+    ranked = sorted(addresses, key=lambda a: -score.get(a, 0))
+    return Route(
+        mix_ref([MixPart(route.adapter, weight) for weight, route in parts]),
+        tuple(ranked),
+        frozenset(a for a in ranked if score.get(a, 0) > 0),
+        min(route.at for _, route in parts),
+    )
 
 
 class WorkerPool:

@@ -12,13 +12,14 @@ from typing import Any
 
 import grpc
 
-from loraserve.common.errors import ResourceExhausted, Unavailable, error_from_rpc
+from loraserve.adapters.mixes import MixPart, parse_mix, validate_mix
+from loraserve.common.errors import InvalidArgument, ResourceExhausted, Unavailable, error_from_rpc
 from loraserve.common.observability import StreamTimer
 from loraserve.common.security import ServerSecurity
 from loraserve.common.server import Services, set_health
 from loraserve.common.server import build_server as common_build_server
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc
-from loraserve.router.routing import Locator, WorkerPool
+from loraserve.router.routing import Locator, Route, WorkerPool, mix_route
 
 log = logging.getLogger("loraserve.router")
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -43,12 +44,17 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
     async def _generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         # LoraserveError: NOT_FOUND, UNAVAILABLE, ...; an alias's split is resolved here, once per request, so
         # the request stays on that version even if the alias moves while it decodes.
-        route = await self.locator.route(request.adapter, request.routing_key)
-        if not route.addresses:
-            raise Unavailable(f"no worker can serve {request.adapter or 'the base model'}")
         forward = inference_pb2.GenerateRequest()
         forward.CopyFrom(request)
-        forward.adapter = route.adapter
+        if request.mix:
+            route = await self._mix_route(request)
+            for part, resolved in zip(forward.mix, parse_mix(route.adapter), strict=True):
+                part.adapter = resolved.ref
+        else:
+            route = await self.locator.route(request.adapter, request.routing_key)
+            forward.adapter = route.adapter
+        if not route.addresses:
+            raise Unavailable(f"no worker can serve {route.adapter or 'the base model'}")
         tried = []
         timer = StreamTimer("router")
         for address in self.pool.order(route):
@@ -61,7 +67,8 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                 self.pool.inflight[address] -= 1
                 if exc.code() in RETRYABLE:
                     tried.append(f"{address}: {exc.code().name}")
-                    self.locator.forget(request.adapter)
+                    for ref in [request.adapter] if not request.mix else [p.adapter for p in request.mix]:
+                        self.locator.forget(ref)
                     continue
                 raise error_from_rpc(exc) from None
             try:
@@ -79,6 +86,16 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                 self.pool.inflight[address] -= 1
                 call.cancel()  # no-op when finished; frees the worker's row when the client left
         raise Unavailable(f"no worker could serve the request ({'; '.join(tried)})")
+
+    async def _mix_route(self, request: inference_pb2.GenerateRequest) -> Route:
+        """A mix's route: each part located (an alias's split resolved per request, as for one adapter),
+        then the workers holding most of the mix first. The worker checks what only it knows (max_mix)."""
+        if request.adapter:
+            raise InvalidArgument("set adapter or mix, not both")
+        parts = [MixPart(p.adapter, p.weight) for p in request.mix]
+        validate_mix(parts, max_mix=len(parts))
+        routes = [(p.weight, await self.locator.route(p.ref, request.routing_key)) for p in parts]
+        return mix_route(routes)
 
 
 def router_services(locator: Locator, pool: WorkerPool, max_concurrency: int = 1024) -> Services:

@@ -32,6 +32,7 @@ HELP = {
     "max_loras": "adapter slots on the device",
     "max_lora_rank": "largest adapter rank a slot holds",
     "max_cpu_loras": "adapters kept in host memory after eviction",
+    "max_mix": "adapters one request's weighted mix may name (a mix's summed rank must fit --max-lora-rank)",
     "max_waiting": "queued requests before RESOURCE_EXHAUSTED",
     "prefill_per_step": "prompts admitted between two decode steps (prefilled together in one packed call)",
     "max_prefill_tokens": "tokens one packed prefill computes at most (prompts x padded length); a longer"

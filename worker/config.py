@@ -18,6 +18,7 @@ class EngineConfig:
     max_loras: int = 4  # adapter slots on the device
     max_lora_rank: int = 16  # largest rank a slot holds
     max_cpu_loras: int = 16  # adapters kept in host memory after eviction
+    max_mix: int = 4  # adapters one request's weighted mix may name (adapters.mixes)
     max_waiting: int = 256  # queued requests before RESOURCE_EXHAUSTED
     prefill_per_step: int = 2  # prompts admitted (and prefilled together, packed) between two decode steps
     max_prefill_tokens: int = 4096  # tokens one packed prefill computes at most (a longer prompt goes alone)
@@ -52,7 +53,7 @@ class EngineConfig:
             raise ValueError(f"lora_dtype must be float32 or bfloat16 (or empty), got {self.lora_dtype!r}")
         names = ("max_batch_size", "max_seq_len", "max_loras", "max_lora_rank", "prefill_per_step")
         names = (*names, "max_prefill_tokens")
-        for name in (*names, "tensor_parallel_size"):
+        for name in (*names, "tensor_parallel_size", "max_mix"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_seq_len < 2:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from loraserve.adapters.mixes import is_mix
 from loraserve.common.errors import FailedPrecondition
 from loraserve.common.security import aio_channel
 from loraserve.protos.v1 import placement_pb2, placement_pb2_grpc
@@ -62,7 +63,8 @@ class Registration:
         snap = self.engine.snapshot()
         return placement_pb2.HeartbeatRequest(
             worker_id=self.worker_id,
-            slots=occupied_slot_infos(snap),
+            # a mix's slot (adapters.mixes) is no registry adapter: its parts are reported in `cached`
+            slots=[s for s in occupied_slot_infos(snap) if not is_mix(s.adapter)],
             load=worker_load(snap),
             cached=self._cached(snap),
             usage=[

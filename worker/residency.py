@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraserve.adapters.errors import AdapterUnavailableError
-from loraserve.adapters.peft import parse_adapter
+from loraserve.adapters.mixes import MixPart, concat_adapters, is_mix, mix_ref, parse_mix, validate_mix
+from loraserve.adapters.peft import LoraWeights, parse_adapter
 from loraserve.adapters.sources import AdapterSource, verify_sha256
 from loraserve.common.errors import FailedPrecondition, LoraserveError, NotFound
 from loraserve.worker.config import EngineConfig
@@ -223,28 +224,18 @@ class Residency:
 
     # ----------------------------------------------------------------- loader threads
     def _prepare(self, ref: str) -> None:
-        """Resolve, fetch (or take from the host tier), validate and prepare host values; post the result."""
+        """Resolve, fetch (or take from the host tier), validate and prepare host values; post the result.
+
+        A mix ref (``adapters.mixes``) resolves and loads each part the same way (each kept in the host
+        tier), then prepares their concatenation: one slot's values, under the mix key of resolved versions.
+        """
         started = time.perf_counter()
         try:
-            key = self.source.resolve(ref)
-            cached = self.host_tier.get(key)
-            origin, fetched_bytes = "host", 0
-            if cached is not None:
-                weights, values = cached
+            if is_mix(ref):
+                key, weights, values, origin, fetched_bytes = self._prepare_mix(ref)
             else:
-                fetched = self.source.fetch(key)
-                origin, fetched_bytes = fetched.origin, len(fetched.weights_bytes)
-                verify_sha256(fetched)
-                cfg = self.model_config
-                weights = parse_adapter(
-                    fetched.config_bytes,
-                    fetched.weights_bytes,
-                    module_shapes=cfg.adapter_shapes(),
-                    num_layers=cfg.num_layers,
-                    max_rank=self.config.max_lora_rank,
-                )
-                values = self.runner.prepare(weights)
-                self.host_tier.put(key, (weights, values))
+                key = self.source.resolve(ref)
+                weights, values, origin, fetched_bytes = self._load(key)
             result = Prepared(
                 ref,
                 key,
@@ -253,7 +244,7 @@ class Residency:
                 values,
                 seconds=time.perf_counter() - started,
                 origin=origin,
-                fetched_bytes=fetched_bytes if origin == "store" else 0,
+                fetched_bytes=fetched_bytes,
             )
         except LoraserveError as exc:  # adapter errors included: each carries its status
             result = Prepared(ref, error=exc)
@@ -261,3 +252,46 @@ class Residency:
             log.exception("loading adapter %s failed", ref)
             result = Prepared(ref, error=AdapterUnavailableError(f"loading adapter {ref!r} failed: {exc}"))
         self._post(result)
+
+    def _load(self, key: str) -> tuple[LoraWeights, Any, str, int]:
+        """``key``'s weights and slot values, from the host tier or fetched, checked and prepared (then kept
+        in the host tier); with where the bytes came from and how many were read from the object store."""
+        cached = self.host_tier.get(key)
+        if cached is not None:
+            return (*cached, "host", 0)
+        fetched = self.source.fetch(key)
+        verify_sha256(fetched)
+        cfg = self.model_config
+        weights = parse_adapter(
+            fetched.config_bytes,
+            fetched.weights_bytes,
+            module_shapes=cfg.adapter_shapes(),
+            num_layers=cfg.num_layers,
+            max_rank=self.config.max_lora_rank,
+        )
+        values = self.runner.prepare(weights)
+        self.host_tier.put(key, (weights, values))
+        fetched_bytes = len(fetched.weights_bytes) if fetched.origin == "store" else 0
+        return weights, values, fetched.origin, fetched_bytes
+
+    def _prepare_mix(self, ref: str) -> tuple[str, LoraWeights, Any, str, int]:
+        """A mix ref -> (mix key, the parts' concatenation, its slot values, origin, bytes fetched): every
+        part resolved and loaded at once; the origin is the slowest part's."""
+        parts = parse_mix(ref)
+        validate_mix(parts, self.config.max_mix)
+        loaded = []
+        origins, fetched_bytes = [], 0
+        for part in parts:
+            key = self.source.resolve(part.ref)
+            weights, _, origin, nbytes = self._load(key)
+            loaded.append((key, weights, part.weight))
+            origins.append(origin)
+            fetched_bytes += nbytes
+        weights = concat_adapters(loaded, self.config.max_lora_rank)
+        key = mix_ref([MixPart(k, w) for k, _, w in loaded])
+        origin = max(origins, key=lambda o: _ORIGIN_COST.get(o, 0))
+        return key, weights, self.runner.prepare(weights), origin, fetched_bytes
+
+
+# The slower the origin, the higher: a mix reports its slowest part's.
+_ORIGIN_COST = {"host": 0, "local": 1, "disk": 2, "store": 3}

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from loraserve.adapters.mixes import is_mix, parse_mix, validate_mix
 from loraserve.adapters.refs import parse_ref
 from loraserve.common.errors import ResourceExhausted
 from loraserve.worker.config import EngineConfig
@@ -108,7 +109,9 @@ class Scheduler:
         cfg = self.model_config
         validate_prompt(req.prompt, cfg.vocab_size, self.config.max_seq_len)
         req.sampling.validate(cfg.vocab_size)
-        if req.adapter:
+        if req.adapter and is_mix(req.adapter):  # a weighted mix (adapters.mixes): its parts and weights
+            validate_mix(parse_mix(req.adapter), self.config.max_mix)
+        elif req.adapter:
             parse_ref(req.adapter)  # an AdapterError (INVALID_ARGUMENT) for a malformed ref
         room = self.config.max_seq_len - len(req.prompt)
         req.max_new_tokens = min(req.sampling.max_tokens or self.config.default_max_tokens, room)

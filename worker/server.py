@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from loraserve.adapters.errors import AdapterError
+from loraserve.adapters.mixes import MixPart, mix_ref
 from loraserve.adapters.sources import LocalAdapterSource
 from loraserve.common.errors import InvalidArgument, LoraserveError, Unavailable
 from loraserve.common.finish_reasons import FINISH_TO_PROTO
@@ -76,6 +77,16 @@ def chunk_to_proto(
     return out
 
 
+def adapter_of(request: inference_pb2.GenerateRequest) -> str:
+    """The engine's adapter ref of a request: ``adapter``, or its ``mix`` as a mix ref (``adapters.mixes``;
+    parts and weights are checked when the engine accepts it). INVALID_ARGUMENT when both are set."""
+    if not request.mix:
+        return request.adapter
+    if request.adapter:
+        raise InvalidArgument("set adapter or mix, not both")
+    return mix_ref([MixPart(p.adapter, p.weight) for p in request.mix])
+
+
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     """The call's deadline on the engine's clock (time.monotonic), or None when the client set none."""
     remaining = context.time_remaining()
@@ -117,7 +128,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         prompt = self._prompt(request)
         engine_req = EngineRequest(
             request_id=internal_id,
-            adapter=request.adapter,
+            adapter=adapter_of(request),
             prompt=prompt,
             sampling=sampling_from_proto(request.sampling),
             sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
@@ -186,6 +197,7 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
             kv_pages=snap.kv_pages_total,
             max_context=e.max_seq_len,
             prefix_caching=e.enable_prefix_caching,
+            max_mix=e.max_mix,
         )
 
 
