@@ -2,7 +2,10 @@
 
 Workload (DESIGN.md §7): random Llama (hidden 1024, 8 layers, intermediate 2816, 16/4 heads, vocab 32000,
 ~140M parameters, f32), prompts of 64 tokens, 32 new tokens, batch 16, adapters of rank 16 on all seven
-modules. Prints human-readable lines, then ONE JSON object as the last line.
+modules. The default engine also serves 16 distinct DoRA adapters (rank 16) and 16 distinct two-adapter
+weighted mixes (``GenerateRequest.mix``) of rank-8 adapters (a mix's rank is its parts' sum: 16, the same
+slot work as one rank-16 adapter), each ÷ base (#16's ≥ 0.85). Prints human-readable lines, then ONE JSON
+object as the last line.
 
     python bench/decode.py            # the full workload (a few minutes on 2 cores)
     python bench/decode.py --tiny     # a seconds-long smoke run (used by the tests)
@@ -88,6 +91,42 @@ def build(workdir: Path, w: dict, context: int = 256) -> tuple[Path, list[Path]]
     return base, adapters
 
 
+def build_extra(workdir: Path, base: Path, w: dict) -> dict[str, Path]:
+    """The DoRA and mix rows' adapters: ``d<i>`` DoRA (rank ``w['rank']``) and ``h<i>`` plain of half that
+    rank, ``w['adapters']`` of each, made with peft."""
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.testing import make_adapter
+
+    out = {}
+    for i in range(w["adapters"]):
+        for name, r, kw in ((f"d{i}", w["rank"], {"use_dora": True}), (f"h{i}", w["rank"] // 2, {})):
+            fresh = AutoModelForCausalLM.from_pretrained(str(base))
+            make_adapter(
+                fresh, workdir / name, r=r, alpha=2.0 * r, targets=MODULES, seed=1000 + i, scale=0.01, **kw
+            )
+            out[name] = workdir / name
+    return out
+
+
+def adapter_rows(w: dict, n_adapters: int, extra: bool) -> dict[str, list[str]]:
+    """Row name -> the adapter ref of each request of a round ("" = base; a mix ref for a mix)."""
+    from loraserve.adapters.mixes import MixPart, mix_ref
+
+    rows = {
+        "base": [""] * w["batch"],
+        "one_adapter": ["a0"] * w["batch"],
+        "distinct_adapters": [f"a{i % n_adapters}" for i in range(w["batch"])],
+    }
+    if extra:
+        rows["distinct_dora"] = [f"d{i % n_adapters}" for i in range(w["batch"])]
+        rows["distinct_mixes"] = [
+            mix_ref([MixPart(f"h{i % n_adapters}", 0.6), MixPart(f"h{(i + 1) % n_adapters}", 0.4)])
+            for i in range(w["batch"])
+        ]
+    return rows
+
+
 def decode_rates(timed_round, w: dict, rounds: int) -> dict[str, float]:
     """End-to-end and decode-only tok/s from rounds of ``new`` and of 1 new token(s).
 
@@ -139,8 +178,10 @@ def run_engine(
     backend: str = "auto",
     lora_dtype: str = "",
     ttft: bool = True,
+    extra: dict[str, Path] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """loraserve's engine for base-only, 1 adapter and len(adapters) distinct adapters (+ TTFTs)."""
+    """loraserve's engine for base-only, 1 adapter and len(adapters) distinct adapters (+ TTFTs); with
+    ``extra`` (:func:`build_extra`) also distinct DoRA adapters and distinct two-adapter mixes."""
     from loraserve.adapters.sources import LocalAdapterSource
     from loraserve.worker.checkpoint import load_checkpoint
     from loraserve.worker.config import EngineConfig
@@ -150,6 +191,8 @@ def run_engine(
     src = LocalAdapterSource()
     for i, path in enumerate(adapters):
         src.register(f"a{i}", str(path))
+    for name, path in (extra or {}).items():
+        src.register(name, str(path))
     cfg = EngineConfig(
         max_batch_size=w["batch"],
         # the smallest power of two that holds a request: fewer prefill buckets to compile at warm-up
@@ -201,15 +244,10 @@ def run_engine(
             ev.wait(600)
         return max(last) - start, max(last) - max(first)
 
-    mixes = {
-        "base": [""] * w["batch"],
-        "one_adapter": ["a0"] * w["batch"],
-        "distinct_adapters": [f"a{i % len(adapters)}" for i in range(w["batch"])],
-    }
     out = {}
-    for name, mix in mixes.items():
-        one_round(mix, 2)  # loads the adapters before timing
-        out[name] = engine_rates([one_round(mix, w["new"]) for _ in range(rounds)], w)
+    for name, refs in adapter_rows(w, len(adapters), extra is not None).items():
+        one_round(refs, 2)  # loads the adapters (and writes the mixes) before timing
+        out[name] = engine_rates([one_round(refs, w["new"]) for _ in range(rounds)], w)
         _report(f"{label} {name}", out[name])
     if ttft:
         out["ttft"] = cold_vs_warm_ttft(engine, prompts[0], len(adapters))
@@ -352,10 +390,20 @@ def main() -> None:
         w.update(batch=args.batch, adapters=args.batch)
     with tempfile.TemporaryDirectory() as tmp:
         base, adapters = build(Path(tmp), w)
+        extra = build_extra(Path(tmp), base, w)
         peaks = machine_peaks()
         ours: dict[str, dict[str, float]] = {}
         for suffix, (backend, lora_dtype) in ENGINES.items():
-            runs = run_engine(base, adapters, w, args.rounds, backend, lora_dtype, ttft=not suffix)
+            runs = run_engine(
+                base,
+                adapters,
+                w,
+                args.rounds,
+                backend,
+                lora_dtype,
+                ttft=not suffix,
+                extra=None if suffix else extra,
+            )
             ours.update({name + suffix: r for name, r in runs.items()})
         peers = {} if args.skip_hf else run_hf(base, adapters, w, args.rounds)
     ttft = ours.pop("ttft")
@@ -389,6 +437,8 @@ def main() -> None:
             ),
             "distinct_adapters_xla_vs_base": round(dec["distinct_adapters_xla"] / dec["base_xla"], 3),
             "one_adapter_vs_base": round(dec["one_adapter"] / dec["base"], 3),
+            "distinct_dora_vs_base": round(dec["distinct_dora"] / dec["base"], 3),
+            "distinct_mixes_vs_base": round(dec["distinct_mixes"] / dec["base"], 3),
             "cold_vs_warm_ttft": round(ttft["ratio"], 2),
         },
         **{k: round(v, 1) for k, v in peaks.items()},

@@ -28,9 +28,11 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
         for mix in ("base", "one_adapter", "distinct_adapters")
         for suffix in ("", "_bf16_pools", "_xla")
     }
-    assert set(result["decode_tok_s"]) == engines | {"hf_base", "peft_mixed"}
+    assert set(result["decode_tok_s"]) == engines | {"hf_base", "peft_mixed", "distinct_dora", "distinct_mixes"}
     assert all(v > 0 for v in result["decode_tok_s"].values())
     ratios = {
+        "distinct_dora_vs_base",
+        "distinct_mixes_vs_base",
         "distinct_adapters_vs_base",
         "distinct_adapters_vs_peft_mixed",
         "base_vs_transformers",

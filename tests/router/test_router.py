@@ -429,3 +429,72 @@ def test_per_adapter_usage_reaches_the_registry_and_the_metrics(stack, adapter_d
     assert 'loraserve_adapter_requests_total{adapter="acct@1"} 3.0' in text
     assert 'loraserve_adapter_completion_tokens_total{adapter="acct@1"} 12.0' in text
     assert f'loraserve_adapter_fetched_bytes_total{{adapter="acct@1"}} {float(pushed.size_bytes)}' in text
+
+
+def test_mix_route_prefers_workers_holding_more_of_the_mix() -> None:
+    from loraserve.router.routing import Route, mix_route
+
+    a = Route("a@1", ("w1", "w2", "w3"), frozenset({"w3"}), 5.0, warm=("w2",))
+    b = Route("b@4", ("w2", "w1", "w4"), frozenset({"w2"}), 4.0)
+    route = mix_route([(0.7, a), (-0.3, b)])
+    # w2: b in a slot (2) + a in host memory (1); w3: a in a slot (2); w1, w4: nothing, in a's order
+    assert route.adapter == "a@1*0.7+b@4*-0.3" and route.at == 4.0
+    assert route.addresses == ("w2", "w3", "w1", "w4") and route.holders == {"w2", "w3"}
+    assert WorkerPool().order(route)[:2] == ["w2", "w3"]
+
+
+def test_mix_through_the_router_sdk_and_cli(stack, capsys) -> None:
+    """A weighted mix through the router: its parts resolved to versions (reported back), the worker's
+    tokens; refusals with their codes; the mix's slot never reaches the registry's placements. Last in the
+    file: the mix takes one of the worker's two slots."""
+    from loraserve.cli import main
+
+    mix = {"all-r4": 0.7, "qv-r8-rslora": 0.3}
+    with Client(stack.router_address) as client:
+        out = client.complete(PROMPT, mix=mix, max_tokens=4, ignore_eos=True)
+        alone = client.complete(PROMPT, adapter="all-r4", max_tokens=4, ignore_eos=True)
+        negated = client.complete(
+            PROMPT, mix={"all-r4": -0.7, "qv-r8-rslora": 0.3}, max_tokens=4, ignore_eos=True
+        )
+    assert out.adapter == "all-r4@1*0.7+qv-r8-rslora@1*0.3" and out.completion_tokens == 4
+    with Client(stack.worker_address) as client:  # the worker alone, parts named by version: the same tokens
+        direct = client.complete(
+            PROMPT, mix=[("all-r4@1", 0.7), ("qv-r8-rslora@1", 0.3)], max_tokens=4, ignore_eos=True
+        )
+    assert direct.token_ids == out.token_ids and direct.adapter == out.adapter
+    assert out.token_ids != alone.token_ids or out.token_ids != negated.token_ids  # the weights matter
+    refusals = [
+        (dict(mix=mix, adapter="all-r4"), "INVALID_ARGUMENT", "not both"),
+        (dict(mix={"all-r4": 0.5, "all-r4@1": 0.5}), "INVALID_ARGUMENT", "twice"),
+        (dict(mix={"all-r4": 0.5, "nope": 0.5}), "NOT_FOUND", "nope"),
+        (dict(mix={"all-r4": float("nan")}), "INVALID_ARGUMENT", "finite"),
+        (dict(mix={"all-r4": 0.5, "mlp-r16": 0.5}), "FAILED_PRECONDITION", "rank 20"),
+    ]
+    with Client(stack.router_address) as client:
+        for kwargs, code, words in refusals:
+            with pytest.raises(LoraserveError) as err:
+                client.complete(PROMPT, max_tokens=2, **kwargs)
+            assert err.value.code.name == code and words in err.value.message, (kwargs, err.value)
+    with (
+        Client(stack.worker_address) as client,
+        pytest.raises(LoraserveError) as err,
+    ):  # the worker's --max-mix
+        client.complete(
+            PROMPT, max_tokens=2, mix={n: 1.0 for n in ("all-r4", "qv-r8-rslora", "mlp-r16", "a", "b")}
+        )
+    assert err.value.code.name == "INVALID_ARGUMENT" and "at most 4" in err.value.message
+    argv = ["generate", "--target", stack.router_address, "--mix", "all-r4=0.7, qv-r8-rslora=0.3"]
+    assert main([*argv, "--max-tokens", "3", "--ignore-eos", "--stop-token-id", "2", "Colors: red"]) == 0
+    assert "[all-r4@1*0.7+qv-r8-rslora@1*0.3; finish length; " in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--target", stack.router_address, "--mix", "all-r4", "hi"])
+    assert exit_.value.code == 2 and "'all-r4' is not ADAPTER=WEIGHT" in capsys.readouterr().err
+    seen = stack.registration.heartbeats
+    deadline = time.monotonic() + 10
+    while stack.registration.heartbeats < seen + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)  # two heartbeats since: the registry has seen the mix's slot
+    assert any("*" in s.adapter for s in stack.engine.snapshot().slots)
+    worker = next(w for w in stack.registry.client.workers() if w.address == stack.worker_address)
+    assert [s.adapter for s in worker.slot_infos if "*" in s.adapter] == []
+    held = {s.adapter for s in worker.slot_infos} | {r.adapter for r in worker.residency}
+    assert {"all-r4@1", "qv-r8-rslora@1"} <= held

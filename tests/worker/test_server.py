@@ -240,7 +240,7 @@ def test_admin_load_list_info_unload(worker, adapter_dirs) -> None:
     info = admin.GetWorkerInfo(worker_admin_pb2.GetWorkerInfoRequest())
     assert (info.max_loras, info.max_lora_rank, info.max_batch_size, info.max_seq_len) == (2, 16, 4, 64)
     assert info.platform == "cpu" and info.dtype == "float32" and "down_proj" in info.target_modules
-    assert info.tensor_parallel_size == 1
+    assert info.tensor_parallel_size == 1 and info.max_mix == 4
     # the default pool: max_batch_size full contexts of 16-token pages (4 rows x 4 pages)
     assert (info.kv_page_size, info.kv_pages, info.max_context, info.prefix_caching) == (16, 16, 64, True)
     slot = admin.LoadAdapter(
