@@ -182,11 +182,14 @@ class Placement:
             # An adapter deleted before any heartbeat reported it has no order row: any reported adapter
             # without a READY version is unloaded too, so nothing deleted stays resident. A retired version
             # (an alias moved away from it) is drained: unloaded once no request uses it.
+            # Adapters kept in host memory are checked too: a deleted one is forgotten there (and in any
+            # weighted mix holding it), so no request can reach it again.
+            on_host = {a for a, t in worker.cached.items() if t == "HOST"}
             ready, retired = set(), set()
             for name, version, is_retired in s.execute(
                 select(AdapterRow.name, AdapterRow.version, AdapterRow.retired).where(
                     AdapterRow.state == "READY",
-                    AdapterRow.name.in_({k.partition("@")[0] for k in reported}),
+                    AdapterRow.name.in_({k.partition("@")[0] for k in reported | on_host}),
                 )
             ):
                 (retired if is_retired else ready).add(f"{name}@{version}")
@@ -196,6 +199,8 @@ class Placement:
                     pending.append(Order(key, f"{key} is retired: no alias points at it", drain=True))
                 elif key not in ready:
                     pending.append(Order(key, f"adapter {key} is not in the registry"))
+            for key in sorted(on_host - reported - ordered - ready - retired):
+                pending.append(Order(key, f"adapter {key} is not in the registry"))
             s.commit()
             return worker, pending
 

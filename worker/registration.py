@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from loraserve.adapters.mixes import is_mix
+from loraserve.adapters.mixes import is_mix, parse_mix
 from loraserve.common.errors import FailedPrecondition
 from loraserve.common.security import aio_channel
 from loraserve.protos.v1 import placement_pb2, placement_pb2_grpc
@@ -89,6 +89,9 @@ class Registration:
             tiers[key] = placement_pb2.RESIDENCY_TIER_DISK
         for key in snap.host_tier:
             tiers[key] = placement_pb2.RESIDENCY_TIER_HOST
+        for slot in snap.slots:  # a mix's slot holds its parts' matrices: they count as held in memory
+            if slot.adapter and is_mix(slot.adapter):
+                tiers.update((p.ref, placement_pb2.RESIDENCY_TIER_HOST) for p in parse_mix(slot.adapter))
         return [
             placement_pb2.AdapterResidency(adapter=k, tier=t)
             for k, t in sorted(tiers.items())

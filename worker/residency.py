@@ -200,17 +200,32 @@ class Residency:
         return []
 
     def _unload(self, ref: str, force: bool, future: Future) -> list[Outcome]:
+        """Empty ``ref``'s slot. With ``force`` (the registry deleted it) also forget its host-tier copy and
+        empty the slots of mixes it is a part of, so nothing deleted stays servable (the future then gets the
+        first slot emptied; NotFound when no slot held it, its host-tier copy forgotten all the same)."""
         key = self._resolved.get(ref, ref)
         slot = self.table.find(key)
+        mixes = [s for s in self.table.slots() if s.state == SlotState.LOADED and _is_part_of(key, s.adapter)]
+        if force:
+            self.host_tier.drop(key)
+        else:
+            mixes = []
         if slot is None or slot.state != SlotState.LOADED:
+            slot, mixes = (mixes[0], mixes[1:]) if mixes else (None, [])
+        if slot is None:
             self._later(future, NotFound(f"adapter {ref!r} is not loaded on this worker"))
             return []
         if slot.refcount and not force:
             self._later(future, FailedPrecondition(f"adapter {key} is used by {slot.refcount} request(s)"))
             return []
-        self.runner.zero_slot(slot.index)
-        self._later(future, self.table.clear(slot.index))
-        return [Evicted(slot.index, key)]
+        outcomes: list[Outcome] = []
+        for s in (slot, *mixes):
+            self.runner.zero_slot(s.index)
+            cleared = self.table.clear(s.index)
+            if s is slot:
+                self._later(future, cleared)
+            outcomes.append(Evicted(s.index, s.adapter))
+        return outcomes
 
     def _settle(self, ref: str, key: str) -> None:
         """Resolve the LoadAdapter futures of ``ref`` (pinning first when any asked)."""
@@ -291,6 +306,11 @@ class Residency:
         key = mix_ref([MixPart(k, w) for k, _, w in loaded])
         origin = max(origins, key=lambda o: _ORIGIN_COST.get(o, 0))
         return key, weights, self.runner.prepare(weights), origin, fetched_bytes
+
+
+def _is_part_of(key: str, adapter: str) -> bool:
+    """Whether the slot key ``adapter`` is a mix with ``key`` among its parts."""
+    return is_mix(adapter) and any(p.ref == key for p in parse_mix(adapter))
 
 
 # The slower the origin, the higher: a mix reports its slowest part's.

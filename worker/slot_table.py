@@ -127,6 +127,11 @@ class HostTier:
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
 
+    def drop(self, key: str) -> bool:
+        """Forget ``key`` (a deleted adapter); whether it was held."""
+        with self._lock:
+            return self._items.pop(key, None) is not None
+
     def keys(self) -> tuple[str, ...]:
         """Oldest first."""
         with self._lock:

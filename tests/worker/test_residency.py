@@ -12,11 +12,12 @@ from concurrent.futures import Future
 import grpc
 import pytest
 
+from loraserve.common.errors import NotFound
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.fake_runner import FakeRunner
 from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Started, Token
-from loraserve.worker.residency import Load
+from loraserve.worker.residency import Load, Unload
 from tests.worker.fake_engine import TINY, Collector, Harness, MemorySource, source_of
 
 
@@ -153,3 +154,31 @@ def test_engine_thread_preempts_with_a_tiny_pool_and_resumes_from_the_other_requ
         assert (snap.prefix_hit_tokens, snap.prefix_query_tokens) == (16, 1 + 1 + 17)
     finally:
         engine.stop()
+
+
+def test_a_mix_takes_one_slot_and_a_deleted_part_takes_it_down() -> None:
+    """A weighted mix loads its parts at once (each kept in the host tier) into ONE slot under its key; a
+    forced unload of a part (the registry deleted it) empties the mix's slot and forgets the part's host
+    copy, so the next request for the mix fetches the part again; a plain unload of a part held only inside
+    a mix is NOT_FOUND and leaves the mix alone."""
+    h = Harness(config(max_loras=2, max_cpu_loras=4), source_of("a", "b"))
+    mix = "a*0.5+b*-1.0"
+    c = h.submit(mix, max_tokens=2)
+    h.run(c)
+    assert isinstance(c.end, Finished) and sorted(h.source.fetches) == ["a", "b"]
+    snap = h.scheduler.snapshot()
+    assert [s.adapter for s in snap.slots if s.adapter] == [mix] and sorted(snap.host_tier) == ["a", "b"]
+    plain = Future()
+    h.post(Unload("a", False, plain))
+    h.step()
+    with pytest.raises(NotFound):
+        plain.result(0)
+    forced = Future()
+    h.post(Unload("a", True, forced))
+    h.step()
+    assert forced.result(0).adapter == mix
+    snap = h.scheduler.snapshot()
+    assert [s.adapter for s in snap.slots if s.adapter] == [] and snap.host_tier == ("b",)
+    again = h.submit(mix, max_tokens=1)
+    h.run(again)
+    assert isinstance(again.end, Finished) and sorted(h.source.fetches) == ["a", "a", "b"]
