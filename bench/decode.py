@@ -144,7 +144,8 @@ def decode_rates(timed_round, w: dict, rounds: int) -> dict[str, float]:
 
 
 def engine_rates(runs: list[tuple[float, float]], w: dict) -> dict[str, float]:
-    """Rates of our engine from rounds of (total seconds, decode-phase seconds), medians.
+    """Rates of our engine from rounds of (total seconds, decode-phase seconds), medians. The rows' rounds
+    are interleaved (base, one adapter, distinct, …, then again), so drift shows in every row alike.
 
     The decode phase is timed from token timestamps, so the prefill's noise (most of a round's time
     at 64 rows) stays out of it; the peers below, which give no timestamps, use t(new) - t(1).
@@ -244,16 +245,20 @@ def run_engine(
             ev.wait(600)
         return max(last) - start, max(last) - max(first)
 
-    out = {}
-    for name, refs in adapter_rows(w, len(adapters), extra is not None).items():
-        one_round(refs, 2)  # loads the adapters (and writes the mixes) before timing
-        out[name] = engine_rates([one_round(refs, w["new"]) for _ in range(rounds)], w)
+    rows = adapter_rows(w, len(adapters), extra is not None)
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in rows}
+    out: dict[str, dict[str, float]] = {}
+    for _ in range(rounds):  # interleaved: the VM's drift over minutes hits every row alike
+        for name, refs in rows.items():
+            one_round(refs, 2)  # loads the adapters (and writes the mixes) before timing
+            runs[name].append(one_round(refs, w["new"]))
+    for name in rows:
+        out[name] = engine_rates(runs[name], w)
         _report(f"{label} {name}", out[name])
-        if ttft and name == "distinct_adapters":  # while a0.. are the resident adapters
-            out["ttft"] = cold_vs_warm_ttft(engine, prompts[0], len(adapters))
-            print(
-                f"TTFT warm {out['ttft']['warm_ms']:.1f} ms, cold {out['ttft']['cold_ms']:.1f} ms", flush=True
-            )
+    if ttft:
+        one_round(rows["distinct_adapters"], 2)  # a0.. resident again
+        out["ttft"] = cold_vs_warm_ttft(engine, prompts[0], len(adapters))
+        print(f"TTFT warm {out['ttft']['warm_ms']:.1f} ms, cold {out['ttft']['cold_ms']:.1f} ms", flush=True)
     engine.stop()
     return out
 

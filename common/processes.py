@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from loraserve.common.errors import Unavailable
@@ -90,15 +90,18 @@ def start_server(
     *,
     timeout: float | None = 120.0,
     log_file: Path | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> ServerProcess:
     """Launch ``loraserve ARGS`` (``env`` on top of this process's environment); with a ``timeout``, wait for
-    its ready line (``None``: return at once and call ``wait_ready`` later)."""
+    its ready line (``None``: return at once and call ``wait_ready`` later). ``preexec_fn`` runs in the child
+    before the exec (e.g. a parent-death signal)."""
     popen = subprocess.Popen(
         loraserve_argv(args),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+        preexec_fn=preexec_fn,
     )
     proc = ServerProcess(popen, log_file)
     if timeout is not None:

@@ -28,7 +28,12 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
         for mix in ("base", "one_adapter", "distinct_adapters")
         for suffix in ("", "_bf16_pools", "_xla")
     }
-    assert set(result["decode_tok_s"]) == engines | {"hf_base", "peft_mixed", "distinct_dora", "distinct_mixes"}
+    assert set(result["decode_tok_s"]) == engines | {
+        "hf_base",
+        "peft_mixed",
+        "distinct_dora",
+        "distinct_mixes",
+    }
     assert all(v > 0 for v in result["decode_tok_s"].values())
     ratios = {
         "distinct_dora_vs_base",
@@ -93,3 +98,88 @@ def test_kv_bench_tiny_prints_its_json_last() -> None:
         "prefill_distinct_adapters_vs_matmul_peak",
     } <= set(ratios)
     assert all(v > 0 for v in ratios.values())
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of running processes that contain ``text`` (read from /proc)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in args and "pytest" not in args:
+            found.append(args)
+    return found
+
+
+@pytest.mark.slow
+def test_serve_bench_tiny_replays_one_trace_through_every_system(tmp_path) -> None:
+    """One rate, every system (the stack, max_loras=1, no prefix cache, the peft loop): a JSON line per
+    system with every request served, the summary last, the plot written, and no process left behind."""
+    work, png = tmp_path / "work", tmp_path / "serve.png"
+    out = subprocess.run(
+        [sys.executable, "bench/serve.py", "--tiny", "--rates", "4", "--workdir", str(work), "--plot", str(png)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows, summary = lines[:-1], lines[-1]
+    assert [r["system"] for r in rows] == ["loraserve", "max_loras_1", "no_prefix_cache", "peft"]
+    n = rows[0]["requests"]
+    assert n > 0 and all(
+        r["requests"] == n and r["errors"] == 0 and r["rate"] == 4.0 for r in rows
+    )  # one trace
+    for r in rows:
+        assert (
+            r["ttft_s"]["p50"] <= r["ttft_s"]["p99"]
+            and r["throughput_tok_s"] > 0
+            and 0 <= r["slo_attainment"] <= 1
+        )
+    assert rows[0]["adapter_loads"] > 0 and rows[1]["adapter_loads"] >= rows[0]["adapter_loads"]
+    assert summary["bench"] == "serve" and summary["errors"] == 0 and summary["requests"] == 4 * n
+    assert set(summary["max_rate_meeting_slo"]) == {"loraserve", "max_loras_1", "no_prefix_cache", "peft"}
+    assert set(summary["ratios"]) == {
+        "loraserve_vs_max_loras_1",
+        "loraserve_vs_no_prefix_cache",
+        "loraserve_vs_peft",
+    }
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _processes_mentioning(str(work)) == []
+
+
+def _children(pid: int) -> set[int]:
+    """Process ids whose parent is ``pid`` (from /proc/*/stat)."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+def test_serve_bench_leaves_no_process_behind_on_ctrl_c(tmp_path) -> None:
+    """Ctrl-C while a rate is being driven: the registry, worker and router processes it started are gone."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "bench/serve.py", "--tiny", "--systems", "loraserve", "--rates", "1", "--duration", "60",
+         "--workdir", str(tmp_path / "work"), "--plot", ""],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while len(_children(proc.pid)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)  # registry, worker and router started
+    servers = _children(proc.pid)
+    assert len(servers) == 3, servers
+    time.sleep(5)  # ... and serving the trace
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() for pid in servers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [pid for pid in servers if Path(f"/proc/{pid}").exists()] == []

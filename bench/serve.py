@@ -1,0 +1,505 @@
+"""Whole-system serving benchmark (S-LoRA's workload shape): the stack as processes, Poisson arrivals, Zipf adapters.
+
+Starts a registry (SQLite + a local folder store), one or more workers and a router as real processes,
+pushes N adapters made locally with peft (ranks mixed), then drives a seeded trace per rate: Poisson
+arrivals, adapters drawn Zipf(alpha), prompt and output lengths from a fixed seeded distribution, through
+the router's gRPC. Per rate: throughput (requests/s, tokens/s), TTFT and inter-token latency p50/p90/p99,
+SLO attainment (TTFT <= --slo-ttft and every gap <= --slo-itl), adapter loads, errors.
+
+Peers replay the SAME trace in the same run: ``max_loras_1`` (the same stack with one adapter slot: no mixed
+batching), ``no_prefix_cache`` (the stack with prefix caching off) and ``peft`` (transformers + peft in one
+process, batches grouped by adapter with ``set_adapter`` swaps). The summary (last line) gives each system's
+largest rate whose p99 TTFT meets the SLO with no error, and loraserve's ratios to the peers (DESIGN.md §7).
+
+    python bench/serve.py --tiny                       # seconds: the smoke test's run
+    python bench/serve.py                              # 100 adapters, rates 0.5..8 req/s, every peer
+    python bench/serve.py --sweep adapters=10,100,1000 --rates 2   # one point per value, one plot each
+
+One JSON line per (system, rate) or sweep point, then a summary JSON object as the LAST line; a PNG plot of
+p99 TTFT and throughput vs rate for every system (``--plot``). Children die with this process (even on
+Ctrl-C or SIGKILL: they are started with a parent-death signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loraserve.adapters.refs import NAME_RE
+
+FULL = dict(
+    model=dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+               num_key_value_heads=4, vocab_size=32000),
+    adapters=100, ranks=(8, 16, 32, 64), prompt=(32, 256), output=(16, 128), rates=(0.5, 1, 2, 4, 8),
+    duration=60.0, max_loras=16, max_batch_size=16, max_seq_len=512,
+)  # fmt: skip
+TINY = dict(
+    model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=384),
+    adapters=6, ranks=(2, 4, 8), prompt=(4, 16), output=(2, 8), rates=(2.0, 8.0),
+    duration=2.0, max_loras=4, max_batch_size=8, max_seq_len=64,
+)  # fmt: skip
+MODEL_ID = "bench-llama"
+SYSTEMS = ("loraserve", "max_loras_1", "no_prefix_cache", "peft")
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float  # seconds after the start of the run
+    adapter: int  # index into the adapter list; -1 = base model
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+def zipf_probabilities(n: int, alpha: float) -> np.ndarray:
+    """p_i ∝ 1 / i^alpha over n adapters (i = 1 the most popular)."""
+    p = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** alpha
+    return p / p.sum()
+
+
+def make_trace(
+    seed: int, rate: float, duration: float, n_adapters: int, alpha: float, w: dict
+) -> list[Arrival]:
+    """A seeded trace: Poisson arrivals at ``rate`` per second for ``duration`` seconds, adapters Zipf(alpha)
+    (popularity order shuffled by the seed), prompt/output lengths uniform in the workload's ranges. The same
+    arguments always give the same trace."""
+    rng = np.random.default_rng([seed, int(rate * 1000)])
+    order = rng.permutation(n_adapters)
+    p = zipf_probabilities(n_adapters, alpha)
+    out, t = [], 0.0
+    while True:
+        t += rng.exponential(1.0 / rate)
+        if t >= duration:
+            return out
+        length = int(rng.integers(w["prompt"][0], w["prompt"][1] + 1))
+        prompt = tuple(int(x) for x in rng.integers(3, w["model"]["vocab_size"], length))
+        new = int(rng.integers(w["output"][0], w["output"][1] + 1))
+        out.append(Arrival(t, int(order[rng.choice(n_adapters, p=p)]), prompt, new))
+
+
+def adapter_name(i: int) -> str:
+    name = f"bench-{i:04d}"
+    assert NAME_RE.match(name)
+    return name
+
+
+def build_assets(workdir: Path, w: dict, n_adapters: int) -> tuple[Path, list[Path]]:
+    """The random base model and ``n_adapters`` PEFT adapters on all seven modules, ranks cycling through
+    ``w['ranks']``. Beyond 16 distinct ones, adapters are made by re-drawing the tensors of a peft-made
+    template of the same rank (same files, same keys; peft itself would take minutes for 1000)."""
+    from safetensors.numpy import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.testing import build_model, make_adapter
+
+    base = workdir / "base"
+    if not base.exists():
+        model = build_model("llama", seed=0, max_position_embeddings=w["max_seq_len"], **w["model"])
+        model.save_pretrained(str(base), safe_serialization=True)
+    out = []
+    templates: dict[int, Path] = {}
+    for i in range(n_adapters):
+        path, r = workdir / adapter_name(i), w["ranks"][i % len(w["ranks"])]
+        out.append(path)
+        if path.exists():
+            continue
+        if len(templates) < len(w["ranks"]) or i < 16:
+            make_adapter(
+                AutoModelForCausalLM.from_pretrained(str(base)), path, r=r, alpha=2.0 * r, seed=i, scale=0.02
+            )
+            templates.setdefault(r, path)
+            continue
+        path.mkdir(parents=True)
+        src = templates[r]
+        (path / "adapter_config.json").write_bytes((src / "adapter_config.json").read_bytes())
+        rng = np.random.default_rng(i)
+        tensors = load_file(str(src / "adapter_model.safetensors"))
+        save_file(
+            {k: (0.02 * rng.standard_normal(v.shape)).astype(v.dtype) for k, v in tensors.items()},
+            str(path / "adapter_model.safetensors"),
+        )
+    return base, out
+
+
+def die_with_parent() -> None:
+    """In a child before exec: SIGTERM it when this process dies (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
+class Stack:
+    """Registry, workers and router as processes; ``stop`` ends them (also on an exception or Ctrl-C)."""
+
+    def __init__(
+        self, workdir: Path, base: Path, w: dict, *, workers: int, max_loras: int, prefix_cache: bool
+    ):
+        from loraserve.common.processes import start_server
+
+        self.procs = []
+        run = Path(tempfile.mkdtemp(dir=workdir, prefix="stack-"))
+        try:
+            reg = start_server(
+                ["registry", "serve", "--db", f"sqlite:///{run / 'r.db'}", "--storage", str(run / "store")],
+                preexec_fn=die_with_parent,
+            )
+            self.procs.append(reg)
+            self.registry = reg.address
+            self.metrics: list[str] = []
+            for n in range(workers):
+                port = _free_port()
+                argv = ["worker", "--model", str(base), "--model-id", MODEL_ID, "--registry", self.registry,
+                        "--cache-dir", str(run / f"cache{n}"), "--max-loras", str(max_loras),
+                        "--max-lora-rank", str(max(w["ranks"])), "--max-batch-size", str(w["max_batch_size"]),
+                        "--max-seq-len", str(w["max_seq_len"]), "--metrics-port", str(port),
+                        "--enable-prefix-caching", str(prefix_cache).lower(),
+                        "--compilation-cache-dir", str(workdir / "jax-cache")]  # fmt: skip
+                self.procs.append(start_server(argv, timeout=None, preexec_fn=die_with_parent))
+                self.metrics.append(f"http://127.0.0.1:{port}/metrics")
+            for p in self.procs[1:]:
+                p.wait_ready(600)
+            router = start_server(
+                ["router", "serve", "--registry", self.registry], preexec_fn=die_with_parent
+            )
+            self.procs.append(router)
+            self.router = router.address
+        except BaseException:
+            self.stop()
+            raise
+
+    def push(self, adapters: list[Path]) -> None:
+        from loraserve.client.registry_client import RegistryClient
+
+        with RegistryClient(self.registry) as client:
+            for i, path in enumerate(adapters):
+                client.push(path, adapter_name(i), MODEL_ID)
+            deadline = time.time() + 120
+            while len(client.workers()) < len(self.procs) - 2 and time.time() < deadline:
+                time.sleep(0.1)
+
+    def adapter_loads(self) -> int:
+        import urllib.request
+
+        total = 0
+        for url in self.metrics:
+            for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
+                if line.startswith("loraserve_adapter_loads_total "):
+                    total += int(float(line.split()[1]))
+        return total
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except Exception:
+                p.kill()
+        self.procs = []
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Record:
+    ttft: float = float("nan")
+    gaps: tuple[float, ...] = ()
+    tokens: int = 0
+    error: str = ""
+
+
+async def _one(stub, pb, arrival: Arrival, start: float, names: list[str], progress) -> Record:
+    await asyncio.sleep(max(0.0, start + arrival.at - time.perf_counter()))
+    sent = time.perf_counter()
+    req = pb.GenerateRequest(adapter=names[arrival.adapter] if arrival.adapter >= 0 else "")
+    req.tokens.ids.extend(arrival.prompt)
+    req.sampling.max_tokens, req.sampling.ignore_eos = arrival.max_tokens, True
+    rec, last = Record(), sent
+    try:
+        async for msg in stub.Generate(req, timeout=600):
+            now = time.perf_counter()
+            if rec.tokens == 0:
+                rec.ttft = now - sent
+            elif msg.token_ids:
+                rec.gaps += ((now - last) / len(msg.token_ids),) * len(msg.token_ids)
+            rec.tokens += len(msg.token_ids)
+            last = now
+    except Exception as exc:  # counted, never raised: the run goes on
+        rec.error = f"{type(exc).__name__}: {getattr(exc, 'code', lambda: '')()}"
+    progress()
+    return rec
+
+
+def drive(target: str, trace: list[Arrival], names: list[str], progress) -> tuple[list[Record], float]:
+    """Replay ``trace`` against ``target``'s Inference.Generate; -> records and the run's wall seconds."""
+    import grpc
+
+    from loraserve.protos.v1 import inference_pb2 as pb
+    from loraserve.protos.v1 import inference_pb2_grpc
+
+    async def run() -> tuple[list[Record], float]:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            start = time.perf_counter()
+            records = await asyncio.gather(*(_one(stub, pb, a, start, names, progress) for a in trace))
+            return list(records), time.perf_counter() - start
+
+    return asyncio.run(run())
+
+
+def summarize(records: list[Record], wall: float, slo_ttft: float, slo_itl: float) -> dict:
+    ok = [r for r in records if not r.error]
+    ttft = np.array([r.ttft for r in ok]) if ok else np.array([np.nan])
+    gaps = np.array([g for r in ok for g in r.gaps]) if any(r.gaps for r in ok) else np.array([np.nan])
+    met = [r for r in ok if r.ttft <= slo_ttft and all(g <= slo_itl for g in r.gaps)]
+
+    def q(a, p):
+        return round(float(np.nanpercentile(a, p)), 4)
+
+    return {
+        "requests": len(records),
+        "errors": len(records) - len(ok),
+        "throughput_rps": round(len(ok) / wall, 3),
+        "throughput_tok_s": round(sum(r.tokens for r in ok) / wall, 1),
+        "ttft_s": {"p50": q(ttft, 50), "p90": q(ttft, 90), "p99": q(ttft, 99)},
+        "itl_s": {"p50": q(gaps, 50), "p90": q(gaps, 90), "p99": q(gaps, 99)},
+        "slo_attainment": round(len(met) / max(1, len(records)), 3),
+    }
+
+
+class Progress:
+    """``system @ rate [####....] done/total`` on the console (stderr): redrawn in place on a terminal,
+    one line when done otherwise (logs stay readable)."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, total, 0
+        self.live = sys.stderr.isatty()
+        self.tick()
+
+    def __call__(self) -> None:
+        self.tick(1)
+
+    def tick(self, n: int = 0) -> None:
+        self.done += n
+        finished = self.done >= self.total
+        if not (self.live or finished):
+            return
+        filled = 30 * self.done // max(1, self.total)
+        line = f"{self.label:34s} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total}"
+        sys.stderr.write(("\r" if self.live else "") + line + ("\n" if finished else ""))
+        sys.stderr.flush()
+
+
+def run_peft(
+    base: Path, adapters: list[Path], trace: list[Arrival], batch: int, progress
+) -> tuple[list[Record], float]:
+    """The peer: transformers + peft in this process, every adapter loaded; a loop takes the oldest waiting
+    request's adapter, batches up to ``batch`` waiting requests of that adapter (``set_adapter`` swap),
+    prefills them (left-padded) and decodes them together token by token, timing each token."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(str(base)), str(adapters[0]), adapter_name=adapter_name(0)
+    )
+    for i, path in enumerate(adapters[1:], start=1):
+        model.load_adapter(str(path), adapter_name=adapter_name(i))
+    model.eval()
+    records = [Record() for _ in trace]
+    pending = list(range(len(trace)))
+    start = time.perf_counter()
+    while pending:
+        now = time.perf_counter() - start
+        arrived = [i for i in pending if trace[i].at <= now]
+        if not arrived:
+            time.sleep(max(0.0, trace[pending[0]].at - now))
+            continue
+        head = trace[arrived[0]].adapter
+        group = [i for i in arrived if trace[i].adapter == head][:batch]
+        model.set_adapter(adapter_name(head))
+        longest = max(len(trace[i].prompt) for i in group)
+        ids = torch.tensor([[0] * (longest - len(trace[i].prompt)) + list(trace[i].prompt) for i in group])
+        mask = (
+            torch.arange(longest)[None, :]
+            >= torch.tensor([longest - len(trace[i].prompt) for i in group])[:, None]
+        ).long()
+        steps = max(trace[i].max_tokens for i in group)
+        last = [0.0] * len(group)
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+            for step in range(steps):
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                t = time.perf_counter()
+                for j, i in enumerate(group):
+                    if step < trace[i].max_tokens:
+                        rec = records[i]
+                        if step == 0:
+                            rec.ttft = t - start - trace[i].at
+                        else:
+                            rec.gaps += (t - last[j],)
+                        rec.tokens += 1
+                        last[j] = t
+                if step + 1 < steps:
+                    mask = torch.cat([mask, torch.ones(len(group), 1, dtype=mask.dtype)], 1)
+                    out = model(
+                        input_ids=nxt,
+                        attention_mask=mask,
+                        past_key_values=out.past_key_values,
+                        use_cache=True,
+                    )
+        for i in group:
+            pending.remove(i)
+            progress()
+    return records, time.perf_counter() - start
+
+
+def max_rate_meeting_slo(rows: list[dict], slo_ttft: float) -> float:
+    """The largest swept rate whose p99 TTFT meets the SLO with no error (0 when none does)."""
+    good = [r["rate"] for r in rows if r["errors"] == 0 and r["ttft_s"]["p99"] <= slo_ttft]
+    return max(good, default=0.0)
+
+
+def plot(rows: list[dict], path: Path, x: str = "rate") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for system in dict.fromkeys(r["system"] for r in rows):
+        mine = [r for r in rows if r["system"] == system]
+        a.plot([r[x] for r in mine], [r["ttft_s"]["p99"] for r in mine], marker="o", label=system)
+        b.plot([r[x] for r in mine], [r["throughput_tok_s"] for r in mine], marker="o", label=system)
+    a.set(xlabel=x, ylabel="p99 TTFT (s)", yscale="log", title="p99 time to first token")
+    b.set(xlabel=x, ylabel="tokens/s", title="throughput")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_system(system: str, workdir, base, adapters, w, args, rates) -> list[dict]:
+    """Every rate's trace through one system; one JSON line each."""
+    names = [adapter_name(i) for i in range(len(adapters))]
+    rows = []
+    stack = None
+    try:
+        if system != "peft":
+            stack = Stack(workdir, base, w, workers=args.workers,
+                          max_loras=1 if system == "max_loras_1" else args.max_loras or w["max_loras"],
+                          prefix_cache=system != "no_prefix_cache")  # fmt: skip
+            stack.push(adapters)
+        for rate in rates:
+            trace = make_trace(args.seed, rate, args.duration or w["duration"], len(adapters), args.zipf, w)
+            bar = Progress(f"{system} @ {rate} req/s", len(trace))
+            loads = stack.adapter_loads() if stack else 0
+            if stack:
+                records, wall = drive(stack.router, trace, names, bar)
+            else:
+                records, wall = run_peft(base, adapters, trace, w["max_batch_size"], bar)
+            row = {"system": system, "rate": rate, "adapters": len(adapters), "zipf": args.zipf,
+                   **summarize(records, wall, args.slo_ttft, args.slo_itl),
+                   "adapter_loads": (stack.adapter_loads() - loads) if stack else None}  # fmt: skip
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    finally:
+        if stack:
+            stack.stop()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
+    parser.add_argument("--adapters", type=int, help="adapters in the registry (default 100; --tiny 6)")
+    parser.add_argument("--rates", help="comma-separated arrival rates, requests/s")
+    parser.add_argument("--duration", type=float, help="seconds of arrivals per rate")
+    parser.add_argument("--zipf", type=float, default=1.0, help="Zipf alpha of adapter popularity")
+    parser.add_argument("--max-loras", type=int, help="adapter slots per worker (default: the workload's)")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"any of {', '.join(SYSTEMS)}")
+    parser.add_argument(
+        "--sweep", help="adapters=10,100,1000 | zipf=0.5,1,1.5 | max_loras=4,16,64 (loraserve only)"
+    )
+    parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
+    parser.add_argument("--slo-itl", type=float, default=0.2, help="seconds between two tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--plot", default="serve.png", help="PNG path ('' = no plot)")
+    parser.add_argument(
+        "--workdir", help="keep models and adapters here between runs (default: a temp folder)"
+    )
+    args = parser.parse_args()
+    w = dict(TINY if args.tiny else FULL)
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else list(w["rates"])
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(args.workdir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        if args.sweep:
+            key, _, values = args.sweep.partition("=")
+            rows = []
+            for value in values.split(","):
+                n = int(value) if key == "adapters" else (args.adapters or w["adapters"])
+                base, adapters = build_assets(workdir, w, n)
+                point = argparse.Namespace(**{**vars(args), "zipf": float(value) if key == "zipf" else args.zipf,
+                                              "max_loras": int(value) if key == "max_loras" else args.max_loras})  # fmt: skip
+                for row in run_system("loraserve", workdir, base, adapters, w, point, rates[:1]):
+                    rows.append(
+                        {
+                            **row,
+                            key: float(value) if key == "zipf" else int(value),
+                            "system": f"loraserve ({key})",
+                        }
+                    )
+            if args.plot:
+                plot(rows, Path(args.plot), x=key)
+            first, last = rows[0]["throughput_tok_s"], rows[-1]["throughput_tok_s"]
+            print(json.dumps({"bench": "serve", "sweep": key, "points": [r[key] for r in rows],
+                              "throughput_tok_s": [r["throughput_tok_s"] for r in rows],
+                              "last_vs_first_throughput": round(last / first, 3) if first else None,
+                              "errors": sum(r["errors"] for r in rows)}))  # fmt: skip
+            return
+        base, adapters = build_assets(workdir, w, args.adapters or w["adapters"])
+        rows = []
+        for system in args.systems.split(","):
+            rows += run_system(system, workdir, base, adapters, w, args, rates)
+    if args.plot:
+        plot(rows, Path(args.plot))
+    best = {s: max_rate_meeting_slo([r for r in rows if r["system"] == s], args.slo_ttft)
+            for s in dict.fromkeys(r["system"] for r in rows)}  # fmt: skip
+    summary = {
+        "bench": "serve",
+        "workload": {"adapters": len(adapters), "zipf": args.zipf, "rates": rates, "ranks": list(w["ranks"]),
+                     "duration_s": args.duration or w["duration"], "slo_ttft_s": args.slo_ttft, "slo_itl_s": args.slo_itl},
+        "max_rate_meeting_slo": best,
+        "ratios": {f"loraserve_vs_{s}": round(best["loraserve"] / best[s], 2) if best.get(s) else None
+                   for s in best if s != "loraserve" and "loraserve" in best},
+        "errors": sum(r["errors"] for r in rows),
+        "requests": sum(r["requests"] for r in rows),
+    }  # fmt: skip
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
