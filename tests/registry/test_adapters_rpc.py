@@ -270,7 +270,9 @@ def test_delete_orders_holders_to_unload(reg, adapter_dirs, tiny_shapes) -> None
     assert list(hb.unload) == []  # fulfilled once the worker no longer reports it
     # Held only in host memory (or inside a weighted mix, which heartbeats report so): forgotten there too.
     on_host = placement_pb2.AdapterResidency(adapter="held@1", tier=placement_pb2.RESIDENCY_TIER_HOST)
-    hb = reg.client.placement.Heartbeat(placement_pb2.HeartbeatRequest(worker_id=w.worker_id, cached=[on_host]))
+    hb = reg.client.placement.Heartbeat(
+        placement_pb2.HeartbeatRequest(worker_id=w.worker_id, cached=[on_host])
+    )
     assert [(o.adapter, o.drain) for o in hb.unload] == [("held@1", False)]
     reg.client.push(adapter_dirs["all-r4"], "kept", TINY_MODEL)
     kept = placement_pb2.AdapterResidency(adapter="kept@1", tier=placement_pb2.RESIDENCY_TIER_HOST)
