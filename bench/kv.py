@@ -423,8 +423,11 @@ def main() -> None:
             "prefix_computed_on_vs_off": round(pre["computed_on"] / pre["computed_off"], 4),
             "prefix_prefill_time_on_vs_off": round(pre["prefill_ms_on"] / pre["prefill_ms_off"], 3),
             "prefill_distinct_adapters_vs_base": round(tput["distinct_adapters"] / tput["base"], 3),
-            "prefill_base_vs_matmul_peak": round(gflops["base"] / peak_gflops, 3),
-            "prefill_distinct_adapters_vs_matmul_peak": round(gflops["distinct_adapters"] / peak_gflops, 3),
+            # three significant digits, not places: the tiny smoke run's fractions are far below 0.001
+            "prefill_base_vs_matmul_peak": float(f"{gflops['base'] / peak_gflops:.3g}"),
+            "prefill_distinct_adapters_vs_matmul_peak": float(
+                f"{gflops['distinct_adapters'] / peak_gflops:.3g}"
+            ),
         },
     }
     print(json.dumps(result))
