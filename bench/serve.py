@@ -131,27 +131,28 @@ def build_assets(workdir: Path, w: dict, n_adapters: int) -> tuple[Path, list[Pa
     return base, out
 
 
-def die_with_parent() -> None:
-    """In a child before exec: SIGTERM it when this process dies (Linux prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
 class Stack:
     """Registry, workers and router as processes; ``stop`` ends them (also on an exception or Ctrl-C)."""
 
     def __init__(
         self, workdir: Path, base: Path, w: dict, *, workers: int, max_loras: int, prefix_cache: bool
     ):
-        from loraserve.common.processes import start_server
+        from loraserve.common.processes import die_with_parent, start_server
 
         self.procs = []
         run = Path(tempfile.mkdtemp(dir=workdir, prefix="stack-"))
         try:
             reg = start_server(
-                ["registry", "serve", "--db", f"sqlite:///{run / 'r.db'}", "--storage", str(run / "store")],
+                [
+                    "registry",
+                    "serve",
+                    "--db",
+                    f"sqlite:///{run / 'r.db'}",
+                    "--storage",
+                    str(run / "store"),
+                    "--port",
+                    "0",
+                ],
                 preexec_fn=die_with_parent,
             )
             self.procs.append(reg)

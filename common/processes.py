@@ -107,3 +107,12 @@ def start_server(
     if timeout is not None:
         proc.wait_ready(timeout)
     return proc
+
+
+def die_with_parent() -> None:
+    """A ``preexec_fn`` for :func:`start_server`: SIGTERM the child when its parent dies (Linux prctl
+    PR_SET_PDEATHSIG), so a benchmark killed by Ctrl-C or a crash leaves no server behind."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)

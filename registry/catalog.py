@@ -242,8 +242,10 @@ class Catalog:
             q = q.where(AdapterRow.name.like(escaped + "%", escape="\\"))
         if page_token:
             name, version = _decode_token(page_token)
+            # ``name >= n`` first: with the OR alone SQLite scans the (name, version) index from its start
             q = q.where(
-                or_(AdapterRow.name > name, (AdapterRow.name == name) & (AdapterRow.version > version))
+                AdapterRow.name >= name,
+                or_(AdapterRow.name > name, AdapterRow.version > version),
             )
         with self.sessions() as s:
             rows = list(s.scalars(q.order_by(AdapterRow.name, AdapterRow.version).limit(size + 1)))

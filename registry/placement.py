@@ -3,13 +3,21 @@
 A worker whose lease expires loses its placements (``expire``); its row stays as EXPIRED until it
 registers again. ``locate`` ranks live workers of the adapter's base model: those holding the adapter
 (least loaded first), then those with free slots (most free first), then the least loaded.
+
+``locate`` is the router's hot path, so it ranks an in-memory view of the live fleet (:class:`Fleet`)
+instead of reading every worker row per call: this process's registrations, heartbeats and expiries
+update the view as they commit, and it is re-read from the database every ``FLEET_TTL_S`` seconds (what
+other registry replicas wrote shows up within that). The adapter itself is always read from the
+database, so a deleted or moved alias is seen at once.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import selectinload, sessionmaker
@@ -57,6 +65,81 @@ class Load:
 
 TIERS = ("DEVICE", "HOST", "DISK")  # fastest first; a worker holding nothing is a cold load
 MAX_USAGE = 4096  # adapters of a heartbeat's usage report kept (bounds a worker row)
+FLEET_TTL_S = 1.0  # the live-fleet view is re-read from the database at least this often
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    """What ``locate`` needs of one READY worker: its lease, load, what it holds and in which tier."""
+
+    id: str
+    address: str
+    model_id: str
+    lease_expires_at: datetime
+    load: Load
+    cached: dict[str, str] = field(default_factory=dict)  # adapter -> "HOST" | "DISK"
+    holds: frozenset[str] = frozenset()  # adapters LOADED in a device slot
+
+
+def _live(row: WorkerRow, holds: frozenset[str]) -> LiveWorker:
+    return LiveWorker(
+        row.id,
+        row.address,
+        row.model_id,
+        as_utc(row.lease_expires_at),
+        Load(row.running, row.waiting, row.free_slots, row.utilization),
+        dict(row.cached or {}),
+        holds,
+    )
+
+
+class Fleet:
+    """The READY workers as last read from the database or written by this process (thread-safe)."""
+
+    def __init__(self, sessions: sessionmaker, ttl_s: float = FLEET_TTL_S) -> None:
+        self.sessions, self.ttl_s = sessions, ttl_s
+        self._lock = threading.Lock()
+        self._workers: dict[str, LiveWorker] = {}
+        self._written: dict[str, float] = {}  # worker id -> when this process last wrote it (monotonic)
+        self._read_at = float("-inf")
+
+    def put(self, worker: LiveWorker) -> None:
+        with self._lock:
+            self._workers[worker.id] = worker
+            self._written[worker.id] = time.monotonic()
+
+    def drop(self, *worker_ids: str) -> None:
+        with self._lock:
+            for wid in worker_ids:
+                self._workers.pop(wid, None)
+                self._written[wid] = time.monotonic()
+
+    def live(self, now: datetime) -> list[LiveWorker]:
+        """Workers whose lease runs past ``now`` (re-read first if the view is older than the TTL)."""
+        if time.monotonic() - self._read_at > self.ttl_s:
+            self._reload()
+        with self._lock:
+            return [w for w in self._workers.values() if w.lease_expires_at > now]
+
+    def _reload(self) -> None:
+        started = time.monotonic()
+        with self.sessions() as s:
+            rows = list(s.scalars(select(WorkerRow).where(WorkerRow.state == "READY")))
+            holds: dict[str, set[str]] = {}
+            for wid, adapter in s.execute(
+                select(PlacementRow.worker_id, PlacementRow.adapter).where(PlacementRow.state == "LOADED")
+            ):
+                holds.setdefault(wid, set()).add(adapter)
+        fresh = {r.id: _live(r, frozenset(holds.get(r.id, ()))) for r in rows}
+        with self._lock:  # what this process wrote while the database was read is newer: keep it
+            for wid, at in self._written.items():
+                if at >= started:
+                    if wid in self._workers:
+                        fresh[wid] = self._workers[wid]
+                    else:
+                        fresh.pop(wid, None)
+            self._written = {wid: at for wid, at in self._written.items() if at >= started}
+            self._workers, self._read_at = fresh, started
 
 
 @dataclass(frozen=True)
@@ -71,6 +154,7 @@ class Candidate:
 class Placement:
     def __init__(self, sessions: sessionmaker, catalog: Catalog, lease_seconds: int) -> None:
         self.sessions, self.catalog, self.lease = sessions, catalog, timedelta(seconds=lease_seconds)
+        self.fleet = Fleet(sessions)
 
     def register(
         self,
@@ -109,6 +193,7 @@ class Placement:
                     *(known.aliases or []),
                     *(a for a in names if a not in (known.aliases or [])),
                 ]
+            replaced = list(s.scalars(select(WorkerRow.id).where(WorkerRow.address == address)))
             s.execute(delete(WorkerRow).where(WorkerRow.address == address))
             row = WorkerRow(
                 id=uuid.uuid4().hex,
@@ -125,7 +210,9 @@ class Placement:
             )
             s.add(row)
             s.commit()
-            return row
+        self.fleet.drop(*replaced)
+        self.fleet.put(_live(row, frozenset()))
+        return row
 
     def heartbeat(
         self,
@@ -147,33 +234,50 @@ class Placement:
             worker.cached = {a[:160]: t for a, t in (cached or {}).items() if t in ("HOST", "DISK")}
             if usage is not None:
                 worker.usage = {a[:160]: [int(x) for x in v[:5]] for a, v in list(usage.items())[:MAX_USAGE]}
-            s.execute(delete(PlacementRow).where(PlacementRow.worker_id == worker_id))
             reported = {r.adapter for r in slots if r.adapter}
+            on_host = {a for a, t in worker.cached.items() if t == "HOST"}
+            # one query for every version of every name in the report: placement ids, READY and retired
+            ids: dict[str, int] = {}
+            ready, retired = set(), set()
+            for adapter_id, name, version, state, is_retired in s.execute(
+                select(
+                    AdapterRow.id, AdapterRow.name, AdapterRow.version, AdapterRow.state, AdapterRow.retired
+                ).where(AdapterRow.name.in_({k.partition("@")[0] for k in reported | on_host}))
+            ):
+                key = f"{name}@{version}"
+                ids[key] = adapter_id
+                if state == "READY":
+                    (retired if is_retired else ready).add(key)
+            # bring the worker's placement rows to the report, touching only the slots that changed (a
+            # steady worker's heartbeat writes no placement row)
+            held = {
+                p.slot: p for p in s.scalars(select(PlacementRow).where(PlacementRow.worker_id == worker_id))
+            }
             for r in slots:
                 if not r.adapter:
                     continue
-                name, _, version = r.adapter.partition("@")
-                adapter_id = (
-                    s.scalar(
-                        select(AdapterRow.id).where(
-                            AdapterRow.name == name, AdapterRow.version == int(version)
+                row = held.pop(r.slot, None)
+                if row is not None and row.adapter != r.adapter:
+                    s.delete(row)
+                    s.flush()  # the (worker, slot) pair is unique: the old row goes before the new one
+                    row = None
+                if row is None:
+                    s.add(
+                        PlacementRow(
+                            worker_id=worker_id,
+                            adapter=r.adapter,
+                            adapter_id=ids.get(r.adapter),
+                            slot=r.slot,
+                            state=r.state,
+                            pinned=r.pinned,
+                            refcount=r.refcount,
+                            last_used=now,
                         )
                     )
-                    if version.isdigit()
-                    else None
-                )
-                s.add(
-                    PlacementRow(
-                        worker_id=worker_id,
-                        adapter=r.adapter,
-                        adapter_id=adapter_id,
-                        slot=r.slot,
-                        state=r.state,
-                        pinned=r.pinned,
-                        refcount=r.refcount,
-                        last_used=now,
-                    )
-                )
+                elif (row.state, row.pinned, row.refcount) != (r.state, r.pinned, r.refcount):
+                    row.state, row.pinned, row.refcount, row.last_used = r.state, r.pinned, r.refcount, now
+            for row in held.values():  # slots the report leaves empty
+                s.delete(row)
             orders = list(s.scalars(select(UnloadOrderRow).where(UnloadOrderRow.worker_id == worker_id)))
             done = [o for o in orders if o.adapter not in reported]
             for o in done:  # the worker no longer holds it: the order is fulfilled
@@ -184,15 +288,6 @@ class Placement:
             # (an alias moved away from it) is drained: unloaded once no request uses it.
             # Adapters kept in host memory are checked too: a deleted one is forgotten there (and in any
             # weighted mix holding it), so no request can reach it again.
-            on_host = {a for a, t in worker.cached.items() if t == "HOST"}
-            ready, retired = set(), set()
-            for name, version, is_retired in s.execute(
-                select(AdapterRow.name, AdapterRow.version, AdapterRow.retired).where(
-                    AdapterRow.state == "READY",
-                    AdapterRow.name.in_({k.partition("@")[0] for k in reported | on_host}),
-                )
-            ):
-                (retired if is_retired else ready).add(f"{name}@{version}")
             ordered = {o.adapter for o in pending}
             for key in sorted(reported - ordered):
                 if key in retired:
@@ -202,7 +297,9 @@ class Placement:
             for key in sorted(on_host - reported - ordered - ready - retired):
                 pending.append(Order(key, f"adapter {key} is not in the registry"))
             s.commit()
-            return worker, pending
+        loaded = frozenset(r.adapter for r in slots if r.adapter and r.state == "LOADED")
+        self.fleet.put(_live(worker, loaded))
+        return worker, pending
 
     def expire(self) -> list[str]:
         """Drop the placements of every worker whose lease ran out; returns their ids."""
@@ -217,7 +314,8 @@ class Placement:
                 w.state = "EXPIRED"
                 s.execute(delete(PlacementRow).where(PlacementRow.worker_id == w.id))
             s.commit()
-            return [w.id for w in stale]
+        self.fleet.drop(*(w.id for w in stale))
+        return [w.id for w in stale]
 
     def list_workers(self, model_id: str = "", include_expired: bool = False) -> list[WorkerRow]:
         self.expire()
@@ -238,43 +336,23 @@ class Placement:
         if ref:
             row = self.catalog.get(ref, routing_key)
             key, model = row.key, row.base_model
-        with self.sessions() as s:
-            q = select(WorkerRow).where(WorkerRow.state == "READY", WorkerRow.lease_expires_at > now)
-            if model is not None:
-                q = q.where(WorkerRow.model_id == model)
-            workers = list(s.scalars(q))
-            holders = set()
-            if key:
-                holders = set(
-                    s.scalars(
-                        select(PlacementRow.worker_id).where(
-                            PlacementRow.adapter == key, PlacementRow.state == "LOADED"
-                        )
-                    )
-                )
+        workers = [w for w in self.fleet.live(now) if model is None or w.model_id == model]
 
-        def tier(w: WorkerRow) -> str:
-            return "DEVICE" if w.id in holders else (w.cached or {}).get(key, "") if key else ""
+        def tier(w: LiveWorker) -> str:
+            return ("DEVICE" if key in w.holds else w.cached.get(key, "")) if key else ""
 
-        def rank(w: WorkerRow) -> tuple:
+        def rank(w: LiveWorker) -> tuple:
             """Device slot > host memory > disk cache > cold (free slots first), then the least busy."""
-            busy, t = w.running + w.waiting, tier(w)
+            busy, t = w.load.running + w.load.waiting, tier(w)
             if t:
                 return (TIERS.index(t), busy, 0, w.id)
-            if w.free_slots > 0:
-                return (3, -w.free_slots, busy, w.id)
+            if w.load.free_slots > 0:
+                return (3, -w.load.free_slots, busy, w.id)
             return (4, busy, 0, w.id)
 
         ranked = sorted(workers, key=rank)[:limit]
         return key, [
-            Candidate(
-                w.id,
-                w.address,
-                w.id in holders,
-                Load(w.running, w.waiting, w.free_slots, w.utilization),
-                tier(w),
-            )
-            for w in ranked
+            Candidate(w.id, w.address, bool(key) and key in w.holds, w.load, tier(w)) for w in ranked
         ]
 
 
