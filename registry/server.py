@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 from datetime import datetime
 from typing import Any
@@ -43,10 +44,9 @@ SERVICE_NAMES = (
 
 
 def ts(value: datetime | None) -> Timestamp:
-    out = Timestamp()
-    if value is not None:
-        out.FromDatetime(as_utc(value))
-    return out
+    if value is None:
+        return Timestamp()
+    return Timestamp(seconds=math.floor(as_utc(value).timestamp()), nanos=value.microsecond * 1000)
 
 
 def targets_to_proto(targets) -> list[registry_pb2.AliasTarget]:
@@ -219,15 +219,13 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
         return out
 
     async def ListAdapters(self, request, context):
-        rows, token = await _call(
-            context,
-            self.catalog.list,
-            request.page_size,
-            request.page_token,
-            request.base_model,
-            request.name_prefix,
-        )
-        aliases = await _call(context, self.catalog.aliases.of_names, [r.name for r in rows])
+        def page():  # both reads in one hop to the thread pool
+            rows, token = self.catalog.list(
+                request.page_size, request.page_token, request.base_model, request.name_prefix
+            )
+            return rows, token, self.catalog.aliases.of_names([r.name for r in rows])
+
+        rows, token, aliases = await _call(context, page)
         return registry_pb2.ListAdaptersResponse(
             adapters=[adapter_to_proto(r, aliases.get(r.name, [])) for r in rows], next_page_token=token
         )
