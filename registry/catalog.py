@@ -218,14 +218,24 @@ class Catalog:
     def get(self, ref: str, routing_key: str = "") -> AdapterRow:
         """``name`` (latest), ``name@3``, or ``name@alias`` (its version, or one of its split drawn by weight,
         deterministically per ``routing_key`` when given)."""
+        return self._read(ref, routing_key, select(AdapterRow), lambda s, q: s.scalars(q).first())
+
+    def resolve(self, ref: str, routing_key: str = "") -> tuple[str, str]:
+        """Like :meth:`get`, but only ``("name@version", base_model)``: LocateAdapter's hot path reads two
+        columns, not a mapped object."""
+        cols = select(AdapterRow.name, AdapterRow.version, AdapterRow.base_model)
+        name, version, base_model = self._read(ref, routing_key, cols, lambda s, q: s.execute(q).first())
+        return f"{name}@{version}", base_model
+
+    def _read(self, ref: str, routing_key: str, q, fetch):
         parsed = parse_ref(ref)
         name, version = parsed.name, parsed.version
         if parsed.alias is not None:
             version, _ = self.aliases.resolve(name, parsed.alias, routing_key)
+        q = q.where(AdapterRow.name == name, AdapterRow.state == "READY")
+        q = q.where(AdapterRow.version == version) if version else q.order_by(AdapterRow.version.desc())
         with self.sessions() as s:
-            q = select(AdapterRow).where(AdapterRow.name == name, AdapterRow.state == "READY")
-            q = q.where(AdapterRow.version == version) if version else q.order_by(AdapterRow.version.desc())
-            row = s.scalars(q.limit(1)).first()
+            row = fetch(s, q.limit(1))
         if row is None:
             raise NotFound(f"adapter {ref!r} does not exist")
         return row

@@ -334,8 +334,7 @@ class Placement:
         now = utcnow()
         key, model = "", None
         if ref:
-            row = self.catalog.get(ref, routing_key)
-            key, model = row.key, row.base_model
+            key, model = self.catalog.resolve(ref, routing_key)
         workers = [w for w in self.fleet.live(now) if model is None or w.model_id == model]
 
         def tier(w: LiveWorker) -> str:
