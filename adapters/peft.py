@@ -170,23 +170,55 @@ def _check_header(data: bytes) -> None:
             )
 
 
+# safetensors dtype -> numpy (little-endian, as the format stores them); BF16 is widened by hand
+_NUMPY_DTYPES = {
+    "F64": "<f8",
+    "F32": "<f4",
+    "F16": "<f2",
+    "I64": "<i8",
+    "I32": "<i4",
+    "I16": "<i2",
+    "I8": "i1",
+}
+_NUMPY_DTYPES |= {"U8": "u1", "BOOL": "?"}
+
+
+def safetensors_to_numpy(data: bytes) -> dict[str, np.ndarray]:
+    """safetensors bytes -> numpy arrays, BF16 widened to float32 (exact: a bfloat16 is a float32's top
+    16 bits). ``safetensors.numpy`` refuses BF16 (numpy has no such type: TypeError or ValueError, and
+    since safetensors 0.8 KeyError('BF16'), its flax loader too), so such files are read through
+    ``safetensors.deserialize``; malformed bytes raise ``SafetensorError``."""
+    from safetensors import deserialize
+    from safetensors.numpy import load
+
+    try:
+        return load(data)
+    except (TypeError, ValueError, KeyError) as exc:
+        if "bfloat16" not in str(exc) and "BF16" not in str(exc):
+            raise
+    out = {}
+    for name, info in deserialize(data):
+        if info["dtype"] == "BF16":
+            bits = np.frombuffer(info["data"], "<u2").astype("<u4")
+            bits <<= 16
+            array = bits.view("<f4")
+        elif info["dtype"] in _NUMPY_DTYPES:
+            array = np.frombuffer(info["data"], _NUMPY_DTYPES[info["dtype"]])
+        else:
+            raise ValueError(f"tensor {name} has dtype {info['dtype']}, which numpy cannot hold")
+        out[name] = array.reshape(info["shape"])
+    return out
+
+
 def load_tensors(data: bytes) -> dict[str, np.ndarray]:
     """safetensors bytes -> float32 numpy arrays, refusing anything malformed with AdapterError."""
     from safetensors import SafetensorError
-    from safetensors.numpy import load
 
     _check_header(data)
     try:
-        tensors = load(data)
-    except (SafetensorError, ValueError, TypeError) as exc:
-        if "bfloat16" not in str(exc) and "BF16" not in str(exc):
-            raise AdapterError(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from exc
-        from safetensors.flax import load as load_flax
-
-        try:
-            tensors = {k: np.asarray(v, dtype=np.float32) for k, v in load_flax(data).items()}
-        except (SafetensorError, ValueError) as exc2:
-            raise AdapterError(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc2}") from exc2
+        tensors = safetensors_to_numpy(data)
+    except (SafetensorError, ValueError, TypeError, KeyError) as exc:
+        raise AdapterError(f"{WEIGHTS_FILE} is not a valid safetensors file: {exc}") from exc
     return {k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()}
 
 

@@ -9,23 +9,37 @@ object as the last line.
 
     python bench/decode.py            # the full workload (a few minutes on 2 cores)
     python bench/decode.py --tiny     # a seconds-long smoke run (used by the tests)
+
+On an accelerator (``bench/device.sh`` runs this): ``--shape 8b --dtype bfloat16`` builds an 8B-shaped
+random Llama (hidden 4096, 32 layers, intermediate 14336, 32/8 heads, vocab 128256) in bf16 on the
+device (torch on ``cuda`` when there is one), writes the adapters' safetensors directly (peft's names,
+one peft-made template) and runs transformers/peft on the same device in the same dtype. ``--batch
+64,16`` measures several batches in one process (one model load): one JSON line per batch, as each is
+complete. ``--workdir`` keeps the built model for a later run (``--build-only`` only builds it),
+``--lazy-compile`` compiles the shapes the rows use instead of every bucket at start-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
-import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from threading import Event
 
+import _source_tree  # in bench/, first on sys.path
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+_source_tree.use()  # loraserve from this repository, installed or not
+# On a GPU JAX would take 75 % of the memory at start-up; torch runs in this process too.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FULL = dict(
@@ -54,6 +68,110 @@ TINY = dict(
     rank=4,
     adapters=4,
 )
+
+# 8B-shaped (Llama-3-8B's sizes, random weights): the accelerator run (bench/device.sh)
+EIGHT_B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    batch=16,
+    prompt=64,
+    new=32,
+    rank=16,
+    adapters=16,
+)
+SHAPES = {"bench": FULL, "tiny": TINY, "8b": EIGHT_B}
+MODEL_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+)
+
+
+def torch_device() -> str:
+    """Where the torch side (the direct build, transformers, peft) runs: ``cuda`` when there is one."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def hf_load(path: Path, dtype: str):
+    """``AutoModelForCausalLM.from_pretrained`` in ``dtype`` (``dtype=`` since transformers 4.56, before
+    that ``torch_dtype=``)."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
+    key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    return AutoModelForCausalLM.from_pretrained(str(path), **{key: getattr(torch, dtype)})
+
+
+def build_direct(workdir: Path, w: dict, dtype: str, context: int = 256) -> tuple[Path, list[Path]]:
+    """Like :func:`build`, fast enough for an 8B shape: the random model is made in ``dtype`` on the torch
+    device (HF's own init) and saved; peft makes one adapter (the template: its tensor names, shapes and
+    ``adapter_config.json``), and every adapter's weights are then drawn on the device (N(0, 0.01²), seeded
+    by its index) and written straight to safetensors in ``dtype``."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loraserve.testing import make_adapter
+
+    device = torch_device()
+    config = AutoConfig.for_model(
+        "llama",
+        bos_token_id=1,
+        eos_token_id=2,
+        max_position_embeddings=context,
+        **{k: w[k] for k in MODEL_KEYS},
+    )
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config)
+    model = model.to(getattr(torch, dtype)).eval()
+    base = workdir / "base"
+    # 2 GB files: loading one holds its bytes twice besides the float32 copy (worker.checkpoint)
+    model.save_pretrained(str(base), safe_serialization=True, max_shard_size="2GB")
+    template = workdir / "template"
+    make_adapter(model, template, r=w["rank"], alpha=2.0 * w["rank"], targets=MODULES, seed=0, scale=0.01)
+    del model
+    shapes = {k: tuple(v.shape) for k, v in load_file(str(template / "adapter_model.safetensors")).items()}
+    adapters = []
+    for i in range(w["adapters"]):
+        out = workdir / f"a{i}"
+        out.mkdir(parents=True, exist_ok=True)
+        gen = torch.Generator(device=device).manual_seed(i)
+        tensors = {
+            k: (0.01 * torch.randn(s, generator=gen, device=device)).to(getattr(torch, dtype)).cpu()
+            for k, s in shapes.items()
+        }
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        shutil.copy(template / "adapter_config.json", out / "adapter_config.json")
+        adapters.append(out)
+    return base, adapters
+
+
+def build_or_reuse(workdir: Path, w: dict, dtype: str, direct: bool) -> tuple[Path, list[Path]]:
+    """:func:`build` / :func:`build_direct` into ``workdir``, unless ``workdir/built.json`` says it holds
+    the same model and at least ``w['adapters']`` adapters already (then those are returned)."""
+    marker = workdir / "built.json"
+    want = {"model": {k: w[k] for k in (*MODEL_KEYS, "rank")}, "dtype": dtype, "direct": direct}
+    if marker.exists():
+        have = json.loads(marker.read_text())
+        if have.get("key") == want and have.get("adapters", 0) >= w["adapters"]:
+            return workdir / "base", [workdir / f"a{i}" for i in range(w["adapters"])]
+        marker.unlink()
+    workdir.mkdir(parents=True, exist_ok=True)
+    base, adapters = build_direct(workdir, w, dtype) if direct else build(workdir, w)
+    marker.write_text(json.dumps({"key": want, "adapters": len(adapters)}))
+    return base, adapters
 
 
 def build(workdir: Path, w: dict, context: int = 256) -> tuple[Path, list[Path]]:
@@ -180,9 +298,16 @@ def run_engine(
     lora_dtype: str = "",
     ttft: bool = True,
     extra: dict[str, Path] | None = None,
+    checkpoint=None,
+    dtype: str = "float32",
+    lazy: bool = False,
 ) -> dict[str, dict[str, float]]:
     """loraserve's engine for base-only, 1 adapter and len(adapters) distinct adapters (+ TTFTs); with
-    ``extra`` (:func:`build_extra`) also distinct DoRA adapters and distinct two-adapter mixes."""
+    ``extra`` (:func:`build_extra`) also distinct DoRA adapters and distinct two-adapter mixes.
+
+    ``checkpoint``: ``base`` already loaded (in ``dtype``), shared by several engines. ``lazy``: no
+    warm-up; each shape compiles when first run, and one untimed round of every row comes first.
+    """
     from loraserve.adapters.sources import LocalAdapterSource
     from loraserve.worker.checkpoint import load_checkpoint
     from loraserve.worker.config import EngineConfig
@@ -204,11 +329,12 @@ def run_engine(
         min_prefill_bucket=w["prompt"],
         max_cpu_loras=0,  # every load reads the local store: the cold TTFT below is really cold
         kernel_backend=backend,
+        dtype=dtype,
         lora_dtype=lora_dtype,
     )
-    engine = Engine(load_checkpoint(str(base)), cfg, source=src)
+    engine = Engine(checkpoint or load_checkpoint(str(base), dtype=dtype), cfg, source=src)
     label = f"loraserve[{engine.backend}, {cfg.pool_dtype} pools]"
-    engine.start()
+    engine.start(warmup=not lazy)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, w["vocab_size"], w["prompt"]).tolist() for _ in range(w["batch"])]
 
@@ -248,6 +374,8 @@ def run_engine(
     rows = adapter_rows(w, len(adapters), extra is not None)
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in rows}
     out: dict[str, dict[str, float]] = {}
+    for refs in rows.values() if lazy else ():
+        one_round(refs, w["new"])  # compiles what the row runs
     for _ in range(rounds):  # interleaved: the VM's drift over minutes hits every row alike
         for name, refs in rows.items():
             one_round(refs, 2)  # loads the adapters (and writes the mixes) before timing
@@ -293,57 +421,91 @@ def cold_vs_warm_ttft(engine, prompt: list[int], n_adapters: int) -> dict[str, f
     return {"warm_ms": 1000 * warm, "cold_ms": 1000 * cold, "ratio": cold / warm}
 
 
-def run_hf(base: Path, adapters: list[Path], w: dict, rounds: int) -> dict[str, dict[str, float]]:
-    """transformers generate (no LoRA) and peft mixed-adapter generate(adapter_names=...), greedy."""
+def run_hf(
+    base: Path, adapters: list[Path], ws: list[dict], rounds: int, dtype: str = "float32"
+) -> Iterator[tuple[int, dict[str, dict[str, float]]]]:
+    """transformers generate (no LoRA) and peft mixed-adapter generate(adapter_names=...), greedy, in
+    ``dtype`` on the torch device, for each workload of ``ws``: yields ``(index, {"hf_base": …,
+    "peft_mixed": …})`` as each workload's pair is complete. One model serves every workload: first
+    transformers, then peft wrapping that same model with ``adapters`` (workload ``w`` names the first
+    ``w['adapters']``). In bf16 the adapters stay bf16 (peft would otherwise upcast them to f32)."""
+    import inspect
+
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    rng = np.random.default_rng(0)
-    ids = torch.tensor(rng.integers(3, w["vocab_size"], (w["batch"], w["prompt"])))
+    device = torch_device()
 
-    def timer(generate):
+    def timer(generate, ids):
         def timed_round(new: int) -> float:
             t = time.perf_counter()
             with torch.no_grad():
                 generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            if device == "cuda":
+                torch.cuda.synchronize()
             return time.perf_counter() - t
 
         timed_round(2)  # warm-up
         return timed_round
 
-    hf = AutoModelForCausalLM.from_pretrained(str(base)).eval()
-    out = {"hf_base": decode_rates(timer(hf.generate), w, rounds)}
-    _report("transformers generate", out["hf_base"])
-    pm = PeftModel.from_pretrained(
-        AutoModelForCausalLM.from_pretrained(str(base)), str(adapters[0]), adapter_name="a0"
-    )
-    for i, path in enumerate(adapters[1:], start=1):
-        pm.load_adapter(str(path), adapter_name=f"a{i}")
+    prompts = [
+        torch.tensor(np.random.default_rng(0).integers(3, w["vocab_size"], (w["batch"], w["prompt"]))).to(
+            device
+        )
+        for w in ws
+    ]
+    hf = hf_load(base, dtype).to(device).eval()
+    base_rates = []
+    for w, ids in zip(ws, prompts, strict=True):
+        base_rates.append(decode_rates(timer(hf.generate, ids), w, rounds))
+        _report(f"transformers generate, batch {w['batch']}", base_rates[-1])
+    kw = {}
+    if dtype != "float32":
+        accepts = inspect.signature(PeftModel.load_adapter).parameters
+        kw = {
+            k: v for k, v in (("autocast_adapter_dtype", False), ("low_cpu_mem_usage", True)) if k in accepts
+        }
+    pm = PeftModel.from_pretrained(hf, str(adapters[0]), adapter_name="a0", **kw)
+    for i, path in enumerate(adapters[1 : max(w["adapters"] for w in ws)], start=1):
+        pm.load_adapter(str(path), adapter_name=f"a{i}", **kw)
     pm.eval()
-    names = [f"a{i % len(adapters)}" for i in range(w["batch"])]
-    out["peft_mixed"] = decode_rates(
-        timer(lambda x, **kw: pm.generate(input_ids=x, adapter_names=names, **kw)), w, rounds
-    )
-    _report("peft mixed-adapter generate", out["peft_mixed"])
-    return out
+    for k, (w, ids) in enumerate(zip(ws, prompts, strict=True)):
+        names = [f"a{i % w['adapters']}" for i in range(w["batch"])]
+        rates = decode_rates(
+            timer(lambda x, names=names, **kw: pm.generate(input_ids=x, adapter_names=names, **kw), ids),
+            w,
+            rounds,
+        )
+        _report(f"peft mixed-adapter generate, batch {w['batch']}", rates)
+        yield k, {"hf_base": base_rates[k], "peft_mixed": rates}
 
 
-def machine_peaks(repeats: int = 10) -> dict[str, float]:
+def machine_peaks(repeats: int = 10, dtype: str = "float32") -> dict[str, float]:
     """f32 matmul GFLOP/s (numpy, 2048²) and memory read GB/s (a jitted sum over 256 MB: a decode step
     streams weights, it does not copy them), measured now; each the best of ``repeats`` runs, since a
-    peak is a maximum and this machine's speed drifts."""
+    peak is a maximum and this machine's speed drifts. On an accelerator: a jitted 8192² matmul in
+    ``dtype`` and a sum over 2 GiB, on the device."""
     import jax
     import jax.numpy as jnp
 
-    a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)
-    a @ a
     flops = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+    if jax.default_backend() == "cpu":
+        a = np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32)
         a @ a
-        flops.append(2 * 2048**3 / (time.perf_counter() - t) / 1e9)
-    big = jnp.ones(64 * 1024 * 1024, jnp.float32)  # 256 MB
+        for _ in range(repeats):
+            t = time.perf_counter()
+            a @ a
+            flops.append(2 * 2048**3 / (time.perf_counter() - t) / 1e9)
+        big = jnp.ones(64 * 1024 * 1024, jnp.float32)  # 256 MB
+    else:
+        m = jnp.ones((8192, 8192), dtype)
+        mm = jax.jit(lambda x: x @ x)
+        mm(m).block_until_ready()
+        for _ in range(repeats):
+            t = time.perf_counter()
+            mm(m).block_until_ready()
+            flops.append(2 * 8192**3 / (time.perf_counter() - t) / 1e9)
+        big = jnp.ones(512 * 1024 * 1024, jnp.float32)  # 2 GiB
     total = jax.jit(jnp.sum)
     total(big).block_until_ready()
     reads = []
@@ -362,8 +524,9 @@ def lora_bytes(w: dict, itemsize: int = 4) -> int:
     return itemsize * min(w["batch"], w["adapters"]) * per_adapter
 
 
-def roofline_ms(w: dict, peaks: dict[str, float], pool_itemsize: int = 4) -> float:
-    """Lower bound of one decode step: max(flops / peak, bytes / bandwidth), LoRA and KV cache included."""
+def roofline_ms(w: dict, peaks: dict[str, float], pool_itemsize: int = 4, weight_itemsize: int = 4) -> float:
+    """Lower bound of one decode step: max(flops / peak, bytes / bandwidth), LoRA and KV cache included
+    (weights and KV cache of ``weight_itemsize`` bytes an element, slot pools of ``pool_itemsize``)."""
     h, i, L, v = w["hidden_size"], w["intermediate_size"], w["num_hidden_layers"], w["vocab_size"]
     kv = h // w["num_attention_heads"] * w["num_key_value_heads"]
     layer = h * (h + 2 * kv) + h * h + 3 * h * i
@@ -371,7 +534,7 @@ def roofline_ms(w: dict, peaks: dict[str, float], pool_itemsize: int = 4) -> flo
     lora_per_adapter = lora_bytes({**w, "batch": 1, "adapters": 1}) // 4
     seq = w["prompt"] + w["new"] // 2
     flops = 2 * w["batch"] * (weights + lora_per_adapter) + 4 * w["batch"] * L * seq * h
-    bytes_ = 4 * (weights + 2 * w["batch"] * L * seq * kv) + lora_bytes(w, pool_itemsize)
+    bytes_ = weight_itemsize * (weights + 2 * w["batch"] * L * seq * kv) + lora_bytes(w, pool_itemsize)
     return 1000 * max(flops / (peaks["peak_gflops"] * 1e9), bytes_ / (peaks["peak_gbs"] * 1e9))
 
 
@@ -385,40 +548,26 @@ def adapter_ratio_bound(
     return base_step_ms / (base_step_ms + 1000 * lora_bytes(w, pool_itemsize) / (peaks["peak_gbs"] * 1e9))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--batch", type=int, help="override the batch size (and the number of adapters)")
-    parser.add_argument("--skip-hf", action="store_true", help="skip the transformers/peft peers")
-    args = parser.parse_args()
-    w = dict(TINY if args.tiny else FULL)
-    if args.batch:
-        w.update(batch=args.batch, adapters=args.batch)
-    with tempfile.TemporaryDirectory() as tmp:
-        base, adapters = build(Path(tmp), w)
-        extra = build_extra(Path(tmp), base, w)
-        peaks = machine_peaks()
-        ours: dict[str, dict[str, float]] = {}
-        for suffix, (backend, lora_dtype) in ENGINES.items():
-            runs = run_engine(
-                base,
-                adapters,
-                w,
-                args.rounds,
-                backend,
-                lora_dtype,
-                ttft=not suffix,
-                extra=None if suffix else extra,
-            )
-            ours.update({name + suffix: r for name, r in runs.items()})
-        peers = {} if args.skip_hf else run_hf(base, adapters, w, args.rounds)
-    ttft = ours.pop("ttft")
-    roof = roofline_ms(w, peaks)
-    roof_bf16 = roofline_ms(w, peaks, pool_itemsize=2)
+# --engines names -> ENGINES keys
+ENGINE_NAMES = {"default": "", "bf16_pools": "_bf16_pools", "xla": "_xla"}
+
+
+def summarize(
+    w: dict,
+    ours: dict[str, dict[str, float]],
+    peers: dict[str, dict[str, float]],
+    peaks: dict[str, float],
+    dtype: str = "float32",
+) -> dict:
+    """The JSON object of one workload: rates, ratios and roofline of the engines (and peers) that ran."""
+    ours = dict(ours)
+    ttft = ours.pop("ttft", None)
+    size = 2 if dtype == "bfloat16" else 4
+    pool = {"": size, "_bf16_pools": 2, "_xla": size}  # bytes an element of each engine's slot pools
+    ran = [s for s in ENGINES if "base" + s in ours]
     allruns = {**ours, **peers}
     dec = {k: v["decode_tok_s"] for k, v in allruns.items()}
-    result = {
+    result: dict = {
         "bench": "decode",
         "workload": {
             k: w[k]
@@ -427,39 +576,170 @@ def main() -> None:
         "decode_tok_s": {k: round(v, 1) for k, v in dec.items()},
         "e2e_tok_s": {k: round(v["e2e_tok_s"], 1) for k, v in allruns.items()},
         "step_ms": {k: round(v["step_ms"], 2) for k, v in allruns.items()},
-        "ttft_ms": {"warm": round(ttft["warm_ms"], 1), "cold": round(ttft["cold_ms"], 1)},
-        "roofline_step_ms": round(roof, 2),
-        "roofline_fraction": round(roof / ours["distinct_adapters"]["step_ms"], 3),
-        "roofline_fraction_bf16_pools": round(roof_bf16 / ours["distinct_adapters_bf16_pools"]["step_ms"], 3),
-        "ratios": {
-            "distinct_adapters_vs_base": round(dec["distinct_adapters"] / dec["base"], 3),
-            "distinct_adapters_vs_base_serial_bound": round(
-                adapter_ratio_bound(ours["base"]["step_ms"], w, peaks), 3
-            ),
-            "distinct_adapters_bf16_pools_vs_base": round(
-                dec["distinct_adapters_bf16_pools"] / dec["base_bf16_pools"], 3
-            ),
-            "distinct_adapters_bf16_pools_vs_base_serial_bound": round(
-                adapter_ratio_bound(ours["base_bf16_pools"]["step_ms"], w, peaks, pool_itemsize=2), 3
-            ),
-            "distinct_adapters_xla_vs_base": round(dec["distinct_adapters_xla"] / dec["base_xla"], 3),
-            "one_adapter_vs_base": round(dec["one_adapter"] / dec["base"], 3),
-            "distinct_dora_vs_base": round(dec["distinct_dora"] / dec["base"], 3),
-            "distinct_mixes_vs_base": round(dec["distinct_mixes"] / dec["base"], 3),
-            "cold_vs_warm_ttft": round(ttft["ratio"], 2),
-        },
-        **{k: round(v, 1) for k, v in peaks.items()},
     }
-    if peers:
-        for suffix in ENGINES:
-            result["ratios"][f"distinct_adapters{suffix}_vs_peft_mixed"] = round(
-                dec["distinct_adapters" + suffix] / dec["peft_mixed"], 2
-            )
-        result["ratios"]["base_vs_transformers"] = round(dec["base"] / dec["hf_base"], 2)
-        result["ratios"]["e2e_distinct_adapters_vs_peft_mixed"] = round(
-            allruns["distinct_adapters"]["e2e_tok_s"] / allruns["peft_mixed"]["e2e_tok_s"], 2
+    if ttft:
+        result["ttft_ms"] = {"warm": round(ttft["warm_ms"], 1), "cold": round(ttft["cold_ms"], 1)}
+    if "" in ran:
+        roof = roofline_ms(w, peaks, pool[""], size)
+        result["roofline_step_ms"] = round(roof, 2)
+        result["roofline_fraction"] = round(roof / ours["distinct_adapters"]["step_ms"], 3)
+    if "_bf16_pools" in ran:
+        roof_bf16 = roofline_ms(w, peaks, 2, size)
+        result["roofline_fraction_bf16_pools"] = round(
+            roof_bf16 / ours["distinct_adapters_bf16_pools"]["step_ms"], 3
         )
-    print(json.dumps(result))
+    ratios = result["ratios"] = {}
+    for s in ran:
+        if s != "_xla":
+            ratios[f"distinct_adapters{s}_vs_base"] = round(dec["distinct_adapters" + s] / dec["base" + s], 3)
+            ratios[f"distinct_adapters{s}_vs_base_serial_bound"] = round(
+                adapter_ratio_bound(ours["base" + s]["step_ms"], w, peaks, pool[s]), 3
+            )
+    if "_xla" in ran:
+        ratios["distinct_adapters_xla_vs_base"] = round(dec["distinct_adapters_xla"] / dec["base_xla"], 3)
+    if "" in ran:
+        ratios["one_adapter_vs_base"] = round(dec["one_adapter"] / dec["base"], 3)
+    if "distinct_dora" in dec:
+        ratios["distinct_dora_vs_base"] = round(dec["distinct_dora"] / dec["base"], 3)
+        ratios["distinct_mixes_vs_base"] = round(dec["distinct_mixes"] / dec["base"], 3)
+    if ttft:
+        ratios["cold_vs_warm_ttft"] = round(ttft["ratio"], 2)
+    result.update({k: round(v, 1) for k, v in peaks.items()})
+    if peers:
+        for s in ran:
+            ratios[f"distinct_adapters{s}_vs_peft_mixed"] = round(
+                dec["distinct_adapters" + s] / dec["peft_mixed"], 2
+            )
+        if "" in ran:
+            ratios["base_vs_transformers"] = round(dec["base"] / dec["hf_base"], 2)
+            ratios["e2e_distinct_adapters_vs_peft_mixed"] = round(
+                allruns["distinct_adapters"]["e2e_tok_s"] / allruns["peft_mixed"]["e2e_tok_s"], 2
+            )
+    return result
+
+
+def platform_info() -> dict[str, str]:
+    """The devices loraserve (JAX) and the peers (torch) ran on."""
+    import jax
+    import torch
+
+    dev = jax.devices()[0]
+    return {
+        "jax": f"{jax.default_backend()}: {getattr(dev, 'device_kind', dev.platform)} x{jax.device_count()}",
+        "torch": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (= --shape tiny)")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="bench", help="model and workload")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="the model's, ours and the peers'"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--batch",
+        help="override the batch size (and the number of adapters); a comma list (64,16) runs each in turn "
+        "in one process and prints one JSON line per batch",
+    )
+    parser.add_argument("--adapters", type=int, help="distinct adapters (default: the batch size)")
+    parser.add_argument(
+        "--engines",
+        default=",".join(ENGINE_NAMES),
+        help=f"loraserve configurations to run, a comma list of {', '.join(ENGINE_NAMES)}",
+    )
+    parser.add_argument("--no-extra", action="store_true", help="skip the DoRA and mix rows")
+    parser.add_argument("--skip-ttft", action="store_true", help="skip the cold vs warm TTFT")
+    parser.add_argument("--skip-hf", action="store_true", help="skip the transformers/peft peers")
+    parser.add_argument("--workdir", help="build the model and adapters here, reuse them when there")
+    parser.add_argument("--build-only", action="store_true", help="build (or find) them, then stop")
+    parser.add_argument(
+        "--lazy-compile",
+        action="store_true",
+        help="no engine warm-up: compile the shapes the rows run (an untimed round each) instead of all",
+    )
+    parser.add_argument("--compilation-cache", help="JAX's persistent compilation cache folder")
+    args = parser.parse_args()
+    shape = "tiny" if args.tiny else args.shape
+    unknown = set(args.engines.split(",")) - set(ENGINE_NAMES)
+    if unknown:
+        parser.error(f"unknown engines {sorted(unknown)}; expected some of {', '.join(ENGINE_NAMES)}")
+    engines = {
+        ENGINE_NAMES[n]: ENGINES[ENGINE_NAMES[n]] for n in ENGINE_NAMES if n in args.engines.split(",")
+    }
+    workloads = []
+    for b in [int(b) for b in args.batch.split(",")] if args.batch else [0]:
+        w = dict(SHAPES[shape])
+        if b:
+            w.update(batch=b, adapters=b)
+        if args.adapters:
+            w.update(adapters=args.adapters)
+        workloads.append(w)
+    n_adapters = max(w["adapters"] for w in workloads)
+    direct = shape == "8b" or args.dtype != "float32"
+    started = time.perf_counter()
+    with nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory() as tmp:
+        base, adapters = build_or_reuse(
+            Path(tmp), {**workloads[0], "adapters": n_adapters}, args.dtype, direct
+        )
+        if args.build_only:
+            print(json.dumps({"bench": "decode-build", "seconds": round(time.perf_counter() - started, 1),
+                              "shape": shape, "dtype": args.dtype, "adapters": len(adapters),
+                              "base_bytes": sum(f.stat().st_size for f in base.iterdir())}))  # fmt: skip
+            return
+        extra = (
+            None if args.no_extra else build_extra(Path(tmp), base, {**workloads[0], "adapters": n_adapters})
+        )
+        peaks = machine_peaks(dtype=args.dtype)
+        if args.compilation_cache:
+            from loraserve.worker.engine import enable_compilation_cache
+
+            enable_compilation_cache(args.compilation_cache)
+        from loraserve.worker.checkpoint import load_checkpoint
+
+        checkpoint = load_checkpoint(str(base), dtype=args.dtype)  # shared by every engine below
+        ours: list[dict[str, dict[str, float]]] = [{} for _ in workloads]
+        for w, mine in zip(workloads, ours, strict=True):
+            for suffix, (backend, lora_dtype) in engines.items():
+                runs = run_engine(
+                    base,
+                    adapters[: w["adapters"]],
+                    w,
+                    args.rounds,
+                    backend,
+                    lora_dtype,
+                    ttft=not suffix and not args.skip_ttft,
+                    extra=None if suffix else extra,
+                    checkpoint=checkpoint,
+                    dtype=args.dtype,
+                    lazy=args.lazy_compile,
+                )
+                mine.update({name + suffix: r for name, r in runs.items()})
+        del checkpoint
+        about = {}
+        if args.shape != "bench" or args.dtype != "float32":
+            about = {"shape": shape, "dtype": args.dtype, "platform": platform_info()}
+            # lazy: a shape first seen in a timed round (a prefill the engine split differently) compiles
+            # there; the decode phase, timed from the last row's first token, never holds one
+            about["compile"] = "lazy" if args.lazy_compile else "warm-up"
+            about["seconds"] = round(time.perf_counter() - started, 1)
+
+        def emit(k: int, peers: dict, **more) -> None:
+            result = summarize(workloads[k], ours[k], peers, peaks, args.dtype)
+            print(json.dumps({**result, **about, **more}), flush=True)
+
+        if args.skip_hf:
+            for k in range(len(workloads)):
+                emit(k, {})
+            return
+        if len(workloads) > 1:  # our numbers, in case the peers do not finish
+            for k in range(len(workloads)):
+                emit(k, {}, partial=True)
+        for k, peers in run_hf(base, adapters, workloads, args.rounds, args.dtype):
+            if about:
+                about["seconds"] = round(time.perf_counter() - started, 1)
+            emit(k, peers)
 
 
 if __name__ == "__main__":

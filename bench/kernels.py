@@ -19,24 +19,27 @@ is the median wall time of 15 (prefill) or 100 (decode) ``block_until_ready`` ru
 compiled function, the variants timed round-robin.
 The last line printed is one JSON object with all the numbers and ratios
 (``dense_over_x`` = dense time ÷ x time: the fraction of merged-weight throughput x keeps).
+
+``--shape 8b`` times an 8B model's largest projection (in 4096, out 14336, ``bench/device.sh`` on an
+accelerator), ``--shape tiny`` a 128² one with fewer runs (the smoke test), ``--dtype bfloat16`` every
+operand in bf16 (the cpu kernels, which take f32 activations, are then left out).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import json
 import os
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-# `python bench/kernels.py` puts bench/ first on sys.path, where this file would shadow the
-# `kernels` package: look in the repository root instead.
-_HERE, _ROOT = Path(__file__).resolve().parent, Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_ROOT))
+import _source_tree  # in bench/, first on sys.path
+
+# loraserve from this repository, installed or not; bench/, where this file would shadow the `kernels`
+# package, off sys.path
+_source_tree.use()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -49,6 +52,12 @@ D_IN = D_OUT = 1024
 S, R, G = 16, 16, 4
 DECODE_T = (16, 32, 64)
 PREFILL_T = (512, 1024, 2048)
+# --shape: (in, out, prefill token counts, decode runs, prefill runs)
+SHAPES = {
+    "bench": (D_IN, D_OUT, PREFILL_T, 100, 15),
+    "8b": (4096, 14336, PREFILL_T, 100, 15),
+    "tiny": (128, 128, (64, 128, 256), 10, 3),
+}
 
 
 def median_ms(fns: dict, runs: int) -> dict[str, float]:
@@ -93,10 +102,10 @@ def sgmv(x, W, A, B, seg_slots, seg_lens):  # [T, out]
     return kernels.add_lora_sgmv(x @ W, x, A, B, seg_slots, seg_lens)
 
 
-def bench_shape(T: int, prefill: bool, weights, rng) -> dict:
+def bench_shape(T: int, prefill: bool, weights, rng, runs: int = 0) -> dict:
     W, A, B = weights
-    x = jnp.asarray(rng.standard_normal((T, D_IN)), jnp.float32)
-    runs = 15 if prefill else 100
+    x = jnp.asarray(rng.standard_normal((T, W.shape[0])), W.dtype)
+    runs = runs or (15 if prefill else 100)
     if prefill:
         seg_slots = jnp.asarray(rng.permutation(S)[:G], jnp.int32)
         seg_lens = jnp.full((G,), T // G, jnp.int32)
@@ -108,7 +117,7 @@ def bench_shape(T: int, prefill: bool, weights, rng) -> dict:
         "xla": lambda: _with_lora("xla")(x, W, A, B, idx),
         "reference": lambda: _with_lora("reference")(x, W, A, B, idx),
     }
-    if kernels.cpu.available():
+    if kernels.cpu.available() and x.dtype == jnp.float32:
         A16, B16 = A.astype(jnp.bfloat16), B.astype(jnp.bfloat16)
         fns["cpu"] = lambda: _with_lora("cpu")(x, W, A, B, idx)
         fns["cpu_bf16"] = lambda: _with_lora("cpu")(x, W, A16, B16, idx)
@@ -131,20 +140,27 @@ def bench_shape(T: int, prefill: bool, weights, rng) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="bench", help="the projection's size")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    args = parser.parse_args()
+    d_in, d_out, prefill_t, decode_runs, prefill_runs = SHAPES[args.shape]
+    dtype = jnp.dtype(args.dtype)
     t_start = time.perf_counter()
     rng = np.random.default_rng(0)
-    W = jnp.asarray(rng.standard_normal((D_IN, D_OUT)) / np.sqrt(D_IN), jnp.float32)
-    A = jnp.asarray(rng.standard_normal((S, D_IN, R)) / np.sqrt(D_IN), jnp.float32)
-    B = jnp.asarray(rng.standard_normal((S, R, D_OUT)) / np.sqrt(R), jnp.float32)
+    W = jnp.asarray(rng.standard_normal((d_in, d_out)) / np.sqrt(d_in), dtype)
+    A = jnp.asarray(rng.standard_normal((S, d_in, R)) / np.sqrt(d_in), dtype)
+    B = jnp.asarray(rng.standard_normal((S, R, d_out)) / np.sqrt(R), dtype)
+    short = {"float32": "f32", "bfloat16": "bf16"}[args.dtype]
     print(
-        f"kernels bench: in={D_IN} out={D_OUT} S={S} R={R} f32, backend={jax.default_backend()}, "
+        f"kernels bench: in={d_in} out={d_out} S={S} R={R} {short}, backend={jax.default_backend()}, "
         f"{os.cpu_count()} CPUs, jax {jax.__version__}"
     )
     print("lora cost = x@W + add_lora; ratio = dense time / that time (1.0 = as fast as merged weights)")
     rows = []
-    for prefill, Ts in ((False, DECODE_T), (True, PREFILL_T)):
+    for prefill, Ts in ((False, DECODE_T), (True, prefill_t)):
         for T in Ts:
-            row = bench_shape(T, prefill, (W, A, B), rng)
+            row = bench_shape(T, prefill, (W, A, B), rng, prefill_runs if prefill else decode_runs)
             rows.append(row)
             if prefill:
                 extra = f"  sgmv {row['sgmv_ms']:8.3f} ms ({row['dense_over_sgmv']:.2f})"
@@ -159,7 +175,7 @@ def main() -> None:
             )
     summary = {
         "bench": "kernels",
-        "config": {"in": D_IN, "out": D_OUT, "S": S, "R": R, "G_prefill": G, "dtype": "float32"},
+        "config": {"in": d_in, "out": d_out, "S": S, "R": R, "G_prefill": G, "dtype": args.dtype},
         "platform": {"backend": jax.default_backend(), "cpus": os.cpu_count(), "machine": platform.machine()},
         "rows": rows,
         "geomean_dense_over_xla_decode": _geomean(r["dense_over_xla"] for r in rows if r["kind"] == "decode"),

@@ -16,8 +16,8 @@ import fsspec
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import load as load_safetensors_bytes
 
+from loraserve.adapters.peft import safetensors_to_numpy
 from loraserve.common.errors import InvalidArgument
 from loraserve.worker.model_config import ModelConfig
 
@@ -74,12 +74,7 @@ def _iter_tensors(url: str) -> Iterator[tuple[str, np.ndarray]]:
 
 def _load_any_dtype(data: bytes) -> dict[str, np.ndarray]:
     """safetensors bytes -> numpy arrays; bf16 tensors come back as float32 (exact)."""
-    try:
-        return load_safetensors_bytes(data)
-    except (TypeError, ValueError):
-        from safetensors.flax import load as load_flax
-
-        return {k: np.asarray(v.astype(jnp.float32)) for k, v in load_flax(data).items()}
+    return safetensors_to_numpy(data)
 
 
 def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:

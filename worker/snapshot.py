@@ -8,11 +8,12 @@ and never the engine's private state.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from google.protobuf.timestamp_pb2 import Timestamp
-
-from loraserve.protos.v1 import placement_pb2, worker_admin_pb2
 from loraserve.worker.slot_table import Slot, SlotState
+
+if TYPE_CHECKING:
+    from loraserve.protos.v1 import placement_pb2, worker_admin_pb2
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,13 @@ class EngineSnapshot:
         return next((s for s in self.slots if s.adapter == adapter and s.state != SlotState.EMPTY), None)
 
 
+# The generated modules are imported where a proto is made: the engine itself runs without them (bench/device.sh
+# on a machine where they were not generated and grpcio-tools is not installed).
 def slot_info(slot: Slot) -> worker_admin_pb2.SlotInfo:
+    from google.protobuf.timestamp_pb2 import Timestamp
+
+    from loraserve.protos.v1 import worker_admin_pb2
+
     info = worker_admin_pb2.SlotInfo(
         slot=slot.index,
         adapter=slot.adapter,
@@ -75,6 +82,8 @@ def occupied_slot_infos(snap: EngineSnapshot) -> list[worker_admin_pb2.SlotInfo]
 
 
 def worker_load(snap: EngineSnapshot) -> placement_pb2.WorkerLoad:
+    from loraserve.protos.v1 import placement_pb2
+
     return placement_pb2.WorkerLoad(
         running=snap.running,
         waiting=snap.waiting,

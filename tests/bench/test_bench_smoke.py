@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -183,3 +185,54 @@ def test_serve_bench_leaves_no_process_behind_on_ctrl_c(tmp_path) -> None:
     while any(Path(f"/proc/{pid}").exists() for pid in servers) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [pid for pid in servers if Path(f"/proc/{pid}").exists()] == []
+
+
+DEVICE_SH = ROOT / "bench" / "device.sh"
+
+
+def test_device_script_parses_and_reaches_no_network() -> None:
+    """bench/device.sh is valid bash and fetches or installs nothing (an accelerator machine has no network)."""
+    subprocess.run(["bash", "-n", str(DEVICE_SH)], check=True)
+    text = DEVICE_SH.read_text()
+    assert re.findall(r"\b(?:pip3?|curl|wget|apt-get|conda)\b|https?://|git clone", text) == []
+    assert text.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in text
+
+
+@pytest.mark.slow
+def test_device_script_tiny_writes_every_step_and_a_summary(tmp_path) -> None:
+    """`bash bench/device.sh --tiny`: every step's log and JSON, decode per batch, a summary with positive
+    decode rates and ratios for both batches, no step in error, the summary printed last, no scratch left."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    env["JAX_CACHE"] = str(tmp_path / "jax-cache")
+    env.pop("WORK", None)
+    proc = subprocess.run(
+        ["bash", str(DEVICE_SH), "--tiny"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = ("device", "protos", "build", "decode", "kernels")
+    for name in (*steps, "decode_b8", "decode_b4", "summary"):
+        assert (out / f"{name}.json").is_file(), name
+    for name in steps:
+        assert (out / f"{name}.log").is_file(), name
+        assert "error" not in json.loads((out / f"{name}.json").read_text()), name
+    summary = json.loads((out / "summary.json").read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == summary
+    assert {"bench", "shape", "dtype", "batches", "device", "versions", "errors", "decode_tok_s", "step_ms",
+            "ratios", "target", "kernels", "seconds", "results"} <= set(summary)  # fmt: skip
+    assert summary["shape"] == "tiny" and summary["dtype"] == "bfloat16" and summary["batches"] == [8, 4]
+    assert summary["errors"] == {} and summary["device"]["backend"] == "cpu"
+    rows = {"base", "one_adapter", "distinct_adapters", "hf_base", "peft_mixed"}
+    for batch in (8, 4):
+        rates = summary["decode_tok_s"][f"b{batch}"]
+        assert set(rates) == rows and all(v > 0 for v in rates.values()), rates
+        for ratio in ("distinct_adapters_vs_peft_mixed", "base_vs_transformers", "distinct_adapters_vs_base"):
+            assert summary["ratios"][f"{ratio}_b{batch}"] > 0
+        decode = json.loads((out / f"decode_b{batch}.json").read_text())
+        assert decode["workload"]["batch"] == decode["workload"]["adapters"] == batch
+        assert decode["dtype"] == "bfloat16" and "partial" not in decode
+    assert summary["target"]["got"] == summary["ratios"]["distinct_adapters_vs_peft_mixed_b8"]
+    assert summary["target"]["met"] is None  # judged on the 8B shape only
+    assert summary["kernels"]["config"]["dtype"] == "bfloat16"
+    assert summary["results"]["build"]["adapters"] == 8
+    assert not list(tmp_path.glob("loraserve-device.*"))  # its scratch folder is gone
