@@ -81,8 +81,8 @@ def check_targets(targets: Sequence[tuple[int, float]]) -> Targets:
 
 
 class Aliases:
-    def __init__(self, sessions: sessionmaker) -> None:
-        self.sessions = sessions
+    def __init__(self, sessions: sessionmaker, reads: sessionmaker | None = None) -> None:
+        self.sessions, self.reads = sessions, reads or sessions  # reads: autocommit, for of_names
 
     def set(self, name: str, alias: str, targets: Sequence[tuple[int, float]], actor: str) -> AliasView:
         check_alias_name(name, alias)
@@ -171,7 +171,7 @@ class Aliases:
     def of_names(self, names: Sequence[str]) -> dict[str, list[AliasView]]:
         if not names:
             return {}
-        with self.sessions() as s:
+        with self.reads() as s:
             rows = s.scalars(select(AliasRow).where(AliasRow.name.in_(set(names))).order_by(AliasRow.alias))
             out: dict[str, list[AliasView]] = {}
             for row in rows:

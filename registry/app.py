@@ -29,11 +29,13 @@ def open_registry(config: RegistryConfig) -> Registry:
         upgrade(config.db)
     engine = make_engine(config.db)
     sessions = make_sessionmaker(engine)
+    reads = make_sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"))
     catalog = Catalog(
         sessions,
         BlobStore(config.storage),
         max_upload_bytes=config.max_upload_bytes,
         max_lora_rank=config.max_lora_rank,
         imports=ImportPolicy(config.import_allow.split(","), config.storage, config.max_upload_bytes),
+        reads=reads,
     )
     return Registry(config, catalog, Placement(sessions, catalog, config.lease_seconds), engine)

@@ -154,7 +154,7 @@ class Candidate:
 class Placement:
     def __init__(self, sessions: sessionmaker, catalog: Catalog, lease_seconds: int) -> None:
         self.sessions, self.catalog, self.lease = sessions, catalog, timedelta(seconds=lease_seconds)
-        self.fleet = Fleet(sessions)
+        self.fleet = Fleet(catalog.reads)
 
     def register(
         self,

@@ -93,6 +93,10 @@ def test_a_page_after_a_token_is_an_index_range_search(tmp_path) -> None:
 
 
 def test_locate_reads_only_the_adapter_while_the_fleet_view_is_fresh(tmp_path) -> None:
+    import pytest
+
+    from loraserve.common.errors import NotFound
+
     reg = _registry(tmp_path)
     try:
         placement = reg.placement
@@ -102,9 +106,16 @@ def test_locate_reads_only_the_adapter_while_the_fleet_view_is_fresh(tmp_path) -
         placement.fleet.ttl_s = 3600.0
         placement.locate("a-00007")  # the first locate reads the fleet
         seen = _capture(reg.engine)
-        key, ranked = placement.locate("a-00007")
-        assert key == "a-00007@1" and ranked[0].worker_id == workers[7] and ranked[0].holds_adapter
+        key, ranked = placement.locate("a-00008")
+        assert key == "a-00008@1" and ranked[0].worker_id == workers[8] and ranked[0].holds_adapter
         selects = [sql for sql, _ in seen if sql.lstrip().upper().startswith("SELECT")]
         assert len(selects) == 1 and "FROM adapters" in selects[0], selects
+        # the same name again within the resolve TTL: no read at all
+        seen.clear()
+        assert placement.locate("a-00008")[0] == "a-00008@1" and seen == []
+        # a delete here is seen at once (another replica's within RESOLVE_TTL_S)
+        reg.catalog.delete("a-00008")
+        with pytest.raises(NotFound):
+            placement.locate("a-00008")
     finally:
         reg.close()
