@@ -35,11 +35,15 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
         "peft_mixed",
         "distinct_dora",
         "distinct_mixes",
+        "distinct_dora_bf16_pools",
+        "distinct_mixes_bf16_pools",
     }
     assert all(v > 0 for v in result["decode_tok_s"].values())
     ratios = {
         "distinct_dora_vs_base",
         "distinct_mixes_vs_base",
+        "distinct_dora_bf16_pools_vs_base",
+        "distinct_mixes_bf16_pools_vs_base",
         "distinct_adapters_vs_base",
         "distinct_adapters_vs_peft_mixed",
         "base_vs_transformers",
