@@ -425,6 +425,10 @@ def run_system(system: str, workdir, base, adapters, w, args, rates) -> list[dic
                    "adapter_loads": (stack.adapter_loads() - loads) if stack else None}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
+            if row["ttft_s"]["p99"] > args.saturated * args.slo_ttft:  # higher rates only queue longer
+                print(f"{system}: saturated at {rate} req/s (p99 TTFT {row['ttft_s']['p99']:.1f} s); "
+                      "higher rates skipped", file=sys.stderr, flush=True)  # fmt: skip
+                break
     finally:
         if stack:
             stack.stop()
@@ -447,6 +451,12 @@ def main() -> None:
     parser.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     parser.add_argument("--slo-itl", type=float, default=0.2, help="seconds between two tokens")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--saturated",
+        type=float,
+        default=5.0,
+        help="skip a system's higher rates once its p99 TTFT passes this many times the SLO",
+    )
     parser.add_argument("--plot", default="serve.png", help="PNG path ('' = no plot)")
     parser.add_argument(
         "--workdir", help="keep models and adapters here between runs (default: a temp folder)"
