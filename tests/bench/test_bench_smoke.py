@@ -149,6 +149,11 @@ def test_serve_bench_tiny_replays_one_trace_through_every_system(tmp_path) -> No
         "loraserve_vs_no_prefix_cache",
         "loraserve_vs_peft",
     }
+    peak = summary["peak_throughput_tok_s"]
+    assert peak == {r["system"]: r["throughput_tok_s"] for r in rows}  # one rate: its throughput
+    assert summary["peak_throughput_ratios"]["loraserve_vs_peft"] == round(
+        peak["loraserve"] / peak["peft"], 2
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _processes_mentioning(str(work)) == []
 
