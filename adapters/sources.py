@@ -28,6 +28,7 @@ class FetchedAdapter:
     weights_bytes: bytes
     sha256: str = ""  # expected hash when the source knows it; a mismatch is DATA_LOSS
     origin: str = "local"  # where the bytes came from: "local", "disk" (a cache) or "store" (object storage)
+    verified: bool = False  # the source already hashed these bytes against ``sha256`` (no second pass)
 
 
 class AdapterSource(Protocol):
@@ -37,6 +38,8 @@ class AdapterSource(Protocol):
 
 
 def verify_sha256(fetched: FetchedAdapter) -> None:
+    if fetched.verified:
+        return
     if fetched.sha256 and hashlib.sha256(fetched.weights_bytes).hexdigest() != fetched.sha256:
         raise AdapterDataLossError(f"adapter {fetched.key}: stored weights do not match their sha256")
 

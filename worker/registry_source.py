@@ -152,18 +152,27 @@ class RegistryAdapterSource:
         return header.adapter_config_json, bytes(buf)
 
     def fetch(self, key: str) -> FetchedAdapter:
+        """``key``'s files: from the disk cache, else read straight from the store, else downloaded through
+        the registry. Each candidate blob is hashed once (a mismatch moves on to the next source); a blob
+        that did not come from the disk cache is written there. Returned ``verified`` when it matched."""
         meta = self._meta.get(key)
         if meta is None or not meta.adapter_config_json:
             meta = self._meta[key] = self._get(key)
         config = meta.adapter_config_json
-        data = self._cached(meta.sha256)
-        origin = "disk" if data is not None else "store"
-        data = data or self._direct(meta)
+        data = self._cached(meta.sha256)  # hashed there: returned only when it matches
+        if data is not None:
+            return FetchedAdapter(key, config, data, meta.sha256, origin="disk", verified=True)
+        data = self._direct(meta)
         if data is None or hashlib.sha256(data).hexdigest() != meta.sha256:
             config, data = self._download(key)
-            origin = "store"
-        if hashlib.sha256(data).hexdigest() == meta.sha256:
-            self._store(meta.sha256, data)
+            if hashlib.sha256(data).hexdigest() != meta.sha256:  # the caller raises DATA_LOSS
+                return FetchedAdapter(key, config, data, meta.sha256, origin="store")
+        self._store(meta.sha256, data)
         return FetchedAdapter(
-            key=key, config_bytes=config, weights_bytes=data, sha256=meta.sha256, origin=origin
+            key=key,
+            config_bytes=config,
+            weights_bytes=data,
+            sha256=meta.sha256,
+            origin="store",
+            verified=True,
         )

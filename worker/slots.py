@@ -153,32 +153,33 @@ class SlotPools:
                 {f(group): np.zeros(size, np.float32) for f in (magnitude_name, mask_name, bias_name)}
             )
         self._zeros: SlotValues = [zeros] * cfg.num_layers
+        self._zeros_scaled: SlotValues | None = None
         self._zeros[0] = {
             **zeros,
             **{k: np.zeros(s, np.float32) for k, s in vocab_slot_shapes(cfg, max_rank).items()},
         }
 
-    def with_scales(self, values: SlotValues) -> SlotValues:
+    def with_scales(self, values: SlotValues, on_device: bool = False) -> SlotValues:
         """``slot_arrays`` values -> the same with each group's magnitudes and DoRA mask replaced by its
         ``dora_scale_<group>`` (host arrays), computed on the device from the base weights.
 
         Thread-safe (reads only the base weights): the runner calls it on the loader thread, so a DoRA
-        load's norm computation never runs between two decode steps. Compiled once (the first call,
-        ``zero`` at warm-up); a slot without DoRA costs one skipped ``lax.cond``.
+        load's norm computation never runs between two decode steps. Values without a DoRA channel get
+        their ones on the host (no copy to the device); ``on_device`` sends them through the compiled
+        computation anyway, which ``zero`` does so that warm-up compiles it before any DoRA load.
         """
         if is_scaled(values):
             return values
-        if self.base is None:
-            if any(np.any(v[mask_name(g)]) for v in values for g in LORA_GROUPS):
-                raise ValueError(
-                    "a DoRA slot needs the base weights: SlotPools(..., base=base_weights(params))"
-                )
+        dora = any(np.any(v[mask_name(g)]) for v in values for g in LORA_GROUPS)
+        if dora and self.base is None:
+            raise ValueError("a DoRA slot needs the base weights: SlotPools(..., base=base_weights(params))")
+        if (dora or on_device) and self.base is not None:
+            scales = jax.tree.map(np.asarray, _dora_scales_jit(values, self.base, self.backend.shards))
+        else:
             scales = [
                 {scale_name(g): np.ones(v[mask_name(g)].shape, np.float32) for g in LORA_GROUPS}
                 for v in values
             ]
-        else:
-            scales = jax.tree.map(np.asarray, _dora_scales_jit(values, self.base, self.backend.shards))
         drop = {f(g) for g in LORA_GROUPS for f in (magnitude_name, mask_name)}
         return [
             {**{k: v for k, v in vals.items() if k not in drop}, **sc}
@@ -205,4 +206,6 @@ class SlotPools:
         ]
 
     def zero(self, slot: int) -> None:
-        self.write(slot, self._zeros)
+        if self._zeros_scaled is None:  # the first call (warm-up) compiles the DoRA scales; kept after
+            self._zeros_scaled = self.with_scales(self._zeros, on_device=True)
+        self.write(slot, self._zeros_scaled)
