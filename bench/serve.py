@@ -109,7 +109,8 @@ def build_assets(workdir: Path, w: dict, n_adapters: int) -> tuple[Path, list[Pa
     out = []
     templates: dict[int, Path] = {}
     for i in range(n_adapters):
-        path, r = workdir / adapter_name(i), w["ranks"][i % len(w["ranks"])]
+        r = w["ranks"][i % len(w["ranks"])]
+        path = workdir / f"{adapter_name(i)}-r{r}"  # a kept --workdir never mixes up rank sets
         out.append(path)
         if path.exists():
             continue
@@ -484,6 +485,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
     parser.add_argument("--adapters", type=int, help="adapters in the registry (default 100; --tiny 6)")
     parser.add_argument("--rates", help="comma-separated arrival rates, requests/s")
+    parser.add_argument(
+        "--ranks", help="comma-separated adapter ranks, cycled (default 8,16,32,64; --tiny 2,4,8)"
+    )
     parser.add_argument("--duration", type=float, help="seconds of arrivals per rate")
     parser.add_argument("--zipf", type=float, default=1.0, help="Zipf alpha of adapter popularity")
     parser.add_argument("--max-loras", type=int, help="adapter slots per worker (default: the workload's)")
@@ -523,6 +527,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     w = dict(TINY if args.tiny else FULL)
+    if args.ranks:
+        w["ranks"] = tuple(int(r) for r in args.ranks.split(","))
     rates = [float(r) for r in args.rates.split(",")] if args.rates else list(w["rates"])
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)

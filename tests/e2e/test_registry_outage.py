@@ -80,7 +80,9 @@ def test_worker_survives_a_registry_outage_and_registers_again(llama_dir, adapte
                 while time.time() < deadline:
                     with RegistryClient(registry_address) as rc:
                         workers = rc.workers()
-                    if workers and workers[0].worker_id != first_id:
+                    # registered again (a new id), then its first heartbeat reports the slots: RegisterWorker
+                    # and that Heartbeat are two RPCs, and a poll can fall between them
+                    if workers and workers[0].worker_id != first_id and workers[0].slot_infos:
                         break
                     time.sleep(0.2)
                 assert [w.address for w in workers] == [worker.address] and workers[0].worker_id != first_id
