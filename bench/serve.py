@@ -145,6 +145,7 @@ class Stack:
         max_loras: int,
         prefix_cache: bool,
         max_cpu_loras: int,
+        prefill_chunk: int = 0,
     ):
         from loraserve.common.processes import die_with_parent, start_server
 
@@ -171,7 +172,7 @@ class Stack:
                 port = _free_port()
                 argv = ["worker", "--model", str(base), "--model-id", MODEL_ID, "--registry", self.registry,
                         "--cache-dir", str(run / f"cache{n}"), "--max-loras", str(max_loras),
-                        "--max-cpu-loras", str(max_cpu_loras),
+                        "--max-cpu-loras", str(max_cpu_loras), "--prefill-chunk", str(prefill_chunk),
                         "--max-lora-rank", str(max(w["ranks"])), "--max-batch-size", str(w["max_batch_size"]),
                         "--max-seq-len", str(w["max_seq_len"]), "--metrics-port", str(port),
                         "--enable-prefix-caching", str(prefix_cache).lower(),
@@ -456,6 +457,7 @@ def run_system(system: str, workdir, base, adapters, w, args, rates) -> list[dic
             stack = Stack(workdir, base, w, workers=args.workers,
                           max_loras=1 if system == "max_loras_1" else args.max_loras or w["max_loras"],
                           prefix_cache=system != "no_prefix_cache",
+                          prefill_chunk=args.prefill_chunk,
                           max_cpu_loras=args.max_cpu_loras if args.max_cpu_loras is not None else min(len(adapters), 128))  # fmt: skip
             stack.push(adapters)
         for rate in _rates_to_run(rates, rows, args):
@@ -520,6 +522,9 @@ def main() -> None:
         "--max-cpu-loras",
         type=int,
         help="adapters a worker keeps prepared in host memory (default: every adapter, at most 128)",
+    )
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=0, help="workers' --prefill-chunk (chunked prefill; 0 = off)"
     )
     parser.add_argument("--plot", default="serve.png", help="PNG path ('' = no plot)")
     parser.add_argument(

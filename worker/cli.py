@@ -37,6 +37,8 @@ HELP = {
     "prefill_per_step": "prompts admitted between two decode steps (prefilled together in one packed call)",
     "max_prefill_tokens": "tokens one packed prefill computes at most (prompts x padded length); a longer"
     " prompt is prefilled alone",
+    "prefill_chunk": "chunked prefill: prompt tokens computed per step at most, a decode step of the running"
+    " rows between two chunks, so a long prompt never stalls them for more than one chunk (0 = whole prompts)",
     "min_prefill_bucket": "smallest prefill token bucket (buckets double up to --max-seq-len)",
     "default_max_tokens": "new tokens of a request that sets no max_tokens",
     "kernel_backend": "multi-LoRA backend: auto (cpu on a CPU when its C++ kernels build, else xla-grouped),"

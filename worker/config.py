@@ -22,6 +22,8 @@ class EngineConfig:
     max_waiting: int = 256  # queued requests before RESOURCE_EXHAUSTED
     prefill_per_step: int = 2  # prompts admitted (and prefilled together, packed) between two decode steps
     max_prefill_tokens: int = 4096  # tokens one packed prefill computes at most (a longer prompt goes alone)
+    # chunked prefill: prompt tokens computed per step at most, a decode step between two chunks (0 = off)
+    prefill_chunk: int = 0
     min_prefill_bucket: int = 16
     default_max_tokens: int = 16
     # auto | cpu | xla (= xla-grouped) | xla-grouped | xla-onehot | pallas | reference (kernels.resolve_backend)
@@ -58,6 +60,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_seq_len < 2:
             raise ValueError("max_seq_len must be >= 2")
+        if self.prefill_chunk < 0:
+            raise ValueError("prefill_chunk must be >= 0 (0 = whole prompts)")
         if self.kv_page_size < 1 or self.kv_pages < 0 or self.kv_cache_bytes < 0:
             raise ValueError("kv_page_size must be >= 1, kv_pages and kv_cache_bytes >= 0")
         if self.kv_pages and self.kv_pages < self.pages_per_row + 1:

@@ -97,6 +97,8 @@ class Scheduler:
         self.pages: list[SeqPages | None] = [None] * config.max_batch_size
         self.tables = np.zeros((config.max_batch_size, config.pages_per_row), np.int32)
         self._admitted = [0] * config.max_batch_size  # admission order of each row's request (newest = max)
+        # per row: None, or how many tokens of its sequence are computed while its prompt is chunked
+        self.prefilled: list[int | None] = [None] * config.max_batch_size
         self._admissions = 0
         self.steps = self.tokens_out = self.requests_done = self.preemptions = 0
         self.outbox: list[Callable[[], None]] = []  # events, delivered by flush() after the snapshot
@@ -139,14 +141,11 @@ class Scheduler:
                 raise TypeError(f"the scheduler has no command {type(command).__name__}")
 
     def step(self) -> bool:
-        """One round; returns whether a decode step ran (False = idle)."""
+        """One round; returns whether a prefill or a decode step ran (False = idle)."""
         self._apply(self.residency.place_pending())
         self._expire()
-        self._admit()
-        if not any(r is not None for r in self.rows):
-            return False
-        self._decode()
-        return True
+        prefilled = self._admit()
+        return self._decode() or prefilled
 
     def fail_running(self, event: Failed) -> None:
         for i in range(len(self.rows)):
@@ -254,12 +253,41 @@ class Scheduler:
         self._drop(lambda r: r.deadline is not None and r.deadline <= now, DEADLINE)
 
     # ----------------------------------------------------------------- prefill / decode
-    def _admit(self) -> None:
-        """Admit up to ``prefill_per_step`` ready requests in FIFO order while rows and pages last, and
-        prefill them together (the runner packs them into as few calls as its shapes allow)."""
-        admitted: list[tuple[int, EngineRequest, SeqPages]] = []
+    def _admit(self) -> bool:
+        """This step's prefill; returns whether one ran.
+
+        First the next chunk of every row still prefilling (oldest first), then ready requests in FIFO
+        order, up to ``prefill_per_step`` of them, while rows, pages and the step's token budget last. The
+        budget is ``prefill_chunk`` tokens (0 = none: every prompt whole): a longer prompt is computed
+        a chunk per step, each step's decode runs in between, so a newcomer's prompt never stalls the
+        running rows for longer than one chunk. All of it goes to the runner as one packed prefill; a
+        row's last chunk samples its first token (an earlier chunk's sample is dropped)."""
+        budget = self.config.prefill_chunk or None
+        parts: list[tuple[int, EngineRequest, SeqPages, bool]] = []
         batch: list[PrefillInput] = []
-        while self.ready and len(admitted) < self.config.prefill_per_step:
+
+        def take(row: int, req: EngineRequest, pages: SeqPages, seq: list[int], start: int) -> None:
+            nonlocal budget
+            end = len(seq) if budget is None else min(len(seq), start + budget)
+            if budget is not None:
+                budget -= end - start
+            table = self.tables[row].copy()  # the runner may hold on to it (a zero-copy device array)
+            batch.append(PrefillInput(seq[start:end], start, req.slot, table, SamplingRow.of(req)))
+            final = end == len(seq)
+            self.prefilled[row] = None if final else end
+            parts.append((row, req, pages, final))
+            # registered now, computed by the prefill below: a later prompt of this same batch may share
+            # them (the runner writes every sequence's keys/values before any of them attends)
+            self.kv.register(pages, seq, end)
+
+        for row in sorted(self._prefilling(), key=self._admitted.__getitem__):
+            if budget == 0:
+                break
+            req, pages = self.rows[row], self.pages[row]
+            assert req is not None and pages is not None
+            take(row, req, pages, req.prompt + req.generated, self.prefilled[row])
+        admitted = 0
+        while self.ready and admitted < self.config.prefill_per_step and budget != 0:
             try:
                 row = self.rows.index(None)
             except ValueError:
@@ -280,26 +308,28 @@ class Scheduler:
             self._dequeued()
             pages = self.kv.admit(key, seq, lookup)
             self._place(row, req, pages)
-            start = lookup.hits * self.kv.page_size
-            table = self.tables[row].copy()  # the runner may hold on to it (a zero-copy device array)
-            batch.append(PrefillInput(seq[start:], start, req.slot, table, SamplingRow.of(req)))
-            admitted.append((row, req, pages))
-            # registered now, computed by the prefill below: a later prompt of this same batch may share
-            # them (the runner writes every sequence's keys/values before any of them attends)
-            self.kv.register(pages, seq, len(seq))
+            take(row, req, pages, seq, lookup.hits * self.kv.page_size)
+            admitted += 1
         if not batch:
-            return
+            return False
         try:
             out = self.runner.prefill(batch)
         except BaseException:
-            for _, _, pages in admitted:
+            for _, _, pages, _ in parts:
                 self.kv.forget(pages)
             raise
-        assert len(out.tokens) == len(admitted), (len(out.tokens), len(admitted))
-        for i, (row, req, _) in enumerate(admitted):
+        assert len(out.tokens) == len(parts), (len(out.tokens), len(parts))
+        for i, (row, req, _, final) in enumerate(parts):
+            if not final:
+                continue
             if not req.generated:
                 self._emit(req, Started(req.key))
             self._accept_token(row, out, i)
+        return True
+
+    def _prefilling(self) -> list[int]:
+        """Rows whose prompt is still being computed, a chunk per step (they take no decode step yet)."""
+        return [i for i, done in enumerate(self.prefilled) if done is not None]
 
     def _adapter_key(self, req: EngineRequest) -> str:
         """The prefix cache's key for ``req``'s pages: its slot's adapter content sha256, or the base's."""
@@ -370,6 +400,7 @@ class Scheduler:
         req = self.rows[row]
         assert req is not None
         self.rows[row] = None
+        self.prefilled[row] = None  # its computed full pages stay cached: the resume starts after them
         self._release_pages(row)
         req.row = -1
         self.ready.appendleft(req)
@@ -377,28 +408,35 @@ class Scheduler:
             self._queued += 1  # waiting again, not a new submission: no max_waiting check
         self.preemptions += 1
 
-    def _decode(self) -> None:
+    def _decode(self) -> bool:
+        """One decode step for every row past its prefill; returns whether one ran."""
         self._grow()
-        if not any(r is not None for r in self.rows):
-            return
+        prefilling = self._prefilling()
+        if all(r is None for i, r in enumerate(self.rows) if i not in prefilling):
+            return False
         b = self.config.max_batch_size
         tokens, positions, slots = np.zeros(b, np.int32), np.zeros(b, np.int32), np.full(b, -1, np.int32)
         sampling: list[SamplingRow | None] = [None] * b
+        tables = self.tables
+        if prefilling:  # their pages hold a half-computed prompt: they sit this step out like idle rows
+            tables = self.tables.copy()
+            tables[prefilling] = 0
         for i, req in enumerate(self.rows):
-            if req is None:
+            if req is None or i in prefilling:
                 continue
             tokens[i] = req.generated[-1]
             positions[i] = self._position(req)
             slots[i] = req.slot
             sampling[i] = SamplingRow.of(req)
-        out = self.runner.decode(tokens, positions, slots, self.tables, sampling)
+        out = self.runner.decode(tokens, positions, slots, tables, sampling)
         self.steps += 1
         for i, req in enumerate(self.rows):
-            if req is not None:
+            if req is not None and i not in prefilling:
                 filled = int(positions[i]) + 1
                 if filled % self.kv.page_size == 0:  # this step filled a page: cache it
                     self.kv.register(self.pages[i], req.prompt + req.generated, filled)
                 self._accept_token(i, out, i)
+        return True
 
     def _accept_token(self, row: int, out: StepOutput, i: int) -> None:
         """Row ``row``'s request takes the token of ``out``'s row ``i`` (and its logprobs if it asked)."""
@@ -427,6 +465,7 @@ class Scheduler:
         if req is None:
             return
         self.rows[row] = None
+        self.prefilled[row] = None
         self._release_pages(row)
         self._release_slot(req)
         self.requests_done += 1

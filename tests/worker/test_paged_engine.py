@@ -219,3 +219,13 @@ def test_packed_prefill_of_mixed_adapters_matches_one_prompt_per_call(
             runner.cache, runner.inv_freq,
         )  # fmt: skip
         np.testing.assert_allclose(np.asarray(many[i]), np.asarray(want), atol=1e-5)
+
+
+def test_chunked_prefill_gives_the_tokens_of_whole_prompts_and_compiles_nothing(checkpoint, source) -> None:
+    # prompts of 5-30 tokens in chunks of 4 (one shared budget a step) under three adapters and the base:
+    # every chunk attends over the pages of the chunks before it, and the greedy text is unchanged
+    prompts = [[(7 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((30, 5, 17, 11))]
+    whole, _ = _run(checkpoint, source, prompts, ADAPTERS, 12)
+    chunked, engine = _run(checkpoint, source, prompts, ADAPTERS, 12, prefill_chunk=4)
+    assert chunked == whole and all(len(t) == 12 for t in chunked)
+    assert engine.snapshot().kv_pages_used == 0
