@@ -524,7 +524,10 @@ def main() -> None:
         help="adapters a worker keeps prepared in host memory (default: every adapter, at most 128)",
     )
     parser.add_argument(
-        "--prefill-chunk", type=int, default=0, help="workers' --prefill-chunk (chunked prefill; 0 = off)"
+        "--prefill-chunk",
+        type=int,
+        default=64,
+        help="workers' --prefill-chunk: prompt tokens a step, so a prompt stalls the running rows for one chunk at most (0 = off)",
     )
     parser.add_argument("--plot", default="serve.png", help="PNG path ('' = no plot)")
     parser.add_argument(
