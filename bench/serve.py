@@ -13,7 +13,11 @@ largest rate whose p99 TTFT meets the SLO with no error, and loraserve's ratios 
 
     python bench/serve.py --tiny                       # seconds: the smoke test's run
     python bench/serve.py                              # 100 adapters, rates 0.5..8 req/s, every peer
-    python bench/serve.py --sweep adapters=10,100,1000 --rates 2   # one point per value, one plot each
+    python bench/serve.py --sweep adapters=10,100,1000 --rates 1   # one point per value, one plot each
+
+A system that misses the SLO at the lowest swept rate is probed at halvings below it (down to --min-rate,
+each trace long enough for --min-requests), so the summary's max rates are measured, not bounded. Workers
+run with chunked prefill (--prefill-chunk) and keep every adapter prepared in host memory (--max-cpu-loras).
 
 One JSON line per (system, rate) or sweep point, then a summary JSON object as the LAST line; a PNG plot of
 p99 TTFT and throughput vs rate for every system (``--plot``). Children die with this process (even on
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -72,9 +77,11 @@ def make_trace(
 ) -> list[Arrival]:
     """A seeded trace: Poisson arrivals at ``rate`` per second for ``duration`` seconds, adapters Zipf(alpha)
     (popularity order shuffled by the seed), prompt/output lengths uniform in the workload's ranges. The same
-    arguments always give the same trace."""
-    rng = np.random.default_rng([seed, int(rate * 1000)])
-    order = rng.permutation(n_adapters)
+    arguments always give the same trace, and the arrivals and lengths do not depend on the adapters (their
+    own random stream): a sweep over the adapter count or alpha replays the same requests."""
+    rng = np.random.default_rng([seed, int(rate * 1000)])  # arrivals and lengths
+    pick = np.random.default_rng([seed, int(rate * 1000), n_adapters])  # which adapter each one names
+    order = pick.permutation(n_adapters)
     p = zipf_probabilities(n_adapters, alpha)
     out, t = [], 0.0
     while True:
@@ -84,7 +91,7 @@ def make_trace(
         length = int(rng.integers(w["prompt"][0], w["prompt"][1] + 1))
         prompt = tuple(int(x) for x in rng.integers(3, w["model"]["vocab_size"], length))
         new = int(rng.integers(w["output"][0], w["output"][1] + 1))
-        out.append(Arrival(t, int(order[rng.choice(n_adapters, p=p)]), prompt, new))
+        out.append(Arrival(t, int(order[pick.choice(n_adapters, p=p)]), prompt, new))
 
 
 def adapter_name(i: int) -> str:
@@ -150,7 +157,7 @@ class Stack:
         from loraserve.common.processes import die_with_parent, start_server
 
         self.procs = []
-        run = Path(tempfile.mkdtemp(dir=workdir, prefix="stack-"))
+        self.run = run = Path(tempfile.mkdtemp(dir=workdir, prefix="stack-"))
         try:
             reg = start_server(
                 [
@@ -220,6 +227,7 @@ class Stack:
             except Exception:
                 p.kill()
         self.procs = []
+        shutil.rmtree(self.run, ignore_errors=True)  # its database, store and caches (GBs at 1000 adapters)
 
 
 def _free_port() -> int:
@@ -399,13 +407,16 @@ def plot(rows: list[dict], path: Path, x: str = "rate", slo_ttft: float | None =
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for system in dict.fromkeys(r["system"] for r in rows):
-        mine = [r for r in rows if r["system"] == system]
+        mine = sorted((r for r in rows if r["system"] == system), key=lambda r: r[x])  # probes ran last
         a.plot([r[x] for r in mine], [r["ttft_s"]["p99"] for r in mine], marker="o", label=system)
         b.plot([r[x] for r in mine], [r["throughput_tok_s"] for r in mine], marker="o", label=system)
     if slo_ttft:
         a.axhline(slo_ttft, color="grey", linestyle="--", label=f"SLO {slo_ttft:g} s")
     a.set(xlabel=x, ylabel="p99 TTFT (s)", yscale="log", title="p99 time to first token")
     b.set(xlabel=x, ylabel="tokens/s", title="throughput")
+    if x in ("rate", "adapters", "max_loras"):  # doubling sweeps: even spacing on a log axis
+        for ax in (a, b):
+            ax.set_xscale("log", base=2 if x == "rate" else 10)
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend()

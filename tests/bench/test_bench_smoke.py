@@ -156,6 +156,7 @@ def test_serve_bench_tiny_replays_one_trace_through_every_system(tmp_path) -> No
     )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _processes_mentioning(str(work)) == []
+    assert not list(work.glob("stack-*"))  # each stack's database, store and caches went with it
 
 
 def _children(pid: int) -> set[int]:

@@ -49,3 +49,16 @@ def test_a_low_rate_trace_lasts_long_enough_for_min_requests() -> None:
     assert serve._duration(2.0, ARGS, serve.FULL) == 40.0  # --duration already gives 80
     tiny = argparse.Namespace(**{**vars(ARGS), "min_requests": None, "duration": None})
     assert serve._duration(0.5, tiny, serve.TINY) == serve.TINY["duration"]  # --tiny: no stretching
+
+
+def test_a_sweep_over_adapters_or_alpha_replays_the_same_requests() -> None:
+    def requests(n: int, alpha: float) -> list[tuple]:
+        return [(a.at, a.prompt, a.max_tokens) for a in serve.make_trace(0, 1.0, 60, n, alpha, serve.FULL)]
+
+    same = requests(10, 1.0)
+    assert len(same) > 30 and same == requests(1000, 1.0) == requests(100, 0.5)
+    picks = [a.adapter for a in serve.make_trace(0, 1.0, 60, 1000, 1.0, serve.FULL)]
+    assert max(picks) < 1000 and len(set(picks)) > 10  # Zipf over all 1000, not the first few
+    assert serve.make_trace(0, 1.0, 60, 1000, 1.0, serve.FULL) == serve.make_trace(
+        0, 1.0, 60, 1000, 1.0, serve.FULL
+    )
