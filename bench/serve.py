@@ -414,6 +414,7 @@ def plot(rows: list[dict], path: Path, x: str = "rate", slo_ttft: float | None =
         a.axhline(slo_ttft, color="grey", linestyle="--", label=f"SLO {slo_ttft:g} s")
     a.set(xlabel=x, ylabel="p99 TTFT (s)", yscale="log", title="p99 time to first token")
     b.set(xlabel=x, ylabel="tokens/s", title="throughput")
+    b.set_ylim(bottom=0)  # a flat sweep looks flat
     if x in ("rate", "adapters", "max_loras"):  # doubling sweeps: even spacing on a log axis
         for ax in (a, b):
             ax.set_xscale("log", base=2 if x == "rate" else 10)
@@ -461,12 +462,12 @@ def _duration(rate: float, args, w: dict) -> float:
 def run_system(system: str, workdir, base, adapters, w, args, rates) -> list[dict]:
     """Every rate's trace through one system; one JSON line each."""
     names = [adapter_name(i) for i in range(len(adapters))]
+    slots = None if system == "peft" else 1 if system == "max_loras_1" else args.max_loras or w["max_loras"]
     rows = []
     stack = None
     try:
         if system != "peft":
-            stack = Stack(workdir, base, w, workers=args.workers,
-                          max_loras=1 if system == "max_loras_1" else args.max_loras or w["max_loras"],
+            stack = Stack(workdir, base, w, workers=args.workers, max_loras=slots,
                           prefix_cache=system != "no_prefix_cache",
                           prefill_chunk=args.prefill_chunk,
                           max_cpu_loras=args.max_cpu_loras if args.max_cpu_loras is not None else min(len(adapters), 128))  # fmt: skip
@@ -479,7 +480,7 @@ def run_system(system: str, workdir, base, adapters, w, args, rates) -> list[dic
                 records, wall = drive(stack.router, trace, names, bar)
             else:
                 records, wall = run_peft(base, adapters, trace, w["max_batch_size"], bar)
-            row = {"system": system, "rate": rate, "adapters": len(adapters), "zipf": args.zipf,
+            row = {"system": system, "rate": rate, "adapters": len(adapters), "zipf": args.zipf, "max_loras": slots,
                    **summarize(records, wall, args.slo_ttft, args.slo_itl),
                    "adapter_loads": (stack.adapter_loads() - loads) if stack else None}  # fmt: skip
             print(json.dumps(row), flush=True)
