@@ -395,7 +395,7 @@ def run_peft(
 
 def max_rate_meeting_slo(rows: list[dict], slo_ttft: float) -> float:
     """The largest swept rate whose p99 TTFT meets the SLO with no error (0 when none does)."""
-    good = [r["rate"] for r in rows if r["errors"] == 0 and r["ttft_s"]["p99"] <= slo_ttft]
+    good = [r["rate"] for r in rows if _meets(r, slo_ttft)]
     return max(good, default=0.0)
 
 
@@ -435,13 +435,16 @@ def _saturated(row: dict, args) -> bool:
 
 
 def _rates_to_run(rates: list[float], rows: list[dict], args):
-    """The swept rates in order (the caller stops at saturation), then, when the lowest swept rate missed
+    """The swept rates in order until one saturates, then, when the lowest swept rate missed
     the SLO, halvings below it down to ``--min-rate`` until one meets it: a system's max rate is measured,
     not just bounded, when the sweep starts above it. ``rows`` fills as the caller runs them."""
     for rate in rates:
         yield rate
         if _saturated(rows[-1], args):
-            break  # higher rates only queue longer
+            if rate != max(rates):  # higher rates only queue longer
+                print(f"{rows[-1].get('system', '')}: saturated at {rate} req/s (p99 TTFT "
+                      f"{rows[-1]['ttft_s']['p99']:.1f} s); higher rates skipped", file=sys.stderr, flush=True)  # fmt: skip
+            break
     if not rows or _meets(min(rows, key=lambda r: r["rate"]), args.slo_ttft):
         return
     rate = min(rates) / 2
@@ -485,9 +488,6 @@ def run_system(system: str, workdir, base, adapters, w, args, rates) -> list[dic
                    "adapter_loads": (stack.adapter_loads() - loads) if stack else None}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
-            if rate in rates and _saturated(row, args) and rate != max(rates):
-                print(f"{system}: saturated at {rate} req/s (p99 TTFT {row['ttft_s']['p99']:.1f} s); "
-                      "higher rates skipped", file=sys.stderr, flush=True)  # fmt: skip
     finally:
         if stack:
             stack.stop()

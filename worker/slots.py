@@ -153,11 +153,11 @@ class SlotPools:
                 {f(group): np.zeros(size, np.float32) for f in (magnitude_name, mask_name, bias_name)}
             )
         self._zeros: SlotValues = [zeros] * cfg.num_layers
-        self._zeros_scaled: SlotValues | None = None
         self._zeros[0] = {
             **zeros,
             **{k: np.zeros(s, np.float32) for k, s in vocab_slot_shapes(cfg, max_rank).items()},
         }
+        self._zeros_scaled: SlotValues | None = None  # with their DoRA scales: computed by the first zero()
 
     def with_scales(self, values: SlotValues, on_device: bool = False) -> SlotValues:
         """``slot_arrays`` values -> the same with each group's magnitudes and DoRA mask replaced by its
