@@ -194,12 +194,37 @@ def logits_from_hidden(
     return _softcap(logits, cfg.final_logit_softcap)
 
 
-def _write_pages(pages: Array, flat_index: Array, x: Array) -> Array:
-    """pages ``[kv, N, P, D]``, flat_index ``[T]`` (page * P + offset), x ``[T, kv, D]`` -> pages with
-    x's rows written at those positions."""
+def kv_storage_dtype(dtype: Any, platform: str | None = None) -> Any:
+    """The dtype the KV cache's pages are stored in for a model computing in ``dtype`` on ``platform``
+    (None: JAX's default backend): ``dtype`` itself, except 16-bit floats on XLA:CPU, stored as their bits
+    (``uint16``). XLA:CPU scatters a bf16/f16 array
+    by converting all of it to f32 and back: three passes over every layer's pages each decode step
+    (measured: 2/3 of a bf16 decode step of the bench model), where an integer scatter writes in place.
+    Readers take :func:`_kv_view`, a bitcast XLA fuses into their gather."""
+    dtype = jnp.dtype(dtype)
+    on_cpu = (platform or jax.default_backend()) == "cpu"
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2 and on_cpu:
+        return jnp.dtype(jnp.uint16)
+    return dtype
+
+
+def _kv_dtype(params: Params, pages: Array) -> Any:
+    """The dtype the keys and values are in: the pages', or the model's where the pages store bits."""
+    return params["embed"].dtype if pages.dtype == jnp.uint16 else pages.dtype
+
+
+def _kv_view(pages: Array, dtype: Any) -> Array:
+    """Stored pages -> the same pages in ``dtype`` (:func:`_kv_dtype`)."""
+    return jax.lax.bitcast_convert_type(pages, dtype) if pages.dtype != dtype else pages
+
+
+def _write_pages(pages: Array, flat_index: Array, x: Array, dtype: Any) -> Array:
+    """pages ``[kv, N, P, D]``, flat_index ``[T]`` (page * P + offset), x ``[T, kv, D]`` -> pages with x's
+    rows, in ``dtype`` (:func:`_kv_dtype`), written at those positions (as bits where pages store bits)."""
     kv, n, p, d = pages.shape
-    flat = pages.reshape(kv, n * p, d).at[:, flat_index].set(x.swapaxes(0, 1).astype(pages.dtype))
-    return flat.reshape(kv, n, p, d)
+    x = x.swapaxes(0, 1).astype(dtype)
+    x = jax.lax.bitcast_convert_type(x, pages.dtype) if x.dtype != pages.dtype else x
+    return pages.reshape(kv, n * p, d).at[:, flat_index].set(x).reshape(kv, n, p, d)
 
 
 def key_block_pages(page_size: int, pages_per_row: int) -> int:
@@ -298,17 +323,26 @@ def prefill_packed(
         return apply_vectors(y, ll, group, slots, bias)
 
     flat_pos = positions.reshape(g * t)
+    kv_dtype = _kv_dtype(params, cache[0][0])
     h = _embed(cfg, params, tokens.reshape(g * t), lora, slots)
     new_cache: Cache = []
     for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [G*L, heads, D]
         freq = _layer_inv_freq(cfg, inv_freq, n)
         q, k = apply_rope(q, flat_pos, freq), apply_rope(k, flat_pos, freq)
-        k_pages = _write_pages(k_pages, flat_index, k)
-        v_pages = _write_pages(v_pages, flat_index, v)
+        k_pages = _write_pages(k_pages, flat_index, k, kv_dtype)
+        v_pages = _write_pages(v_pages, flat_index, v, kv_dtype)
         q = q.reshape(g, t, cfg.num_heads, cfg.head_dim)
         attn = _attend_blocks(
-            cfg, q, k_pages, v_pages, tables, positions, key_blocks, block, cfg.is_sliding(n)
+            cfg,
+            q,
+            _kv_view(k_pages, kv_dtype),
+            _kv_view(v_pages, kv_dtype),
+            tables,
+            positions,
+            key_blocks,
+            block,
+            cfg.is_sliding(n),
         ).reshape(g * t, cfg.q_size)
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
@@ -391,17 +425,18 @@ def decode(
         return apply_vectors(y, ll, group, rows, bias)
 
     h = _embed(cfg, params, tokens, lora, rows)
+    kv_dtype = _kv_dtype(params, cache[0][0])
     new_cache: Cache = []
     for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [B, heads, D]
         freq = _layer_inv_freq(cfg, inv_freq, n)
         q = apply_rope(q[:, None], positions[:, None], freq)[:, 0]
         k = apply_rope(k[:, None], positions[:, None], freq)[:, 0]
-        k_pages = _write_pages(k_pages, flat_index, k)
-        v_pages = _write_pages(v_pages, flat_index, v)
+        k_pages = _write_pages(k_pages, flat_index, k, kv_dtype)
+        v_pages = _write_pages(v_pages, flat_index, v, kv_dtype)
         window = cfg.sliding_window if cfg.is_sliding(n) else None
         attn = attend(
-            q, k_pages, v_pages, positions, page_tables,
+            q, _kv_view(k_pages, kv_dtype), _kv_view(v_pages, kv_dtype), positions, page_tables,
             scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, window=window,
         ).reshape(b, cfg.q_size)  # fmt: skip
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
@@ -448,9 +483,10 @@ def b_name(module: str) -> str:
 def init_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype: Any) -> Cache:
     """Zeroed paged KV cache, per layer ``(k_pages, v_pages)``, each ``[kv_heads, num_pages, page_size,
     head_dim]`` (the layout of JAX's TPU paged-attention kernels; tensor parallelism splits axis 0).
-    Page 0 is the null page: never allocated, the target of idle rows' and padding's writes."""
-    shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers)]
+    Page 0 is the null page: never allocated, the target of idle rows' and padding's writes. Stored in
+    :func:`kv_storage_dtype` of ``dtype``."""
+    shape, stored = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim), kv_storage_dtype(dtype)
+    return [(jnp.zeros(shape, stored), jnp.zeros(shape, stored)) for _ in range(cfg.num_layers)]
 
 
 def kv_page_bytes(cfg: ModelConfig, page_size: int, dtype: Any) -> int:

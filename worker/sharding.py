@@ -31,7 +31,14 @@ from loraserve.kernels.backends import COLUMN, ROW, LoraBackend
 from loraserve.kernels.sharded import AXIS, ShardedBackend
 from loraserve.worker.dora import VECTOR_DTYPE, bias_name, scale_name
 from loraserve.worker.embed_lora import VOCAB_POOLS, vocab_slot_shapes
-from loraserve.worker.model import LORA_GROUPS, b_name, kv_page_bytes, lora_slot_shapes, lora_vector_sizes
+from loraserve.worker.model import (
+    LORA_GROUPS,
+    b_name,
+    kv_page_bytes,
+    kv_storage_dtype,
+    lora_slot_shapes,
+    lora_vector_sizes,
+)
 from loraserve.worker.model_config import ModelConfig
 
 # Which way each LoRA group's layer is split (Megatron): by output (column) or by input (row).
@@ -238,14 +245,20 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def abstract_state(
-    cfg: ModelConfig, config: Any, mesh: Mesh, backend: LoraBackend, params: dict[str, Any] | None = None
+    cfg: ModelConfig,
+    config: Any,
+    mesh: Mesh,
+    backend: LoraBackend,
+    params: dict[str, Any] | None = None,
+    platform: str | None = None,
 ) -> dict[str, Any]:
     """Abstract params, KV cache and slot pools (``jax.ShapeDtypeStruct`` carrying their shardings) of the
     model ``cfg`` served with ``config`` (an ``EngineConfig``) over ``mesh``, for lowering the jitted
     decode/prefill ahead of time without allocating: ``jax.jit(f).lower(*abstract args)`` is one call.
 
     ``params``: a params tree whose leaves have shapes (real arrays or ``jax.eval_shape`` output) in the
-    one-device layout; None = :func:`param_shapes` of ``cfg``. Returns ``{"params", "cache", "pools",
+    one-device layout; None = :func:`param_shapes` of ``cfg``. ``platform``: the one the state is for
+    (None: JAX's default backend; it picks the KV cache's storage dtype, ``model.kv_storage_dtype``). Returns ``{"params", "cache", "pools",
     "model_config", "backend", "out_shardings"}``: the N-device model config and ``ShardedBackend`` the
     model is traced with, and the ``(token(s), cache)`` output shardings of the jitted steps.
     """
@@ -271,8 +284,9 @@ def abstract_state(
     ]
     pages = config.num_kv_pages(kv_page_bytes(cfg, config.kv_page_size, dtype))
     page_shape = (tcfg.num_kv_heads, pages, config.kv_page_size, tcfg.head_dim)
+    stored = kv_storage_dtype(dtype, platform)
     cache = [
-        (sds(page_shape, dtype, CACHE_SPEC), sds(page_shape, dtype, CACHE_SPEC))
+        (sds(page_shape, stored, CACHE_SPEC), sds(page_shape, stored, CACHE_SPEC))
         for _ in range(cfg.num_layers)
     ]
     pspecs = pool_specs(tcfg, sharded)

@@ -140,3 +140,26 @@ def test_sharded_checkpoint_through_fsspec_memory(model_dirs) -> None:
     assert tree_a == tree_b
     for x, y in zip(flat_a, flat_b, strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_bf16_kv_pages_are_stored_as_bits_and_written_in_place() -> None:
+    """XLA:CPU scatters bf16 through a whole-array f32 copy (three passes over every layer's pages per
+    step); the CPU cache stores bf16 pages as uint16 bits instead. Exact values round-trip, nothing else
+    moves, and the compiled write holds no f32 array of the pages' size."""
+    assert M.kv_storage_dtype(jnp.bfloat16) == jnp.uint16  # this suite runs on the CPU
+    assert M.kv_storage_dtype(jnp.float16, "cpu") == jnp.uint16
+    assert M.kv_storage_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16
+    assert M.kv_storage_dtype(jnp.float32) == jnp.float32
+    kv, n, p, d = 2, 9, 4, 8
+    pages = jnp.zeros((kv, n, p, d), M.kv_storage_dtype(jnp.bfloat16))
+    flat = np.array([5, 17, 30], np.int32)  # page * p + offset
+    x = np.random.default_rng(0).standard_normal((3, kv, d)).astype(np.float32)
+    write = jax.jit(partial(M._write_pages, dtype=jnp.bfloat16), donate_argnums=0)
+    hlo = write.lower(pages, flat, x).compile().as_text()
+    written = M._kv_view(write(pages, flat, x), jnp.bfloat16)
+    assert written.dtype == jnp.bfloat16
+    got = np.asarray(written.astype(jnp.float32)).reshape(kv, n * p, d)
+    want = np.zeros_like(got)
+    want[:, flat] = np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)).swapaxes(0, 1)
+    np.testing.assert_array_equal(got, want)
+    assert f"f32[{kv},{n * p},{d}]" not in hlo and f"f32[{kv},{n},{p},{d}]" not in hlo, hlo

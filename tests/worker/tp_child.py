@@ -194,7 +194,7 @@ def tpu_export(n: int, attention: str = "xla") -> dict:
         kernel_backend="pallas", tensor_parallel_size=n,
     )  # fmt: skip
     mesh = sharding.make_mesh(n)
-    st = sharding.abstract_state(cfg, config, mesh, PallasBackend())
+    st = sharding.abstract_state(cfg, config, mesh, PallasBackend(), platform="tpu")
     tcfg, backend = st["model_config"], st["backend"]
 
     attend = DecodeAttention.of(DecodeAttention(attention, interpret=False), backend)
