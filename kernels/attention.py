@@ -79,7 +79,11 @@ def _xla(q, k_pages, v_pages, positions, page_tables, *, scale, softcap, window)
     k_rows = k_pages[:, page_tables].reshape(kv_shape)  # [kv, B, S, D]
     v_rows = v_pages[:, page_tables].reshape(kv_shape)
     qg = q.reshape(b, kv, heads // kv, d)
-    scores = jnp.einsum("bkgd,kbsd->bkgs", qg, k_rows, preferred_element_type=jnp.float32)
+    # keys first: the gathered keys are the dot's left side as they lie ([S, D] per (kv, row)), where
+    # "bkgd,kbsd->bkgs" had XLA:CPU transpose every gathered key to [D, S] first (bf16 decode attention
+    # 1.02 -> 0.57 ms for 8 layers of the bench model at batch 16); the scores' transpose is small
+    scores = jnp.einsum("kbsd,bkgd->kbsg", k_rows, qg, preferred_element_type=jnp.float32)
+    scores = scores.transpose(1, 0, 3, 2)  # [B, kv, group, S]
     scores = _softcap(scores * scale, softcap)
     scores = jnp.where(mask[:, None, None, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_rows.dtype)

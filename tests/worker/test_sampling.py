@@ -103,3 +103,16 @@ def test_no_row_asks_no_logprobs_and_tokens_unchanged() -> None:
     on = _sample(jnp.asarray(logits), *samp.as_tuple())
     np.testing.assert_array_equal(np.asarray(on.tokens), np.asarray(off.tokens))
     np.testing.assert_allclose(float(on.logprob[1]), _log_softmax(logits)[1].max(), atol=LP_ATOL)
+
+
+def test_greedy_argmax_is_the_first_maximum() -> None:
+    """Greedy rows take the first of equal maxima, as jnp.argmax does (the engine's own reduction)."""
+    from loraserve.worker.sampling import _argmax
+
+    x = np.random.default_rng(3).standard_normal((6, 300)).astype(np.float32)
+    x[1, [7, 250]] = 40.0  # a tie: the first wins
+    x[2] = 1.0  # all equal: token 0
+    x[3, 299] = np.inf
+    x[4, :] = -np.inf  # every token masked: still the first
+    np.testing.assert_array_equal(np.asarray(_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+    assert np.asarray(_argmax(jnp.asarray(x))).tolist()[1:5] == [7, 0, 299, 0]
