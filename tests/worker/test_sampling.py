@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from loraserve.worker.sampling import TOP_LOGPROBS, SamplingArrays, sample
 
@@ -105,14 +106,18 @@ def test_no_row_asks_no_logprobs_and_tokens_unchanged() -> None:
     np.testing.assert_allclose(float(on.logprob[1]), _log_softmax(logits)[1].max(), atol=LP_ATOL)
 
 
-def test_greedy_argmax_is_the_first_maximum() -> None:
-    """Greedy rows take the first of equal maxima, as jnp.argmax does (the engine's own reduction)."""
-    from loraserve.worker.sampling import _argmax
+@pytest.mark.parametrize("rows", [6, 200])  # weights-first on the CPU (<= 64 rows) and not
+def test_greedy_argmax_is_the_first_maximum(rows: int) -> None:
+    """Greedy rows take the first of equal maxima, as jnp.argmax does, in either layout of the logits."""
+    from loraserve.kernels.linear import argmax_last, linear
 
-    x = np.random.default_rng(3).standard_normal((6, 300)).astype(np.float32)
-    x[1, [7, 250]] = 40.0  # a tie: the first wins
-    x[2] = 1.0  # all equal: token 0
-    x[3, 299] = np.inf
-    x[4, :] = -np.inf  # every token masked: still the first
-    np.testing.assert_array_equal(np.asarray(_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
-    assert np.asarray(_argmax(jnp.asarray(x))).tolist()[1:5] == [7, 0, 299, 0]
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((rows, 16)).astype(np.float32)
+    w = rng.standard_normal((300, 16)).astype(np.float32)
+    w[250] = w[7]  # the same logit at 7 and 250 for every row: the first wins
+    h[1] = 0.0  # every logit of row 1 is 0: token 0
+    h[0] = w[7] * 10  # row 0's maximum is the 7/250 tie
+    logits = jax.jit(lambda h, w: linear(h, w))(h, w)
+    got = np.asarray(jax.jit(lambda h, w: argmax_last(linear(h, w)))(h, w))
+    np.testing.assert_array_equal(got, np.argmax(np.asarray(logits), axis=-1))
+    assert got[0] == 7 and got[1] == 0
