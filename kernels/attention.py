@@ -2,11 +2,14 @@
 
 The cache layout is the one JAX's TPU paged-attention kernel reads (DESIGN.md §10.3): per layer
 ``k_pages, v_pages [kv_heads, num_pages, page_size, head_dim]``, page 0 the null page, each row's page
-table ``[B, W]`` listing its first W pages. Two implementations of one semantics:
+table ``[B, W]`` listing its first W pages. Three implementations of one semantics:
 
 * ``xla``: gather every row's W pages (``k_pages[:, page_tables]``), dense GQA attention over the
   ``W * page_size`` positions, masked by position. What decode ran before this module existed,
   moved here op for op (the compiled CPU program is the same).
+* ``cpu``: ``kernels.cpu.paged_attention``, a C++ FFI kernel that reads each row's pages in place (the
+  xla path copies them: 128 MB a step at batch 64 of the bench model); the xla impl's arithmetic, bf16
+  probabilities included (bf16 results equal bit for bit in the tests, f32 within 1e-6).
 * ``pallas``: ``jax.experimental.pallas.ops.tpu.paged_attention`` — per (row, KV head) it DMAs only
   the pages below the row's length, ``pages_per_compute_block`` at a time, double-buffered, with an
   online softmax. It does not scale q (we pass ``q * scale``, in f32), masks keys at index
@@ -35,11 +38,12 @@ from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from loraserve.kernels import cpu as cpu_kernels
 from loraserve.kernels import pallas as pallas_kernels
 from loraserve.kernels.sharded import AXIS
 
 Array = jax.Array
-IMPLS = ("xla", "pallas")
+IMPLS = ("xla", "pallas", "cpu")
 ATTENTION_BACKENDS = ("auto", *IMPLS)  # what --attention-backend accepts
 # pages per compute block of the TPU kernel: the largest that divides the page-table width and keeps a
 # block within MAX_BLOCK_TOKENS (k and v, double-buffered: 4 x 512 x head_dim 256 x 4 B = 2 MiB of VMEM)
@@ -48,11 +52,14 @@ MAX_BLOCK_TOKENS = 512
 
 
 def resolve_attention(name: str) -> str:
-    """``--attention-backend`` value -> implementation: ``auto`` is ``pallas`` on a TPU, else ``xla``."""
+    """``--attention-backend`` value -> implementation: ``auto`` is ``pallas`` on a TPU, ``cpu`` on a CPU
+    where the C++ kernels build (``kernels.cpu.available``), else ``xla``."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     if name == "auto":
-        return "pallas" if jax.default_backend() == "tpu" else "xla"
+        if jax.default_backend() == "tpu":
+            return "pallas"
+        return "cpu" if cpu_kernels.available() else "xla"
     return name
 
 
@@ -124,19 +131,25 @@ def decode_attention(
 
     *Semantics:* head h of row b attends (GQA: KV head ``h // (heads / kv_heads)``) to positions
     ``0..positions[b]`` of its pages (only those ``> positions[b] - window`` when ``window`` is set),
-    logits ``softcap(scale * q . k)``, softmax in f32. ``impl`` ``"xla"`` or ``"pallas"`` (the JAX TPU
-    kernel; ``window`` layers use ``"xla"``); ``mesh``: the tensor-parallel mesh the arrays are split
-    over (axis ``model``: q by heads, pages by KV head), needed by ``"pallas"``; ``interpret``: run the
+    logits ``softcap(scale * q . k)``, softmax in f32. ``impl`` ``"xla"``, ``"pallas"`` (the JAX TPU
+    kernel; ``window`` layers use ``"xla"``) or ``"cpu"`` (``kernels.cpu.paged_attention``: pages read in
+    place, the xla impl's arithmetic); ``mesh``: the tensor-parallel mesh the arrays are split
+    over (axis ``model``: q by heads, pages by KV head), needed by ``"pallas"`` and ``"cpu"``; ``interpret``: run the
     kernel interpreted (None = off a TPU).
     """
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-    if impl == "xla" or window is not None:
+    if impl == "xla" or (impl == "pallas" and window is not None):
         return _xla(q, k_pages, v_pages, positions, page_tables, scale=scale, softcap=softcap, window=window)
-    interp = pallas_kernels.default_interpret() if interpret is None else interpret
-    fn = lambda q, k, v, pos, tables: _pallas(  # noqa: E731
-        q, k, v, pos, tables, scale=scale, softcap=softcap, interpret=interp
-    )
+    if impl == "cpu":
+        fn = lambda q, k, v, pos, tables: cpu_kernels.paged_attention(  # noqa: E731
+            q, k, v, pos, tables, scale=scale, softcap=softcap, window=window
+        )
+    else:
+        interp = pallas_kernels.default_interpret() if interpret is None else interpret
+        fn = lambda q, k, v, pos, tables: _pallas(  # noqa: E731
+            q, k, v, pos, tables, scale=scale, softcap=softcap, interpret=interp
+        )
     if mesh is None:
         return fn(q, k_pages, v_pages, positions, page_tables)
     heads, pages = P(None, AXIS, None), P(AXIS, None, None, None)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from loraserve.kernels.shapes import ACC_DTYPE, check_expand, check_shrink, check_slices, valid_rows
 
@@ -40,6 +41,7 @@ TARGETS = {
     "loraserve_lora_delta": "LoraDelta",
     "loraserve_lora_shrink": "LoraShrink",
     "loraserve_lora_expand": "LoraExpand",
+    "loraserve_paged_attention": "PagedAttention",
 }
 POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -179,3 +181,15 @@ def add_lora_slices(y, x, A_cat, Bs: Sequence, idx):  # [T, sum(out_i)]
 
 def add_lora(y, x, A, B, idx):  # [T, out]
     return add_lora_slices(y, x, A, (B,), idx)
+
+
+def paged_attention(q, k_pages, v_pages, positions, page_tables, *, scale, softcap, window):  # [B, H, D]
+    """Decode attention reading each row's pages in place (``kernels.attention``'s ``"cpu"`` impl; the
+    semantics of its ``"xla"`` one, bf16 pages as bf16 or as their uint16 bits). Result in q's dtype."""
+    ensure_registered()
+    call = jax.ffi.ffi_call("loraserve_paged_attention", jax.ShapeDtypeStruct(q.shape, ACC_DTYPE))
+    out = call(
+        _f32(q), k_pages, v_pages, positions.astype(jnp.int32), page_tables.astype(jnp.int32),
+        scale=np.float32(scale), softcap=np.float32(softcap or 0.0), window=np.int64(window or 0),
+    )  # fmt: skip
+    return out.astype(q.dtype)

@@ -44,9 +44,10 @@ HELP = {
     "kernel_backend": "multi-LoRA backend: auto (cpu on a CPU when its C++ kernels build, else xla-grouped),"
     " cpu, xla (= xla-grouped: rows grouped by slot), xla-grouped, xla-onehot (one-hot over all slots),"
     " pallas or reference",
-    "attention_backend": "decode attention over the paged KV cache: auto (pallas on a TPU, else xla), xla (gather"
-    " each row's pages, dense attention) or pallas (JAX's TPU paged-attention kernel; sliding-window layers use"
-    " xla; interpreted, slowly, off a TPU)",
+    "attention_backend": "decode attention over the paged KV cache: auto (pallas on a TPU, cpu on a CPU where the"
+    " C++ kernels build, else xla), xla (gather each row's pages, dense attention), cpu (C++ kernel reading the"
+    " pages in place) or pallas (JAX's TPU paged-attention kernel; sliding-window layers use xla; interpreted,"
+    " slowly, off a TPU)",
     "dtype": "compute dtype: float32 or bfloat16",
     "lora_dtype": "dtype of the adapter slot pools, float32 or bfloat16 (empty: --dtype); bfloat16 halves"
     " the bytes each decode step reads for its adapters",

@@ -126,6 +126,26 @@ def test_pallas_interpreted_matches_xla(heads, kv, softcap, window) -> None:
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize(("heads", "kv", "softcap", "window"), PARAMS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "bf16 bits"])
+def test_cpu_kernel_matches_xla(heads, kv, softcap, window, dtype) -> None:
+    """The C++ kernel reads pages in place with the xla impl's arithmetic: bf16 pages (and their uint16
+    bits, as the CPU cache stores them) give the same bits, f32 ones agree within 1e-6."""
+    q, k, v, pos, tables = case(heads=heads, kv=kv)
+    kw = dict(scale=0.25, softcap=softcap, window=window)
+    if dtype != "float32":
+        q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in (q, k, v))
+    want = jax.jit(partial(decode_attention, impl="xla", **kw))(q, k, v, pos, tables)
+    if dtype == "bf16 bits":
+        k, v = (jax.lax.bitcast_convert_type(a, jnp.uint16) for a in (k, v))
+    got = jax.jit(partial(decode_attention, impl="cpu", **kw))(q, k, v, pos, tables)
+    assert got.dtype == want.dtype
+    if dtype == "float32":
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+    else:
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 def test_pallas_bf16_cache_matches_the_reference() -> None:
     """A bf16 cache and q, as served on a TPU: within 2e-2 of the f64 reference (outputs of magnitude
     <= 3, whose bf16 rounding alone is up to 7.8e-3; measured 7.7e-3, the xla impl 8.0e-3)."""
@@ -147,11 +167,11 @@ def test_pages_per_compute_block_divides_the_table_width() -> None:
 
 
 def test_resolve_and_object() -> None:
-    assert resolve_attention("auto") == "xla"  # this CPU machine
+    assert resolve_attention("auto") == "cpu"  # this CPU machine, where the C++ kernels build
     assert resolve_attention("pallas") == "pallas"
-    with pytest.raises(ValueError, match="auto, xla, pallas"):
+    with pytest.raises(ValueError, match="auto, xla, pallas, cpu"):
         resolve_attention("flash")
-    with pytest.raises(ValueError, match="xla, pallas"):
+    with pytest.raises(ValueError, match="xla, pallas, cpu"):
         DecodeAttention("auto")
     assert DecodeAttention.of("pallas") == DecodeAttention("pallas")
     assert hash(DecodeAttention("xla")) == hash(DecodeAttention.of("xla", get_backend("cpu")))
@@ -183,11 +203,13 @@ def test_model_decode_with_pallas_attention_matches_xla(model_dirs, family: str)
     positions = np.array([len(p) for p in prompts], np.int32)
     tokens = np.array([8, 9, 10], np.int32)
     out = {}
-    for impl in ("xla", "pallas"):
+    for impl in ("xla", "pallas", "cpu"):
         step = jax.jit(partial(M.decode, cfg, backend=backend, attention=impl))
         out[impl] = np.asarray(step(ck.params, pools, tokens, positions, tables, None, cache, inv)[0])
     np.testing.assert_allclose(out["pallas"], out["xla"], atol=MODEL_TOL, rtol=MODEL_TOL)
     np.testing.assert_array_equal(out["pallas"].argmax(-1), out["xla"].argmax(-1))
+    np.testing.assert_allclose(out["cpu"], out["xla"], atol=1e-5, rtol=1e-5)  # f32 cache: sums' order only
+    np.testing.assert_array_equal(out["cpu"].argmax(-1), out["xla"].argmax(-1))
 
 
 # ---------------------------------------------------------------- TPU lowering (tp = 1)
@@ -260,7 +282,9 @@ def test_config_flag_and_environment_twin() -> None:
     from loraserve.worker.config import ENV_PREFIX, EngineConfig, WorkerConfig
 
     assert EngineConfig().attention_backend == "auto"
-    with pytest.raises(ValueError, match="attention_backend must be one of auto, xla, pallas, got 'flash'"):
+    with pytest.raises(
+        ValueError, match="attention_backend must be one of auto, xla, pallas, cpu, got 'flash'"
+    ):
         EngineConfig(attention_backend="flash")
     env = WorkerConfig.from_env({"LORASERVE_WORKER_ATTENTION_BACKEND": "pallas"})
     assert env.engine_config().attention_backend == "pallas"
@@ -273,7 +297,8 @@ def test_config_flag_and_environment_twin() -> None:
 
 def test_runner_serves_the_same_tokens_with_either_attention(llama_dir) -> None:
     """The runner resolves ``attention_backend`` and its jitted decode step uses it: greedy tokens of two
-    rows (one prompt spanning pages) over 4 steps are the same with the kernel (interpreted) and xla."""
+    rows (one prompt spanning pages) over 4 steps are the same with auto (the C++ kernel here), xla and the
+    TPU kernel (interpreted)."""
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.jax_runner import JaxRunner
     from loraserve.worker.requests import SamplingRow
@@ -282,11 +307,11 @@ def test_runner_serves_the_same_tokens_with_either_attention(llama_dir) -> None:
     ck = load_checkpoint(str(llama_dir))
     prompts = [[5, 17, 33, 100, 7, 9, 11, 12, 40, 41], [3, 4]]
     out = {}
-    for name in ("auto", "pallas"):
+    for name in ("auto", "xla", "pallas"):
         config = EngineConfig(max_batch_size=2, max_seq_len=32, kv_page_size=4, kernel_backend="xla-grouped",
                               attention_backend=name)  # fmt: skip
         runner = JaxRunner(ck, config)
-        assert runner.attention == DecodeAttention("xla" if name == "auto" else "pallas")
+        assert runner.attention == DecodeAttention("cpu" if name == "auto" else name)
         tables = M.contiguous_page_tables(2, config.pages_per_row)
         greedy = SamplingRow()
         batch = [PrefillInput(p, 0, -1, tables[i], greedy) for i, p in enumerate(prompts)]
@@ -298,4 +323,4 @@ def test_runner_serves_the_same_tokens_with_either_attention(llama_dir) -> None:
             positions = positions + 1
             steps.append(tokens.tolist())
         out[name] = steps
-    assert out["pallas"] == out["auto"]
+    assert out["pallas"] == out["auto"] == out["xla"]
