@@ -174,6 +174,13 @@ class DecodeAttention:
         if self.impl not in IMPLS:
             raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
 
+    @property
+    def reads_bits(self) -> bool:
+        """True when the impl takes bf16 pages as their uint16 bits as they are stored on a CPU
+        (``worker.model.kv_storage_dtype``): the caller then passes them without a bitcast, which XLA would
+        materialise as a copy of the whole cache for the C++ kernel."""
+        return self.impl == "cpu"
+
     @classmethod
     def of(cls, attention: str | DecodeAttention, backend: Any = None) -> DecodeAttention:
         """``attention`` (an impl name or an object) with the mesh of a sharded LoRA ``backend``

@@ -435,8 +435,13 @@ def decode(
         k_pages = _write_pages(k_pages, flat_index, k, kv_dtype)
         v_pages = _write_pages(v_pages, flat_index, v, kv_dtype)
         window = cfg.sliding_window if cfg.is_sliding(n) else None
+        keys, values = (
+            (k_pages, v_pages)
+            if attend.reads_bits
+            else (_kv_view(k_pages, kv_dtype), _kv_view(v_pages, kv_dtype))
+        )
         attn = attend(
-            q, _kv_view(k_pages, kv_dtype), _kv_view(v_pages, kv_dtype), positions, page_tables,
+            q, keys, values, positions, page_tables,
             scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, window=window,
         ).reshape(b, cfg.q_size)  # fmt: skip
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)

@@ -20,11 +20,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -226,6 +226,28 @@ void run_item(const Problem<W>& p, const Item& it, std::vector<float>& scratch) 
   expand(p, it, h);
 }
 
+// Runs item(k, scratch) for k in [0, n_items) on XLA's intra-op pool and the calling thread; returns when
+// all are done. `item` is copied into each task (capture shared state by shared_ptr); scratch is per task.
+template <class Fn>
+void parallel_items(ffi::ThreadPool& pool, int64_t n_items, Fn item) {
+  struct Progress {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto progress = std::make_shared<Progress>();
+  auto work = [item, progress, n_items]() {
+    std::vector<float> scratch;
+    for (int64_t k; (k = progress->next.fetch_add(1)) < n_items;) {
+      item(k, scratch);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  for (int64_t i = 1; i < std::min(threads, n_items); ++i) pool.Schedule(decltype(work)(work));
+  work();
+  // Only items another thread has already claimed can be outstanding here.
+  while (progress->done.load(std::memory_order_acquire) < n_items) std::this_thread::yield();
+}
+
 // Group rows by slot, zero the rows without one, cut the groups into work items, run them.
 template <class W>
 ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Problem<W>> p, const int32_t* idx, int64_t S) {
@@ -264,22 +286,8 @@ ffi::Error Run(ffi::ThreadPool& pool, std::shared_ptr<Problem<W>> p, const int32
       p->items.push_back({static_cast<int32_t>(s), start[s], start[s + 1], lo, std::min(p->D, lo + step)});
   }
 
-  struct Progress {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto progress = std::make_shared<Progress>();
-  const int64_t n_items = static_cast<int64_t>(p->items.size());
-  auto work = [p, progress, n_items]() {
-    std::vector<float> scratch;
-    for (int64_t k; (k = progress->next.fetch_add(1)) < n_items;) {
-      run_item(*p, p->items[k], scratch);
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 1; i < std::min(threads, n_items); ++i) pool.Schedule(decltype(work)(work));
-  work();
-  // Only items another thread has already claimed can be outstanding here.
-  while (progress->done.load(std::memory_order_acquire) < n_items) std::this_thread::yield();
+  parallel_items(pool, static_cast<int64_t>(p->items.size()),
+                 [p](int64_t k, std::vector<float>& scratch) { run_item(*p, p->items[k], scratch); });
   return ffi::Error::Success();
 }
 
@@ -488,22 +496,8 @@ void attend(const AttnProblem<W>& p, int64_t b, int64_t kh, std::vector<float>& 
 
 template <class W>
 ffi::Error AttentionImpl(ffi::ThreadPool& pool, std::shared_ptr<AttnProblem<W>> p) {
-  const int64_t n_items = p->B * p->KV;
-  struct Progress {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto progress = std::make_shared<Progress>();
-  auto work = [p, progress, n_items]() {
-    std::vector<float> buf;
-    for (int64_t k; (k = progress->next.fetch_add(1)) < n_items;) {
-      attend(*p, k / p->KV, k % p->KV, buf);
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  for (int64_t i = 1; i < std::min(threads, n_items); ++i) pool.Schedule(decltype(work)(work));
-  work();
-  while (progress->done.load(std::memory_order_acquire) < n_items) std::this_thread::yield();
+  parallel_items(pool, p->B * p->KV,
+                 [p](int64_t k, std::vector<float>& buf) { attend(*p, k / p->KV, k % p->KV, buf); });
   return ffi::Error::Success();
 }
 
