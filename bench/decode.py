@@ -247,18 +247,23 @@ def adapter_rows(w: dict, n_adapters: int, extra: bool) -> dict[str, list[str]]:
 
 
 def decode_rates(timed_round, w: dict, rounds: int) -> dict[str, float]:
-    """End-to-end and decode-only tok/s from rounds of ``new`` and of 1 new token(s).
+    """End-to-end and decode-only tok/s of a peer from ``rounds`` rounds of ``new`` tokens.
 
-    decode-only = batch * (new - 1) / (t(new) - t(1)): the prefill and the first token cancel out, so
-    engines that prefill differently compare on decode alone. ``step_ms`` is one decode step.
+    ``timed_round(new)`` returns (seconds, the gaps between consecutive tokens). A decode step is the
+    median gap over every step of every round, as for our engine (DESIGN §7): prefill and the first
+    token are not in any gap, and one stalled step moves the median by nothing. (The difference of two
+    medians of whole rounds, t(new) - t(1), used before, went to zero or below when a stall hit the
+    short rounds, which made a peer look thousands of times faster.)
     """
-    t_new = statistics.median(timed_round(w["new"]) for _ in range(rounds))
-    t_one = statistics.median(timed_round(1) for _ in range(rounds))
-    decode_s = max(t_new - t_one, 1e-9)
+    runs = [timed_round(w["new"]) for _ in range(rounds)]
+    gaps = [g for _, round_gaps in runs for g in round_gaps]
+    if not gaps:
+        raise RuntimeError("the peer gave no per-token timestamps: a round needs at least 2 new tokens")
+    step_s = max(statistics.median(gaps), 1e-9)
     return {
-        "e2e_tok_s": w["batch"] * w["new"] / t_new,
-        "decode_tok_s": w["batch"] * (w["new"] - 1) / decode_s,
-        "step_ms": 1000 * decode_s / (w["new"] - 1),
+        "e2e_tok_s": w["batch"] * w["new"] / statistics.median(t for t, _ in runs),
+        "decode_tok_s": w["batch"] / step_s,
+        "step_ms": 1000 * step_s,
     }
 
 
@@ -268,8 +273,8 @@ def engine_rates(runs: list[tuple[float, float, list[float]]], w: dict) -> dict[
 
     A decode step is the median gap between a row's consecutive tokens over every step of every round
     (DESIGN §7: the median over interleaved decode steps): a stall of the VM in one step moves a median
-    of hundreds of steps by nothing, where it moved a round's total. The peers below, which give no
-    timestamps, use t(new) - t(1).
+    of hundreds of steps by nothing, where it moved a round's total. The peers below are timed the same
+    way, from a stopping criterion that stamps each generated token (``decode_rates``).
     """
     total = statistics.median(r[0] for r in runs)
     gaps = [g for r in runs for g in r[2]]
@@ -448,17 +453,40 @@ def run_hf(
 
     import torch
     from peft import PeftModel
+    from transformers import StoppingCriteria, StoppingCriteriaList
 
     device = torch_device()
 
-    def timer(generate, ids):
-        def timed_round(new: int) -> float:
-            t = time.perf_counter()
-            with torch.no_grad():
-                generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    class Stamps(StoppingCriteria):
+        """Called by generate once per new token: records when (after a CUDA sync, so a stamp is the
+        token's real time); never stops generation (min/max_new_tokens do)."""
+
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
             if device == "cuda":
                 torch.cuda.synchronize()
-            return time.perf_counter() - t
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def timer(generate, ids):
+        def timed_round(new: int) -> tuple[float, list[float]]:
+            stamps = Stamps()
+            t = time.perf_counter()
+            with torch.no_grad():
+                generate(
+                    ids,
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=0,
+                    stopping_criteria=StoppingCriteriaList([stamps]),
+                )
+            if device == "cuda":
+                torch.cuda.synchronize()
+            total = time.perf_counter() - t
+            return total, [b - a for a, b in zip(stamps.times, stamps.times[1:])]
 
         timed_round(2)  # warm-up
         return timed_round
