@@ -486,7 +486,7 @@ def run_hf(
             if device == "cuda":
                 torch.cuda.synchronize()
             total = time.perf_counter() - t
-            return total, [b - a for a, b in zip(stamps.times, stamps.times[1:])]
+            return total, [b - a for a, b in itertools.pairwise(stamps.times)]
 
         timed_round(2)  # warm-up
         return timed_round
