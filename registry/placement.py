@@ -7,8 +7,11 @@ registers again. ``locate`` ranks live workers of the adapter's base model: thos
 ``locate`` is the router's hot path, so it ranks an in-memory view of the live fleet (:class:`Fleet`)
 instead of reading every worker row per call: this process's registrations, heartbeats and expiries
 update the view as they commit, and it is re-read from the database every ``FLEET_TTL_S`` seconds (what
-other registry replicas wrote shows up within that). The adapter itself is always read from the
-database, so a deleted or moved alias is seen at once.
+other registry replicas wrote shows up within that). The view indexes, per adapter, the workers holding
+or caching it and, per model, the order of cold candidates, so a locate costs O(holders + candidates),
+not a sort of the fleet. The adapter's resolution comes from :meth:`Catalog.resolve`: this process's
+uploads and deletes are seen at once, another replica's within ``RESOLVE_TTL_S``; an alias is always
+read, so a moved alias is seen at once.
 """
 
 from __future__ import annotations
@@ -102,24 +105,60 @@ class Fleet:
         self._workers: dict[str, LiveWorker] = {}
         self._written: dict[str, float] = {}  # worker id -> when this process last wrote it (monotonic)
         self._read_at = float("-inf")
+        self._index: _RankIndex | None = None  # built from _workers on the first rank after a change
 
     def put(self, worker: LiveWorker) -> None:
         with self._lock:
             self._workers[worker.id] = worker
             self._written[worker.id] = time.monotonic()
+            self._index = None
 
     def drop(self, *worker_ids: str) -> None:
         with self._lock:
             for wid in worker_ids:
                 self._workers.pop(wid, None)
                 self._written[wid] = time.monotonic()
+            self._index = None
 
-    def live(self, now: datetime) -> list[LiveWorker]:
-        """Workers whose lease runs past ``now`` (re-read first if the view is older than the TTL)."""
+    def rank(self, key: str, model: str | None, limit: int, now: datetime) -> list[tuple[LiveWorker, str]]:
+        """The ``limit`` best live workers of ``model`` (any model if None) for adapter ``key`` ("" = the base
+        model), each with its tier for ``key``: device slot > host memory > disk cache (the least busy first
+        within a tier), then workers with free slots (most free first, then the least busy), then the least
+        busy; ties by worker id.
+
+        Costs O(holders of ``key`` + ``limit``), not O(fleet): the workers holding or caching an adapter and
+        each model's order of cold candidates are indexed once per change of the view (a heartbeat), not
+        sorted per call."""
+        self._refresh()
+        with self._lock:
+            if self._index is None:
+                self._index = _RankIndex(self._workers.values())
+            index = self._index
+
+        def fits(w: LiveWorker) -> bool:
+            return w.lease_expires_at > now and (model is None or w.model_id == model)
+
+        warm = (
+            sorted(
+                ((t, w.load.running + w.load.waiting, w.id), w)
+                for t, w in index.tiers.get(key, ())
+                if fits(w)
+            )
+            if key
+            else []
+        )
+        out = [(w, TIERS[t]) for (t, _, _), w in warm[:limit]]
+        taken = {w.id for w, _ in out}
+        for w in index.cold.get(model, ()):
+            if len(out) >= limit:
+                break
+            if w.id not in taken and fits(w):
+                out.append((w, ""))
+        return out
+
+    def _refresh(self) -> None:
         if time.monotonic() - self._read_at > self.ttl_s:
             self._reload()
-        with self._lock:
-            return [w for w in self._workers.values() if w.lease_expires_at > now]
 
     def _reload(self) -> None:
         started = time.monotonic()
@@ -139,7 +178,32 @@ class Fleet:
                     else:
                         fresh.pop(wid, None)
             self._written = {wid: at for wid, at in self._written.items() if at >= started}
-            self._workers, self._read_at = fresh, started
+            self._workers, self._read_at, self._index = fresh, started, None
+
+
+class _RankIndex:
+    """What :meth:`Fleet.rank` reads, built from one view of the fleet: per adapter, the workers holding
+    (DEVICE) or caching (HOST, DISK) it with that tier's index in ``TIERS``; per model (and for ``None``, all
+    models), every worker in cold order: free slots first (most free, then least busy), then the least
+    busy, ties by id."""
+
+    def __init__(self, workers) -> None:
+        self.tiers: dict[str, list[tuple[int, LiveWorker]]] = {}
+        by_model: dict[str | None, list[LiveWorker]] = {None: []}
+        for w in workers:
+            for key, tier in w.cached.items():
+                if key not in w.holds and tier in TIERS:
+                    self.tiers.setdefault(key, []).append((TIERS.index(tier), w))
+            for key in w.holds:
+                self.tiers.setdefault(key, []).append((0, w))
+            by_model[None].append(w)
+            by_model.setdefault(w.model_id, []).append(w)
+
+        def cold(w: LiveWorker) -> tuple:
+            busy = w.load.running + w.load.waiting
+            return (0, -w.load.free_slots, busy, w.id) if w.load.free_slots > 0 else (1, busy, 0, w.id)
+
+        self.cold = {m: sorted(ws, key=cold) for m, ws in by_model.items()}
 
 
 @dataclass(frozen=True)
@@ -335,23 +399,9 @@ class Placement:
         key, model = "", None
         if ref:
             key, model = self.catalog.resolve(ref, routing_key)
-        workers = [w for w in self.fleet.live(now) if model is None or w.model_id == model]
-
-        def tier(w: LiveWorker) -> str:
-            return ("DEVICE" if key in w.holds else w.cached.get(key, "")) if key else ""
-
-        def rank(w: LiveWorker) -> tuple:
-            """Device slot > host memory > disk cache > cold (free slots first), then the least busy."""
-            busy, t = w.load.running + w.load.waiting, tier(w)
-            if t:
-                return (TIERS.index(t), busy, 0, w.id)
-            if w.load.free_slots > 0:
-                return (3, -w.load.free_slots, busy, w.id)
-            return (4, busy, 0, w.id)
-
-        ranked = sorted(workers, key=rank)[:limit]
         return key, [
-            Candidate(w.id, w.address, bool(key) and key in w.holds, w.load, tier(w)) for w in ranked
+            Candidate(w.id, w.address, tier == "DEVICE", w.load, tier)
+            for w, tier in self.fleet.rank(key, model, limit, now)
         ]
 
 
