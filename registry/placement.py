@@ -16,13 +16,14 @@ read, so a moved alias is seen at once.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, select
+from sqlalchemy import bindparam, delete, insert, select, update
 from sqlalchemy.orm import selectinload, sessionmaker
 
 from loraserve.common.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -96,29 +97,61 @@ def _live(row: WorkerRow, holds: frozenset[str]) -> LiveWorker:
     )
 
 
+_FLEET_WORKERS = select(
+    WorkerRow.id,
+    WorkerRow.address,
+    WorkerRow.model_id,
+    WorkerRow.lease_expires_at,
+    WorkerRow.running,
+    WorkerRow.waiting,
+    WorkerRow.free_slots,
+    WorkerRow.utilization,
+    WorkerRow.cached,
+).where(WorkerRow.state == "READY")
+_FLEET_HOLDS = select(PlacementRow.worker_id, PlacementRow.adapter).where(PlacementRow.state == "LOADED")
+
+
+def _tiers_of(w: LiveWorker) -> dict[str, int]:
+    """Adapter -> the index in ``TIERS`` of where ``w`` keeps it (a device slot wins over a cache)."""
+    out = {key: TIERS.index(tier) for key, tier in w.cached.items() if tier in TIERS}
+    out.update(dict.fromkeys(w.holds, 0))
+    return out
+
+
+def _cold_key(w: LiveWorker) -> tuple:
+    """A worker's place among cold candidates: free slots first (most free, then the least busy), then the
+    least busy; ties by id (so every key is unique)."""
+    busy = w.load.running + w.load.waiting
+    return (0, -w.load.free_slots, busy, w.id) if w.load.free_slots > 0 else (1, busy, 0, w.id)
+
+
 class Fleet:
-    """The READY workers as last read from the database or written by this process (thread-safe)."""
+    """The READY workers as last read from the database or written by this process (thread-safe).
+
+    Indexed for :meth:`rank`, and kept indexed as each worker changes (a heartbeat moves one worker):
+    per adapter, the workers holding or caching it with their tier; per model (and ``None``: every model),
+    the workers in cold order, as sorted lists of ``(_cold_key, id)``."""
 
     def __init__(self, sessions: sessionmaker, ttl_s: float = FLEET_TTL_S) -> None:
         self.sessions, self.ttl_s = sessions, ttl_s
         self._lock = threading.Lock()
         self._workers: dict[str, LiveWorker] = {}
+        self._tiers: dict[str, dict[str, int]] = {}  # adapter -> {worker id: tier index}
+        self._cold: dict[str | None, list[tuple[tuple, str]]] = {None: []}
         self._written: dict[str, float] = {}  # worker id -> when this process last wrote it (monotonic)
         self._read_at = float("-inf")
-        self._index: _RankIndex | None = None  # built from _workers on the first rank after a change
 
     def put(self, worker: LiveWorker) -> None:
         with self._lock:
-            self._workers[worker.id] = worker
+            self._unindex(worker.id)
+            self._index(worker)
             self._written[worker.id] = time.monotonic()
-            self._index = None
 
     def drop(self, *worker_ids: str) -> None:
         with self._lock:
             for wid in worker_ids:
-                self._workers.pop(wid, None)
+                self._unindex(wid)
                 self._written[wid] = time.monotonic()
-            self._index = None
 
     def rank(self, key: str, model: str | None, limit: int, now: datetime) -> list[tuple[LiveWorker, str]]:
         """The ``limit`` best live workers of ``model`` (any model if None) for adapter ``key`` ("" = the base
@@ -126,35 +159,50 @@ class Fleet:
         within a tier), then workers with free slots (most free first, then the least busy), then the least
         busy; ties by worker id.
 
-        Costs O(holders of ``key`` + ``limit``), not O(fleet): the workers holding or caching an adapter and
-        each model's order of cold candidates are indexed once per change of the view (a heartbeat), not
-        sorted per call."""
+        Costs O(holders of ``key`` + ``limit``), not a sort of the fleet (0.5 ms of Python at 200 workers)."""
         self._refresh()
-        with self._lock:
-            if self._index is None:
-                self._index = _RankIndex(self._workers.values())
-            index = self._index
 
         def fits(w: LiveWorker) -> bool:
             return w.lease_expires_at > now and (model is None or w.model_id == model)
 
-        warm = (
-            sorted(
-                ((t, w.load.running + w.load.waiting, w.id), w)
-                for t, w in index.tiers.get(key, ())
-                if fits(w)
-            )
-            if key
-            else []
-        )
-        out = [(w, TIERS[t]) for (t, _, _), w in warm[:limit]]
-        taken = {w.id for w, _ in out}
-        for w in index.cold.get(model, ()):
-            if len(out) >= limit:
-                break
-            if w.id not in taken and fits(w):
-                out.append((w, ""))
+        with self._lock:
+            warm = []
+            for wid, t in self._tiers.get(key, {}).items() if key else ():
+                w = self._workers[wid]
+                if fits(w):
+                    warm.append(((t, w.load.running + w.load.waiting, wid), w))
+            warm.sort(key=lambda item: item[0])
+            out = [(w, TIERS[t]) for (t, _, _), w in warm[:limit]]
+            taken = {w.id for w, _ in out}
+            for _, wid in self._cold.get(model, ()):
+                if len(out) >= limit:
+                    break
+                w = self._workers[wid]
+                if wid not in taken and fits(w):
+                    out.append((w, ""))
         return out
+
+    def _index(self, w: LiveWorker) -> None:
+        self._workers[w.id] = w
+        for key, t in _tiers_of(w).items():
+            self._tiers.setdefault(key, {})[w.id] = t
+        item = (_cold_key(w), w.id)
+        for m in (None, w.model_id):
+            bisect.insort(self._cold.setdefault(m, []), item)
+
+    def _unindex(self, wid: str) -> None:
+        w = self._workers.pop(wid, None)
+        if w is None:
+            return
+        for key in _tiers_of(w):
+            holders = self._tiers[key]
+            del holders[wid]
+            if not holders:
+                del self._tiers[key]
+        item = (_cold_key(w), wid)
+        for m in (None, w.model_id):
+            order = self._cold[m]
+            del order[bisect.bisect_left(order, item)]
 
     def _refresh(self) -> None:
         if time.monotonic() - self._read_at > self.ttl_s:
@@ -162,12 +210,10 @@ class Fleet:
 
     def _reload(self) -> None:
         started = time.monotonic()
-        with self.sessions() as s:
-            rows = list(s.scalars(select(WorkerRow).where(WorkerRow.state == "READY")))
+        with self.sessions.kw["bind"].connect() as conn:  # plain rows: no ORM objects for a whole fleet
+            rows = list(conn.execute(_FLEET_WORKERS))
             holds: dict[str, set[str]] = {}
-            for wid, adapter in s.execute(
-                select(PlacementRow.worker_id, PlacementRow.adapter).where(PlacementRow.state == "LOADED")
-            ):
+            for wid, adapter in conn.execute(_FLEET_HOLDS):
                 holds.setdefault(wid, set()).add(adapter)
         fresh = {r.id: _live(r, frozenset(holds.get(r.id, ()))) for r in rows}
         with self._lock:  # what this process wrote while the database was read is newer: keep it
@@ -178,32 +224,15 @@ class Fleet:
                     else:
                         fresh.pop(wid, None)
             self._written = {wid: at for wid, at in self._written.items() if at >= started}
-            self._workers, self._read_at, self._index = fresh, started, None
-
-
-class _RankIndex:
-    """What :meth:`Fleet.rank` reads, built from one view of the fleet: per adapter, the workers holding
-    (DEVICE) or caching (HOST, DISK) it with that tier's index in ``TIERS``; per model (and for ``None``, all
-    models), every worker in cold order: free slots first (most free, then least busy), then the least
-    busy, ties by id."""
-
-    def __init__(self, workers) -> None:
-        self.tiers: dict[str, list[tuple[int, LiveWorker]]] = {}
-        by_model: dict[str | None, list[LiveWorker]] = {None: []}
-        for w in workers:
-            for key, tier in w.cached.items():
-                if key not in w.holds and tier in TIERS:
-                    self.tiers.setdefault(key, []).append((TIERS.index(tier), w))
-            for key in w.holds:
-                self.tiers.setdefault(key, []).append((0, w))
-            by_model[None].append(w)
-            by_model.setdefault(w.model_id, []).append(w)
-
-        def cold(w: LiveWorker) -> tuple:
-            busy = w.load.running + w.load.waiting
-            return (0, -w.load.free_slots, busy, w.id) if w.load.free_slots > 0 else (1, busy, 0, w.id)
-
-        self.cold = {m: sorted(ws, key=cold) for m, ws in by_model.items()}
+            self._workers, self._tiers, self._cold = fresh, {}, {None: []}
+            for w in fresh.values():
+                for key, t in _tiers_of(w).items():
+                    self._tiers.setdefault(key, {})[w.id] = t
+                for m in (None, w.model_id):
+                    self._cold.setdefault(m, []).append((_cold_key(w), w.id))
+            for order in self._cold.values():
+                order.sort()
+            self._read_at = started
 
 
 @dataclass(frozen=True)
@@ -215,9 +244,56 @@ class Candidate:
     tier: str = ""  # "DEVICE" | "HOST" | "DISK" | "" (cold)
 
 
+_RENEW_VALUES = dict(
+    lease_expires_at=bindparam("lease"),
+    last_heartbeat=bindparam("now"),
+    running=bindparam("running"),
+    waiting=bindparam("waiting"),
+    free_slots=bindparam("free_slots"),
+    utilization=bindparam("utilization"),
+    cached=bindparam("cached", type_=WorkerRow.cached.type),
+)
+_RENEW = (
+    update(WorkerRow)
+    .where(
+        WorkerRow.id == bindparam("wid"),
+        WorkerRow.state != "EXPIRED",
+        WorkerRow.lease_expires_at >= bindparam("now"),
+    )
+    .values(**_RENEW_VALUES)
+    .returning(WorkerRow.address, WorkerRow.model_id)
+)
+_RENEW_WITH_USAGE = _RENEW.values(usage=bindparam("usage", type_=WorkerRow.usage.type))
+_VERSIONS = select(
+    AdapterRow.id, AdapterRow.name, AdapterRow.version, AdapterRow.state, AdapterRow.retired
+).where(AdapterRow.name.in_(bindparam("names", expanding=True)))
+_PLACEMENTS = select(
+    PlacementRow.id,
+    PlacementRow.slot,
+    PlacementRow.adapter,
+    PlacementRow.state,
+    PlacementRow.pinned,
+    PlacementRow.refcount,
+).where(PlacementRow.worker_id == bindparam("wid"))
+_PLACEMENT_STATE = (
+    update(PlacementRow)
+    .where(PlacementRow.id == bindparam("pid"))
+    .values(
+        state=bindparam("state"),
+        pinned=bindparam("pinned"),
+        refcount=bindparam("refcount"),
+        last_used=bindparam("last_used"),
+    )
+)
+_ORDERS = select(UnloadOrderRow.id, UnloadOrderRow.adapter, UnloadOrderRow.reason).where(
+    UnloadOrderRow.worker_id == bindparam("wid")
+)
+
+
 class Placement:
     def __init__(self, sessions: sessionmaker, catalog: Catalog, lease_seconds: int) -> None:
         self.sessions, self.catalog, self.lease = sessions, catalog, timedelta(seconds=lease_seconds)
+        self.engine = sessions.kw["bind"]
         self.fleet = Fleet(catalog.reads)
 
     def register(
@@ -285,49 +361,59 @@ class Placement:
         load: Load,
         cached: dict[str, str] | None = None,
         usage: dict[str, list[int]] | None = None,
-    ) -> tuple[WorkerRow, list[Order]]:
-        """Renew the lease, replace the worker's placements, return its pending unload orders."""
+    ) -> tuple[LiveWorker, list[Order]]:
+        """Renew the lease, replace the worker's placements, return its pending unload orders.
+
+        Every worker heartbeats every few seconds (40 a second at 200 workers), so this runs prebuilt Core
+        statements on one connection, no ORM session: an UPDATE … RETURNING renews the lease (and finds
+        out whether there is one), one read each for the reported names' versions, the worker's placement
+        rows and its unload orders, and writes only for slots whose adapter or state changed (a steady
+        worker's heartbeat writes its worker row only). 0.9 instead of 2.0 ms a heartbeat on SQLite."""
         now = utcnow()
-        with self.sessions() as s:
-            worker = s.get(WorkerRow, worker_id)
-            if worker is None or worker.state == "EXPIRED" or as_utc(worker.lease_expires_at) < now:
+        cached = {a[:160]: t for a, t in (cached or {}).items() if t in ("HOST", "DISK")}
+        values = {
+            "wid": worker_id,
+            "now": now,
+            "lease": now + self.lease,
+            "running": load.running,
+            "waiting": load.waiting,
+            "free_slots": load.free_slots,
+            "utilization": load.utilization,
+            "cached": cached,
+        }
+        renew = _RENEW
+        if usage is not None:
+            values["usage"] = {a[:160]: [int(x) for x in v[:5]] for a, v in list(usage.items())[:MAX_USAGE]}
+            renew = _RENEW_WITH_USAGE
+        reported = {r.adapter for r in slots if r.adapter}
+        on_host = {a for a, t in cached.items() if t == "HOST"}
+        with self.engine.begin() as conn:
+            worker = conn.execute(renew, values).first()
+            if worker is None:
                 raise NotFound(f"worker {worker_id!r} is not registered or its lease expired: register again")
-            worker.lease_expires_at, worker.last_heartbeat = now + self.lease, now
-            worker.running, worker.waiting = load.running, load.waiting
-            worker.free_slots, worker.utilization = load.free_slots, load.utilization
-            worker.cached = {a[:160]: t for a, t in (cached or {}).items() if t in ("HOST", "DISK")}
-            if usage is not None:
-                worker.usage = {a[:160]: [int(x) for x in v[:5]] for a, v in list(usage.items())[:MAX_USAGE]}
-            reported = {r.adapter for r in slots if r.adapter}
-            on_host = {a for a, t in worker.cached.items() if t == "HOST"}
             # one query for every version of every name in the report: placement ids, READY and retired
             ids: dict[str, int] = {}
             ready, retired = set(), set()
-            for adapter_id, name, version, state, is_retired in s.execute(
-                select(
-                    AdapterRow.id, AdapterRow.name, AdapterRow.version, AdapterRow.state, AdapterRow.retired
-                ).where(AdapterRow.name.in_({k.partition("@")[0] for k in reported | on_host}))
-            ):
+            names = sorted({k.partition("@")[0] for k in reported | on_host})
+            for adapter_id, name, version, state, is_retired in conn.execute(_VERSIONS, {"names": names}):
                 key = f"{name}@{version}"
                 ids[key] = adapter_id
                 if state == "READY":
                     (retired if is_retired else ready).add(key)
             # bring the worker's placement rows to the report, touching only the slots that changed (a
             # steady worker's heartbeat writes no placement row)
-            held = {
-                p.slot: p for p in s.scalars(select(PlacementRow).where(PlacementRow.worker_id == worker_id))
-            }
+            held = {row.slot: row for row in conn.execute(_PLACEMENTS, {"wid": worker_id})}
+            gone, added, changed = [], [], []
             for r in slots:
                 if not r.adapter:
                     continue
                 row = held.pop(r.slot, None)
                 if row is not None and row.adapter != r.adapter:
-                    s.delete(row)
-                    s.flush()  # the (worker, slot) pair is unique: the old row goes before the new one
+                    gone.append(row.id)  # the (worker, slot) pair is unique: the old row goes first
                     row = None
                 if row is None:
-                    s.add(
-                        PlacementRow(
+                    added.append(
+                        dict(
                             worker_id=worker_id,
                             adapter=r.adapter,
                             adapter_id=ids.get(r.adapter),
@@ -335,17 +421,25 @@ class Placement:
                             state=r.state,
                             pinned=r.pinned,
                             refcount=r.refcount,
+                            loaded_at=now,
                             last_used=now,
                         )
                     )
                 elif (row.state, row.pinned, row.refcount) != (r.state, r.pinned, r.refcount):
-                    row.state, row.pinned, row.refcount, row.last_used = r.state, r.pinned, r.refcount, now
-            for row in held.values():  # slots the report leaves empty
-                s.delete(row)
-            orders = list(s.scalars(select(UnloadOrderRow).where(UnloadOrderRow.worker_id == worker_id)))
-            done = [o for o in orders if o.adapter not in reported]
-            for o in done:  # the worker no longer holds it: the order is fulfilled
-                s.delete(o)
+                    changed.append(
+                        dict(pid=row.id, state=r.state, pinned=r.pinned, refcount=r.refcount, last_used=now)
+                    )
+            gone += [row.id for row in held.values()]  # slots the report leaves empty
+            if gone:
+                conn.execute(delete(PlacementRow).where(PlacementRow.id.in_(gone)))
+            if added:
+                conn.execute(insert(PlacementRow), added)
+            if changed:
+                conn.execute(_PLACEMENT_STATE, changed)
+            orders = list(conn.execute(_ORDERS, {"wid": worker_id}))
+            done = [o.id for o in orders if o.adapter not in reported]
+            if done:  # the worker no longer holds it: the order is fulfilled
+                conn.execute(delete(UnloadOrderRow).where(UnloadOrderRow.id.in_(done)))
             pending = [Order(o.adapter, o.reason) for o in orders if o.adapter in reported]
             # An adapter deleted before any heartbeat reported it has no order row: any reported adapter
             # without a READY version is unloaded too, so nothing deleted stays resident. A retired version
@@ -360,10 +454,17 @@ class Placement:
                     pending.append(Order(key, f"adapter {key} is not in the registry"))
             for key in sorted(on_host - reported - ordered - ready - retired):
                 pending.append(Order(key, f"adapter {key} is not in the registry"))
-            s.commit()
-        loaded = frozenset(r.adapter for r in slots if r.adapter and r.state == "LOADED")
-        self.fleet.put(_live(worker, loaded))
-        return worker, pending
+        live = LiveWorker(
+            worker_id,
+            worker.address,
+            worker.model_id,
+            values["lease"],
+            Load(load.running, load.waiting, load.free_slots, load.utilization),
+            cached,
+            frozenset(r.adapter for r in slots if r.adapter and r.state == "LOADED"),
+        )
+        self.fleet.put(live)
+        return live, pending
 
     def expire(self) -> list[str]:
         """Drop the placements of every worker whose lease ran out; returns their ids."""

@@ -9,9 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 from collections.abc import AsyncIterator
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
@@ -43,10 +42,14 @@ SERVICE_NAMES = (
 )
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def ts(value: datetime | None) -> Timestamp:
     if value is None:
         return Timestamp()
-    return Timestamp(seconds=math.floor(as_utc(value).timestamp()), nanos=value.microsecond * 1000)
+    since = as_utc(value) - _EPOCH  # whole seconds and microseconds, no float (a page converts 100 of these)
+    return Timestamp(seconds=since.days * 86400 + since.seconds, nanos=since.microseconds * 1000)
 
 
 def targets_to_proto(targets) -> list[registry_pb2.AliasTarget]:
@@ -68,7 +71,9 @@ def adapter_to_proto(row: AdapterRow, aliases: list[AliasView] = ()) -> registry
     own = [alias_to_proto(a) for a in aliases if any(v == row.version for v, _ in a.targets)]
     return registry_pb2.Adapter(
         aliases=own,
-        warnings=getattr(row, "warnings", []),
+        # an uploaded ORM row may carry the parser's warnings; a listed plain row has none (and a missing
+        # attribute of a Row raises inside getattr, 4 µs a row)
+        warnings=getattr(row, "warnings", ()) if isinstance(row, AdapterRow) else (),
         name=row.name,
         version=row.version,
         base_model=row.base_model,
