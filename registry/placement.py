@@ -459,7 +459,7 @@ class Placement:
             worker.address,
             worker.model_id,
             values["lease"],
-            Load(load.running, load.waiting, load.free_slots, load.utilization),
+            load,
             cached,
             frozenset(r.adapter for r in slots if r.adapter and r.state == "LOADED"),
         )
