@@ -221,15 +221,21 @@ def heartbeat_fleet(address: str, workers: int, adapters: int, period: float, st
 
 def measure(client, adapters: int, held: list[str], requests: int) -> tuple[dict[str, list[float]], int]:
     """ListAdapters pages and LocateAdapter calls (every other one of an adapter some worker holds, as a
-    router asks for popular adapters); -> latencies and how many Locates found a holder."""
+    router asks for popular adapters), and a gRPC health check between them (the floor any unary RPC
+    pays on this machine: loopback, HTTP/2, the server's event loop); -> latencies and how many Locates
+    found a holder."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     from loraserve.protos.v1 import placement_pb2 as pp
     from loraserve.protos.v1 import registry_pb2 as rp
+
+    health = health_pb2_grpc.HealthStub(client.channel)
 
     stub, rnd = client.adapters, random.Random(0)
     for _ in range(20):  # warm-up: connections, the server's caches
         stub.ListAdapters(rp.ListAdaptersRequest(page_size=100))
         client.placement.LocateAdapter(pp.LocateAdapterRequest(adapter=adapter_name(rnd.randrange(adapters))))
-    times: dict[str, list[float]] = {"list_page": [], "list_first_page": [], "locate": []}
+    times: dict[str, list[float]] = {"list_page": [], "list_first_page": [], "locate": [], "health": []}
     found = 0
     for n in range(requests):
         start = adapter_name(rnd.randrange(adapters))
@@ -250,6 +256,9 @@ def measure(client, adapters: int, held: list[str], requests: int) -> tuple[dict
         times["locate"].append(time.perf_counter() - t)
         assert len(resp.candidates) == 3
         found += any(c.holds_adapter for c in resp.candidates)
+        t = time.perf_counter()
+        assert health.Check(health_pb2.HealthCheckRequest()).status == health_pb2.HealthCheckResponse.SERVING
+        times["health"].append(time.perf_counter() - t)
     return times, found
 
 
@@ -331,6 +340,7 @@ def main() -> None:
             ("list_page", "ListAdapters (page 100)"),
             ("list_first_page", "ListAdapters first page"),
             ("locate", "LocateAdapter"),
+            ("health", "health check (floor)"),
         ):
             print(f"{label:26s} p50 {pct(times[key], 50):6.2f} ms  p99 {pct(times[key], 99):6.2f} ms")
         print(
@@ -363,6 +373,10 @@ def main() -> None:
                 "locate_adapter_ms": {
                     "p50": round(pct(times["locate"], 50), 3),
                     "p99": round(pct(times["locate"], 99), 3),
+                },
+                "health_check_ms": {
+                    "p50": round(pct(times["health"], 50), 3),
+                    "p99": round(pct(times["health"], 99), 3),
                 },
                 "heartbeat_ms": {"p50": round(pct(beats, 50), 3), "p99": round(pct(beats, 99), 3)},
                 "locate_found_holder": round(found / args.requests, 3),

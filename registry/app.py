@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from loraserve.registry.catalog import Catalog
 from loraserve.registry.config import RegistryConfig
 from loraserve.registry.db import make_engine, make_sessionmaker
+from loraserve.registry.hot_reads import hot_reads_for
 from loraserve.registry.imports import ImportPolicy
 from loraserve.registry.migrate import upgrade
 from loraserve.registry.placement import Placement
@@ -21,6 +22,7 @@ class Registry:
     engine: object
 
     def close(self) -> None:
+        self.catalog.hot.close()
         self.engine.dispose()
 
 
@@ -29,7 +31,8 @@ def open_registry(config: RegistryConfig) -> Registry:
         upgrade(config.db)
     engine = make_engine(config.db)
     sessions = make_sessionmaker(engine)
-    reads = make_sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"))
+    autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+    reads = make_sessionmaker(autocommit)
     catalog = Catalog(
         sessions,
         BlobStore(config.storage),
@@ -37,5 +40,6 @@ def open_registry(config: RegistryConfig) -> Registry:
         max_lora_rank=config.max_lora_rank,
         imports=ImportPolicy(config.import_allow.split(","), config.storage, config.max_upload_bytes),
         reads=reads,
+        hot=hot_reads_for(autocommit),
     )
     return Registry(config, catalog, Placement(sessions, catalog, config.lease_seconds), engine)

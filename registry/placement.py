@@ -16,6 +16,7 @@ read, so a moved alias is seen at once.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import threading
 import time
@@ -204,8 +205,12 @@ class Fleet:
             order = self._cold[m]
             del order[bisect.bisect_left(order, item)]
 
+    def stale(self) -> bool:
+        """Whether the next :meth:`rank` re-reads the fleet from the database first."""
+        return time.monotonic() - self._read_at > self.ttl_s
+
     def _refresh(self) -> None:
-        if time.monotonic() - self._read_at > self.ttl_s:
+        if self.stale():
             self._reload()
 
     def _reload(self) -> None:
@@ -495,14 +500,25 @@ class Placement:
     def locate(self, ref: str, max_candidates: int = 0, routing_key: str = "") -> tuple[str, list[Candidate]]:
         """Resolve ``ref`` (an alias by ``routing_key``) and rank live workers for it; ("", ranking) for the
         base model."""
+        key, model = self.catalog.resolve(ref, routing_key) if ref else ("", None)
+        return key, self._candidates(key, model, max_candidates)
+
+    async def locate_async(
+        self, ref: str, max_candidates: int = 0, routing_key: str = ""
+    ) -> tuple[str, list[Candidate]]:
+        """:meth:`locate` on the event loop (LocateAdapter's path): the name's read is awaited
+        (``Catalog.resolve_async``) and the ranking runs in place, except when the fleet view is due for its
+        re-read from the database, which runs on a thread (once a second at most)."""
+        key, model = await self.catalog.resolve_async(ref, routing_key) if ref else ("", None)
+        if self.fleet.stale():
+            return key, await asyncio.to_thread(self._candidates, key, model, max_candidates)
+        return key, self._candidates(key, model, max_candidates)
+
+    def _candidates(self, key: str, model: str | None, max_candidates: int) -> list[Candidate]:
         limit = min(max_candidates or 3, MAX_CANDIDATES)
-        now = utcnow()
-        key, model = "", None
-        if ref:
-            key, model = self.catalog.resolve(ref, routing_key)
-        return key, [
+        return [
             Candidate(w.id, w.address, tier == "DEVICE", w.load, tier)
-            for w, tier in self.fleet.rank(key, model, limit, now)
+            for w, tier in self.fleet.rank(key, model, limit, utcnow())
         ]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -154,12 +154,19 @@ def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
 async def _call(context: grpc.aio.ServicerContext, fn, *args: Any) -> Any:
     """Run blocking catalog/placement work on a thread. ``LoraserveError``s pass to the interceptor as they
     are; a database or network outage becomes UNAVAILABLE."""
+    return await _on_the_loop(asyncio.to_thread(fn, *args))
+
+
+async def _on_the_loop(work: Awaitable) -> Any:
+    """Await ``work`` (a coroutine run on the event loop, e.g. ``Placement.locate_async``) with
+    :func:`_call`'s error mapping."""
     try:
-        return await asyncio.to_thread(fn, *args)
+        return await work
     except (ConnectionError, TimeoutError) as exc:
         raise _backend_unavailable(exc) from exc
     except Exception as exc:
-        if type(exc).__name__ == "OperationalError":  # SQLAlchemy: the database is unreachable
+        # SQLAlchemy's or psycopg's (registry.hot_reads): the database is unreachable
+        if type(exc).__name__ == "OperationalError":
             raise _backend_unavailable(exc) from exc
         raise
 
@@ -372,8 +379,9 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
         return placement_pb2.ListWorkersResponse(workers=[worker_to_proto(r) for r in rows])
 
     async def LocateAdapter(self, request, context):
-        key, candidates = await _call(
-            context, self.placement.locate, request.adapter, request.max_candidates, request.routing_key
+        # on the event loop, no thread hop (registry.hot_reads: the router asks this per request)
+        key, candidates = await _on_the_loop(
+            self.placement.locate_async(request.adapter, request.max_candidates, request.routing_key)
         )
         split = []
         ref = parse_ref(request.adapter) if request.adapter else None  # valid: locate resolved it
