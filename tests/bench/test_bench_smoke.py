@@ -11,19 +11,33 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import TEST_XLA_FLAGS
+
 ROOT = Path(__file__).resolve().parents[2]
+# The smoke runs are compile-bound (tiny models, every engine warming up its buckets) and their numbers are
+# not what these tests check: XLA:CPU at backend optimisation level 0, as in the in-process tests
+# (tests/conftest.py), for the benchmarks and every server they start (decode --tiny: 80 -> 55 s alone).
+SMOKE_ENV = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()}
 
 
 def _last_json(args: list[str]) -> dict:
     out = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=SMOKE_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
 def test_decode_bench_tiny_prints_its_json_last() -> None:
-    result = _last_json(["bench/decode.py", "--tiny", "--rounds", "1"])
+    # --lazy-compile: each engine compiles the shapes its rows run, not every bucket (55 -> 33 s alone;
+    # the warm-up path itself is tests/worker's)
+    result = _last_json(["bench/decode.py", "--tiny", "--rounds", "1", "--lazy-compile"])
     assert result["bench"] == "decode"
     engines = {
         f"{mix}{suffix}"
@@ -126,7 +140,7 @@ def test_serve_bench_tiny_replays_one_trace_through_every_system(tmp_path) -> No
     work, png = tmp_path / "work", tmp_path / "serve.png"
     out = subprocess.run(
         [sys.executable, "bench/serve.py", "--tiny", "--rates", "4", "--workdir", str(work), "--plot", str(png)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, check=True,
+        cwd=ROOT, env=SMOKE_ENV, capture_output=True, text=True, timeout=600, check=True,
     )  # fmt: skip
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     rows, summary = lines[:-1], lines[-1]
@@ -181,7 +195,7 @@ def test_serve_bench_leaves_no_process_behind_on_ctrl_c(tmp_path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "bench/serve.py", "--tiny", "--systems", "loraserve", "--rates", "1", "--duration", "60",
          "--workdir", str(tmp_path / "work"), "--plot", ""],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT, env=SMOKE_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 300
     while len(_children(proc.pid)) < 3 and time.monotonic() < deadline:
@@ -213,7 +227,7 @@ def test_device_script_tiny_writes_every_step_and_a_summary(tmp_path) -> None:
     """`bash bench/device.sh --tiny`: every step's log and JSON, decode per batch, a summary with positive
     decode rates and ratios for both batches, no step in error, the summary printed last, no scratch left."""
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
+    env = {**SMOKE_ENV, "OUT": str(out), "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}
     env["JAX_CACHE"] = str(tmp_path / "jax-cache")
     env.pop("WORK", None)
     proc = subprocess.run(
