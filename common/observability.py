@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 
 from prometheus_client import Counter, Histogram, start_http_server
@@ -98,10 +99,23 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+class StderrHandler(logging.StreamHandler):
+    """A StreamHandler on whatever ``sys.stderr`` is when a record is written, not the stream it was made
+    with (a plain one keeps writing to a redirected or captured stream after it is closed, e.g. a test's)."""
+
+    @property
+    def stream(self):  # the logging module reads and writes this attribute
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def setup_logging(level: str = "INFO", fmt: str | None = None) -> None:
     """Text logs by default; JSON lines when ``fmt`` or ``LORASERVE_LOG_FORMAT`` is "json"."""
     fmt = fmt or os.environ.get("LORASERVE_LOG_FORMAT", "text")
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
         handler.formatter.converter = time.gmtime
