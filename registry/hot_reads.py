@@ -81,8 +81,7 @@ class PsycopgReads(HotReads):
             hit = self._compiled[id(stmt)] = (str(compiled), dict(compiled.params))
         return hit
 
-    def _for_this_loop(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
+    def _for_this_loop(self, loop: asyncio.AbstractEventLoop) -> asyncio.Semaphore:
         if loop is not self._loop or self._slots is None:
             self.close()  # another loop's connections cannot be awaited here
             self._loop, self._slots = loop, asyncio.Semaphore(self.size)
@@ -92,7 +91,8 @@ class PsycopgReads(HotReads):
         import psycopg
 
         sql, defaults = self._sql(stmt)
-        async with self._for_this_loop():
+        loop = asyncio.get_running_loop()
+        async with self._for_this_loop(loop):
             conn = (
                 self._idle.pop()
                 if self._idle
@@ -104,7 +104,10 @@ class PsycopgReads(HotReads):
             except BaseException:
                 _finish(conn)
                 raise
-            self._idle.append(conn)
+            if loop is self._loop:  # kept for this loop's next read, unless another loop took over meanwhile
+                self._idle.append(conn)
+            else:
+                _finish(conn)
         return None if row is None else tuple(row)
 
     def close(self) -> None:
