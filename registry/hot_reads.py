@@ -21,24 +21,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy.engine import Engine
 
 
-class HotReads:
+class HotReads(Protocol):
     """Awaitable single-row reads of prebuilt SQLAlchemy Core statements."""
 
-    async def first(self, stmt: Any, params: dict[str, Any]) -> tuple | None:
-        raise NotImplementedError
+    async def first(self, stmt: Any, params: dict[str, Any]) -> tuple | None: ...
 
     def close(self) -> None:
         """Release what the reads hold (connections); idempotent."""
 
 
-class InlineReads(HotReads):
+class InlineReads:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+
+    def close(self) -> None:  # plain connections from the engine's pool: nothing of its own to release
+        pass
 
     def first_now(self, stmt: Any, params: dict[str, Any]) -> tuple | None:
         with self.engine.connect() as conn:
@@ -54,7 +56,7 @@ class ThreadReads(InlineReads):
         return await asyncio.to_thread(self.first_now, stmt, params)
 
 
-class PsycopgReads(HotReads):
+class PsycopgReads:
     """Up to ``size`` asyncio connections of psycopg per event loop (the registry's server has one; a
     call from another loop starts a fresh set). A connection that fails is dropped, not reused."""
 
