@@ -8,13 +8,17 @@ float32 or bfloat16 (widened in registers, so bf16 pools halve the bytes a decod
 which is what bounds many distinct adapters on a CPU). Math is float32.
 
 The source is compiled on first use with the system C++ compiler (``$CXX``, else ``c++``/``g++``),
-``-O3 -march=native``, into ``$LORASERVE_KERNEL_CACHE_DIR`` (default ``~/.cache/loraserve/kernels``),
-keyed by the source, jaxlib's version and this CPU's feature flags; later processes load the cached
-library. :func:`available` says whether that works here; without a compiler the worker's ``auto``
+``-O3 -march=native`` (``$LORASERVE_KERNEL_MARCH`` names another target, e.g. ``x86-64-v3`` for an
+image that runs on other CPUs than the one it was built on), into ``$LORASERVE_KERNEL_CACHE_DIR``
+(default ``~/.cache/loraserve/kernels``), keyed by the source, jaxlib's version, this CPU's feature
+flags and the compiler flags; later processes load the cached library. :func:`available` says whether that works here; without a compiler the worker's ``auto``
 backend falls back to ``xla``.
 
 Layout and semantics are DESIGN.md §6's, like ``reference``: ``x [T, in]``, ``A [S, in, R]``,
 ``B [S, R, out]``, ``idx [T]`` (−1 = no adapter). CPU only: it does not lower for TPU or GPU.
+
+The same library holds the decode attention over the paged cache (:func:`paged_attention`) and the
+base model's bf16 projections for a few rows (:func:`linear_bf16`, which ``kernels.linear`` calls).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ TARGETS = {
     "loraserve_lora_shrink": "LoraShrink",
     "loraserve_lora_expand": "LoraExpand",
     "loraserve_paged_attention": "PagedAttention",
+    "loraserve_linear_bf16": "LinearBf16",
 }
 POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -78,7 +83,8 @@ def _build() -> Path:
     import jaxlib
 
     source = SOURCE.read_bytes()
-    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+    march = os.environ.get("LORASERVE_KERNEL_MARCH") or "native"
+    flags = ["-O3", f"-march={march}", "-std=c++17", "-shared", "-fPIC"]
     key = hashlib.sha256(
         b"\0".join([source, jaxlib.__version__.encode(), _cpu_flags().encode(), *map(str.encode, flags)])
     ).hexdigest()[:24]
@@ -101,10 +107,11 @@ def _build() -> Path:
 
 
 @functools.cache
-def _register() -> None:
+def _register() -> ctypes.CDLL:
     lib = ctypes.cdll.LoadLibrary(str(_build()))
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    return lib
 
 
 def ensure_registered() -> None:
@@ -127,6 +134,21 @@ def available() -> bool:
     except CpuKernelUnavailable:
         return False
     return True
+
+
+@functools.cache
+def bf16_dot() -> bool:
+    """True when the built library multiplies bf16 with AVX-512 BF16 dot products (``vdpbf16ps``), where
+    :func:`linear_bf16` beats XLA:CPU for a few rows (``kernels.linear``'s ``auto``); without them it widens
+    to f32 and is there for correctness, not speed. False where the kernels are unavailable."""
+    return available() and bool(_register().LoraserveLinearBf16Dot())
+
+
+@functools.cache
+def amx() -> bool:
+    """True when the CPU has AMX tiles (the build's ``-march=native`` says so), where XLA:CPU's own bf16
+    GEMMs may use them: ``kernels.linear``'s ``auto`` keeps XLA there (not measured against the kernel)."""
+    return available() and bool(_register().LoraserveCpuAmx())
 
 
 def _prepare(pool_dtype) -> None:
@@ -193,3 +215,16 @@ def paged_attention(q, k_pages, v_pages, positions, page_tables, *, scale, softc
         scale=np.float32(scale), softcap=np.float32(softcap or 0.0), window=np.int64(window or 0),
     )  # fmt: skip
     return out.astype(q.dtype)
+
+
+def linear_bf16(x, w):  # [N, M] f32
+    """``w [N, K] @ x [M, K].T`` in f32 for bf16 ``x`` and ``w`` (weights first, as ``kernels.linear``
+    lays a few rows' product out): the weights streamed with prefetching, AVX-512 BF16 dot products where
+    the CPU has them."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear_bf16: x [M, K] and w [N, K], got {x.shape} and {w.shape}")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"linear_bf16: bfloat16 x and w, got {x.dtype} and {w.dtype}")
+    ensure_registered()
+    out = jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), ACC_DTYPE)
+    return jax.ffi.ffi_call("loraserve_linear_bf16", out)(x, w)
