@@ -4,9 +4,20 @@ and ``argmax_last``, the greedy pick over its logits that reads them in the layo
 Hugging Face stores a projection as ``w [out, in]``; the product is ``x @ w.T``. For few rows XLA:CPU
 runs it faster as ``w @ x.T`` (the narrow side of the GEMM in the kernel's favoured place), so below
 :data:`WEIGHTS_FIRST_MAX_ROWS` rows on a CPU it is written that way, behind an optimisation barrier.
+
+A bf16 model's decode step is a few rows against every weight, and XLA:CPU streams bf16 weights at a
+fraction of what DRAM gives (1.6 GB/s at one row, 11-13 GB/s at 4-16 on the bench model): there, up to
+:data:`KERNEL_MAX_ROWS` rows, the product is the C++ kernel ``kernels.cpu.linear_bf16`` (prefetched
+weights, AVX-512 BF16 dot products), in the same ``[out, rows]`` layout. Which one runs is the *linear
+backend* (:data:`LINEAR_BACKENDS`), chosen while a program is traced (:func:`use_backend`).
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +27,70 @@ import jax.numpy as jnp
 # 16 rows, 9.1 vs 12.3 ms for its lm_head; at 64 rows it is still even or a little ahead, at 256 behind.
 WEIGHTS_FIRST_MAX_ROWS = 64
 
+# Up to this many rows a bf16 product runs in the C++ kernel where the backend allows. The bench model's
+# 8 layers and lm_head as a dependent chain (Zen 4, 2 threads, 2026-12-04), XLA vs kernel in ms: 161 vs
+# 13.8 at 1 row, 20.2 vs 13.5 at 4, 22.5 vs 17.5 at 8, 19.7 vs 17.5 at 16, 37.2 vs 23.5 at 24; even at 32
+# (30.5 vs 30.4), and XLA's GEMM ahead at 64 (the kernel's tiles reuse x less than a real GEMM's).
+KERNEL_MAX_ROWS = 24
+
+# auto: the kernel where it wins (kernels.cpu.bf16_dot: a CPU with AVX-512 BF16; not on AMX CPUs, where
+# XLA's GEMMs may use the tiles and nothing here was measured); cpu: the kernel for every bf16 product of
+# up to KERNEL_MAX_ROWS rows on the CPU (its f32-widening path where the CPU lacks bf16 dot products;
+# raises if the kernels do not build); xla: XLA's dot only (what sharded programs need: a custom call
+# would make GSPMD gather the weights).
+LINEAR_BACKENDS = ("auto", "xla", "cpu")
+
+_backend: contextvars.ContextVar[str] = contextvars.ContextVar("loraserve_linear_backend", default="auto")
+
 _CONTRACT_MINOR = (((1,), (1,)), ((), ()))  # [N, K] x [M, K] -> [N, M]
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Trace the products inside with linear backend ``name`` (one of :data:`LINEAR_BACKENDS`). The
+    choice is baked into what ``jax.jit`` traces, so it has to be in force while a program is traced, and
+    jit keeps one trace per function whatever was in force then: :func:`traced_with` makes a function
+    of its own for each choice."""
+    check_backend(name)
+    token = _backend.set(name)
+    try:
+        yield
+    finally:
+        _backend.reset(token)
+
+
+def traced_with(name: str, fn: Callable) -> Callable:
+    """``fn`` run under :func:`use_backend` ``(name)``: give this to ``jax.jit`` so every trace of it
+    (a new shape compiles later, at first call) uses the same linear backend."""
+    check_backend(name)
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with use_backend(name):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def check_backend(name: str) -> None:
+    """Raise ``ValueError`` for a linear backend outside :data:`LINEAR_BACKENDS`; for ``cpu``, also
+    when the C++ kernels are unusable here (``kernels.cpu.available``)."""
+    if name not in LINEAR_BACKENDS:
+        raise ValueError(f"linear backend must be one of {', '.join(LINEAR_BACKENDS)}, got {name!r}")
+    if name == "cpu":
+        from loraserve.kernels import cpu
+
+        if not cpu.available():
+            raise ValueError("linear backend cpu needs the C++ CPU kernels, which do not build or load here")
+
+
+def resolve_backend(name: str) -> str:
+    """What ``name`` runs here, ``cpu`` or ``xla`` (``auto``: ``cpu`` where the kernel wins, see
+    :data:`LINEAR_BACKENDS`); for logs and the worker's status."""
+    check_backend(name)
+    if name == "auto":
+        return "cpu" if jax.default_backend() == "cpu" and _auto_kernel() else "xla"
+    return name
 
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:  # [..., out] f32
@@ -26,17 +100,67 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:  # [..., out] f32
     """
     lead, rows = x.shape[:-1], x.size // x.shape[-1]
     x2 = x.reshape(rows, x.shape[-1])
-    if _weights_first(rows):
-        # The barrier keeps XLA from folding the transpose back into the dot (which undoes the gain).
-        yt = jax.lax.dot_general(w, x2, _CONTRACT_MINOR, preferred_element_type=jnp.float32)  # [out, rows]
-        y = jax.lax.optimization_barrier(yt).T
+    if _use_kernel(x2, w):
+        y = _kernel(x2, w).T  # [out, rows] like the weights-first dot (argmax_last reads it so)
+    elif _weights_first(rows):
+        y = _xla_weights_first(x2, w).T
     else:
         y = jax.lax.dot_general(x2, w, _CONTRACT_MINOR, preferred_element_type=jnp.float32)
     return y.reshape(*lead, w.shape[0])
 
 
+def _xla_weights_first(x2: jax.Array, w: jax.Array) -> jax.Array:  # [out, rows]
+    # The barrier keeps XLA from folding the transpose back into the dot (which undoes the gain).
+    yt = jax.lax.dot_general(w, x2, _CONTRACT_MINOR, preferred_element_type=jnp.float32)
+    return jax.lax.optimization_barrier(yt)
+
+
+@jax.custom_batching.custom_vmap
+def _kernel(x2: jax.Array, w: jax.Array) -> jax.Array:  # [out, rows] f32
+    from loraserve.kernels import cpu
+
+    return cpu.linear_bf16(x2, w)
+
+
+@_kernel.def_vmap
+def _kernel_vmap(axis_size: int, in_batched: list[bool], x2: jax.Array, w: jax.Array):
+    """Under ``jax.vmap`` (``add_segments``' map over packed prompts): one call over every example's
+    rows when the weights are shared (XLA's dot past :data:`KERNEL_MAX_ROWS` rows), one call per
+    example when each has its own."""
+    x_batched, w_batched = in_batched
+    if w_batched:
+        xs = x2 if x_batched else jnp.broadcast_to(x2, (axis_size, *x2.shape))
+        return jax.lax.map(lambda xw: _kernel(*xw), (xs, w)), True
+    flat = x2.reshape(-1, x2.shape[-1])
+    y = _kernel(flat, w) if flat.shape[0] <= KERNEL_MAX_ROWS else _xla_weights_first(flat, w)
+    return jnp.moveaxis(y.reshape(w.shape[0], axis_size, x2.shape[-2]), 1, 0), True
+
+
 def _weights_first(rows: int) -> bool:
     return rows <= WEIGHTS_FIRST_MAX_ROWS and jax.default_backend() == "cpu"
+
+
+def _use_kernel(x2: jax.Array, w: jax.Array) -> bool:
+    name = _backend.get()
+    if name == "xla" or not 0 < x2.shape[0] <= KERNEL_MAX_ROWS or jax.default_backend() != "cpu":
+        return False
+    if x2.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or w.ndim != 2 or _sharded(w) or _sharded(x2):
+        return False
+    return name == "cpu" or _auto_kernel()
+
+
+def _sharded(a: jax.Array) -> bool:
+    """True when ``a``'s abstract value lies on a mesh of several devices (a tensor-parallel program that
+    committed its arrays to a mesh); GSPMD would gather a custom call's operands onto every device."""
+    mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+    return mesh is not None and mesh.size > 1
+
+
+@functools.cache
+def _auto_kernel() -> bool:
+    from loraserve.kernels import cpu
+
+    return cpu.bf16_dot() and not cpu.amx()
 
 
 def argmax_last(y: jax.Array) -> jax.Array:  # [rows] int32

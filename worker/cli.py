@@ -48,6 +48,10 @@ HELP = {
     " C++ kernels build, else xla), xla (gather each row's pages, dense attention), cpu (C++ kernel reading the"
     " pages in place) or pallas (JAX's TPU paged-attention kernel; sliding-window layers use xla; interpreted,"
     " slowly, off a TPU)",
+    "linear_backend": "the base model's bfloat16 projections of a few rows (decode steps, up to 24 rows):"
+    " auto (cpu on a CPU with AVX-512 BF16 where the C++ kernels build, else xla), xla or cpu (C++ kernel"
+    " streaming the weights with prefetch; widens to float32 on CPUs without bf16 dot products);"
+    " tensor-parallel workers use xla",
     "dtype": "compute dtype: float32 or bfloat16",
     "lora_dtype": "dtype of the adapter slot pools, float32 or bfloat16 (empty: --dtype); bfloat16 halves"
     " the bytes each decode step reads for its adapters",

@@ -33,6 +33,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # devices one model is split over (Megatron layout; worker.sharding)
     # decode attention over the paged cache: auto (pallas on a TPU, else xla) | xla | pallas (kernels.attention)
     attention_backend: str = "auto"
+    # the base model's bf16 projections of up to kernels.linear.KERNEL_MAX_ROWS rows: auto (the C++ kernel on
+    # a CPU with AVX-512 BF16) | xla | cpu (kernels.linear); tensor-parallel programs always use xla
+    linear_backend: str = "auto"
     # paged KV cache (worker.kv_cache): one pool of pages per layer, a page table per row
     kv_page_size: int = 16  # tokens per page
     kv_pages: int = 0  # pages in the pool (page 0 is the reserved null page); 0 = from kv_cache_bytes
@@ -42,6 +45,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from loraserve.kernels import KERNEL_BACKENDS
         from loraserve.kernels.attention import ATTENTION_BACKENDS
+        from loraserve.kernels.linear import LINEAR_BACKENDS
 
         if self.kernel_backend not in KERNEL_BACKENDS:
             names = ", ".join(n for n in KERNEL_BACKENDS if n != "auto")
@@ -49,6 +53,14 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             names = ", ".join(ATTENTION_BACKENDS)
             raise ValueError(f"attention_backend must be one of {names}, got {self.attention_backend!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            names = ", ".join(LINEAR_BACKENDS)
+            raise ValueError(f"linear_backend must be one of {names}, got {self.linear_backend!r}")
+        if self.linear_backend == "cpu" and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "linear_backend cpu runs on one device; with tensor_parallel_size > 1 use auto or xla"
+                " (a sharded program's projections are XLA's)"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.lora_dtype not in ("", *DTYPES):
@@ -69,6 +81,12 @@ class EngineConfig:
                 f"kv_pages must hold one full context plus the null page: >= {self.pages_per_row + 1}"
                 f" for max_seq_len {self.max_seq_len} at kv_page_size {self.kv_page_size}"
             )
+
+    @property
+    def traced_linear_backend(self) -> str:
+        """The linear backend the compiled steps are traced with (``kernels.linear.traced_with``):
+        ``linear_backend``, but ``xla`` when the model is split over devices."""
+        return "xla" if self.tensor_parallel_size > 1 else self.linear_backend
 
     @property
     def pool_dtype(self) -> str:

@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 from loraserve import kernels
 from loraserve.adapters.peft import LoraWeights
 from loraserve.kernels.attention import DecodeAttention, resolve_attention
+from loraserve.kernels.linear import resolve_backend as resolve_linear
+from loraserve.kernels.linear import traced_with
 from loraserve.kernels.sharded import ShardedBackend
 from loraserve.worker import model as M
 from loraserve.worker import sharding
@@ -98,13 +100,16 @@ class JaxRunner:
         # decode attention over the pages: the TPU kernel runs per device of the mesh (kernels.attention)
         self.attention = DecodeAttention(resolve_attention(config.attention_backend), self.mesh)
         log.info(
-            "multi-LoRA kernels: %s (%s), slot pools %s, tensor parallel %d, decode attention %s (%s)",
+            "multi-LoRA kernels: %s (%s), slot pools %s, tensor parallel %d, decode attention %s (%s),"
+            " base projections %s (%s)",
             self.backend,
             config.kernel_backend,
             config.pool_dtype,
             n,
             self.attention.impl,
             config.attention_backend,
+            resolve_linear(config.traced_linear_backend),
+            config.linear_backend,
         )
         self.inv_freq = jnp.asarray(self.model_config.inv_freq(), jnp.float32)
         self.buckets = config.prefill_buckets()
@@ -122,8 +127,10 @@ class JaxRunner:
             config.max_seq_len,
         )
         cfg, backend = self.model_config, self.backend
-        self._prefill = jax.jit(partial(_prefill_sample, cfg, backend), donate_argnums=(8,), **jit_out)
-        decode = partial(_decode_sample, cfg, backend, attention=self.attention)
+        linear = config.traced_linear_backend  # the base projections of both steps (kernels.linear)
+        prefill = traced_with(linear, partial(_prefill_sample, cfg, backend))
+        self._prefill = jax.jit(prefill, donate_argnums=(8,), **jit_out)
+        decode = traced_with(linear, partial(_decode_sample, cfg, backend, attention=self.attention))
         self._decode = jax.jit(decode, donate_argnums=(6,), **jit_out)
         self.init_state()
 

@@ -68,6 +68,7 @@ def compiled_decode_memory(
 
     from loraserve.kernels.attention import DecodeAttention, resolve_attention
     from loraserve.kernels.backends import XlaOneHotBackend
+    from loraserve.kernels.linear import traced_with
     from loraserve.worker import sharding
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.jax_runner import _decode_sample
@@ -97,8 +98,9 @@ def compiled_decode_memory(
     inv_freq = np.asarray(tcfg.inv_freq(), np.float32)
     samp = tuple(abstract(a) for a in SamplingArrays.empty(batch).as_tuple())
     attention = DecodeAttention.of(resolve_attention(config.attention_backend), backend)  # as the worker
+    decode = partial(_decode_sample, tcfg, backend, attention=attention)
     step = jax.jit(
-        partial(_decode_sample, tcfg, backend, attention=attention),
+        traced_with(config.traced_linear_backend, decode),  # as the worker traces its steps
         donate_argnums=(6,),
         out_shardings=st["out_shardings"],
     )
