@@ -298,8 +298,15 @@ def _report(name: str, r: dict[str, float]) -> None:
     )
 
 
-# Engine configurations run in the same script: (kernel_backend, lora_dtype) and the suffix of their keys.
-ENGINES = {"": ("auto", ""), "_bf16_pools": ("auto", "bfloat16"), "_xla": ("xla", "")}
+# Engine configurations run in the same script: (kernel_backend, lora_dtype, linear_backend) and the suffix
+# of their keys. _xla_linear: the default with XLA's dot for every base projection (kernels.linear), the
+# peer of a bf16 model's C++ decode projections (not in the default --engines).
+ENGINES = {
+    "": ("auto", "", "auto"),
+    "_bf16_pools": ("auto", "bfloat16", "auto"),
+    "_xla": ("xla", "", "auto"),
+    "_xla_linear": ("auto", "", "xla"),
+}
 
 
 def run_engine(
@@ -309,6 +316,7 @@ def run_engine(
     rounds: int,
     backend: str = "auto",
     lora_dtype: str = "",
+    linear_backend: str = "auto",
     ttft: bool = True,
     extra: dict[str, Path] | None = None,
     checkpoint=None,
@@ -344,6 +352,7 @@ def run_engine(
         kernel_backend=backend,
         dtype=dtype,
         lora_dtype=lora_dtype,
+        linear_backend=linear_backend,
     )
     engine = Engine(checkpoint or load_checkpoint(str(base), dtype=dtype), cfg, source=src)
     label = f"loraserve[{engine.backend}, {cfg.pool_dtype} pools]"
@@ -606,7 +615,8 @@ def adapter_ratio_bound(
 
 
 # --engines names -> ENGINES keys
-ENGINE_NAMES = {"default": "", "bf16_pools": "_bf16_pools", "xla": "_xla"}
+ENGINE_NAMES = {"default": "", "bf16_pools": "_bf16_pools", "xla": "_xla", "xla_linear": "_xla_linear"}
+DEFAULT_ENGINES = "default,bf16_pools,xla"
 
 
 def summarize(
@@ -620,7 +630,8 @@ def summarize(
     ours = dict(ours)
     ttft = ours.pop("ttft", None)
     size = 2 if dtype == "bfloat16" else 4
-    pool = {"": size, "_bf16_pools": 2, "_xla": size}  # bytes an element of each engine's slot pools
+    # bytes an element of each engine's slot pools
+    pool = {"": size, "_bf16_pools": 2, "_xla": size, "_xla_linear": size}
     ran = [s for s in ENGINES if "base" + s in ours]
     allruns = {**ours, **peers}
     dec = {k: v["decode_tok_s"] for k, v in allruns.items()}
@@ -647,13 +658,15 @@ def summarize(
         )
     ratios = result["ratios"] = {}
     for s in ran:
-        if s != "_xla":
+        if s not in ("_xla", "_xla_linear"):
             ratios[f"distinct_adapters{s}_vs_base"] = round(dec["distinct_adapters" + s] / dec["base" + s], 3)
             ratios[f"distinct_adapters{s}_vs_base_serial_bound"] = round(
                 adapter_ratio_bound(ours["base" + s]["step_ms"], w, peaks, pool[s]), 3
             )
     if "_xla" in ran:
         ratios["distinct_adapters_xla_vs_base"] = round(dec["distinct_adapters_xla"] / dec["base_xla"], 3)
+    if "_xla_linear" in ran and "" in ran:  # what the C++ base projections bring (bf16 model)
+        ratios["base_vs_base_xla_linear"] = round(dec["base"] / dec["base_xla_linear"], 3)
     if "" in ran:
         ratios["one_adapter_vs_base"] = round(dec["one_adapter"] / dec["base"], 3)
     for s in ran:
@@ -704,8 +717,9 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, help="distinct adapters (default: the batch size)")
     parser.add_argument(
         "--engines",
-        default=",".join(ENGINE_NAMES),
-        help=f"loraserve configurations to run, a comma list of {', '.join(ENGINE_NAMES)}",
+        default=DEFAULT_ENGINES,
+        help=f"loraserve configurations to run, a comma list of {', '.join(ENGINE_NAMES)}"
+        f" (default {DEFAULT_ENGINES})",
     )
     parser.add_argument("--no-extra", action="store_true", help="skip the DoRA and mix rows")
     parser.add_argument("--skip-ttft", action="store_true", help="skip the cold vs warm TTFT")
@@ -759,7 +773,7 @@ def main() -> None:
         checkpoint = load_checkpoint(str(base), dtype=args.dtype)  # shared by every engine below
         ours: list[dict[str, dict[str, float]]] = [{} for _ in workloads]
         for w, mine in zip(workloads, ours, strict=True):
-            for suffix, (backend, lora_dtype) in engines.items():
+            for suffix, (backend, lora_dtype, linear_backend) in engines.items():
                 runs = run_engine(
                     base,
                     adapters[: w["adapters"]],
@@ -767,6 +781,7 @@ def main() -> None:
                     args.rounds,
                     backend,
                     lora_dtype,
+                    linear_backend,
                     ttft=not suffix and not args.skip_ttft,
                     extra=extra
                     if suffix in ("", "_bf16_pools")
