@@ -137,6 +137,22 @@ def test_backend_names_and_config() -> None:
     assert EngineConfig(linear_backend="cpu").traced_linear_backend == "cpu"
 
 
+def test_flag_and_environment_twin() -> None:
+    import argparse
+
+    from loraserve.common.config import config_from_args
+    from loraserve.worker.cli import HELP, add_arguments
+    from loraserve.worker.config import ENV_PREFIX, WorkerConfig
+
+    env = WorkerConfig.from_env({"LORASERVE_WORKER_LINEAR_BACKEND": "xla"})
+    assert env.engine_config().linear_backend == "xla"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--linear-backend", "cpu"])
+    assert config_from_args(WorkerConfig, ENV_PREFIX, args).engine_config().linear_backend == "cpu"
+    assert HELP["linear_backend"].startswith("the base model's bfloat16 projections of a few rows")
+
+
 def test_bf16_runner_decodes_through_the_kernel(llama_dir) -> None:
     """A bf16 checkpoint in the runner: its compiled decode step calls the kernel with linear_backend cpu
     and not with xla; one decode step's logits of the two agree within bf16 rounding of the activations
