@@ -101,7 +101,9 @@ def linear(x: jax.Array, w: jax.Array) -> jax.Array:  # [..., out] f32
     lead, rows = x.shape[:-1], x.size // x.shape[-1]
     x2 = x.reshape(rows, x.shape[-1])
     if _use_kernel(x2, w):
-        y = _kernel(x2, w).T  # [out, rows] like the weights-first dot (argmax_last reads it so)
+        # [out, rows] like the weights-first dot (argmax_last reads it so); a program exported from a CPU
+        # for another platform (jax.export(..., platforms=["tpu"])) lowers XLA's dot there
+        y = jax.lax.platform_dependent(x2, w, cpu=_kernel, default=_xla_weights_first).T
     elif _weights_first(rows):
         y = _xla_weights_first(x2, w).T
     else:
