@@ -4,6 +4,11 @@ source, lazy imports inside functions included. A violation names the file, the 
 from __future__ import annotations
 
 import ast
+import re
+import sys
+import tomllib
+from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -103,3 +108,192 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
 def test_every_room_is_checked() -> None:
     folders = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "loraserve", "bench"}
     assert folders == set(ROOMS)
+
+
+# ----------------------------------------------------------------------------------------------- base install
+# What `pip install loraserve` brings (pyproject's `dependencies`) -> the import names it provides. Everything
+# the base install runs (the router, the SDK, the CLI's client commands, `loraserve --help`) may import these,
+# the standard library and our own modules, and nothing else: numpy, JAX, torch, SQLAlchemy, safetensors,
+# transformers... come with the extras only.
+BASE_DEPENDENCIES = {
+    "grpcio": "grpc",
+    "grpcio-health-checking": "grpc_health",
+    "grpcio-reflection": "grpc_reflection",
+    "protobuf": "google.protobuf",
+    "fsspec": "fsspec",
+    "prometheus-client": "prometheus_client",
+}
+# Modules whose functions run in the base install too: their lazy imports (inside functions) count as well.
+# Elsewhere (`loraserve.worker.cli`, `loraserve.demo`...: `loraserve --help` imports them to build its parser,
+# their `run` needs an extra) only the imports that run when the module is imported count.
+BASE_ROOMS = ("protos", "common", "adapters", "client", "router")
+BASE_ROOT_MODULES = ("loraserve", "loraserve.cli", "loraserve.__main__", "loraserve.version")
+# Lazy imports of an extra's code from a base module: `loraserve router serve --http-port` needs `[http]`.
+EXTRA_ONLY = ("loraserve.httpapi", "loraserve.router.http")
+
+
+def base_entry_points() -> list[str]:
+    """The router's server, every client module (the SDK) and the CLI: `loraserve` imports every command's
+    module to build its parser, so each of those is one too."""
+    from loraserve.cli import COMMANDS
+
+    clients = sorted(
+        f"loraserve.client.{p.stem}" for p in (ROOT / "client").glob("*.py") if p.stem != "__init__"
+    )
+    return [
+        "loraserve.__main__",
+        "loraserve.cli",
+        *(module for module, _ in COMMANDS.values()),
+        "loraserve.router.server",
+        "loraserve.router.routing",
+        *clients,
+    ]
+
+
+def module_file(module: str) -> Path | None:
+    """Our module's source file (None for a name that is no module of ours, e.g. a class imported by name)."""
+    parts = module.split(".")
+    if parts[0] != "loraserve":
+        return None
+    if len(parts) > 1 and parts[1] in ROOMS:
+        base, rest = ROOT / parts[1], parts[2:]
+    else:
+        base, rest = ROOT / "loraserve", parts[1:]
+    for candidate in (
+        base.joinpath(*rest).with_suffix(".py") if rest else None,
+        base.joinpath(*rest, "__init__.py"),
+    ):
+        if candidate is not None and candidate.is_file():
+            return candidate
+    return None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def runtime_imports(path: Path, lazy: bool) -> list[tuple[int, str, bool]]:
+    """``(line, module, inside a function)`` for what a file imports when it is imported (class bodies,
+    top-level `if`/`try` included; not under `if TYPE_CHECKING`), plus, with ``lazy``, what its functions
+    import; `from loraserve.a import b` also names `loraserve.a.b` (which may be a module)."""
+    out: list[tuple[int, str, bool]] = []
+
+    def visit(nodes: list[ast.stmt], in_function: bool) -> None:
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                out.extend((node.lineno, alias.name, in_function) for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                out.append((node.lineno, base, in_function))
+                if base.split(".")[0] == "loraserve":
+                    out.extend((node.lineno, f"{base}.{alias.name}", in_function) for alias in node.names)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if lazy:
+                    visit(node.body, True)
+            elif isinstance(node, ast.If) and _is_type_checking(node.test):
+                visit(node.orelse, in_function)
+            else:  # class bodies, if/try/with/for/match blocks
+                for child in ast.iter_child_nodes(node):
+                    if isinstance(child, ast.stmt):
+                        visit([child], in_function)
+                    elif isinstance(child, (ast.excepthandler, ast.match_case)):
+                        visit(child.body, in_function)
+
+    visit(ast.parse(path.read_text(), str(path)).body, False)
+    return out
+
+
+def _is_within(module: str, packages: Iterable[str]) -> bool:
+    return any(module == p or module.startswith(f"{p}.") for p in packages)
+
+
+def runs_in_base(module: str) -> bool:
+    return module in BASE_ROOT_MODULES or (room_of(module) or "") in BASE_ROOMS
+
+
+def base_install_violations(entry_points: list[str]) -> list[str]:
+    """Walk the imports of ``entry_points`` through our own modules (parent packages included, as Python
+    imports them); every import of a package the base install lacks, with the chain that reaches it."""
+    allowed = set(BASE_DEPENDENCIES.values()) | set(sys.stdlib_module_names)
+    chain: dict[str, str | None] = {}
+    queue: deque[str] = deque()
+
+    def reach(module: str, parent: str | None) -> None:
+        parts = module.split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c runs a, a.b and a.b.c
+            name = ".".join(parts[:i])
+            if name not in chain and module_file(name) is not None:
+                chain[name] = parent
+                queue.append(name)
+
+    for entry in entry_points:
+        assert module_file(entry) is not None, f"entry point {entry} is no module of ours"
+        reach(entry, None)
+    found = []
+    while queue:
+        module = queue.popleft()
+        path = module_file(module)
+        assert path is not None
+        for line, imported, in_function in runtime_imports(path, lazy=runs_in_base(module)):
+            if imported.split(".")[0] == "loraserve":
+                if not (in_function and _is_within(imported, EXTRA_ONLY)):
+                    reach(imported, module)
+            elif not _is_within(imported, allowed):
+                via, hop = [], chain[module]
+                while hop is not None:
+                    via.append(hop)
+                    hop = chain[hop]
+                route = " <- ".join([module, *via])
+                found.append(f"{path.relative_to(ROOT)}:{line}: imports {imported} (reached from {route})")
+    return found
+
+
+def test_base_dependencies_match_pyproject() -> None:
+    """A new base dependency must name its import here, or the check below would refuse it."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    names = {re.match(r"[A-Za-z0-9._-]+", dep).group() for dep in project["dependencies"]}
+    assert names == set(BASE_DEPENDENCIES)
+
+
+def test_the_base_install_imports_nothing_of_the_extras() -> None:
+    """Transitively, from every base-install entry point: the router (`loraserve router serve`), the SDK,
+    the CLI and its client commands import only the standard library, the base dependencies and our modules
+    that do the same (tests/e2e/test_base_install.py runs them with the extras made unimportable)."""
+    assert base_install_violations(base_entry_points()) == []
+
+
+def test_the_transitive_check_catches_a_violation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two hops away, at module level, is caught, and so is numpy imported inside a router function or the
+    `[http]` extra imported at a router module's top; a lazy import in a worker module (`loraserve --help`
+    imports it, its `run` needs the worker extra) and a lazy import of the extra from the router are not."""
+    for room, files in {
+        "router": {
+            "server.py": "from loraserve.adapters import mixes\n\ndef f():\n    from loraserve.httpapi import app\n",
+            "routing.py": "def g():\n    import numpy\n",
+            "config.py": "import loraserve.httpapi.app\n",
+        },
+        "adapters": {
+            "mixes.py": "from loraserve.adapters.peft import x\n",
+            "peft.py": "import numpy as np\n",
+        },
+        "httpapi": {"app.py": "import fastapi\n"},
+        "worker": {"cli.py": "import argparse\n\ndef run():\n    import jax\n"},
+    }.items():
+        (tmp_path / room).mkdir()
+        for name, text in {"__init__.py": "", **files}.items():
+            (tmp_path / room / name).write_text(text)
+    monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", tmp_path)
+    entries = [
+        "loraserve.router.server",
+        "loraserve.router.routing",
+        "loraserve.worker.cli",
+        "loraserve.router.config",
+    ]
+    assert base_install_violations(entries) == [
+        "router/routing.py:2: imports numpy (reached from loraserve.router.routing)",
+        "httpapi/app.py:1: imports fastapi (reached from loraserve.httpapi.app <- loraserve.router.config)",
+        "adapters/peft.py:1: imports numpy (reached from loraserve.adapters.peft <- loraserve.adapters.mixes"
+        " <- loraserve.router.server)",
+    ]

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from loraserve.adapters.errors import AdapterUnavailableError
-from loraserve.adapters.mixes import MixPart, concat_adapters, is_mix, mix_ref, parse_mix, validate_mix
+from loraserve.adapters.mix_weights import concat_adapters
+from loraserve.adapters.mixes import MixPart, is_mix, mix_ref, parse_mix, validate_mix
 from loraserve.adapters.peft import LoraWeights, parse_adapter
 from loraserve.adapters.sources import AdapterSource, verify_sha256
 from loraserve.common.errors import FailedPrecondition, LoraserveError, NotFound

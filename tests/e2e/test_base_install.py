@@ -1,7 +1,8 @@
-"""The base install is the SDK and the CLI's client side (DESIGN.md §10.1): `loraserve adapters push`,
-`adapters ls`, `generate` and `health` run with JAX, torch, SQLAlchemy (and everything else that only the
-server extras bring) made unimportable, against a real registry, worker and router, and stream exactly
-the tokens that a full install gets."""
+"""The base install is the SDK, the CLI's client side and the router (DESIGN.md §10.1): `loraserve adapters
+push`, `adapters ls`, `generate` and `health` run with JAX, torch, SQLAlchemy, numpy (and everything else that
+only the server extras bring) made unimportable, against a real registry and worker (full installs) and a
+router that runs with the same packages unimportable, and stream exactly the tokens that a full install gets,
+a weighted mix included (the router parses and validates it)."""
 
 from __future__ import annotations
 
@@ -87,9 +88,8 @@ def test_client_commands_run_without_server_packages(
 
             with RegistryClient(registry.address) as reg:
                 assert len(wait_for_workers(reg, 1)) == 1
-            with loraserve_process(
-                ["router", "serve", "--registry", registry.address, "--port", "0"]
-            ) as router:
+            router_args = ["router", "serve", "--registry", registry.address, "--port", "0"]
+            with loraserve_process(router_args, env=blocked_env) as router:
                 health = _cli(["health", router.address], env=blocked_env)
                 assert health.returncode == 0, health.stderr
                 for adapter in ("", "blocked-push"):
@@ -107,4 +107,10 @@ def test_client_commands_run_without_server_packages(
                     assert len(tokens) == 6 or chunks[-1]["finish_reason"] == "eos"
                     assert chunks[-1]["adapter"] == ("blocked-push@1" if adapter else "")
                     assert chunks == reference  # same tokens, same text, same usage
+                # a mix goes through the router's mix parsing and validation (adapters.mixes)
+                args = ["generate", "--target", router.address, "--max-tokens", "4", "--json"]
+                mixed = _cli([*args, "--mix", "blocked-push=0.5", "hi"], env=blocked_env)
+                assert mixed.returncode == 0, mixed.stderr
+                assert json.loads(mixed.stdout.splitlines()[-1])["adapter"] == "blocked-push@1*0.5"
+                assert router.popen.poll() is None
             assert worker.popen.poll() is None

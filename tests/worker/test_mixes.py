@@ -19,7 +19,8 @@ import torch
 
 from loraserve.adapters.errors import AdapterError
 from loraserve.adapters.files import read_adapter_files
-from loraserve.adapters.mixes import MixPart, concat_adapters, is_mix, mix_ref, parse_mix, validate_mix
+from loraserve.adapters.mix_weights import concat_adapters
+from loraserve.adapters.mixes import MixPart, is_mix, mix_ref, parse_mix, validate_mix
 from loraserve.adapters.peft import parse_adapter
 from loraserve.kernels import get_backend
 from loraserve.kernels.testing import count_compilations
