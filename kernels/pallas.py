@@ -20,7 +20,8 @@ equals ``slot_j`` (``jnp.where`` on the ``[bt, R]`` product — a select, never 
 inf/NaN in other tokens' rows cannot leak); the last step writes the ``[bt, R]`` block.
 
 ``lora_expand``, grid ``(token blocks i, out blocks n, active slots j)``: step ``(i, n, j)``
-accumulates ``where(idx == slot_j, h, 0) @ B[slot_j, :, n-block]`` in f32; the last step writes
+accumulates ``where(idx == slot_j, h @ B[slot_j, :, n-block], 0)`` in f32 (the product selected, not
+its input: ``0 @ B`` would be NaN for the rows of other slots if ``B[slot_j]`` held a NaN); the last step writes
 ``y + acc`` (rows without an adapter get ``y`` unchanged). ``y`` is aliased to the output, so
 ``lora_expand_slices`` runs one call per slice that writes only that slice's column blocks.
 
@@ -169,11 +170,10 @@ def _expand_kernel(slots_ref, counts_ref, idx_ref, h_ref, b_ref, y_ref, o_ref, a
 
     @pl.when(j < counts_ref[i])
     def _accumulate():
-        h = h_ref[...]  # [bt, R]
-        rows = _rows_of(idx_ref, slots_ref[i * L + j], h.shape)
-        hs = jnp.where(rows, h.astype(ACC_DTYPE), 0.0).astype(h.dtype)  # exact: values come from h
-        hs, b = _operands(hs, b_ref[...])  # b: [R, bn]
-        acc_ref[...] += jnp.dot(hs, b, preferred_element_type=ACC_DTYPE)  # [bt, bn]
+        h, b = _operands(h_ref[...], b_ref[...])  # [bt, R], [R, bn]
+        part = jnp.dot(h, b, preferred_element_type=ACC_DTYPE)  # [bt, bn]; row t only sees h[t]
+        rows = _rows_of(idx_ref, slots_ref[i * L + j], part.shape)
+        acc_ref[...] += jnp.where(rows, part, 0.0)  # select the product: 0 x NaN of another slot stays out
 
     @pl.when(j == L - 1)
     def _write():

@@ -11,8 +11,9 @@ with *every* slot's matrix at once and the results of the slots it did not pick 
 This is what vLLM, tpu-inference and sglang-jax serve with on TPU. The cost is ``S×`` the flops of
 a gathered matmul but it reads every weight exactly once and never materialises ``[T, in, R]``;
 for decode batches it is memory bound and cheap. For long prefills grouped by adapter use
-:mod:`kernels.sgmv`. Slot contents must be finite (unused slots hold zeros): in the expand an inf
-or NaN in a slot no token uses still meets ``0 × inf``.
+:mod:`kernels.sgmv`. Row isolation: the shrink selects (``where``) each row's own slot, and the expand
+zeroes non-finite weights before the one matmul over all slots (where every row meets every slot's
+``B``, mostly as ``0 × B``), so whatever one slot holds, even NaN, other rows' results are unchanged.
 """
 
 from __future__ import annotations
@@ -56,13 +57,28 @@ def masked_shrink(x, W, member):  # [T, R] f32
     return jnp.where(member.T[:, :, None], hs, 0.0).sum(axis=0)  # [G, T, R] -> [T, R]
 
 
+def finite_or_zero(W):
+    """``W`` with every NaN/inf replaced by 0 (a select XLA fuses into the matmul that reads ``W``).
+
+    *Semantics:* the weights a one-hot product may multiply by an exact 0: ``0 × inf`` and ``0 × NaN`` are
+    NaN, so without it one slot's non-finite value would reach every row of the batch (row isolation,
+    docs/security.md). Finite weights pass unchanged, so rows of healthy slots are bit for bit the same.
+    """
+    return jnp.where(jnp.isfinite(W), W, jnp.zeros((), W.dtype))
+
+
 def masked_expand(h, W, member):  # [T, out] f32
-    """``Σ_g where(member[t, g], h[t], 0) @ W[g]`` with W ``[G, R, out]`` and member ``[T, G]`` bool."""
+    """``Σ_g where(member[t, g], h[t], 0) @ W[g]`` with W ``[G, R, out]`` and member ``[T, G]`` bool.
+
+    The rows of the other groups meet ``W[g]`` as exact zeros; W's non-finite values are zeroed first
+    (:func:`finite_or_zero`) so that a poisoned slot cannot turn those zeros into NaN.
+    """
     T, R = h.shape
     G, _, d_out = W.shape
     cd = compute_dtype(h, W)
     hm = jnp.where(member[:, :, None], h[:, None, :].astype(cd), 0).reshape(T, G * R)  # [T, G*R]
-    return jnp.dot(hm, W.reshape(G * R, d_out).astype(cd), preferred_element_type=ACC_DTYPE)
+    w = finite_or_zero(W).reshape(G * R, d_out).astype(cd)
+    return jnp.dot(hm, w, preferred_element_type=ACC_DTYPE)
 
 
 def lora_shrink(x, A, idx, *, out_dtype=None):  # [T, R]

@@ -220,9 +220,15 @@ def _kv_view(pages: Array, dtype: Any) -> Array:
 
 def _write_pages(pages: Array, flat_index: Array, x: Array, dtype: Any) -> Array:
     """pages ``[kv, N, P, D]``, flat_index ``[T]`` (page * P + offset), x ``[T, kv, D]`` -> pages with x's
-    rows, in ``dtype`` (:func:`_kv_dtype`), written at those positions (as bits where pages store bits)."""
+    rows, in ``dtype`` (:func:`_kv_dtype`), written at those positions (as bits where pages store bits).
+
+    Non-finite keys/values are stored as 0, so the cache only ever holds finite numbers: attention gives a
+    masked position exactly 0 weight, but ``0 x NaN`` is NaN, and pages outlive their row (a freed page's
+    tail, the null page that padding writes) — a row whose own adapter produced NaN would otherwise reach
+    every later row that reads such a page (row isolation, docs/security.md). Finite rows are unchanged."""
     kv, n, p, d = pages.shape
     x = x.swapaxes(0, 1).astype(dtype)
+    x = jnp.where(jnp.isfinite(x), x, jnp.zeros((), dtype))
     x = jax.lax.bitcast_convert_type(x, pages.dtype) if x.dtype != pages.dtype else x
     return pages.reshape(kv, n * p, d).at[:, flat_index].set(x).reshape(kv, n, p, d)
 
