@@ -112,5 +112,11 @@ def test_client_commands_run_without_server_packages(
                 mixed = _cli([*args, "--mix", "blocked-push=0.5", "hi"], env=blocked_env)
                 assert mixed.returncode == 0, mixed.stderr
                 assert json.loads(mixed.stdout.splitlines()[-1])["adapter"] == "blocked-push@1*0.5"
+                too_big = _cli([*args, "--mix", "blocked-push=1e+16", "hi"], env=blocked_env)
+                assert too_big.returncode == 1, too_big.stderr
+                assert (
+                    "INVALID_ARGUMENT: mix weight of 'blocked-push' must be finite and within ±100"
+                    in too_big.stderr
+                )
                 assert router.popen.poll() is None
             assert worker.popen.poll() is None

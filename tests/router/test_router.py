@@ -468,6 +468,11 @@ def test_mix_through_the_router_sdk_and_cli(stack, capsys) -> None:
         (dict(mix={"all-r4": 0.5, "all-r4@1": 0.5}), "INVALID_ARGUMENT", "twice"),
         (dict(mix={"all-r4": 0.5, "nope": 0.5}), "NOT_FOUND", "nope"),
         (dict(mix={"all-r4": float("nan")}), "INVALID_ARGUMENT", "finite"),
+        (
+            dict(mix={"all-r4": 0.5, "qv-r8-rslora": -1e16}),
+            "INVALID_ARGUMENT",
+            "'qv-r8-rslora' must be finite and within ±100",
+        ),
         (dict(mix={"all-r4": 0.5, "mlp-r16": 0.5}), "FAILED_PRECONDITION", "rank 20"),
     ]
     with Client(stack.router_address) as client:
@@ -483,6 +488,9 @@ def test_mix_through_the_router_sdk_and_cli(stack, capsys) -> None:
             PROMPT, max_tokens=2, mix={n: 1.0 for n in ("all-r4", "qv-r8-rslora", "mlp-r16", "a", "b")}
         )
     assert err.value.code.name == "INVALID_ARGUMENT" and "at most 4" in err.value.message
+    with Client(stack.worker_address) as client, pytest.raises(LoraserveError) as err:
+        client.complete(PROMPT, max_tokens=2, mix={"all-r4": 1e16})  # the mix ref's 1e16 is no "1e+16"
+    assert err.value.code.name == "INVALID_ARGUMENT" and "within ±100, got 1e+16" in err.value.message
     argv = ["generate", "--target", stack.router_address, "--mix", "all-r4=0.7, qv-r8-rslora=0.3"]
     assert main([*argv, "--max-tokens", "3", "--ignore-eos", "--stop-token-id", "2", "Colors: red"]) == 0
     assert "[all-r4@1*0.7+qv-r8-rslora@1*0.3; finish length; " in capsys.readouterr().err
