@@ -26,10 +26,12 @@ import numpy as np
 
 from loraserve.adapters.errors import AdapterError, AdapterMismatchError, AdapterRankError, UnknownModuleError
 from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE
+from loraserve.adapters.patterns import check_patterns, pattern_key
 from loraserve.adapters.peft_vocab import (
     VOCAB_KEY,
     VOCAB_MODULES,
     check_vocab_shapes_of,
+    fold_scaling,
     vocab_pair,
     vocab_path,
     vocab_tensor,
@@ -45,6 +47,12 @@ _KEY = re.compile(
     r"(?:lora_(A)(?:\.[\w-]+)?\.weight|lora_(B)(?:\.[\w-]+)?\.(weight|bias)|lora_magnitude_vector(?:(?:\.[\w-]+)?\.weight)?)$"
 )
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+# The largest magnitude any value a slot holds may have, checked on the float32 values after the scaling
+# (alpha / r, rsLoRA, alpha_pattern, a mix weight) is folded in: A, scaled B, scaled lora_B biases, DoRA
+# magnitudes and scales, embed_tokens / lm_head LoRA. Trained adapters stay orders of magnitude below it;
+# within it no product of the kernels can overflow float32 (|x A B| <= |x| * in * r * 1e8), so an adapter
+# can only ever change its own rows, and that by finite amounts (docs/security.md).
+MAX_SLOT_VALUE = 1e4
 
 
 @dataclass(frozen=True)
@@ -107,9 +115,12 @@ def parse_config(data: bytes) -> dict[str, Any]:
         pattern = cfg.get(key) or {}
         if not isinstance(pattern, dict):
             raise AdapterError(f"{key} must be an object")
+        check_patterns(key, pattern)  # bounded; keys PEFT and RE2 read alike (adapters.patterns)
         for name, value in pattern.items():
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
-                raise AdapterError(f"{key}[{name!r}] must be positive, got {value!r}")
+            kinds = int if key == "rank_pattern" else int | float
+            if not isinstance(value, kinds) or isinstance(value, bool) or not 0 < value < math.inf:
+                what = "a positive integer" if key == "rank_pattern" else "a positive finite number"
+                raise AdapterError(f"{key}[{name[:64]!r}] must be {what}, got {value!r}")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
         unknown = sorted(set(targets) - set(LORA_MODULES) - set(VOCAB_MODULES))
@@ -136,11 +147,10 @@ def parse_config(data: bytes) -> dict[str, Any]:
 
 
 def _pattern_value(pattern: dict[str, Any], key: str, default: Any) -> Any:
-    """PEFT's rank_pattern / alpha_pattern lookup: a pattern matches a module path by regex suffix."""
-    for pat, value in pattern.items():
-        if re.match(rf"(.*\.)?({pat})$", key):
-            return value
-    return default
+    """PEFT's rank_pattern / alpha_pattern lookup: the first pattern matching a dotted suffix of the module
+    path, in linear time (``adapters.patterns``)."""
+    hit = pattern_key(pattern, key)
+    return default if hit is None else pattern[hit]
 
 
 def _check_header(data: bytes) -> None:
@@ -277,7 +287,7 @@ def parse_adapter(
     vectors: dict[str, dict[str, dict[int, np.ndarray]]] = {"m": {}, "bias": {}}
     max_seen = 0
     for (module, layer), pair in sorted(found.items()):
-        path = f"model.layers.{layer}.{'self_attn' if module.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{module}"
+        path = _module_path(module, layer)
         if not {"A", "B"} <= set(pair):
             missing = ({"A", "B"} - set(pair)).pop()
             raise AdapterError(f"{path}: lora_{missing} is missing")
@@ -309,11 +319,11 @@ def parse_adapter(
                 )
         alpha = float(_pattern_value(alpha_pattern, path, default_alpha))
         scaling = alpha / math.sqrt(r) if rslora else alpha / r
-        per_module.setdefault(module, {})[layer] = (a.T, b.T * np.float32(scaling))
+        per_module.setdefault(module, {})[layer] = (a.T, fold_scaling(b.T, scaling))
         if "m" in pair:
             vectors["m"].setdefault(module, {})[layer] = pair["m"]
         if "bias" in pair:
-            vectors["bias"].setdefault(module, {})[layer] = pair["bias"] * np.float32(scaling)
+            vectors["bias"].setdefault(module, {})[layer] = fold_scaling(pair["bias"], scaling)
         max_seen = max(max_seen, r)
     vocab = {
         module: vocab_pair(
@@ -346,7 +356,7 @@ def parse_adapter(
     stacked = {
         which: {m: _stack(v, layers) for m, v in by_module.items()} for which, by_module in vectors.items()
     }
-    return LoraWeights(
+    weights = LoraWeights(
         rank=max_seen,
         alpha=default_alpha,
         use_rslora=rslora,
@@ -360,6 +370,47 @@ def parse_adapter(
         biases={m: v for m, (v, _) in stacked["bias"].items()},
         vocab=vocab,
     )
+    check_weights(weights)
+    return weights
+
+
+def check_slot_value(what: str, value: np.ndarray) -> None:
+    """INVALID_ARGUMENT naming ``what`` unless every element of ``value`` (float32, scaling folded in) is
+    finite and within ``MAX_SLOT_VALUE``. Cheap: one pass, no copy of a finite array."""
+    if value.size == 0:
+        return
+    peak = float(np.max(np.abs(value)))  # NaN propagates, inf stays inf
+    if not math.isfinite(peak):
+        raise AdapterError(f"{what} is not finite once scaled to float32 (NaN or inf); refused")
+    if peak > MAX_SLOT_VALUE:
+        raise AdapterError(
+            f"{what} reaches |{peak:.4g}| once scaled, over the bound {MAX_SLOT_VALUE:g} a slot value may have"
+        )
+
+
+def check_weights(weights: LoraWeights) -> None:
+    """Every array a slot will hold from ``weights`` through :func:`check_slot_value`, named by module and
+    layer (the registry runs it on upload, the worker on every load: neither trusts the other)."""
+
+    def by_layer(module: str, label: str, stacked: np.ndarray) -> None:
+        for layer, value in enumerate(stacked):
+            check_slot_value(f"{_module_path(module, layer)}: {label}", value)
+
+    for module, (a, b) in weights.modules.items():
+        by_layer(module, "lora_A", a)
+        by_layer(module, "lora_B x scaling", b)
+    for module, (m, _) in weights.magnitudes.items():
+        by_layer(module, "lora_magnitude_vector", m)
+    for module, bias in weights.biases.items():
+        by_layer(module, "lora_B bias x scaling", bias)
+    for module, (a, b) in weights.vocab.items():
+        check_slot_value(f"{vocab_path(module)}: lora_A", a)
+        check_slot_value(f"{vocab_path(module)}: lora_B x scaling", b)
+
+
+def _module_path(module: str, layer: int) -> str:
+    part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+    return f"model.layers.{layer}.{part}.{module}"
 
 
 def _stack(by_layer: dict[int, np.ndarray], layers: int) -> tuple[np.ndarray, np.ndarray]:
