@@ -92,7 +92,14 @@ def vocab_pair(
     if max_rank is not None and r > max_rank:
         raise AdapterRankError(f"{path}: rank {r} is above the largest slot rank {max_rank}")
     scaling = alpha / math.sqrt(r) if rslora else alpha / r
-    return a.T.copy(), (b.T * np.float32(scaling)).astype(np.float32)
+    return a.T.copy(), fold_scaling(b.T, scaling)
+
+
+def fold_scaling(value: np.ndarray, scaling: float) -> np.ndarray:
+    """``value * scaling`` in float32, as a slot holds it. An overflow gives inf (no warning):
+    ``adapters.peft.check_weights`` then refuses the adapter, naming the tensor."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (value * np.float32(scaling)).astype(np.float32)
 
 
 def check_vocab_shapes_of(

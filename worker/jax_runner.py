@@ -29,7 +29,7 @@ from loraserve.worker.config import EngineConfig
 from loraserve.worker.requests import SamplingRow
 from loraserve.worker.runner import PrefillInput, StepOutput
 from loraserve.worker.sampling import Sampled, SamplingArrays, sample
-from loraserve.worker.slots import SlotPools, SlotValues, base_weights, slot_arrays
+from loraserve.worker.slots import SlotPools, SlotValues, base_weights, check_slot_values, slot_arrays
 
 log = logging.getLogger("loraserve.worker.runner")
 
@@ -180,7 +180,9 @@ class JaxRunner:
     def prepare(self, weights: LoraWeights) -> SlotValues:
         values = slot_arrays(self.checkpoint_config, weights, self.config.max_lora_rank)
         values = sharding.expand_slot_values(self.checkpoint_config, values, self.config.tensor_parallel_size)
-        return self.pools.with_scales(values)  # DoRA's norms here, on the loader thread, not between steps
+        values = self.pools.with_scales(values)  # DoRA's norms here, on the loader thread, not between steps
+        check_slot_values(values)  # what the slot will hold, scales and mix weights folded in
+        return values
 
     def write_slot(self, index: int, values: SlotValues) -> None:
         self.pools.write(index, values)

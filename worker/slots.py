@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loraserve.adapters.peft import LoraWeights
+from loraserve.adapters.peft import LoraWeights, check_slot_value
 from loraserve.kernels.backends import LoraBackend
 from loraserve.worker.dora import bias_name, dora_scale, is_vector_pool, magnitude_name, mask_name, scale_name
 from loraserve.worker.embed_lora import is_vocab_pool, vocab_slot_shapes, vocab_slot_values
@@ -69,6 +69,15 @@ def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotVa
         out.append(values)
     out[0].update(vocab_slot_values(cfg, weights, max_rank))  # embed_tokens / lm_head: layer 0 holds them
     return out
+
+
+def check_slot_values(values: SlotValues) -> None:
+    """INVALID_ARGUMENT unless every array one slot will hold (DoRA scales computed, a mix's weights folded
+    in) is finite and within ``MAX_SLOT_VALUE``: the worker checks what it writes whatever the registry
+    checked (``adapters.peft.check_slot_value``; names the layer and pool)."""
+    for layer, vals in enumerate(values):
+        for name, value in vals.items():
+            check_slot_value(f"slot value {name} of layer {layer}", np.asarray(value))
 
 
 def base_weights(params: dict[str, Any]) -> BaseWeights:

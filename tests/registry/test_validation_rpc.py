@@ -115,6 +115,16 @@ def _break(kind, folder):
         _edit_tensors(
             folder, lambda t: t.update({"base_model.model.lm_head.weight": np.zeros((2, 2), np.float32)})
         )
+    elif kind == "alpha-pattern-nan":  # json.dumps writes NaN, and Python's json (and PEFT's) read it
+        _edit_config(folder, alpha_pattern={"q_proj": float("nan")})
+    elif kind == "rank-pattern-float":
+        _edit_config(folder, rank_pattern={"q_proj": 4.5})
+    elif kind == "alpha-overflows-float32":  # finite as a Python float, inf as the float32 scaling
+        _edit_config(folder, lora_alpha=1e40)
+    elif kind == "alpha-pattern-overflows":
+        _edit_config(folder, alpha_pattern={"down_proj": 1e300})
+    elif kind == "scaled-over-the-bound":  # finite, but 1e7 / 4 x B (std 0.05) is far over 1e4
+        _edit_config(folder, lora_alpha=1e7)
     else:
         raise AssertionError(kind)
 
@@ -137,6 +147,11 @@ CASES = [
     ("unknown-tensor", "INVALID_ARGUMENT", "lm_head"),
     ("offsets-lie", "INVALID_ARGUMENT", "safetensors"),
     ("duplicate-names", "INVALID_ARGUMENT", "twice"),
+    ("alpha-pattern-nan", "INVALID_ARGUMENT", "alpha_pattern['q_proj'] must be a positive finite number"),
+    ("rank-pattern-float", "INVALID_ARGUMENT", "rank_pattern['q_proj'] must be a positive integer"),
+    ("alpha-overflows-float32", "INVALID_ARGUMENT", "lora_B x scaling is not finite once scaled"),
+    ("alpha-pattern-overflows", "INVALID_ARGUMENT", "mlp.down_proj: lora_B x scaling is not finite"),
+    ("scaled-over-the-bound", "INVALID_ARGUMENT", "over the bound 10000"),
 ]
 
 

@@ -186,3 +186,36 @@ def test_tensor_parallel_dora_matches_one_device(model_dirs, dora_dirs, tmp_path
         np.testing.assert_allclose(np.array(got["logits"]), ref, atol=TP_ATOL, rtol=0, err_msg=f"N={n}")
         assert got["compilations"] == 0, (n, got["compiled"])
         assert got["abstract_matches"] == {"params": True, "cache": True, "pools": True}
+
+
+def test_the_worker_checks_what_a_slot_will_hold(model_dirs, dora_dirs) -> None:
+    """The worker never trusts the registry: ``JaxRunner.prepare`` refuses values that are not finite or over
+    ``MAX_SLOT_VALUE`` once everything is folded in — here weights that skipped the parser's checks, and a
+    DoRA adapter whose magnitudes pass the parser (<= 1e4) but whose computed scales ``m / ||W + sBA||`` do
+    not — with INVALID_ARGUMENT naming the layer and pool; nothing is written."""
+    import dataclasses
+
+    from loraserve.adapters.peft import MAX_SLOT_VALUE
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.jax_runner import JaxRunner
+
+    ck = load_checkpoint(str(model_dirs["llama"]))
+    runner = JaxRunner(ck, EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=2, max_lora_rank=RANK))
+    weights = _weights(ck.config, dora_dirs("llama")["dora-all-r4"])
+    runner.prepare(weights)  # healthy: accepted
+    a, b = weights.modules["v_proj"]
+    b = b.copy()
+    b[1, 0, 0] = np.inf
+    poisoned = dataclasses.replace(weights, modules={**weights.modules, "v_proj": (a, b)})
+    with pytest.raises(AdapterError) as exc:
+        runner.prepare(poisoned)
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "slot value B_v of layer 1 is not finite" in str(exc.value)
+    m, mask = weights.magnitudes["q_proj"]
+    big = dataclasses.replace(
+        weights, magnitudes={**weights.magnitudes, "q_proj": (m * 0 + MAX_SLOT_VALUE, mask)}
+    )
+    with pytest.raises(AdapterError) as exc:
+        runner.prepare(big)
+    assert "slot value dora_scale_qkv of layer 0" in str(exc.value) and "over the bound" in str(exc.value)
+    assert not any(np.asarray(pool).any() for pool in runner.pools.pools[1].values() if pool.ndim == 3)
