@@ -391,7 +391,7 @@ class Placement:
             values["usage"] = {a[:160]: [int(x) for x in v[:5]] for a, v in list(usage.items())[:MAX_USAGE]}
             renew = _RENEW_WITH_USAGE
         reported = {r.adapter for r in slots if r.adapter}
-        on_host = {a for a, t in cached.items() if t == "HOST"}
+        cached_keys = set(cached)  # host memory or disk cache: a deleted version must go from there too
         with self.engine.begin() as conn:
             worker = conn.execute(renew, values).first()
             if worker is None:
@@ -399,7 +399,7 @@ class Placement:
             # one query for every version of every name in the report: placement ids, READY and retired
             ids: dict[str, int] = {}
             ready, retired = set(), set()
-            names = sorted({k.partition("@")[0] for k in reported | on_host})
+            names = sorted({k.partition("@")[0] for k in reported | cached_keys})
             for adapter_id, name, version, state, is_retired in conn.execute(_VERSIONS, {"names": names}):
                 key = f"{name}@{version}"
                 ids[key] = adapter_id
@@ -449,15 +449,15 @@ class Placement:
             # An adapter deleted before any heartbeat reported it has no order row: any reported adapter
             # without a READY version is unloaded too, so nothing deleted stays resident. A retired version
             # (an alias moved away from it) is drained: unloaded once no request uses it.
-            # Adapters kept in host memory are checked too: a deleted one is forgotten there (and in any
-            # weighted mix holding it), so no request can reach it again.
+            # Adapters kept in host memory or the disk cache are checked too: a deleted one is forgotten there
+            # (and in any weighted mix holding it), so no request can reach it again.
             ordered = {o.adapter for o in pending}
             for key in sorted(reported - ordered):
                 if key in retired:
                     pending.append(Order(key, f"{key} is retired: no alias points at it", drain=True))
                 elif key not in ready:
                     pending.append(Order(key, f"adapter {key} is not in the registry"))
-            for key in sorted(on_host - reported - ordered - ready - retired):
+            for key in sorted(cached_keys - reported - ordered - ready - retired):
                 pending.append(Order(key, f"adapter {key} is not in the registry"))
         live = LiveWorker(
             worker_id,

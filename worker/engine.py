@@ -129,11 +129,12 @@ class Engine:
         self._post(Load(ref, pin, fut))
         return fut
 
-    def unload_adapter(self, ref: str, force: bool = False) -> Future:
+    def unload_adapter(self, ref: str, force: bool = False, deleted: bool = False) -> Future:
         """Empty ``ref``'s slot; the future resolves to the ``Slot`` it was, or raises NotFound /
-        FailedPrecondition (used by requests and not ``force``)."""
+        FailedPrecondition (used by requests and not ``force``). ``deleted``: the registry deleted it; no new
+        request gets it, its copies are forgotten, running requests finish (``worker.residency.Unload``)."""
         fut: Future = Future()
-        self._post(Unload(ref, force, fut))
+        self._post(Unload(ref, force, fut, deleted))
         return fut
 
     def snapshot(self) -> EngineSnapshot:

@@ -99,10 +99,13 @@ class Registration:
         ]
 
     async def _unload(self, order: placement_pb2.UnloadOrder) -> None:
-        """A deleted adapter goes at once (its requests fail); a drained one (an alias moved away from it) only
-        once no request uses it: the registry repeats the order every heartbeat until it is gone."""
+        """A deleted adapter is refused to new requests at once, and every copy of it forgotten (host memory,
+        disk cache); requests already admitted finish, then its slot empties. A drained one (an alias moved
+        away from it) is unloaded once no request uses it. The registry repeats an order every heartbeat until
+        the worker no longer reports the adapter."""
+        deleted = not order.drain
         try:
-            await asyncio.wrap_future(self.engine.unload_adapter(order.adapter, force=not order.drain))
+            await asyncio.wrap_future(self.engine.unload_adapter(order.adapter, deleted=deleted))
             log.info("unloaded %s: %s", order.adapter, order.reason)
         except FailedPrecondition as exc:  # drain: still in use; the next heartbeat asks again
             log.debug("drain of %s waits: %s", order.adapter, exc)

@@ -75,6 +75,18 @@ class RegistryAdapterSource:
     def close(self) -> None:
         self.channel.close()
 
+    def forget(self, key: str) -> None:
+        """``key`` (``name@version``) was deleted: drop its metadata, any ``name`` resolution to it, and its
+        disk-cache blob (unless another version kept here has the same content), so nothing serves it again
+        without asking the registry."""
+        with self._lock:
+            meta = self._meta.pop(key, None)
+            for name in [n for n, (k, _) in self._latest.items() if k == key]:
+                del self._latest[name]
+            shared = meta is not None and any(m.sha256 == meta.sha256 for m in self._meta.values())
+        if meta is not None and self.cache_dir and not shared:
+            (self.cache_dir / meta.sha256).unlink(missing_ok=True)
+
     def _get(self, ref: str) -> registry_pb2.Adapter:
         try:
             return self.stub.GetAdapter(registry_pb2.GetAdapterRequest(adapter=ref), timeout=self.timeout)

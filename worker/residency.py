@@ -31,6 +31,7 @@ from loraserve.worker.runner import Runner
 from loraserve.worker.slot_table import HostTier, NoFreeSlotError, Slot, SlotState, SlotTable
 
 log = logging.getLogger("loraserve.worker.residency")
+MAX_DELETED = 4096  # deleted versions a worker remembers (a version number is never reused)
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,17 @@ class Load:
 
 @dataclass(frozen=True)
 class Unload:
-    """Empty the slot holding ``ref``; refused while requests use it unless ``force``."""
+    """Empty the slot holding ``ref``; refused while requests use it unless ``force``.
+
+    ``deleted`` (the registry deleted the version): from now on no new request gets it (nor a mix holding
+    it), its host-tier copy and the source's copies (disk cache, metadata) are forgotten, and its slots are
+    emptied as soon as no request uses them: requests already admitted finish on it.
+    """
 
     ref: str
     force: bool
     future: Future
+    deleted: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,8 @@ class Residency:
         self._loads: dict[str, list[tuple[Future, bool]]] = {}  # ref -> LoadAdapter callers
         self._pending: deque[Prepared] = deque()  # prepared, waiting for a free slot
         self._resolved: dict[str, str] = {}  # ref -> key, once a load succeeded
+        # versions the registry deleted (newest last, at most MAX_DELETED): never served again by this worker
+        self._deleted: dict[str, None] = {}
         self._inflight: set[str] = set()
         self.adapter_loads = 0
         self.outbox: list[Callable[[], None]] = []  # future completions, run after the next snapshot
@@ -123,7 +132,9 @@ class Residency:
                     return []
                 self.want(ref)
                 return []
-            case Unload(ref, force, future):
+            case Unload(ref, force, future, deleted):
+                if deleted:
+                    return self._delete(ref, future)
                 return self._unload(ref, force, future)
             case Prepared():
                 return self._prepared(command)
@@ -146,11 +157,23 @@ class Residency:
     def acquire(self, ref: str) -> tuple[str, int] | None:
         """A reference on ``ref``'s slot as ``(key, slot)``, or None when it is not resident."""
         key = self._resolved.get(ref)
-        slot = self.table.acquire(key) if key else None
+        slot = self.table.acquire(key) if key and not self._is_deleted(key) else None
         return None if slot is None else (key, slot)
 
     def release(self, index: int) -> None:
+        """Drop a request's reference; a slot of a deleted version is emptied with its last reference."""
         self.table.release(index)
+        slot = self.table.slots()[index]
+        if slot.refcount == 0 and slot.adapter and self._is_deleted(slot.adapter):
+            self.runner.zero_slot(index)
+            self.table.clear(index)
+            log.info("emptied slot %d: %s was deleted and its last request finished", index, slot.adapter)
+
+    def _is_deleted(self, key: str) -> bool:
+        """Whether ``key`` (a version or a mix key) is, or holds, a version the registry deleted."""
+        if not self._deleted:
+            return False
+        return key in self._deleted or (is_mix(key) and any(p.ref in self._deleted for p in parse_mix(key)))
 
     def want(self, ref: str) -> None:
         """Start one background load per ref, however many requests wait for it."""
@@ -184,6 +207,9 @@ class Residency:
 
     def _prepared(self, p: Prepared) -> list[Outcome]:
         self._inflight.discard(p.ref)
+        if p.error is None and self._is_deleted(p.key):  # deleted while it loaded
+            self.host_tier.drop(p.key)
+            p = Prepared(p.ref, error=NotFound(f"adapter {p.key} was deleted"))
         if p.error is not None:
             for future, _ in self._loads.pop(p.ref, []):
                 self._later(future, p.error)
@@ -226,6 +252,31 @@ class Residency:
             if s is slot:
                 self._later(future, cleared)
             outcomes.append(Evicted(s.index, s.adapter))
+        return outcomes
+
+    def _delete(self, ref: str, future: Future) -> list[Outcome]:
+        """The registry deleted ``ref`` (a ``name@version``): refuse it (and mixes holding it) to every new
+        request, forget every copy (host tier; the source's disk cache and metadata, on a loader thread),
+        empty its idle slots now and its busy ones with their last request (:meth:`release`). The future gets
+        the first slot that held it, or NotFound when none did (everything is forgotten all the same)."""
+        key = self._resolved.get(ref, ref)
+        self._deleted[key] = None
+        while len(self._deleted) > MAX_DELETED:
+            del self._deleted[next(iter(self._deleted))]
+        self.host_tier.drop(key)
+        forget = getattr(self.source, "forget", None)
+        if forget is not None:
+            self._spawn(forget, key)
+        for r in [r for r, k in self._resolved.items() if self._is_deleted(k)]:
+            del self._resolved[r]  # the next request for r resolves again (the registry: NOT_FOUND)
+        held = [s for s in self.table.slots() if s.adapter and self._is_deleted(s.adapter)]
+        outcomes: list[Outcome] = []
+        for s in held:
+            if s.refcount == 0 and s.state == SlotState.LOADED:
+                self.runner.zero_slot(s.index)
+                self.table.clear(s.index)
+                outcomes.append(Evicted(s.index, s.adapter))
+        self._later(future, held[0] if held else NotFound(f"adapter {ref!r} is not loaded on this worker"))
         return outcomes
 
     def _settle(self, ref: str, key: str) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import fsspec
@@ -67,7 +68,8 @@ def env(llama_dir, adapter_dirs, tmp_path_factory):
         e.admin = es.enter_context(RegistryClient(e.registry_address, token=ADMIN))
         for name in ("all-r4", "mlp-r16", "qv-r8-rslora"):
             e.admin.push(adapter_dirs[name], name, MODEL)
-        source = RegistryAdapterSource(e.registry_address, token=ADMIN)
+        e.cache_dir = tmp / "disk-cache"
+        source = RegistryAdapterSource(e.registry_address, cache_dir=str(e.cache_dir), token=ADMIN)
         e.engine = Engine(
             load_checkpoint(str(llama_dir)),
             EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=8),
@@ -215,15 +217,39 @@ def test_corrupted_blob_is_data_loss_and_never_loaded(env, adapter_dirs, tmp_pat
 
 
 def test_deleted_adapter_in_flight(env) -> None:
+    """Delete means gone: after one heartbeat (lease 3 s: one a second) the worker refuses the deleted version
+    asked directly too, by version or by name (NOT_FOUND), and holds no copy of it; a request already
+    decoding on it when the delete came finishes with all its tokens."""
     assert _generate_code(env.router, adapter="qv-r8-rslora", max_tokens=2) == "OK"
     assert any(s.adapter == "qv-r8-rslora@1" for s in env.engine.snapshot().slots)
-    env.admin.delete("qv-r8-rslora")
-    time.sleep(0.3)  # the router's cached route expires
-    assert _generate_code(env.router, adapter="qv-r8-rslora") == "NOT_FOUND"
-    deadline = time.time() + 5  # the next heartbeat carries the unload order
+    blob = env.cache_dir / env.admin.get("qv-r8-rslora@1").sha256
+    assert blob.exists()  # the worker's disk cache holds it
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(
+            Client(env.worker_address, token=INFER, timeout=60).complete,
+            PROMPT,
+            adapter="qv-r8-rslora@1",
+            max_tokens=40,
+            ignore_eos=True,
+        )
+        while not any(s.adapter == "qv-r8-rslora@1" and s.refcount for s in env.engine.snapshot().slots):
+            time.sleep(0.01)
+        env.admin.delete("qv-r8-rslora")
+        time.sleep(0.3)  # the router's cached route expires
+        assert _generate_code(env.router, adapter="qv-r8-rslora") == "NOT_FOUND"
+        heartbeats = env.registration.heartbeats
+        while env.registration.heartbeats < heartbeats + 2:  # the next heartbeat carries the unload order
+            time.sleep(0.05)
+        for ref in ("qv-r8-rslora@1", "qv-r8-rslora"):
+            assert _generate_code(env.worker_address, adapter=ref) == "NOT_FOUND", ref
+        done = long.result(60)
+    assert len(done.token_ids) == 40 and done.finish_reason == "length"
+    deadline = time.time() + 5
     while any(s.adapter == "qv-r8-rslora@1" for s in env.engine.snapshot().slots) and time.time() < deadline:
         time.sleep(0.05)
-    assert all(s.adapter != "qv-r8-rslora@1" for s in env.engine.snapshot().slots)
+    snap = env.engine.snapshot()
+    assert all(s.adapter != "qv-r8-rslora@1" for s in snap.slots) and "qv-r8-rslora@1" not in snap.host_tier
+    assert not blob.exists() and "qv-r8-rslora@1" not in env.engine.source.disk_keys()
     assert _generate_code(env.router, adapter="all-r4", max_tokens=2) == "OK"
 
 

@@ -182,3 +182,47 @@ def test_a_mix_takes_one_slot_and_a_deleted_part_takes_it_down() -> None:
     again = h.submit(mix, max_tokens=1)
     h.run(again)
     assert isinstance(again.end, Finished) and sorted(h.source.fetches) == ["a", "a", "b"]
+
+
+def test_a_deleted_version_finishes_its_running_requests_and_is_never_served_again() -> None:
+    """The registry's delete order (``Unload(deleted=True)``): the request already decoding on the version
+    finishes with every token it would have had; from then on no request gets it, alone or in a mix (the
+    registry no longer knows it: NOT_FOUND), its host-tier copy is forgotten at once and its slot empties
+    with its last request; other adapters are untouched. A load still in flight when the order comes is
+    dropped instead of landing in a slot."""
+    h = Harness(config(max_batch_size=4, max_loras=3, max_cpu_loras=4), source_of("a", "b"))
+    undisturbed = Harness(config(max_batch_size=4, max_loras=3, max_cpu_loras=4), source_of("a", "b"))
+    want = undisturbed.submit("a", max_tokens=8)
+    undisturbed.run(want)
+    running, other = h.submit("a", max_tokens=8), h.submit("b", max_tokens=8)
+    h.step(3)
+    assert running.tokens and not running.done.is_set()
+    order = Future()
+    del h.source.adapters["a"]  # deleted in the registry: resolving it again is NOT_FOUND
+    h.post(Unload("a", False, order, deleted=True))
+    h.step()
+    assert order.result(0).adapter == "a"
+    assert "a" not in h.scheduler.snapshot().host_tier
+    late, mixed = h.submit("a", max_tokens=1), h.submit("a*0.5+b*1.0", max_tokens=1)
+    h.run(running, other, late, mixed)
+    assert running.end == want.end and running.tokens == want.tokens  # admitted before the order: finished
+    assert isinstance(other.end, Finished)
+    for c in (late, mixed):
+        assert isinstance(c.end, Failed) and c.end.code == grpc.StatusCode.NOT_FOUND, c.end
+    snap = h.scheduler.snapshot()
+    assert [s.adapter for s in snap.slots if s.adapter] == ["b"]  # emptied with its last request
+    assert "a" not in snap.host_tier and h.source.fetches.count("a") == 1
+
+    # a load in flight when the order arrives never reaches a slot
+    h.source.adapters["c"] = h.source.adapters["b"]
+    h.source.gate = threading.Event()
+    waiting = h.submit("c", max_tokens=1)
+    loader = threading.Thread(target=h.step)
+    loader.start()  # the load of c blocks in fetch (the harness loads on the engine's thread)
+    time.sleep(0.05)
+    h.post(Unload("c", False, Future(), deleted=True))
+    h.source.gate.set()
+    loader.join(5)
+    h.run(waiting)
+    assert isinstance(waiting.end, Failed) and waiting.end.code == grpc.StatusCode.NOT_FOUND
+    assert all(s.adapter != "c" for s in h.scheduler.snapshot().slots)
