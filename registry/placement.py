@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import hashlib
+import hmac
 import threading
 import time
 import uuid
@@ -27,7 +29,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import bindparam, delete, insert, select, update
 from sqlalchemy.orm import selectinload, sessionmaker
 
-from loraserve.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from loraserve.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from loraserve.registry.catalog import Catalog
 from loraserve.registry.db import (
     AdapterRow,
@@ -240,6 +242,11 @@ class Fleet:
             self._read_at = started
 
 
+def worker_identity(instance_id: str) -> str:
+    """What the registry keeps of a worker's instance id: its sha256 (hex); "" for none."""
+    return hashlib.sha256(instance_id.encode()).hexdigest() if instance_id else ""
+
+
 @dataclass(frozen=True)
 class Candidate:
     worker_id: str
@@ -269,6 +276,12 @@ _RENEW = (
     .returning(WorkerRow.address, WorkerRow.model_id)
 )
 _RENEW_WITH_USAGE = _RENEW.values(usage=bindparam("usage", type_=WorkerRow.usage.type))
+_USAGE = select(WorkerRow.usage).where(WorkerRow.id == bindparam("wid"))
+_SET_USAGE = (
+    update(WorkerRow)
+    .where(WorkerRow.id == bindparam("wid"))
+    .values(usage=bindparam("usage", type_=WorkerRow.usage.type))
+)
 _VERSIONS = select(
     AdapterRow.id, AdapterRow.name, AdapterRow.version, AdapterRow.state, AdapterRow.retired
 ).where(AdapterRow.name.in_(bindparam("names", expanding=True)))
@@ -311,8 +324,12 @@ class Placement:
         max_batch_size: int = 0,
         tensor_parallel_size: int = 1,
         model_aliases: list[str] | None = None,
+        instance_id: str = "",
     ) -> WorkerRow:
-        """``module_shapes``: module -> (in, out, num_layers). Replaces any earlier worker at ``address``.
+        """``module_shapes``: module -> (in, out, num_layers). Replaces any earlier worker at ``address``:
+        one whose lease expired, or a live one registered with the same ``instance_id`` (the worker process's
+        secret identity; a retry, a re-registration). A live worker of another identity keeps the address:
+        ALREADY_EXISTS, nothing changed (nobody takes over a live worker's address and its requests).
 
         ``tensor_parallel_size`` 0 (a worker from before the field) is recorded as 1."""
         if not address or not model_id:
@@ -320,7 +337,16 @@ class Placement:
         if slots <= 0:
             raise InvalidArgument("slots must be positive")
         now = utcnow()
+        identity = worker_identity(instance_id)
         with self.sessions() as s:
+            for held in s.scalars(select(WorkerRow).where(WorkerRow.address == address)):
+                until = as_utc(held.lease_expires_at)
+                same = bool(identity) and hmac.compare_digest(held.identity or "", identity)
+                if held.state != "EXPIRED" and until >= now and not same:
+                    raise AlreadyExists(
+                        f"address {address} is held by a live worker until {until.isoformat(timespec='seconds')}"
+                        " (another process): a restarted worker registers once that lease ends"
+                    )
             known = s.get(BaseModelRow, model_id)
             names = [a[:512] for a in model_aliases or () if a and a != model_id]
             if known is None and (module_shapes or names):
@@ -348,6 +374,7 @@ class Placement:
                 max_lora_rank=max_lora_rank,
                 max_batch_size=max_batch_size,
                 tensor_parallel_size=tensor_parallel_size or 1,
+                identity=identity,
                 state="READY",
                 lease_expires_at=now + self.lease,
                 last_heartbeat=now,
@@ -366,8 +393,13 @@ class Placement:
         load: Load,
         cached: dict[str, str] | None = None,
         usage: dict[str, list[int]] | None = None,
+        usage_changed_only: bool = False,
     ) -> tuple[LiveWorker, list[Order]]:
         """Renew the lease, replace the worker's placements, return its pending unload orders.
+
+        ``usage`` (adapter -> totals since the worker started) replaces what the worker's row holds, or with
+        ``usage_changed_only`` (the adapters whose totals changed since the last heartbeat) is merged into it
+        (at most ``MAX_USAGE`` adapters kept, the most recently reported).
 
         Every worker heartbeats every few seconds (40 a second at 200 workers), so this runs prebuilt Core
         statements on one connection, no ORM session: an UPDATE … RETURNING renews the lease (and finds
@@ -387,8 +419,11 @@ class Placement:
             "cached": cached,
         }
         renew = _RENEW
-        if usage is not None:
-            values["usage"] = {a[:160]: [int(x) for x in v[:5]] for a, v in list(usage.items())[:MAX_USAGE]}
+        reported_usage = {
+            a[:160]: [int(x) for x in v[:5]] for a, v in list((usage or {}).items())[:MAX_USAGE]
+        }
+        if usage is not None and not usage_changed_only:
+            values["usage"] = reported_usage
             renew = _RENEW_WITH_USAGE
         reported = {r.adapter for r in slots if r.adapter}
         cached_keys = set(cached)  # host memory or disk cache: a deleted version must go from there too
@@ -396,6 +431,13 @@ class Placement:
             worker = conn.execute(renew, values).first()
             if worker is None:
                 raise NotFound(f"worker {worker_id!r} is not registered or its lease expired: register again")
+            if usage_changed_only and reported_usage:  # only when something changed: a read and a write
+                held = conn.execute(_USAGE, {"wid": worker_id}).scalar() or {}
+                for key in reported_usage:
+                    held.pop(key, None)  # re-inserted last: the most recently reported are kept
+                held.update(reported_usage)
+                merged = dict(list(held.items())[-MAX_USAGE:])
+                conn.execute(_SET_USAGE, {"wid": worker_id, "usage": merged})
             # one query for every version of every name in the report: placement ids, READY and retired
             ids: dict[str, int] = {}
             ready, retired = set(), set()

@@ -1,15 +1,21 @@
 """The registry's gRPC servicers (AdapterRegistry, Placement) plus health and reflection.
 
 Thin: proto <-> rows/dataclasses; errors are ``LoraserveError``s that ``common.interceptors`` maps to statuses. Catalog and placement calls do blocking SQL and
-storage I/O, so they run on worker threads (``asyncio.to_thread``), never on the event loop.
+storage I/O, so they run on worker threads (``asyncio.to_thread``), never on the event loop. Uploads and
+imports (parsing and validating adapter files) run on their own bounded pool (``adapter-parse``,
+:data:`UPLOAD_THREADS` threads): a burst of uploads waits there, never in front of heartbeats and the
+other RPCs in the default pool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
@@ -35,6 +41,7 @@ from loraserve.registry.placement import Load, Placement, SlotReport, adapter_st
 log = logging.getLogger("loraserve.registry.server")
 CHUNK = 1 << 20
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+UPLOAD_THREADS = 2  # uploads and imports validated at once; more wait for a thread of their own pool
 SLOT_STATES = {worker_admin_pb2.SLOT_STATE_LOADING: "LOADING", worker_admin_pb2.SLOT_STATE_LOADED: "LOADED"}
 SERVICE_NAMES = (
     registry_pb2.DESCRIPTOR.services_by_name["AdapterRegistry"].full_name,
@@ -151,10 +158,14 @@ def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
     )
 
 
-async def _call(context: grpc.aio.ServicerContext, fn, *args: Any) -> Any:
-    """Run blocking catalog/placement work on a thread. ``LoraserveError``s pass to the interceptor as they
-    are; a database or network outage becomes UNAVAILABLE."""
-    return await _on_the_loop(asyncio.to_thread(fn, *args))
+async def _call(context: grpc.aio.ServicerContext, fn, *args: Any, executor: Executor | None = None) -> Any:
+    """Run blocking catalog/placement work on a thread (of ``executor``, else the loop's default pool).
+    ``LoraserveError``s pass to the interceptor as they are; a database or network outage becomes
+    UNAVAILABLE."""
+    if executor is None:
+        return await _on_the_loop(asyncio.to_thread(fn, *args))
+    call = functools.partial(contextvars.copy_context().run, fn, *args)  # what to_thread does
+    return await _on_the_loop(asyncio.get_running_loop().run_in_executor(executor, call))
 
 
 async def _on_the_loop(work: Awaitable) -> Any:
@@ -177,8 +188,11 @@ def _backend_unavailable(exc: Exception) -> Unavailable:
 
 
 class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
-    def __init__(self, catalog: Catalog) -> None:
+    def __init__(self, catalog: Catalog, upload_threads: int = UPLOAD_THREADS) -> None:
         self.catalog = catalog
+        # parsing an upload (adapters.peft: JSON, rank_pattern keys, safetensors, NaN scans) never runs on the
+        # event loop nor in the default pool that heartbeats and lease renewals use
+        self.uploads = ThreadPoolExecutor(max_workers=upload_threads, thread_name_prefix="adapter-parse")
 
     async def UploadAdapter(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext):
         first = await anext(aiter(request_iterator), None)
@@ -196,7 +210,7 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
             version=h.version,
             allow_base_mismatch=h.allow_base_mismatch,
         )
-        await _call(context, self.catalog.check_header, header)
+        await _call(context, self.catalog.check_header, header, executor=self.uploads)
         buf = bytearray()
         async for msg in request_iterator:
             if msg.WhichOneof("payload") != "chunk":
@@ -206,7 +220,7 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
                 raise InvalidArgument(
                     f"upload sent more than the {header.weights_size} bytes its header promised"
                 )
-        row = await _call(context, self.catalog.create, header, bytes(buf))
+        row = await _call(context, self.catalog.create, header, bytes(buf), executor=self.uploads)
         return adapter_to_proto(row)
 
     async def ImportAdapter(self, request, context):
@@ -220,6 +234,7 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
             dict(request.labels),
             request.version,
             request.allow_base_mismatch,
+            executor=self.uploads,
         )
         return adapter_to_proto(row)
 
@@ -317,6 +332,7 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
             request.max_batch_size,
             request.tensor_parallel_size,
             list(request.model_aliases),
+            request.instance_id,
         )
         return placement_pb2.RegisterWorkerResponse(
             worker_id=row.id,
@@ -340,7 +356,14 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
             if u.adapter
         }
         worker, orders = await _call(
-            context, self.placement.heartbeat, request.worker_id, slots, load, cached, usage
+            context,
+            self.placement.heartbeat,
+            request.worker_id,
+            slots,
+            load,
+            cached,
+            usage,
+            request.usage_changed_only,
         )
         return placement_pb2.HeartbeatResponse(
             lease_expires_at=ts(worker.lease_expires_at),

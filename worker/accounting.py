@@ -11,8 +11,9 @@ heartbeats read.
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
@@ -56,12 +57,16 @@ class AdapterAccounting:
         self.top_n = top_n
         self._lock = threading.Lock()
         self._totals: dict[str, Usage] = {}  # every adapter, since start (heartbeats report these)
+        self._changed: dict[
+            str, None
+        ] = {}  # adapters whose totals the registry has not seen yet, oldest first
         self._series: dict[str, Usage] = {}  # adapters with series of their own (at most top_n)
         self._other = Usage()  # every other adapter, summed
 
     def _record(self, adapter: str, delta: Usage) -> None:
         with self._lock:
             self._totals.setdefault(adapter, Usage()).add(delta)
+            self._changed[adapter] = None
             if adapter not in self._series and len(self._series) < self.top_n:
                 self._series[adapter] = Usage()
             self._series.get(adapter, self._other).add(delta)
@@ -86,9 +91,26 @@ class AdapterAccounting:
         self._record(adapter, delta)
 
     def totals(self) -> dict[str, Usage]:
-        """Every adapter's usage since this worker started (for heartbeats)."""
+        """Every adapter's usage since this worker started."""
         with self._lock:
             return {k: v.copy() for k, v in self._totals.items()}
+
+    def take_changed(self, limit: int) -> dict[str, Usage]:
+        """The totals of at most ``limit`` adapters that changed since they were last taken (oldest change
+        first), no longer marked changed: what one heartbeat reports. Give them back with :meth:`mark_changed`
+        when the heartbeat fails; the rest waits for the next one."""
+        with self._lock:
+            keys = list(itertools.islice(self._changed, limit))
+            for key in keys:
+                del self._changed[key]
+            return {k: self._totals[k].copy() for k in keys}
+
+    def mark_changed(self, adapters: Iterable[str] | None = None) -> None:
+        """Report ``adapters`` again (a heartbeat that failed), or every adapter (None: a new registration)."""
+        with self._lock:
+            for key in self._totals if adapters is None else adapters:
+                if key in self._totals:
+                    self._changed[key] = None
 
     def labelled(self) -> dict[str, Usage]:
         """The series as exported: at most ``top_n`` adapters and "other"."""

@@ -4,12 +4,18 @@ Unload orders in heartbeat replies are carried out at once (deleted adapters) or
 (drain orders: a version an alias moved away from, so requests in flight finish on it). If the registry is down
 the worker keeps serving what it holds and retries; if the registry forgot it (lease expired, registry
 restarted on an empty database) the next heartbeat is NOT_FOUND and the worker registers again.
+
+Each process registers with a random ``instance_id`` (its identity, docs/security.md): the registry lets it
+replace its own registration at its address at any time, but not a live one of another process. A worker
+restarted at the same address while its previous lease is live is refused with ALREADY_EXISTS and retries
+until that lease ends (at most the registry's lease, 15 s by default).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Sequence
 
 import grpc
@@ -22,6 +28,7 @@ from loraserve.worker.engine import Engine
 from loraserve.worker.snapshot import occupied_slot_infos, worker_load
 
 log = logging.getLogger("loraserve.worker.registration")
+USAGE_PER_HEARTBEAT = 512  # adapters' usage totals one heartbeat carries at most (the rest: the next ones)
 
 
 class Registration:
@@ -42,6 +49,7 @@ class Registration:
         self.lease_seconds = 15
         self.registered = asyncio.Event()
         self.heartbeats = 0
+        self.instance_id = secrets.token_hex(16)  # this process's identity (RegisterWorkerRequest)
 
     def _register_request(self) -> placement_pb2.RegisterWorkerRequest:
         cfg, e = self.engine.model_config, self.engine.config
@@ -53,6 +61,7 @@ class Registration:
             max_batch_size=e.max_batch_size,
             tensor_parallel_size=e.tensor_parallel_size,
             model_aliases=list(self.model_aliases),
+            instance_id=self.instance_id,
             module_shapes=[
                 placement_pb2.ModuleShape(module=m, in_features=i, out_features=o, num_layers=cfg.num_layers)
                 for m, (i, o) in cfg.adapter_shapes().items()
@@ -60,6 +69,8 @@ class Registration:
         )
 
     def _heartbeat_request(self) -> placement_pb2.HeartbeatRequest:
+        """Slots, load and cached adapters as they are now, and the usage totals that changed since the last
+        answered heartbeat (at most ``USAGE_PER_HEARTBEAT``: a long-lived worker's report stays small)."""
         snap = self.engine.snapshot()
         return placement_pb2.HeartbeatRequest(
             worker_id=self.worker_id,
@@ -76,8 +87,9 @@ class Registration:
                     loads=u.loads,
                     fetched_bytes=u.fetched_bytes,
                 )
-                for key, u in sorted(self.engine.accounting.totals().items())
+                for key, u in self.engine.accounting.take_changed(USAGE_PER_HEARTBEAT).items()
             ],
+            usage_changed_only=True,
         )
 
     def _cached(self, snap) -> list[placement_pb2.AdapterResidency]:
@@ -121,6 +133,7 @@ class Registration:
                     if not self.worker_id:
                         resp = await stub.RegisterWorker(self._register_request(), timeout=10)
                         self.worker_id, self.lease_seconds = resp.worker_id, resp.lease_seconds or 15
+                        self.engine.accounting.mark_changed()  # a new worker row: report every total again
                         self.registered.set()
                         log.info(
                             "registered with %s as %s (lease %ss)",
@@ -128,7 +141,12 @@ class Registration:
                             self.worker_id,
                             self.lease_seconds,
                         )
-                    resp = await stub.Heartbeat(self._heartbeat_request(), timeout=10)
+                    request = self._heartbeat_request()
+                    try:
+                        resp = await stub.Heartbeat(request, timeout=10)
+                    except grpc.aio.AioRpcError:  # not seen by the registry: report these again next time
+                        self.engine.accounting.mark_changed(u.adapter for u in request.usage)
+                        raise
                     self.heartbeats += 1
                     for order in resp.unload:
                         await self._unload(order)
@@ -138,6 +156,11 @@ class Registration:
                     if exc.code() == grpc.StatusCode.NOT_FOUND:
                         log.warning("registry forgot this worker; registering again")
                         self.worker_id = ""
+                        continue
+                    if exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # a live lease of another process
+                        log.warning("registration refused (%s); retrying in %.1fs", exc.details(), backoff)
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, 5.0)
                         continue
                     log.warning(
                         "registry unreachable (%s); serving on, retrying in %.1fs", exc.code().name, backoff

@@ -153,3 +153,31 @@ def test_a_second_replica_sees_the_fleet_within_its_ttl(reg, adapter_dirs, tiny_
         assert other.placement.locate("hot")[1] == []
     finally:
         other.close()
+
+
+def test_heartbeats_with_changed_usage_only_are_merged(reg, adapter_dirs, tiny_shapes) -> None:
+    """A worker reports only the usage totals that changed since its last answered heartbeat
+    (``usage_changed_only``): the registry merges them into what it holds for that worker, so an adapter
+    left out keeps its totals; an older worker's full list (the flag unset) still replaces them."""
+    for name in ("acct", "quiet"):
+        reg.client.push(adapter_dirs["all-r4"], name, TINY_MODEL)
+    wid = _register(reg, "10.0.4.1:1", tiny_shapes)
+
+    def beat(changed_only: bool, **requests: int) -> None:
+        usage = [
+            pp.AdapterUsage(adapter=f"{k}@1", requests=n, prompt_tokens=10 * n) for k, n in requests.items()
+        ]
+        reg.client.placement.Heartbeat(
+            pp.HeartbeatRequest(worker_id=wid, usage=usage, usage_changed_only=changed_only)
+        )
+
+    def requests(name: str) -> tuple[int, int]:
+        u = reg.client.placement.GetAdapterStats(pp.GetAdapterStatsRequest(name=name)).versions[0].usage
+        return u.requests, u.prompt_tokens
+
+    beat(True, acct=3, quiet=5)
+    beat(True, acct=4)  # quiet did not change: not sent, kept
+    beat(True)
+    assert requests("acct") == (4, 40) and requests("quiet") == (5, 50)
+    beat(False, acct=7)  # a full report (older workers) replaces
+    assert requests("acct") == (7, 70) and requests("quiet") == (0, 0)

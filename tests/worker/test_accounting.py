@@ -111,3 +111,25 @@ def test_residency_records_each_load_with_its_source() -> None:
         assert acc.totals()["a"].loads == 2 and sorted(acc.totals()["a"].load_buckets) == sorted(
             {"local", second_origin}
         )
+
+
+def test_heartbeats_take_the_changed_totals_in_bounded_batches() -> None:
+    """What ``Registration`` sends: the totals of adapters that changed since they were last taken, oldest
+    change first, at most ``limit`` at a time; given back after a failed heartbeat; all of them again after
+    a new registration. A steady worker's heartbeat carries none."""
+    acct = AdapterAccounting()
+    for i in range(1200):
+        acct.request_done(f"a-{i}@1", 3, 4)
+    acct.request_done("a-0@1", 1, 1)  # a-0 changed again: still one entry, its place kept
+    first = acct.take_changed(512)
+    assert list(first) == [f"a-{i}@1" for i in range(512)]
+    assert (first["a-0@1"].requests, first["a-0@1"].prompt_tokens) == (2, 4)
+    assert len(acct.take_changed(512)) == 512 and len(acct.take_changed(512)) == 176
+    assert acct.take_changed(512) == {}  # nothing changed since: an empty report
+    acct.request_done("a-7@1", 1, 1)
+    failed = acct.take_changed(512)
+    assert list(failed) == ["a-7@1"] and failed["a-7@1"].requests == 2
+    acct.mark_changed(failed)  # the heartbeat failed: reported again next time
+    assert list(acct.take_changed(512)) == ["a-7@1"]
+    acct.mark_changed()  # registered again: every total once more
+    assert sum(len(acct.take_changed(512)) for _ in range(3)) == 1200
