@@ -56,8 +56,8 @@ class HealthProbe:
         return self
 
     def __exit__(self, *exc) -> None:
-        deadline = time.monotonic() + 2
-        while len(self.latencies) < 50 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 3  # enough samples that one scheduling hiccup is not the p99
+        while len(self.latencies) < 200 and time.monotonic() < deadline:
             time.sleep(0.01)
         self.stop.set()
         self.thread.join(35)
@@ -92,7 +92,8 @@ def test_catastrophic_keys_are_decided_while_health_checks_answer(reg, adapter_d
         assert "alpha_pattern['(.{1,100}){10}x']" in exc.value.message
     # the refused upload left no row and no blob
     assert reg.adapter_rows() == [("slow", 1, "READY")] and reg.blobs() == blobs and len(blobs) == 1
-    assert len(probe.latencies) >= 50
+    assert len(probe.latencies) >= 100
+    print(f"health checks: {len(probe.latencies)}, p99 {probe.p99() * 1000:.1f} ms")
     assert probe.p99() < 0.1, f"health check p99 {probe.p99() * 1000:.1f} ms"
     assert threads and all(name.startswith("adapter-parse") for name in threads), threads
 
