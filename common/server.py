@@ -42,11 +42,26 @@ class Services:
     inference: Any = None  # the Inference servicer, which the HTTP API calls in-process
 
 
+# Clients ping idle connections to find a peer that stopped answering (the router's --upstream-keepalive). A
+# gRPC server answers pings on a connection without calls, or more often than its minimum interval (hours by
+# default), with GOAWAY ENHANCE_YOUR_CALM ("too_many_pings"). These servers accept pings with or without calls
+# every PING_FLOOR_S; clients may ping every MIN_PING_INTERVAL_S or slower (a second of margin for jitter).
+MIN_PING_INTERVAL_S = 5.0
+PING_FLOOR_S = MIN_PING_INTERVAL_S - 1.0
+
+
+def keepalive_server_options() -> list[tuple[str, int]]:
+    return [
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(PING_FLOOR_S * 1000)),
+    ]
+
+
 def new_server(role: str, security: ServerSecurity, max_message_bytes: int | None = None) -> grpc.aio.Server:
     """A grpc.aio server whose outermost interceptor maps errors and records metrics, then auth."""
-    options = []
+    options = keepalive_server_options()
     if max_message_bytes:
-        options = [
+        options += [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]

@@ -21,6 +21,13 @@ HELP = {
     "registry_token": "bearer token presented to the registry",
     "worker_token": "bearer token presented to the workers",
     "upstream_tls_ca": "PEM CA of the registry's and workers' certificates",
+    "worker_timeout": "seconds a call to a worker may last when the client set no deadline (0 = no limit)",
+    "worker_first_token_timeout": "seconds to wait for a worker's first message before trying the next "
+    "worker (0 = no limit)",
+    "worker_stall_timeout": "seconds a worker may send nothing after its first message before the stream "
+    "fails UNAVAILABLE (0 = no limit)",
+    "upstream_keepalive": "seconds between keepalive pings to the registry and workers; a ping unanswered "
+    "as long drops the connection (0 = off, else >= 5)",
 }
 
 
@@ -43,8 +50,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         config.max_candidates,
         config.registry_token,
         config.upstream_tls_ca,
+        config.upstream_keepalive,
     )
-    pool = WorkerPool(config.worker_token, config.upstream_tls_ca)
+    pool = WorkerPool(config.worker_token, config.upstream_tls_ca, config.worker_limits())
     services = router_services(locator, pool, config.max_concurrency)
     background = []
     if config.http_port:

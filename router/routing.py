@@ -1,10 +1,19 @@
-"""Where to send a request: LocateAdapter answers cached briefly, and one channel per worker."""
+"""Where to send a request: LocateAdapter answers cached briefly, and one channel per worker.
+
+A stuck peer never holds a stream: every call to a worker carries a deadline (the client's, else
+``WorkerLimits.timeout``), a worker that sends nothing for the first-token or stall timeout is given up on
+(UNAVAILABLE: the router tries the next worker when nothing was sent to the client yet), and the router's
+channels ping idle connections (gRPC keepalive) so a worker or registry that stopped answering is dropped.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -12,7 +21,24 @@ from loraserve.adapters.mixes import MixPart, mix_ref
 from loraserve.adapters.refs import pick_version
 from loraserve.common.errors import Unavailable, error_from_rpc
 from loraserve.common.security import aio_channel
-from loraserve.protos.v1 import inference_pb2_grpc, placement_pb2, placement_pb2_grpc
+from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc, placement_pb2, placement_pb2_grpc
+
+log = logging.getLogger("loraserve.router")
+
+
+def keepalive_options(interval: float) -> list[tuple[str, Any]]:
+    """gRPC channel options that ping the peer every ``interval`` seconds, calls or not, and drop the connection
+    (failing its calls UNAVAILABLE) when a ping is not answered within ``interval`` (0 = no keepalive). Servers
+    built by ``common.server`` accept pings as often as every ``MIN_PING_INTERVAL_S``."""
+    if interval <= 0:
+        return []
+    ms = int(interval * 1000)
+    return [
+        ("grpc.keepalive_time_ms", ms),
+        ("grpc.keepalive_timeout_ms", ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),  # keep pinging while a stream waits for its next token
+    ]
 
 
 @dataclass(frozen=True)
@@ -29,9 +55,15 @@ class Locator:
     """Caches LocateAdapter for ``ttl`` seconds; serves a stale answer while the registry is down."""
 
     def __init__(
-        self, registry: str, ttl: float, max_candidates: int, token: str = "", tls_ca: str = ""
+        self,
+        registry: str,
+        ttl: float,
+        max_candidates: int,
+        token: str = "",
+        tls_ca: str = "",
+        keepalive: float = 0.0,
     ) -> None:
-        self.channel = aio_channel(registry, token=token, tls_ca=tls_ca)
+        self.channel = aio_channel(registry, token=token, tls_ca=tls_ca, options=keepalive_options(keepalive))
         self.stub = placement_pb2_grpc.PlacementStub(self.channel)
         self.ttl, self.max_candidates = ttl, max_candidates
         self._routes: dict[str, Route] = {}
@@ -104,14 +136,25 @@ def mix_route(parts: Sequence[tuple[float, Route]]) -> Route:
     )
 
 
+@dataclass(frozen=True)
+class WorkerLimits:
+    """How long the router waits on a worker (seconds; 0 = no limit), ``RouterConfig``'s ``worker_*`` fields."""
+
+    timeout: float = 600.0  # a call's deadline when the client set none
+    first_token_timeout: float = 120.0  # the first message (queueing, adapter load, prefill)
+    stall_timeout: float = 30.0  # each later message
+    keepalive: float = 10.0  # keepalive ping interval on worker connections
+
+
 class WorkerPool:
     """One grpc.aio channel per worker address, reused across requests, and this router's open streams
     per worker (fresher than the load in the registry, which heartbeats refresh every few seconds)."""
 
-    def __init__(self, token: str = "", tls_ca: str = "") -> None:
+    def __init__(self, token: str = "", tls_ca: str = "", limits: WorkerLimits | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.inflight: dict[str, int] = {}
         self.token, self.tls_ca = token, tls_ca
+        self.limits = limits or WorkerLimits()
 
     def order(self, route: Route) -> list[str]:
         """Holders first (registry order), then those holding it in host memory or on disk (faster to load
@@ -127,8 +170,46 @@ class WorkerPool:
     def stub(self, address: str) -> inference_pb2_grpc.InferenceStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = aio_channel(address, token=self.token, tls_ca=self.tls_ca)
+            channel = self._channels[address] = aio_channel(
+                address,
+                token=self.token,
+                tls_ca=self.tls_ca,
+                options=keepalive_options(self.limits.keepalive),
+            )
         return inference_pb2_grpc.InferenceStub(channel)
+
+    def deadline(self, client_remaining: float | None) -> float | None:
+        """When (``time.monotonic()``) one request's calls to workers must end, failovers included: the client's
+        deadline when it sent one, else ``limits.timeout`` from now (None: no deadline at all)."""
+        if client_remaining is not None:
+            return time.monotonic() + client_remaining
+        return time.monotonic() + self.limits.timeout if self.limits.timeout > 0 else None
+
+    def generate(
+        self, address: str, request: inference_pb2.GenerateRequest, deadline: float | None
+    ) -> grpc.aio.UnaryStreamCall:
+        """``Inference.Generate`` on ``address``, with what is left of ``deadline`` as its timeout."""
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self.stub(address).Generate(request, timeout=timeout)
+
+    async def read(self, call: grpc.aio.UnaryStreamCall, address: str, first: bool = False) -> Any:
+        """The next message of ``call`` (or ``grpc.aio.EOF``). A worker that sends nothing for the first-token
+        (``first``) or stall timeout has its call cancelled and fails UNAVAILABLE, as a worker that went away
+        does: before the first token the router tries the next worker."""
+        limit = self.limits.first_token_timeout if first else self.limits.stall_timeout
+        if limit <= 0:
+            return await call.read()
+        try:
+            async with asyncio.timeout(limit):
+                return await call.read()
+        except TimeoutError:
+            call.cancel()
+            what = "no first token" if first else "nothing more"
+            details = f"worker {address} sent {what} in {limit:g} s"
+            log.warning("%s: giving up on its stream", details)
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), details
+            ) from None
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -1,7 +1,8 @@
 """The router's ``Inference.Generate``: locate the best worker for the adapter and proxy the stream.
 
-Before the first token, a worker that is UNAVAILABLE (down, draining) is skipped for the next
-candidate; after the first token, errors reach the client as they are. A client that goes away
+Before the first token, a worker that is UNAVAILABLE (down, draining, or silent past the first-token
+timeout) is skipped for the next candidate; after the first token, errors reach the client as they are
+(a worker silent past the stall timeout: UNAVAILABLE). A client that goes away
 cancels the upstream call.
 """
 
@@ -57,12 +58,12 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             raise Unavailable(f"no worker can serve {route.adapter or 'the base model'}")
         tried = []
         timer = StreamTimer("router")
+        deadline = self.pool.deadline(context.time_remaining())  # the client's, else --worker-timeout
         for address in self.pool.order(route):
-            remaining = context.time_remaining()
-            call = self.pool.stub(address).Generate(forward, timeout=remaining)
+            call = self.pool.generate(address, forward, deadline)
             self.pool.inflight[address] = self.pool.inflight.get(address, 0) + 1
             try:
-                first = await call.read()
+                first = await self.pool.read(call, address, first=True)  # silent too long: UNAVAILABLE
             except grpc.aio.AioRpcError as exc:
                 self.pool.inflight[address] -= 1
                 if exc.code() in RETRYABLE:
@@ -78,7 +79,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                     yield msg
                     if msg.finish_reason:
                         timer.done(msg.usage.prompt_tokens)
-                    msg = await call.read()
+                    msg = await self.pool.read(call, address)
                 return
             except grpc.aio.AioRpcError as exc:
                 raise error_from_rpc(exc) from None
