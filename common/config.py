@@ -88,6 +88,10 @@ def config_from_args(cls: type[T], prefix: str, args: argparse.Namespace) -> T:
 
 SECURITY_HELP = {
     "admin_tokens": "comma-separated bearer tokens accepted for every RPC (empty: no auth)",
+    "worker_tokens": "comma-separated bearer tokens of workers: RegisterWorker, Heartbeat, GetAdapter,"
+    " DownloadAdapter (docs/security.md)",
+    "router_tokens": "comma-separated bearer tokens of routers: Generate, LocateAdapter, ListWorkers,"
+    " ListAdapters (docs/security.md)",
     "tls_cert": "PEM certificate: serve TLS",
     "tls_key": "PEM key of --tls-cert",
     "tls_client_ca": "PEM CA: require client certificates (mTLS)",
@@ -97,9 +101,12 @@ SECURITY_HELP = {
 
 @dataclass(frozen=True)
 class ServerSecurityConfig:
-    """The TLS and admin-token fields every server reads (``LORASERVE_<SERVER>_ADMIN_TOKENS`` …)."""
+    """The TLS and token fields every server reads (``LORASERVE_<SERVER>_ADMIN_TOKENS`` …). Each token list
+    is a scope (common/security.py, docs/security.md); any token configured turns auth on."""
 
     admin_tokens: str = ""  # comma-separated tokens accepted for every RPC (empty: no auth)
+    worker_tokens: str = ""  # comma-separated tokens of workers (register, heartbeat, fetch adapters)
+    router_tokens: str = ""  # comma-separated tokens of routers (Generate, locate, list)
     tls_cert: str = ""  # PEM certificate: serve TLS
     tls_key: str = ""  # PEM key of tls_cert
     tls_client_ca: str = ""  # PEM CA: require client certificates (mTLS)
@@ -111,6 +118,8 @@ class ServerSecurityConfig:
             self.tls_cert,
             self.tls_key,
             self.tls_client_ca,
+            self.worker_tokens,
+            self.router_tokens,
         )
 
 

@@ -1,9 +1,20 @@
 """Bearer-token auth and TLS for every loraserve server, and the matching client channels.
 
 Servers: ``AuthInterceptor`` checks ``authorization: Bearer <token>`` metadata on every RPC of every
-streaming kind with a constant-time compare. Inference tokens open ``Inference.Generate``; admin tokens
-open everything (the registry, placement, worker admin — and Generate). Health and reflection are
-exempt so probes and grpcurl discovery work. With no tokens configured, auth is off.
+streaming kind with a constant-time compare. Each token has a scope, from the list it is configured in:
+
+- ``inference`` (``auth_tokens``): ``Inference.Generate`` (and the HTTP inference endpoints);
+- ``router`` (``router_tokens``): what a router calls: ``Generate`` on workers, ``LocateAdapter``,
+  ``ListWorkers`` and ``ListAdapters`` on the registry;
+- ``worker`` (``worker_tokens``): what a worker calls: ``RegisterWorker``, ``Heartbeat``, ``GetAdapter``,
+  ``DownloadAdapter`` on the registry;
+- ``admin`` (``admin_tokens``): every RPC.
+
+``RPC_SCOPES`` names the scopes of every RPC (docs/security.md prints it; tests/security/test_scopes.py
+checks it against every service's descriptor and a live server). A missing or unknown token is
+UNAUTHENTICATED; a known token whose scope does not cover the RPC is PERMISSION_DENIED; an RPC missing from
+the table is admin-only. Health and reflection are exempt so probes and grpcurl discovery work. With no
+tokens configured, auth is off.
 TLS: a certificate and key turn the port into TLS; a client CA on top requires client certificates (mTLS).
 
 Clients: ``channel(target, token=..., tls_ca=..., tls_cert=..., tls_key=...)`` (sync or aio) adds the
@@ -23,7 +34,44 @@ import grpc
 from loraserve.common.errors import InvalidArgument, Unavailable
 
 EXEMPT_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-INFERENCE_PREFIXES = ("/loraserve.v1.Inference/",)
+
+INFERENCE, ROUTER, WORKER, ADMIN = "inference", "router", "worker", "admin"
+SCOPES = (INFERENCE, ROUTER, WORKER, ADMIN)
+GENERATE = "/loraserve.v1.Inference/Generate"  # the HTTP inference endpoints (/v1/*) take its scopes
+
+
+def _rpcs(service: str, scopes: tuple[str, ...], *methods: str) -> dict[str, frozenset[str]]:
+    return {f"/loraserve.v1.{service}/{m}": frozenset((*scopes, ADMIN)) for m in methods}
+
+
+# Every RPC of every loraserve.v1 service -> the scopes whose tokens may call it (admin: all of them).
+RPC_SCOPES: dict[str, frozenset[str]] = {
+    **_rpcs("Inference", (INFERENCE, ROUTER), "Generate"),
+    **_rpcs("WorkerAdmin", (), "LoadAdapter", "UnloadAdapter", "ListSlots", "GetWorkerInfo"),
+    **_rpcs("Placement", (WORKER,), "RegisterWorker", "Heartbeat"),
+    **_rpcs("Placement", (ROUTER,), "LocateAdapter", "ListWorkers"),
+    **_rpcs("Placement", (), "GetAdapterStats"),
+    **_rpcs("AdapterRegistry", (WORKER,), "GetAdapter", "DownloadAdapter"),
+    **_rpcs("AdapterRegistry", (ROUTER,), "ListAdapters"),
+    **_rpcs(
+        "AdapterRegistry",
+        (),
+        "UploadAdapter",
+        "ImportAdapter",
+        "DeleteAdapter",
+        "SetAlias",
+        "DeleteAlias",
+        "ListAliasHistory",
+        "SetBaseModelAliases",
+        "GetBaseModel",
+    ),
+}
+ADMIN_ONLY = frozenset({ADMIN})
+
+
+def scopes_for(method: str) -> frozenset[str]:
+    """The scopes allowed to call ``method`` (a full gRPC method name); admin only when it is not listed."""
+    return RPC_SCOPES.get(method, ADMIN_ONLY)
 
 
 def split_tokens(value: str) -> tuple[str, ...]:
@@ -38,6 +86,8 @@ class ServerSecurity:
     tls_cert: str = ""  # PEM file
     tls_key: str = ""  # PEM file
     tls_client_ca: str = ""  # PEM file; set = mTLS (clients must present a certificate it signed)
+    worker_tokens: tuple[str, ...] = ()  # scope "worker": register, heartbeat, fetch adapters
+    router_tokens: tuple[str, ...] = ()  # scope "router": Generate, locate and list
 
     @classmethod
     def from_strings(
@@ -47,13 +97,60 @@ class ServerSecurity:
         tls_cert: str = "",
         tls_key: str = "",
         tls_client_ca: str = "",
+        worker_tokens: str = "",
+        router_tokens: str = "",
     ) -> ServerSecurity:
-        return cls(split_tokens(auth_tokens), split_tokens(admin_tokens), tls_cert, tls_key, tls_client_ca)
+        return cls(
+            split_tokens(auth_tokens),
+            split_tokens(admin_tokens),
+            tls_cert,
+            tls_key,
+            tls_client_ca,
+            split_tokens(worker_tokens),
+            split_tokens(router_tokens),
+        )
+
+    def tokens(self, scope: str) -> tuple[str, ...]:
+        return {
+            INFERENCE: self.inference_tokens,
+            ROUTER: self.router_tokens,
+            WORKER: self.worker_tokens,
+            ADMIN: self.admin_tokens,
+        }[scope]
+
+    @property
+    def auth_on(self) -> bool:
+        """Whether any token is configured (then every RPC but health and reflection needs one)."""
+        return any(self.tokens(scope) for scope in SCOPES)
+
+    def scopes_of(self, token: str) -> frozenset[str]:
+        """The scopes of ``token`` (empty: not one of this server's tokens); every list is compared, in
+        constant time per token, whatever matches."""
+        return frozenset(scope for scope in SCOPES if token_allowed(token, self.tokens(scope)))
+
+    def refusal(self, token: str, method: str) -> tuple[grpc.StatusCode, str] | None:
+        """Why ``token`` may not call ``method`` (a full gRPC method name), or None when it may (or auth is
+        off): UNAUTHENTICATED for a missing or unknown token, PERMISSION_DENIED for a known token whose
+        scope does not cover the method."""
+        if not self.auth_on:
+            return None
+        held = self.scopes_of(token)
+        if not held:
+            why = "missing bearer token" if not token else "bad token: not one of this server's tokens"
+            return grpc.StatusCode.UNAUTHENTICATED, why
+        allowed = scopes_for(method)
+        if held & allowed:
+            return None
+        return (
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"token scope {'/'.join(sorted(held))} may not call {method.lstrip('/')}"
+            f" (needs {'/'.join(s for s in SCOPES if s in allowed)})",
+        )
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        if not (self.inference_tokens or self.admin_tokens):
+        if not self.auth_on:
             return []
-        return [AuthInterceptor(self.inference_tokens, self.admin_tokens)]
+        return [AuthInterceptor(self)]
 
     def add_port(self, server: grpc.aio.Server, address: str) -> int:
         """Bind ``address`` (TLS when configured); returns the port. Refusals: a certificate without its key
@@ -92,14 +189,14 @@ def token_allowed(token: str, allowed: Sequence[str]) -> bool:
     return ok and bool(token)
 
 
-def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming kind that answers UNAUTHENTICATED without running the method."""
+def _deny(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind that answers ``code`` without running the method."""
 
     async def unary(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
 
     async def streaming(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        await context.abort(code, message)
         yield  # pragma: no cover - makes this an async generator
 
     kw = dict(
@@ -115,19 +212,18 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, inference_tokens: Sequence[str], admin_tokens: Sequence[str]) -> None:
-        self.inference, self.admin = tuple(inference_tokens), tuple(admin_tokens)
+    """Lets an RPC run only when its bearer token's scope covers it (``ServerSecurity.refusal``)."""
+
+    def __init__(self, security: ServerSecurity) -> None:
+        self.security = security
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
         handler = await continuation(handler_call_details)
         if handler is None or method.startswith(EXEMPT_PREFIXES):
             return handler
-        token = _bearer(handler_call_details.invocation_metadata)
-        allowed = self.admin + self.inference if method.startswith(INFERENCE_PREFIXES) else self.admin
-        if token_allowed(token, allowed):
-            return handler
-        return _deny(handler, "missing bearer token" if not token else "bad token for this method")
+        refused = self.security.refusal(_bearer(handler_call_details.invocation_metadata), method)
+        return handler if refused is None else _deny(handler, *refused)
 
 
 # ------------------------------------------------------------------------------------------ clients

@@ -32,7 +32,7 @@ class Toy(ServerSecurityConfig):
 
 
 HELP = {"port": "p", "ratio": "r", "name": "n", "migrate": "m", "admin_tokens": "a", "tls_cert": "c"}
-HELP |= {"tls_key": "k", "tls_client_ca": "ca"}
+HELP |= {"tls_key": "k", "tls_client_ca": "ca", "worker_tokens": "w", "router_tokens": "r"}
 
 
 def _parse(argv: list[str], only=None) -> argparse.Namespace:
@@ -78,7 +78,14 @@ def test_refused_values_are_invalid_argument_and_still_value_errors() -> None:
 
 def test_security_fields_are_declared_once_and_keep_their_env_names() -> None:
     security = {f.name for f in fields(ServerSecurityConfig)}
-    assert security == {"admin_tokens", "tls_cert", "tls_key", "tls_client_ca"}
+    assert security == {
+        "admin_tokens",
+        "worker_tokens",
+        "router_tokens",
+        "tls_cert",
+        "tls_key",
+        "tls_client_ca",
+    }
     assert {f.name for f in fields(InferenceSecurityConfig)} == security | {"auth_tokens"}
     assert issubclass(RegistryConfig, ServerSecurityConfig) and not issubclass(
         RegistryConfig, InferenceSecurityConfig
@@ -97,6 +104,24 @@ def test_security_fields_are_declared_once_and_keep_their_env_names() -> None:
         {"LORASERVE_REGISTRY_ADMIN_TOKENS": "x", "LORASERVE_REGISTRY_TLS_KEY": "/k"}
     )
     assert (registry.security().admin_tokens, registry.security().tls_key) == (("x",), "/k")
+
+
+@pytest.mark.parametrize(
+    ("config", "prefix"),
+    [
+        (RegistryConfig, "LORASERVE_REGISTRY_"),
+        (WorkerConfig, "LORASERVE_WORKER_"),
+        (RouterConfig, "LORASERVE_ROUTER_"),
+    ],
+)
+def test_worker_and_router_token_lists_reach_every_server(config, prefix) -> None:
+    """Every role reads ``<PREFIX>WORKER_TOKENS`` and ``<PREFIX>ROUTER_TOKENS`` (and the flags), each list
+    becoming its scope's tokens; the older lists keep their meaning (auth_tokens = inference)."""
+    env = {prefix + "WORKER_TOKENS": "w1, w2", prefix + "ROUTER_TOKENS": "r1", prefix + "ADMIN_TOKENS": "a"}
+    sec = config.from_env(env).security()
+    assert (sec.worker_tokens, sec.router_tokens, sec.admin_tokens) == (("w1", "w2"), ("r1",), ("a",))
+    assert sec.scopes_of("w2") == {"worker"} and sec.scopes_of("r1") == {"router"} and not sec.scopes_of("x")
+    assert config.from_env({}, worker_tokens="flag").security().worker_tokens == ("flag",)
 
 
 def test_worker_config_inherits_every_engine_field() -> None:
