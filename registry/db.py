@@ -104,6 +104,8 @@ class WorkerRow(Base):
     # adapter -> [requests, prompt_tokens, completion_tokens, loads, fetched_bytes] since the worker started
     usage: Mapped[dict[str, list[int]]] = mapped_column(JSON, default=dict)
     registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # sha256 hex of the worker process's RegisterWorkerRequest.instance_id ("" = none sent); 0004
+    identity: Mapped[str] = mapped_column(String(64), default="", server_default="")
 
     placements: Mapped[list[PlacementRow]] = relationship(
         back_populates="worker", cascade="all, delete-orphan", order_by="PlacementRow.slot"

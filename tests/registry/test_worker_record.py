@@ -47,3 +47,28 @@ def test_migration_0002_adds_the_column_with_1_for_existing_workers(tmp_path) ->
     columns = {c["name"] for c in sa.inspect(sa.create_engine(url)).get_columns("workers")}
     assert "tensor_parallel_size" not in columns and "max_batch_size" in columns
     engine.dispose()
+
+
+def test_migration_0004_adds_an_empty_identity_for_existing_workers(tmp_path) -> None:
+    """Workers registered before identities have none: "" (any live lease of theirs is then kept until it
+    ends, docs/security.md); downgrading drops the column."""
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    migrate.upgrade(url, "0003")
+    engine = sa.create_engine(url)
+    now = "2026-12-01 00:00:00"
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO workers (id, address, model_id, slots, max_lora_rank, max_batch_size, state,"
+                " lease_expires_at, last_heartbeat, running, waiting, free_slots, utilization, registered_at)"
+                " VALUES ('w1', 'h:1', 'm', 4, 16, 8, 'READY', :t, :t, 0, 0, 4, 0.0, :t)"
+            ),
+            {"t": now},
+        )
+    migrate.upgrade(url, "0004")
+    with engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT id, identity FROM workers")).all() == [("w1", "")]
+    migrate.command.downgrade(migrate.alembic_config(url), "0003")
+    columns = {c["name"] for c in sa.inspect(sa.create_engine(url)).get_columns("workers")}
+    assert "identity" not in columns and "usage" in columns
+    engine.dispose()
