@@ -32,6 +32,7 @@ from loraserve.worker.slot_table import HostTier, NoFreeSlotError, Slot, SlotSta
 
 log = logging.getLogger("loraserve.worker.residency")
 MAX_DELETED = 4096  # deleted versions a worker remembers (a version number is never reused)
+MAX_RESOLVED = 8192  # refs remembered as resolved (distinct mixes are unbounded: their weights are free)
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,11 @@ class Residency:
         # versions the registry deleted (newest last, at most MAX_DELETED): never served again by this worker
         self._deleted: dict[str, None] = {}
         self._inflight: set[str] = set()
+        # refs wanted while MAX loads were in flight or prepared (each holds a slot's worth of host arrays):
+        # started in order as those finish; a ref nobody waits for any more is dropped (abandon)
+        self._queued: deque[str] = deque()
+        self._abandoned: set[str] = set()  # in flight, but nobody waits for them now: discarded on arrival
+        self.max_loads = max(2, config.max_loras)
         self.adapter_loads = 0
         self.outbox: list[Callable[[], None]] = []  # future completions, run after the next snapshot
         self.load_observer: Callable[[float], None] | None = None  # seconds per prepared adapter
@@ -176,8 +182,30 @@ class Residency:
         return key in self._deleted or (is_mix(key) and any(p.ref in self._deleted for p in parse_mix(key)))
 
     def want(self, ref: str) -> None:
-        """Start one background load per ref, however many requests wait for it."""
-        if ref not in self._inflight and all(p.ref != ref for p in self._pending):
+        """Start one background load per ref, however many requests wait for it; at most ``max_loads`` are
+        in flight or prepared and waiting for a slot at once (each holds a slot's worth of host arrays),
+        later ones queue and start in order."""
+        self._abandoned.discard(ref)
+        if ref in self._inflight or ref in self._queued or any(p.ref == ref for p in self._pending):
+            return
+        self._queued.append(ref)
+        self._start_loads()
+
+    def abandon(self, ref: str) -> None:
+        """No request waits for ``ref`` any more (cancelled, expired): unless a LoadAdapter call still wants
+        it, forget its queued or prepared load (a load in flight is discarded when it arrives)."""
+        if self._loads.get(ref):
+            return
+        if ref in self._queued:
+            self._queued.remove(ref)
+        self._pending = deque(p for p in self._pending if p.ref != ref)
+        if ref in self._inflight:
+            self._abandoned.add(ref)
+        self._start_loads()
+
+    def _start_loads(self) -> None:
+        while self._queued and len(self._inflight) + len(self._pending) < self.max_loads:
+            ref = self._queued.popleft()
             self._inflight.add(ref)
             self._spawn(self._prepare, ref)
 
@@ -203,10 +231,16 @@ class Residency:
                 self.table.mark_loaded(index)
                 self.adapter_loads += 1
             self._settle(p.ref, p.key)
+            self._start_loads()
             yield Resident(p.key)
 
     def _prepared(self, p: Prepared) -> list[Outcome]:
         self._inflight.discard(p.ref)
+        self._start_loads()
+        if p.ref in self._abandoned and not self._loads.get(p.ref):  # nobody waits for it any more
+            self._abandoned.discard(p.ref)
+            return []
+        self._abandoned.discard(p.ref)
         if p.error is None and self._is_deleted(p.key):  # deleted while it loaded
             self.host_tier.drop(p.key)
             p = Prepared(p.ref, error=NotFound(f"adapter {p.key} was deleted"))
@@ -215,6 +249,10 @@ class Residency:
                 self._later(future, p.error)
             return [LoadFailed(p.ref, p.error)]
         self._resolved[p.ref] = p.key
+        if len(self._resolved) > MAX_RESOLVED:  # every distinct ref (mixes: any weights) adds one
+            held = {slot.adapter for slot in self.table.slots()}
+            for ref in [r for r, k in self._resolved.items() if k not in held][: len(self._resolved) // 4]:
+                del self._resolved[ref]  # oldest first; a later request for it resolves again
         if self.load_observer is not None:
             self.load_observer(p.seconds)
         if self.load_recorder is not None:

@@ -240,6 +240,8 @@ class Scheduler:
                 self._dequeued()
                 self._release_slot(req)
                 self._emit(req, event)
+                if queue is self.waiting and all(r.adapter != req.adapter for r in self.waiting):
+                    self.residency.abandon(req.adapter)  # its last waiter: the load is not needed
 
     def _dequeued(self) -> None:
         with self._lock:

@@ -226,3 +226,53 @@ def test_a_deleted_version_finishes_its_running_requests_and_is_never_served_aga
     h.run(waiting)
     assert isinstance(waiting.end, Failed) and waiting.end.code == grpc.StatusCode.NOT_FOUND
     assert all(s.adapter != "c" for s in h.scheduler.snapshot().slots)
+
+
+def test_loads_are_bounded_and_dropped_with_their_last_waiter() -> None:
+    """At most ``max_loads`` adapters are loading or prepared (each a slot's worth of host arrays); the
+    others queue and start in order as those finish. A load whose every waiting request went away
+    (cancelled) is dropped: never started when it was queued, discarded on arrival when it was in flight;
+    nothing of it reaches a slot."""
+    from loraserve.worker.scheduler import Cancel
+
+    h = Harness(config(max_batch_size=4, max_loras=1, max_waiting=8), source_of("a", "b", "c", "d"))
+    started: list = []
+    h.residency._spawn = lambda fn, ref: started.append((fn, ref))  # loads run when the test says
+    assert h.residency.max_loads == 2
+    a, b, c, d = (h.submit(name, max_tokens=1) for name in "abcd")
+    h.step()
+    assert [ref for _, ref in started] == ["a", "b"]  # c and d queue
+    h.post(Cancel(c.request_id))
+    h.post(Cancel(a.request_id))  # a is in flight: discarded when it arrives
+    h.step()
+    fn, ref = started[0]
+    fn(ref)  # a's load arrives: nobody wants it
+    h.step()
+    assert [r for _, r in started] == ["a", "b", "d"]  # c was never started
+    for fn, ref in started[1:]:
+        fn(ref)
+    h.run(b, d)
+    assert isinstance(b.end, Finished) and isinstance(d.end, Finished)
+    assert [e.code for e in (a.end, c.end)] == [grpc.StatusCode.CANCELLED] * 2
+    assert len(h.runner.writes) == 2  # b's and d's: a's prepared weights never reached a slot
+    assert h.source.fetches == ["a", "b", "d"]
+
+
+def test_distinct_mixes_leave_bounded_state() -> None:
+    """A tenant can send any number of distinct weighted mixes (any weights): what the worker remembers of
+    them stays bounded (``MAX_RESOLVED`` refs; slots and the host tier are bounded by config), and a mix still
+    in a slot keeps being served from it."""
+    from loraserve.worker import residency
+
+    h = Harness(config(max_batch_size=4, max_loras=2, max_cpu_loras=2), source_of("a", "b"))
+    limit = residency.MAX_RESOLVED
+    residency.MAX_RESOLVED = 8
+    try:
+        for i in range(40):
+            c = h.submit(f"a*{i + 1}+b*1.0", max_tokens=1)
+            h.run(c)
+            assert isinstance(c.end, Finished)
+            assert len(h.residency._resolved) <= 8
+    finally:
+        residency.MAX_RESOLVED = limit
+    assert sorted(h.source.fetches) == ["a", "b"]  # the parts came from the host tier every time after
