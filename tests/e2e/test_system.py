@@ -15,6 +15,7 @@ from sqlalchemy import create_engine, text
 
 from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
+from loraserve.common.errors import LoraserveError
 from loraserve.protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.registry.gcs_emulator import start_gcs_emulator
 from loraserve.worker.config import EngineConfig
@@ -125,6 +126,25 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
         assert [r.token_ids for r in after] == expected[:12]
         wait_for_workers(registry, 1)
         assert [w.address for w in registry.workers()] == [stack.address("worker-2")]
+
+        # delete means gone: one heartbeat after `adapters rm`, the version worker-2 holds is refused
+        # there directly, through the router's gRPC and its HTTP port, and no slot holds it
+        gone = f"{names[0]}@1"
+        with Client(stack.address("worker-2")) as direct:
+            assert direct.complete([5, 17], adapter=gone, max_tokens=1).adapter == gone
+        registry.delete(gone)
+        time.sleep(2 * 6 / 3 + 0.5)  # two heartbeats (lease 6 s / 3): the order came with one of them
+        for address in (stack.address("worker-2"), stack.address("router")):
+            with Client(address) as client, pytest.raises(LoraserveError) as exc:
+                client.complete([5, 17], adapter=gone, max_tokens=1)
+            assert exc.value.code_name == "NOT_FOUND", address
+        with pytest.raises(openai.NotFoundError):
+            http.completions.create(model=gone, prompt=[5, 17], max_tokens=1)
+        with grpc.insecure_channel(stack.address("worker-2")) as channel:
+            slots = worker_admin_pb2_grpc.WorkerAdminStub(channel).ListSlots(
+                worker_admin_pb2.ListSlotsRequest()
+            )
+        assert gone not in {s.adapter for s in slots.slots}
     finally:
         for proc in procs.values():
             proc.terminate()
