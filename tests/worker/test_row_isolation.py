@@ -30,7 +30,7 @@ SLOTS, RANK, PAGE, PAGES_PER_ROW, SEG = 4, 8, 8, 4, 16
 POISONED = 2
 ROW_SLOTS = np.array([0, POISONED, 1, -1, POISONED, 0], np.int32)  # victims on slots 0 and 1, base rows
 LENGTHS = np.array([5, 13, 9, 3, 16, 7], np.int32)  # the poisoned prompts leave padding (null-page writes)
-DECODE_STEPS = 3
+DECODE_STEPS = 2
 # what the poisoned slot holds in every pool: NaN, both infinities and a finite value that overflows a product
 POISON = np.array([np.nan, np.inf, -np.inf, 3e38], np.float32)
 
