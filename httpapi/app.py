@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API as an ASGI app, shared by the router and the workers.
 
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models[/{model}]
-    GET  /health  (200 while serving)                            GET /metrics (Prometheus, unauthenticated)
+    GET  /health  (200 while serving)            GET /metrics (Prometheus, no token; only without --metrics-port)
 
 A ``Backend`` (router or worker) turns a ``GenerateRequest`` into the same ``GenerateResponse`` stream its
 gRPC ``Generate`` sends, so HTTP and gRPC give the same tokens for the same request. Refusals keep their
@@ -27,7 +27,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from loraserve.common.errors import InvalidArgument, LoraserveError
-from loraserve.common.security import ServerSecurity, token_allowed
+from loraserve.common.limits import MAX_BODY_BYTES, MAX_ID_CHARS
+from loraserve.common.security import GENERATE, ServerSecurity
+from loraserve.httpapi.body import load_json, off_loop
 from loraserve.httpapi.responses import Choice, Shape, sse
 from loraserve.httpapi.schemas import ChatCompletionRequest, CompletionRequest, new_id
 from loraserve.protos.v1 import inference_pb2 as pb
@@ -36,7 +38,6 @@ log = logging.getLogger("loraserve.http")
 
 TIMEOUT_HEADER = "x-loraserve-timeout"
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")  # counted by route
-MAX_BODY_BYTES = 16 * 1024 * 1024  # the gRPC message limit of the workers
 HTTP_REQUESTS = Counter(
     "loraserve_http_requests",
     "OpenAI-compatible HTTP requests by route and status",
@@ -103,14 +104,15 @@ def error_response(exc: LoraserveError) -> JSONResponse:
 class Edge:
     """Pure ASGI middleware in front of the app (no task groups, so errors stay plain exceptions):
 
-    - bearer tokens on ``/v1/*`` (401 before anything is read);
+    - bearer tokens on ``/v1/*``, with ``Inference.Generate``'s scopes (docs/security.md): 401 for a missing
+      or unknown token, 403 for a known one of another scope, before anything is read;
     - a body over ``limit`` bytes gets 413: at once when Content-Length says so, else when the app's
       reading passes the limit (``_TooLarge``, answered by the app's handler);
     - ``loraserve_http_requests_total`` by route and status.
     """
 
-    def __init__(self, app: Any, role: str, tokens: tuple[str, ...], limit: int) -> None:
-        self.app, self.role, self.tokens, self.limit = app, role, tokens, limit
+    def __init__(self, app: Any, role: str, security: ServerSecurity, limit: int) -> None:
+        self.app, self.role, self.security, self.limit = app, role, security, limit
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -127,12 +129,14 @@ class Edge:
             await send(message)
 
         try:
-            if path.startswith("/v1/") and self.tokens:
+            if path.startswith("/v1/") and self.security.auth_on:
                 header = headers.get(b"authorization", b"").decode("latin-1")
                 token = header[7:] if header[:7].lower() == "bearer " else ""
-                if not token_allowed(token, self.tokens):
-                    why = "missing bearer token" if not token else "bad token for this method"
-                    return await _send_json(counted_send, 401, error_body(401, why, "UNAUTHENTICATED"))
+                refused = self.security.refusal(token, GENERATE)
+                if refused is not None:
+                    code, why = refused
+                    status = HTTP_STATUS[code]
+                    return await _send_json(counted_send, status, error_body(status, why, code.name))
             length = headers.get(b"content-length")
             if length is not None and length.isdigit() and int(length) > self.limit:
                 return await _send_json(counted_send, 413, too_large_body(self.limit))
@@ -169,11 +173,15 @@ def too_large_body(limit: int) -> dict[str, Any]:
 
 
 def build_app(
-    backend: Backend, security: ServerSecurity | None = None, max_body_bytes: int = MAX_BODY_BYTES
+    backend: Backend,
+    security: ServerSecurity | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    metrics: bool = True,
 ) -> Any:
-    """The ASGI app; the same bearer tokens as gRPC guard /v1 (inference or admin tokens)."""
+    """The ASGI app; the same bearer tokens as gRPC guard /v1 (the tokens whose scope opens Generate).
+    ``metrics``: serve ``/metrics`` (no token, as the metrics port does); the servers turn it off when they
+    have a metrics port, so their metrics leave through that port only (docs/security.md)."""
     security = security or ServerSecurity()
-    tokens = security.admin_tokens + security.inference_tokens
     app = FastAPI(title="loraserve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(LoraserveError)
@@ -207,9 +215,11 @@ def build_app(
     async def health():
         return {"status": "serving"}
 
-    @app.get("/metrics")
-    async def metrics():
-        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+    if metrics:
+
+        @app.get("/metrics")
+        async def prometheus_metrics():
+            return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models():
@@ -230,7 +240,7 @@ def build_app(
     async def chat_completions(request: Request):
         return await _serve(backend, await _parse(ChatCompletionRequest, request), request, chat=True)
 
-    return Edge(app, backend.role, tokens, max_body_bytes)
+    return Edge(app, backend.role, security, max_body_bytes)
 
 
 def invalid_response(errors: Sequence[Any]) -> JSONResponse:
@@ -253,12 +263,13 @@ class _Invalid(Exception):
 
 
 async def _parse(kind: type[BaseModel], request: Request) -> Any:
-    """The body as ``kind``, whatever the content type says (curl -d sends a form type): JSON or a 400."""
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
+    """The body as ``kind``, whatever the content type says (curl -d sends a form type): JSON or a 400.
+    Parsed and validated on the body threads: a big body never stalls the event loop."""
+    return await off_loop(parse_body, kind, await request.body())
+
+
+def parse_body(kind: type[BaseModel], raw: bytes) -> Any:
+    data = load_json(raw)  # depth, object sizes, strings (httpapi.body)
     if not isinstance(data, dict):
         raise InvalidArgument("request body must be a JSON object")
     try:
@@ -271,8 +282,10 @@ async def _serve(
     backend: Backend, body: CompletionRequest | ChatCompletionRequest, request: Request, chat: bool
 ) -> Response:
     request_id = request.headers.get("x-request-id") or new_id("chatcmpl" if chat else "cmpl")
+    if len(request_id) > MAX_ID_CHARS:
+        raise InvalidArgument(f"x-request-id is {len(request_id)} characters; at most {MAX_ID_CHARS}")
     adapter = await backend.adapter_for(body.model)
-    proto = body.to_grpc(adapter, request_id)
+    proto = await off_loop(body.to_grpc, adapter, request_id)  # a prompt of up to 16 MiB is copied
     wants_logprobs = proto.sampling.HasField("logprobs")
     shape = Shape(request_id, body.model, chat, wants_logprobs)
     log.info(

@@ -15,13 +15,58 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from loraserve.adapters.refs import parse_ref
 from loraserve.common.errors import InvalidArgument, LoraserveError, NotFound
+from loraserve.common.limits import (
+    INT32_MAX,
+    MAX_CONTENT_PARTS,
+    MAX_JSON_KEYS,
+    MAX_LOGPROBS,
+    MAX_MESSAGES,
+    MAX_PROMPT_TOKENS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    UINT32_MAX,
+    check_ref,
+)
 from loraserve.protos.v1 import inference_pb2 as pb
 
-MAX_LOGPROBS = 20
-MAX_STOP = 16
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # uint32 max: "as many as fit"; the worker caps max_tokens by the context left after the prompt.
-UNLIMITED = 2**32 - 1
+UNLIMITED = UINT32_MAX
+PROMPT_SHAPES = "prompt must be a string, a list of token ids, or a one-element list of either"
+# Every integer that reaches the proto is bounded by its field's type (token ids: int32, counts: uint32), so
+# that an out-of-range value is a 400 naming the field, never protobuf's ValueError (500).
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+MaxTokens = Annotated[int, Field(ge=1, le=UINT32_MAX)]
+
+
+def _token_ids(ids: list[Any]) -> list[int]:
+    if len(ids) > MAX_PROMPT_TOKENS:
+        raise ValueError(f"prompt has {len(ids)} token ids; at most {MAX_PROMPT_TOKENS}")
+    for t in ids:
+        if type(t) is not int:
+            raise ValueError(f"{PROMPT_SHAPES} (token ids are integers, got {type(t).__name__})")
+        if not 0 <= t <= INT32_MAX:
+            raise ValueError(f"prompt token id {t} is out of range [0, {INT32_MAX}]")
+    return ids
+
+
+def one_prompt(value: Any) -> str | list[int]:
+    """OpenAI's ``prompt`` shapes -> the one prompt loraserve serves (a string or token ids); a ValueError
+    naming the shape, the number of prompts, or the first token id out of range."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(PROMPT_SHAPES)
+    if value and isinstance(value[0], str | list):  # a list of prompts
+        if len(value) != 1:
+            raise ValueError(f"prompt holds {len(value)} prompts; send one prompt per request")
+        value = value[0]
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError(PROMPT_SHAPES)
+    return _token_ids(value)
 
 
 class Strict(BaseModel):
@@ -41,19 +86,26 @@ class _Common(Strict):
     stream_options: StreamOptions | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM: -1 or 0 = off
+    top_k: Annotated[int, Field(ge=-1, le=INT32_MAX)] | None = None  # vLLM: -1 or 0 = off
     seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     n: int = 1
     user: Annotated[str, Field(max_length=256)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_JSON_KEYS)] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_count(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences, got {len(v)}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -61,10 +113,11 @@ class _Common(Strict):
         stops = [v] if isinstance(v, str) else v
         if stops is None:
             return None
-        if len(stops) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must not be empty")
+        long = [len(s) for s in stops if len(s) > MAX_STOP_CHARS]
+        if long:
+            raise ValueError(f"a stop sequence is {long[0]} characters; at most {MAX_STOP_CHARS}")
         return stops
 
     @model_validator(mode="after")
@@ -102,12 +155,17 @@ class _Common(Strict):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
+    prompt: str | list[int]  # OpenAI's shapes, see one_prompt
+    max_tokens: MaxTokens | None = 16  # OpenAI's default for completions
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> str | list[int]:
+        return one_prompt(v)
 
     @model_validator(mode="after")
     def _completion_only(self):
@@ -120,14 +178,9 @@ class CompletionRequest(_Common):
         return self
 
     def single_prompt(self) -> str | list[int]:
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise InvalidArgument(f"prompt holds {len(p)} prompts; send one prompt per request")
-            p = p[0]
-        if not p:
+        if not self.prompt:
             raise InvalidArgument("prompt is empty")
-        return p
+        return self.prompt
 
     def to_grpc(self, adapter: str, request_id: str) -> pb.GenerateRequest:
         prompt = self.single_prompt()
@@ -156,6 +209,13 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) > MAX_CONTENT_PARTS:
+            raise ValueError(f"content has {len(v)} parts; at most {MAX_CONTENT_PARTS}")
+        return v
+
     @field_validator("role")
     @classmethod
     def _role(cls, v: str) -> str:
@@ -172,9 +232,9 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Common):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     response_format: dict[str, Any] | None = None
@@ -219,6 +279,7 @@ def adapter_for_model(model: str, base_ids: set[str]) -> str:
     if model in base_ids:
         return ""
     try:
+        check_ref(model)
         parse_ref(model)
     except LoraserveError:
         bases = ", ".join(sorted(base_ids)) or "none registered"
