@@ -15,6 +15,7 @@ import grpc
 
 from loraserve.adapters.mixes import MixPart, parse_mix, validate_mix
 from loraserve.common.errors import InvalidArgument, ResourceExhausted, Unavailable, error_from_rpc
+from loraserve.common.limits import add_servicer, check_generate_request
 from loraserve.common.observability import StreamTimer
 from loraserve.common.security import ServerSecurity
 from loraserve.common.server import Services, set_health
@@ -33,6 +34,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         self.active = 0
 
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        check_generate_request(request)  # counts and lengths (common.limits), before any routing
         if self.active >= self.max_concurrency:  # admission: refuse at once, never queue without bound
             raise ResourceExhausted(f"router is at its limit of {self.max_concurrency} streams")
         self.active += 1
@@ -102,8 +104,8 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
 def router_services(locator: Locator, pool: WorkerPool, max_concurrency: int = 1024) -> Services:
     servicer = RouterServicer(locator, pool, max_concurrency)  # one: HTTP and gRPC share the stream limit
 
-    def add(server: grpc.aio.Server) -> None:
-        inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
+    def add(server: grpc.aio.Server) -> None:  # bytes that are no request: INVALID_ARGUMENT (common.limits)
+        add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, servicer, server)
 
     return Services("router", add, (SERVICE_NAME,), inference=servicer)
 

@@ -10,9 +10,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from loraserve.common import limits
 from loraserve.common.errors import InvalidArgument
+from loraserve.common.limits import INT32_MAX, MAX_STOP_TOKEN_IDS, UINT32_MAX
 
-MAX_LOGPROBS = 20  # most alternatives a request may ask for (the device computes this many: worker.sampling)
+MAX_LOGPROBS = limits.MAX_LOGPROBS  # most alternatives a request may ask for (the device computes this many)
 
 
 @dataclass(frozen=True)
@@ -31,14 +33,18 @@ class Sampling:
             raise InvalidArgument(f"temperature must be finite and >= 0, got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0 <= self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in [0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 0:
-            raise InvalidArgument(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not 0 <= self.top_k <= UINT32_MAX:
+            raise InvalidArgument(f"top_k must be in [0, {UINT32_MAX}], got {self.top_k}")
+        if not 0 <= self.max_tokens <= UINT32_MAX:
+            raise InvalidArgument(f"max_tokens must be in [0, {UINT32_MAX}], got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise InvalidArgument(f"seed must fit in 64 bits, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidArgument(
+                f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
+            )
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidArgument(f"stop_token_ids {bad[:5]} are outside the vocabulary")
@@ -140,7 +146,10 @@ class SamplingRow:
     @classmethod
     def of(cls, req: EngineRequest) -> SamplingRow:
         s = req.sampling
-        return cls(s.temperature, s.top_k, s.top_p, req.seed, len(req.generated), s.logprobs is not None)
+        top_k = min(
+            s.top_k, INT32_MAX
+        )  # a uint32 on the wire, int32 on the device: past the vocabulary = off
+        return cls(s.temperature, top_k, s.top_p, req.seed, len(req.generated), s.logprobs is not None)
 
 
 def validate_prompt(prompt: list[int], vocab_size: int, max_seq_len: int) -> None:

@@ -19,6 +19,7 @@ from loraserve.adapters.mixes import MixPart, mix_ref
 from loraserve.adapters.sources import LocalAdapterSource
 from loraserve.common.errors import InvalidArgument, LoraserveError, Unavailable
 from loraserve.common.finish_reasons import FINISH_TO_PROTO
+from loraserve.common.limits import MAX_BODY_BYTES, add_servicer, check_generate_request
 from loraserve.common.observability import StreamTimer
 from loraserve.common.security import ServerSecurity
 from loraserve.common.server import Services, set_health
@@ -29,11 +30,12 @@ from loraserve.worker.outputs import Chunk, StreamAssembler
 from loraserve.worker.requests import EngineRequest, Sampling
 from loraserve.worker.snapshot import slot_info
 from loraserve.worker.token_strings import TokenStrings
-from loraserve.worker.tokenizer import apply_chat, encode
+from loraserve.worker.tokenizer import PromptBound, apply_chat, encode, off_loop
 
 log = logging.getLogger("loraserve.worker.server")
 
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_MESSAGE_BYTES = MAX_BODY_BYTES
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def sampling_from_proto(p: inference_pb2.SamplingParams) -> Sampling:
@@ -87,6 +89,11 @@ def adapter_of(request: inference_pb2.GenerateRequest) -> str:
     return mix_ref([MixPart(p.adapter, p.weight) for p in request.mix])
 
 
+def _chat_ids(tokenizer: Any, chat: inference_pb2.ChatMessages, context: int, bound: Any) -> list[int]:
+    """``apply_chat`` of a request's messages, copied out of the message here (off the loop) too."""
+    return apply_chat(tokenizer, [(m.role, m.content) for m in chat.messages], context, bound)
+
+
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     """The call's deadline on the engine's clock (time.monotonic), or None when the client set none."""
     remaining = context.time_remaining()
@@ -97,35 +104,50 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, engine: Engine, tokenizer: Any) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.token_strings = TokenStrings(tokenizer)  # logprobs' token strings, cached across requests
+        # bytes of prompt text a context can hold at most (worker.tokenizer): longer text is never tokenised
+        self.bound = PromptBound.of(tokenizer) if tokenizer is not None else None
 
-    def _prompt(self, request: inference_pb2.GenerateRequest) -> list[int]:
+    async def _prompt(self, request: inference_pb2.GenerateRequest) -> list[int]:
+        """The prompt's token ids. Text and chat are tokenised off the event loop, after the checks that
+        need no tokens (``check_generate_request`` has bounded the counts); token ids past the context are
+        refused before they are copied."""
+        context = self.engine.config.max_seq_len
         kind = request.WhichOneof("prompt")
         if kind == "tokens":
+            if len(request.tokens.ids) >= context:
+                raise InvalidArgument(
+                    f"prompt has {len(request.tokens.ids)} tokens; this worker's context is {context}"
+                    " (prompt + at least 1 new token)"
+                )
             return list(request.tokens.ids)
         if kind == "chat":
-            roles = ("system", "developer", "user", "assistant", "tool")
-            bad = [m.role for m in request.chat.messages if m.role not in roles]
+            bad = [m.role for m in request.chat.messages if m.role not in ROLES]
             if bad:
                 raise InvalidArgument(
-                    f"unknown chat role {bad[0][:32]!r}; expected one of {', '.join(roles)}"
+                    f"unknown chat role {bad[0][:32]!r}; expected one of {', '.join(ROLES)}"
                 )
-            return apply_chat(self.tokenizer, [(m.role, m.content) for m in request.chat.messages])
-        if kind == "text" and request.text:
+            # bounded once rendered (a template may drop text, e.g. earlier turns' reasoning)
+            return await off_loop(_chat_ids, self.tokenizer, request.chat, context, self.bound)
+        text = request.text if kind == "text" else ""  # one copy out of the message: 16 MiB take 10 ms
+        if text:
             if self.tokenizer is None:
                 raise InvalidArgument("this model has no tokenizer: send token ids")
-            return encode(self.tokenizer, request.text)
+            if self.bound is not None:
+                self.bound.check_chars(len(text), context)  # on the loop: O(1)
+            return await off_loop(encode, self.tokenizer, text, context, self.bound)
         raise InvalidArgument("prompt is empty: set text or tokens")
 
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        check_generate_request(request)  # counts and lengths, before anything is copied or tokenised
         if not self.engine.ready.is_set():
             raise Unavailable("worker is warming up")
         request_id = request.request_id or uuid.uuid4().hex
         internal_id = uuid.uuid4().hex  # client ids may repeat; cancellation must not hit a stranger
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        prompt = self._prompt(request)
+        prompt = await self._prompt(request)
         engine_req = EngineRequest(
             request_id=internal_id,
             adapter=adapter_of(request),
@@ -210,9 +232,10 @@ SERVICE_NAMES = (
 def worker_services(engine: Engine, tokenizer: Any, model_id: str) -> Services:
     inference = InferenceServicer(engine, tokenizer)
 
-    def add(server: grpc.aio.Server) -> None:
-        inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
-        worker_admin_pb2_grpc.add_WorkerAdminServicer_to_server(WorkerAdminServicer(engine, model_id), server)
+    def add(server: grpc.aio.Server) -> None:  # bytes that are no request: INVALID_ARGUMENT (common.limits)
+        add_servicer(inference_pb2_grpc.add_InferenceServicer_to_server, inference, server)
+        admin = WorkerAdminServicer(engine, model_id)
+        add_servicer(worker_admin_pb2_grpc.add_WorkerAdminServicer_to_server, admin, server)
 
     return Services("worker", add, SERVICE_NAMES, MAX_MESSAGE_BYTES, inference)
 
