@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def http_server(backend: Any, host: str, port: int, security: Any) -> Any:
-    """An ``HttpServer`` (port bound now) serving ``backend`` with the server's tokens and TLS; a clear
-    FAILED_PRECONDITION when the ``http`` extra is not installed."""
+def http_server(backend: Any, host: str, port: int, security: Any, metrics: bool = True) -> Any:
+    """An ``HttpServer`` (port bound now) serving ``backend`` with the server's tokens and TLS (and ``/metrics``
+    when ``metrics``: servers with a metrics port serve them there only); a clear FAILED_PRECONDITION when the
+    ``http`` extra is not installed."""
     from loraserve.common.errors import FailedPrecondition
 
     try:
@@ -18,4 +19,4 @@ def http_server(backend: Any, host: str, port: int, security: Any) -> Any:
         raise FailedPrecondition(
             f"--http-port needs the http extra: pip install 'loraserve[http]' ({exc.name} is missing)"
         ) from None
-    return HttpServer(build_app(backend, security), host, port, security)
+    return HttpServer(build_app(backend, security, metrics=metrics), host, port, security)

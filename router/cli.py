@@ -15,7 +15,8 @@ HELP = {
     "locate_ttl": "seconds a LocateAdapter answer is reused",
     "max_candidates": "workers tried, best first, before UNAVAILABLE",
     "metrics_port": "Prometheus /metrics port (0 = off)",
-    "http_port": "OpenAI-compatible HTTP API port, also serving /metrics and /health (0 = off)",
+    "http_port": "OpenAI-compatible HTTP API port, also serving /health, and /metrics when there is no"
+    " --metrics-port (0 = off)",
     "max_concurrency": "streams in flight; more get RESOURCE_EXHAUSTED at once",
     **SECURITY_HELP,
     "registry_token": "bearer token presented to the registry",
@@ -60,7 +61,10 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         from loraserve.router.http import RouterHttpBackend
 
         backend = RouterHttpBackend(services.inference, locator)
-        http = http_server(backend, config.host, config.http_port, config.security())
+        # /metrics leave through the metrics port when there is one (docs/security.md)
+        http = http_server(
+            backend, config.host, config.http_port, config.security(), metrics=not config.metrics_port
+        )
         background.append(http.run)
     await run_server(
         services,

@@ -23,7 +23,8 @@ HELP = {
     "advertise_address": "host:port the router uses to reach this worker (default: host:port bound)",
     "cache_dir": "local disk cache of adapter blobs fetched from the registry (keyed by sha256)",
     "metrics_port": "Prometheus /metrics port (0 = off)",
-    "http_port": "OpenAI-compatible HTTP API port, also serving /metrics and /health (0 = off)",
+    "http_port": "OpenAI-compatible HTTP API port, also serving /health, and /metrics when there is no"
+    " --metrics-port (0 = off)",
     "metrics_top_adapters": "adapters with per-adapter metric series of their own (the rest are summed as 'other')",
     "registry_token": "bearer token presented to the registry",
     "registry_tls_ca": "PEM CA of the registry's certificate",
@@ -112,7 +113,10 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
         from loraserve.worker.http import WorkerHttpBackend
 
         backend = WorkerHttpBackend(services.inference, model_id, config.model)
-        http = http_server(backend, config.host, config.http_port, config.security())
+        # /metrics leave through the metrics port when there is one (docs/security.md)
+        http = http_server(
+            backend, config.host, config.http_port, config.security(), metrics=not config.metrics_port
+        )
         background.append(http.run)
 
     async def warmup() -> None:
