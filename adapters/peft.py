@@ -173,6 +173,8 @@ def _check_header(data: bytes) -> None:
         header = json.loads(data[8 : 8 + n], object_pairs_hook=no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise AdapterError(f"{WEIGHTS_FILE} header is not valid JSON: {exc}") from exc
+    if not isinstance(header, dict):
+        raise AdapterError(f"{WEIGHTS_FILE} header is not a JSON object")
     for name, info in header.items():
         if name != "__metadata__" and isinstance(info, dict) and info.get("dtype") not in _FLOAT_DTYPES:
             raise AdapterError(
@@ -347,6 +349,8 @@ def parse_adapter(
     for module, by_layer in per_module.items():
         r = max(a.shape[1] for a, _ in by_layer.values())
         fan_in, fan_out = next(iter(by_layer.values()))[0].shape[0], next(iter(by_layer.values()))[1].shape[1]
+        for layer, (a, b) in by_layer.items():  # an unknown base model's layers could disagree
+            check_layer_fans(module, layer, a.shape[0], b.shape[1], fan_in, fan_out)
         a_all = np.zeros((layers, fan_in, r), np.float32)
         b_all = np.zeros((layers, r, fan_out), np.float32)
         for layer, (a, b) in by_layer.items():
@@ -379,7 +383,12 @@ def check_slot_value(what: str, value: np.ndarray) -> None:
     finite and within ``MAX_SLOT_VALUE``. Cheap: one pass, no copy of a finite array."""
     if value.size == 0:
         return
-    peak = float(np.max(np.abs(value)))  # NaN propagates, inf stays inf
+    check_slot_peak(what, float(np.max(np.abs(value))))  # NaN propagates, inf stays inf
+
+
+def check_slot_peak(what: str, peak: float) -> None:
+    """:func:`check_slot_value` of an array whose largest magnitude is ``peak`` (NaN: one was NaN); the
+    registry's tensor-by-tensor validation (``adapters.peft_stream``) computes it a chunk at a time."""
     if not math.isfinite(peak):
         raise AdapterError(f"{what} is not finite once scaled to float32 (NaN or inf); refused")
     if peak > MAX_SLOT_VALUE:
@@ -406,6 +415,15 @@ def check_weights(weights: LoraWeights) -> None:
     for module, (a, b) in weights.vocab.items():
         check_slot_value(f"{vocab_path(module)}: lora_A", a)
         check_slot_value(f"{vocab_path(module)}: lora_B x scaling", b)
+
+
+def check_layer_fans(module: str, layer: int, fan_in: int, fan_out: int, want_in: int, want_out: int) -> None:
+    """AdapterError unless ``module``'s ``layer`` has the in/out features of its first layer."""
+    if (fan_in, fan_out) != (want_in, want_out):
+        raise AdapterError(
+            f"{_module_path(module, layer)}: in={fan_in}, out={fan_out} differ from the module's first layer "
+            f"(in={want_in}, out={want_out})"
+        )
 
 
 def _module_path(module: str, layer: int) -> str:
