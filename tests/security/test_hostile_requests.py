@@ -14,19 +14,14 @@ import pytest
 
 from loraserve.protos.v1 import inference_pb2 as pb
 from loraserve.protos.v1 import inference_pb2_grpc
-from loraserve.testing import build_tokenizer
-from tests.security.fake_servers import MODEL, Prober, Server, fake_stack
+from tests.security.fake_servers import MODEL, Prober, Server
 
-CONTEXT = 128  # the worker's max_seq_len
 BIG = 15_000_000  # bytes of prompt text: under the 16 MiB body and message limits
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    tok = tmp_path_factory.mktemp("hostile-tokenizer")
-    build_tokenizer(tok)
-    with fake_stack(tok, CONTEXT) as (worker, router):
-        yield worker, router
+def stack(hostile_stack):
+    return hostile_stack
 
 
 def _nest(depth: int) -> list:
