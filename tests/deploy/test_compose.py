@@ -27,6 +27,7 @@ KNOWN_ENV = (
     | {f"LORASERVE_REGISTRY_{f.name.upper()}" for f in fields(RegistryConfig)}
     | {f"LORASERVE_ROUTER_{f.name.upper()}" for f in fields(RouterConfig)}
     | {"LORASERVE_REGISTRY_ADDRESS", "LORASERVE_TARGET"}  # the admin CLI and SDK's defaults
+    | {"LORASERVE_TOKEN"}  # the CLI's and SDK's bearer token (client.connection_flags)
     | {"LORASERVE_LOG_FORMAT"}  # common.observability.setup_logging
     | {"STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}  # read by gcsfs (DESIGN.md §3)
 )

@@ -58,7 +58,7 @@ OTHER_ENV = {
     "HOME",
     "POD_NAME",  # downward API, used in the worker's advertise address
 }
-HELPER_ENV = re.compile(r"TOKEN_[A-Z]+")  # Secret values composed into token lists by $(TOKEN_X)
+HELPER_ENV = re.compile(r"TOKEN_[A-Z_]+")  # Secret values composed into token lists by $(TOKEN_X)
 # Pod labels that policies admit but that pods outside these manifests carry (operators, Prometheus).
 EXTERNAL_LABELS = {"loraserve.dev/admin", "loraserve.dev/metrics-scraper"}
 
@@ -481,19 +481,19 @@ def test_network_policies_select_real_pods_and_let_only_the_router_reach_workers
     gateway = any(o["kind"] == "InferencePool" for o in objects)
     http = sources("worker", 8000)
     assert http[:1] == router_only
-    if gateway:  # the EPP scrapes /metrics on the pool's port; the gateway's proxies send requests to it
-        assert {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "loraserve-epp"}}} in http
-        assert any("ipBlock" in p for p in http)
+    scrapers = [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"loraserve.dev/metrics-scraper": "true"}}}
+    ]
+    epp = {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "loraserve-epp"}}}
+    if gateway:  # the gateway's proxies send requests to the HTTP port; the EPP scrapes the metrics port
+        assert http[1:] and all("ipBlock" in p for p in http[1:])
+        assert sources("worker", 9100) == [*scrapers, epp]
     else:
         assert http == router_only
+        assert sources("worker", 9100) == scrapers
     assert sources("router", 50071) == [{}]  # the front door
-    for component in ("registry", "worker", "router"):
-        assert sources(component, 9100) == [
-            {
-                "namespaceSelector": {},
-                "podSelector": {"matchLabels": {"loraserve.dev/metrics-scraper": "true"}},
-            }
-        ]
+    for component in ("registry", "router"):
+        assert sources(component, 9100) == scrapers
     registry = sources("registry", 50051)
     components = {p["podSelector"]["matchLabels"].get("app.kubernetes.io/component") for p in registry}
     assert components == {"worker", "router", None}
@@ -615,5 +615,7 @@ def test_the_endpoint_picker_reads_the_metrics_workers_export() -> None:
     }
     assert args["cache-info-metric"] == ""  # loraserve exports no vLLM cache_config_info: switched off
     assert args["model-server-metrics-path"] == "/metrics"
+    # the workers serve /metrics on their metrics port only (a metrics port set: not on the HTTP port)
+    assert int(args["model-server-metrics-port"]) == bound_ports(objects, worker, "worker")["metrics_port"]
     config = named(objects, "ConfigMap", epp["spec"]["volumes"][0]["configMap"]["name"])
     assert args["config-file"].rsplit("/", 1)[1] in config["data"]

@@ -18,6 +18,8 @@ from loraserve.common.processes import ServerProcess, loraserve_argv, start_serv
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+# the stack's bearer tokens by hop (admin, worker-admin, inference, router, router-generate, worker)
+TOKENS = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["x-tokens"]
 
 
 def free_port() -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import openai
 import pytest
 from sqlalchemy import create_engine, text
@@ -16,10 +15,11 @@ from sqlalchemy import create_engine, text
 from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
 from loraserve.common.errors import LoraserveError
+from loraserve.common.security import channel
 from loraserve.protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.registry.gcs_emulator import start_gcs_emulator
 from loraserve.worker.config import EngineConfig
-from tests.e2e.compose_local import LocalCompose
+from tests.e2e.compose_local import TOKENS, LocalCompose
 from tests.e2e.procs import wait_for_workers, wait_healthy
 from tests.e2e.reference import reference_tokens
 
@@ -54,7 +54,7 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
         assert migrated.returncode == 0, migrated.stderr
         procs["registry"] = stack.start("registry")
         wait_healthy(stack.address("registry"))
-        registry = RegistryClient(stack.address("registry"))
+        registry = RegistryClient(stack.address("registry"), token=TOKENS["admin"])  # as the seed job
         for name, path in six_adapters.items():
             assert registry.push(path, name, MODEL_ID).uri.startswith("gs://loraserve/adapters/")
         for name in ("worker-1", "worker-2", "router"):
@@ -68,7 +68,10 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
 
         names = list(six_adapters)
         requests = [(names[i % 6], [5 + i % 7, 17, 33 + i % 3, 100, 7]) for i in range(60)]
-        with Client(stack.address("router")) as client, ThreadPoolExecutor(60) as pool:
+        with (
+            Client(stack.address("router"), token=TOKENS["inference"]) as client,
+            ThreadPoolExecutor(60) as pool,
+        ):
             results = list(
                 pool.map(
                     lambda r: client.complete(r[1], adapter=r[0], max_tokens=6, ignore_eos=True), requests
@@ -85,7 +88,9 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
 
         # The router's OpenAI-compatible HTTP port (compose publishes it): the same tokens, and /v1/models
         # lists the workers' base model and every adapter in the registry.
-        http = openai.OpenAI(base_url=f"{stack.http_url('router')}/v1", api_key="unused", max_retries=0)
+        http = openai.OpenAI(
+            base_url=f"{stack.http_url('router')}/v1", api_key=TOKENS["inference"], max_retries=0
+        )
         for (adapter, prompt), got in list(zip(requests, results, strict=True))[:6]:
             out = http.completions.create(
                 model=adapter, prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
@@ -105,9 +110,9 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
         assert rows and all(state == "LOADED" for _, _, state in rows)
         assert {a for _, a, _ in rows} <= {f"{n}@1" for n in names}
         for name in ("worker-1", "worker-2"):  # the database holds exactly what each worker holds
-            with grpc.insecure_channel(stack.address(name)) as channel:
+            with channel(stack.address(name), token=TOKENS["worker-admin"]) as ch:
                 slots = (
-                    worker_admin_pb2_grpc.WorkerAdminStub(channel)
+                    worker_admin_pb2_grpc.WorkerAdminStub(ch)
                     .ListSlots(worker_admin_pb2.ListSlotsRequest())
                     .slots
                 )
@@ -116,7 +121,10 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
 
         # kill -9 one worker: requests keep flowing through the other, and its lease then expires
         procs.pop("worker-1").kill()
-        with Client(stack.address("router")) as client, ThreadPoolExecutor(12) as pool:
+        with (
+            Client(stack.address("router"), token=TOKENS["inference"]) as client,
+            ThreadPoolExecutor(12) as pool,
+        ):
             after = list(
                 pool.map(
                     lambda r: client.complete(r[1], adapter=r[0], max_tokens=6, ignore_eos=True),
@@ -130,20 +138,21 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
         # delete means gone: one heartbeat after `adapters rm`, the version worker-2 holds is refused
         # there directly, through the router's gRPC and its HTTP port, and no slot holds it
         gone = f"{names[0]}@1"
-        with Client(stack.address("worker-2")) as direct:
+        with Client(stack.address("worker-2"), token=TOKENS["worker-admin"]) as direct:  # an operator
             assert direct.complete([5, 17], adapter=gone, max_tokens=1).adapter == gone
         registry.delete(gone)
         time.sleep(2 * 6 / 3 + 0.5)  # two heartbeats (lease 6 s / 3): the order came with one of them
-        for address in (stack.address("worker-2"), stack.address("router")):
-            with Client(address) as client, pytest.raises(LoraserveError) as exc:
+        for address, token in (
+            (stack.address("worker-2"), "worker-admin"),
+            (stack.address("router"), "inference"),
+        ):
+            with Client(address, token=TOKENS[token]) as client, pytest.raises(LoraserveError) as exc:
                 client.complete([5, 17], adapter=gone, max_tokens=1)
             assert exc.value.code_name == "NOT_FOUND", address
         with pytest.raises(openai.NotFoundError):
             http.completions.create(model=gone, prompt=[5, 17], max_tokens=1)
-        with grpc.insecure_channel(stack.address("worker-2")) as channel:
-            slots = worker_admin_pb2_grpc.WorkerAdminStub(channel).ListSlots(
-                worker_admin_pb2.ListSlotsRequest()
-            )
+        with channel(stack.address("worker-2"), token=TOKENS["worker-admin"]) as ch:
+            slots = worker_admin_pb2_grpc.WorkerAdminStub(ch).ListSlots(worker_admin_pb2.ListSlotsRequest())
         assert gone not in {s.adapter for s in slots.slots}
     finally:
         for proc in procs.values():
