@@ -38,6 +38,7 @@ def open_registry(config: RegistryConfig) -> Registry:
         BlobStore(config.storage),
         max_upload_bytes=config.max_upload_bytes,
         max_lora_rank=config.max_lora_rank,
+        max_concurrent_uploads=config.max_concurrent_uploads,
         imports=ImportPolicy(config.import_allow.split(","), config.storage, config.max_upload_bytes),
         reads=reads,
         hot=hot_reads_for(autocommit),

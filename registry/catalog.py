@@ -1,9 +1,11 @@
 """The adapter catalog: validate, store and version adapters; list, get, delete and download them.
 
 Plain logic over a sessionmaker and a BlobStore; the gRPC servicer only converts messages. Upload order
-(DESIGN.md §3): validate config and weights → write the blob and verify its size and sha256 → commit the
-row. A failure at any step leaves no row, and a blob without a READY row is never served (``gc`` removes
-it). Deleted versions keep their row (state DELETED) so a version number is never reused.
+(DESIGN.md §3): spool the weights to a local temporary file while hashing them (``StagedBlob``) → validate
+config and weights tensor by tensor from that file (``adapters.peft_stream``: a few MiB of memory whatever
+the size) → write the blob and verify its size and sha256 → commit the row. A failure at any step leaves no
+row, and a blob without a READY row is never served (``gc`` removes it). Deleted versions keep their row
+(state DELETED) so a version number is never reused.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import base64
 import binascii
 import json
 import re
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,7 +26,8 @@ from sqlalchemy.orm import sessionmaker
 
 from loraserve.adapters import refs
 from loraserve.adapters.errors import AdapterError, AdapterMismatchError, AdapterRankError, UnknownModuleError
-from loraserve.adapters.peft import parse_adapter, parse_config
+from loraserve.adapters.peft import parse_config
+from loraserve.adapters.peft_stream import AdapterSummary, validate_adapter_file
 from loraserve.adapters.refs import Ref
 from loraserve.common.errors import (
     AlreadyExists,
@@ -37,7 +41,7 @@ from loraserve.registry.base_models import BaseModels
 from loraserve.registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow
 from loraserve.registry.hot_reads import HotReads, ThreadReads
 from loraserve.registry.imports import ImportPolicy
-from loraserve.registry.storage import BlobStore
+from loraserve.registry.storage import BlobStore, StagedBlob
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 DEFAULT_PAGE, MAX_PAGE = 100, 1000
@@ -57,6 +61,25 @@ class UploadHeader:
     labels: dict[str, str] = field(default_factory=dict)
     version: int = 0  # 0 = next
     allow_base_mismatch: bool = False
+
+
+class UploadSlots:
+    """At most ``limit`` uploads (and imports) in flight; one more is refused at once (RESOURCE_EXHAUSTED),
+    never queued: the registry's memory and temporary disk stay bounded whatever its clients do."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.active = limit, 0
+        self._lock = threading.Lock()
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self.active >= self.limit:
+                raise ResourceExhausted(f"too many concurrent uploads ({self.limit}), retry later")
+            self.active += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self.active -= 1
 
 
 def parse_ref(ref: str) -> Ref:
@@ -110,6 +133,7 @@ class Catalog:
         *,
         max_upload_bytes: int,
         max_lora_rank: int,
+        max_concurrent_uploads: int = 2,
         imports: ImportPolicy | None = None,
         reads: sessionmaker | None = None,
         hot: HotReads | None = None,
@@ -123,6 +147,7 @@ class Catalog:
         self._resolved: dict[str, tuple[float, tuple[str, str]]] = {}  # ref -> (expiry, resolve's answer)
         self._generation = 0
         self.max_upload_bytes, self.max_lora_rank = max_upload_bytes, max_lora_rank
+        self.upload_slots = UploadSlots(max_concurrent_uploads)  # the servicer holds one per upload/import
         self.imports = imports or ImportPolicy((), store.root_url, max_upload_bytes)
         self.aliases = Aliases(sessions, self.reads)
         self.base_models = BaseModels(sessions)
@@ -158,15 +183,20 @@ class Catalog:
         except AdapterError as exc:  # before any weights arrive every config problem is the caller's
             raise InvalidArgument(str(exc)) from exc
 
-    def _validate(self, h: UploadHeader, weights: bytes):
+    def _validate(self, h: UploadHeader, weights_path: str) -> AdapterSummary:
+        """``adapters.peft.parse_adapter``'s rules, tensor by tensor from the staged file."""
         with self.sessions() as s:
             base = s.get(BaseModelRow, h.base_model)
             known = base is not None and bool(base.module_shapes)  # an admin may name a model before workers
             shapes = {k: tuple(v) for k, v in base.module_shapes.items()} if known else None
             layers = base.num_layers if known else None
         try:
-            return parse_adapter(
-                h.config_bytes, weights, module_shapes=shapes, num_layers=layers, max_rank=self.max_lora_rank
+            return validate_adapter_file(
+                h.config_bytes,
+                weights_path,
+                module_shapes=shapes,
+                num_layers=layers,
+                max_rank=self.max_lora_rank,
             )
         except (UnknownModuleError, AdapterRankError) as exc:
             raise InvalidArgument(str(exc)) from exc
@@ -176,13 +206,20 @@ class Catalog:
             raise InvalidArgument(str(exc)) from exc
 
     def create(self, h: UploadHeader, weights: bytes) -> AdapterRow:
-        """Validate, store and register one adapter version (the whole upload, after all bytes arrived)."""
+        """:meth:`create_staged` of weights already in memory (ImportAdapter's), spooled to a file first."""
+        with StagedBlob() as staged:
+            staged.write(weights)
+            return self.create_staged(h, staged)
+
+    def create_staged(self, h: UploadHeader, staged: StagedBlob) -> AdapterRow:
+        """Validate, store and register one adapter version from its weights staged in a local file (the
+        whole upload, after all bytes arrived). The caller closes ``staged``."""
         self.check_header(h)
         labels, warnings = self.base_models.check(h.base_model, h.config_bytes, h.allow_base_mismatch)
-        if len(weights) != h.weights_size:
-            raise InvalidArgument(f"received {len(weights)} weight bytes, header promised {h.weights_size}")
-        lora = self._validate(h, weights)
-        blob = self.store.put_bytes(weights, expected_sha256=h.weights_sha256, expected_size=h.weights_size)
+        if staged.size != h.weights_size:
+            raise InvalidArgument(f"received {staged.size} weight bytes, header promised {h.weights_size}")
+        lora = self._validate(h, staged.path)
+        blob = self.store.put_staged(staged, expected_sha256=h.weights_sha256, expected_size=h.weights_size)
         for _ in range(
             20
         ):  # concurrent uploads of one name race for the next version; the unique key decides
@@ -230,26 +267,27 @@ class Catalog:
         version: int = 0,
         allow_base_mismatch: bool = False,
     ) -> AdapterRow:
-        import hashlib
-
         try:
             config, weights = self.imports.read(uri)  # PERMISSION_DENIED outside --import-allow
         except AdapterError as exc:
             raise InvalidArgument(str(exc)) from exc
         except (OSError, ValueError) as exc:
             raise InvalidArgument(f"cannot read a PEFT adapter folder at {uri!r}: {exc}") from exc
-        header = UploadHeader(
-            name=name,
-            base_model=base_model,
-            config_bytes=config,
-            weights_size=len(weights),
-            weights_sha256=hashlib.sha256(weights).hexdigest(),
-            description=description,
-            labels=dict(labels or {}),
-            version=version,
-            allow_base_mismatch=allow_base_mismatch,
-        )
-        return self.create(header, weights)
+        with StagedBlob() as staged:  # read whole (registry.imports), validated from a file like an upload
+            staged.write(weights)
+            del weights
+            header = UploadHeader(
+                name=name,
+                base_model=base_model,
+                config_bytes=config,
+                weights_size=staged.size,
+                weights_sha256=staged.sha256,
+                description=description,
+                labels=dict(labels or {}),
+                version=version,
+                allow_base_mismatch=allow_base_mismatch,
+            )
+            return self.create_staged(header, staged)
 
     # ------------------------------------------------------------------ reads
     def get(self, ref: str, routing_key: str = "") -> AdapterRow:
@@ -354,9 +392,10 @@ class Catalog:
         token = _encode_token(rows[size - 1].name, rows[size - 1].version) if len(rows) > size else ""
         return rows[:size], token
 
-    def download(self, ref: str) -> tuple[AdapterRow, Iterator[bytes]]:
+    def download(self, ref: str, chunk_size: int = 1 << 20) -> tuple[AdapterRow, Iterator[bytes]]:
+        """The adapter's row and its blob in chunks, verified against its sha256 before the first one."""
         row = self.get(ref)
-        return row, self.store.iter_chunks(row.sha256)
+        return row, self.store.iter_chunks(row.sha256, chunk_size)
 
     # ------------------------------------------------------------------ delete / gc
     def delete(self, ref: str) -> tuple[list[AdapterRow], int]:

@@ -18,6 +18,7 @@ HELP = {
     "port": "port to bind (0 picks a free one)",
     "lease_seconds": "a worker that misses heartbeats this long loses its placements",
     "max_upload_bytes": "largest adapter weights file accepted",
+    "max_concurrent_uploads": "uploads and imports in flight at once; one more is RESOURCE_EXHAUSTED (retry later)",
     "max_lora_rank": "largest adapter rank accepted (the largest slot rank of the fleet)",
     "migrate": "run database migrations at start",
     "metrics_port": "Prometheus /metrics port (0 = off)",

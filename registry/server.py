@@ -4,7 +4,8 @@ Thin: proto <-> rows/dataclasses; errors are ``LoraserveError``s that ``common.i
 storage I/O, so they run on worker threads (``asyncio.to_thread``), never on the event loop. Uploads and
 imports (parsing and validating adapter files) run on their own bounded pool (``adapter-parse``,
 :data:`UPLOAD_THREADS` threads): a burst of uploads waits there, never in front of heartbeats and the
-other RPCs in the default pool.
+other RPCs in the default pool. At most ``max_concurrent_uploads`` of them are in flight at once
+(``Catalog.upload_slots``): one more is refused with RESOURCE_EXHAUSTED at once.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from loraserve.registry.aliases import AliasView
 from loraserve.registry.catalog import Catalog, UploadHeader, parse_ref
 from loraserve.registry.db import AdapterRow, WorkerRow, as_utc
 from loraserve.registry.placement import Load, Placement, SlotReport, adapter_stats
+from loraserve.registry.storage import StagedBlob
 
 log = logging.getLogger("loraserve.registry.server")
 CHUNK = 1 << 20
@@ -187,6 +189,37 @@ def _backend_unavailable(exc: Exception) -> Unavailable:
     return Unavailable(f"registry backend unavailable: {type(exc).__name__}")
 
 
+class _UploadWork:
+    """One upload's (or import's) slot of ``max_concurrent_uploads`` (RESOURCE_EXHAUSTED at once when none is
+    free) and its steps on the upload pool. A cancelled RPC cannot stop a step already on its thread, so the
+    slot is released, and the staged file deleted, only when the last step is over: an abandoned upload
+    counts against the limit while its validation still runs."""
+
+    def __init__(self, catalog: Catalog, executor: Executor) -> None:
+        catalog.upload_slots.acquire()
+        self.slots, self.executor = catalog.upload_slots, executor
+        self.staged: StagedBlob | None = None
+        self.last: asyncio.Future | None = None
+
+    async def run(self, fn, *args: Any) -> Any:
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        self.last = asyncio.get_running_loop().run_in_executor(self.executor, call)
+        return await _on_the_loop(asyncio.shield(self.last))  # cancelled: the step still runs to its end
+
+    def finish(self) -> None:
+        def release(step: asyncio.Future | None = None) -> None:
+            if step is not None and not step.cancelled():
+                step.exception()  # retrieved: its failure was the cancelled RPC's, nobody else's
+            if self.staged is not None:
+                self.staged.close()
+            self.slots.release()
+
+        if self.last is not None and not self.last.done():
+            self.last.add_done_callback(release)
+        else:
+            release()
+
+
 class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
     def __init__(self, catalog: Catalog, upload_threads: int = UPLOAD_THREADS) -> None:
         self.catalog = catalog
@@ -195,6 +228,9 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
         self.uploads = ThreadPoolExecutor(max_workers=upload_threads, thread_name_prefix="adapter-parse")
 
     async def UploadAdapter(self, request_iterator: AsyncIterator, context: grpc.aio.ServicerContext):
+        """The weights go to a local temporary file as they arrive, hashed on the way, and are validated
+        tensor by tensor from there (``registry.storage.StagedBlob``, ``adapters.peft_stream``): an upload
+        is never held in memory whole. At most ``max_concurrent_uploads`` at once, the next one refused."""
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("payload") != "header":
             raise InvalidArgument("the first upload message must carry the header")
@@ -210,32 +246,38 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
             version=h.version,
             allow_base_mismatch=h.allow_base_mismatch,
         )
-        await _call(context, self.catalog.check_header, header, executor=self.uploads)
-        buf = bytearray()
-        async for msg in request_iterator:
-            if msg.WhichOneof("payload") != "chunk":
-                raise InvalidArgument("only the first upload message may carry a header")
-            buf += msg.chunk
-            if len(buf) > header.weights_size:
-                raise InvalidArgument(
-                    f"upload sent more than the {header.weights_size} bytes its header promised"
-                )
-        row = await _call(context, self.catalog.create, header, bytes(buf), executor=self.uploads)
+        work = _UploadWork(self.catalog, self.uploads)  # RESOURCE_EXHAUSTED when max_concurrent_uploads run
+        try:
+            await work.run(self.catalog.check_header, header)
+            staged = work.staged = StagedBlob()  # a local temporary file (tempfile's folder)
+            async for msg in request_iterator:
+                if msg.WhichOneof("payload") != "chunk":
+                    raise InvalidArgument("only the first upload message may carry a header")
+                if staged.size + len(msg.chunk) > header.weights_size:
+                    raise InvalidArgument(
+                        f"upload sent more than the {header.weights_size} bytes its header promised"
+                    )
+                await work.run(staged.write, msg.chunk)
+            row = await work.run(self.catalog.create_staged, header, staged)
+        finally:
+            work.finish()
         return adapter_to_proto(row)
 
     async def ImportAdapter(self, request, context):
-        row = await _call(
-            context,
-            self.catalog.import_from,
-            request.uri,
-            request.name,
-            request.base_model,
-            request.description,
-            dict(request.labels),
-            request.version,
-            request.allow_base_mismatch,
-            executor=self.uploads,
-        )
+        work = _UploadWork(self.catalog, self.uploads)
+        try:
+            row = await work.run(
+                self.catalog.import_from,
+                request.uri,
+                request.name,
+                request.base_model,
+                request.description,
+                dict(request.labels),
+                request.version,
+                request.allow_base_mismatch,
+            )
+        finally:
+            work.finish()
         return adapter_to_proto(row)
 
     async def GetAdapter(self, request, context):
@@ -302,17 +344,20 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
         )
 
     async def DownloadAdapter(self, request, context):
-        row = await _call(context, self.catalog.get, request.adapter)
-        data = await _call(
-            context, self.catalog.store.read_bytes, row.sha256
-        )  # verified before anything is sent
-        yield registry_pb2.DownloadAdapterResponse(
-            header=registry_pb2.DownloadHeader(
-                adapter=adapter_to_proto(row), adapter_config_json=row.config.encode()
+        # the blob is read from the store into a spool (memory up to the store's spool_bytes, then a local
+        # temporary file) and verified before anything is sent, then sent a CHUNK at a time from there
+        row, chunks = await _call(context, self.catalog.download, request.adapter, CHUNK)
+        try:
+            yield registry_pb2.DownloadAdapterResponse(
+                header=registry_pb2.DownloadHeader(
+                    adapter=adapter_to_proto(row), adapter_config_json=row.config.encode()
+                )
             )
-        )
-        for i in range(0, len(data), CHUNK):
-            yield registry_pb2.DownloadAdapterResponse(chunk=data[i : i + CHUNK])
+            while (chunk := await _call(context, next, chunks, None)) is not None:
+                yield registry_pb2.DownloadAdapterResponse(chunk=chunk)
+        finally:  # the spool's temporary file goes, also when the client went away
+            with contextlib.suppress(ValueError):  # a next() still on its thread: closed when collected
+                chunks.close()
 
 
 class PlacementServicer(placement_pb2_grpc.PlacementServicer):

@@ -1,7 +1,8 @@
 """Content-addressed blob store for adapter weights over one fsspec root URL (DESIGN.md §3).
 
 Layout: ``<root>/blobs/sha256/<hex[:2]>/<hex>``; ``<root>/tmp/<uuid>`` only for in-flight local-disk writes.
-Bytes are hashed while spooled locally and reach the store only once size and sha256 match the promise: object
+Bytes are hashed while spooled locally (an upload: :class:`StagedBlob`, a local temporary file the registry
+validates before it is stored) and reach the store only once size and sha256 match the promise: object
 stores get them in one object write (visible only when complete; never ``mv``, which gcsfs emulators lack),
 local folders get ``tmp/<uuid>`` renamed onto the final key. Reads verify the hash before handing out a byte.
 """
@@ -159,6 +160,49 @@ class _Spool:
         self._file = self._mem = None
 
 
+class StagedBlob:
+    """An upload spooled to a local temporary file (``tempfile``'s folder) while it is hashed and counted:
+    written chunk by chunk, validated from :attr:`path`, stored with :meth:`BlobStore.put_staged`. ``close``
+    deletes the file (also when the object is garbage-collected). Memory: the chunk being written."""
+
+    def __init__(self, expected_size: int | None = None, max_bytes: int | None = None) -> None:
+        _check_limits(0, expected_size, max_bytes)
+        self.expected_size, self.max_bytes = expected_size, max_bytes
+        self._file: Any = tempfile.NamedTemporaryFile(prefix="loraserve-upload-")  # noqa: SIM115
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, chunk: bytes) -> None:
+        _check_limits(self.size + len(chunk), self.expected_size, self.max_bytes, partial=True)
+        self._hash.update(chunk)
+        self._file.write(chunk)
+        self.size += len(chunk)
+
+    @property
+    def path(self) -> str:
+        """The file, everything written so far flushed to it."""
+        self._file.flush()
+        return self._file.name
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+    def upload(self, fs: Any, dest: str) -> None:
+        fs.put_file(self.path, dest)  # fsspec copies or uploads from the file in blocks
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> StagedBlob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class BlobStore:
     """Content-addressed adapter blobs under one fsspec root URL (folder, ``memory://…``, ``gs://bucket/prefix``)."""
 
@@ -265,11 +309,18 @@ class BlobStore:
         finally:
             spool.close()
 
+    def put_staged(
+        self, staged: StagedBlob, expected_sha256: str | None = None, expected_size: int | None = None
+    ) -> StoredBlob:
+        """Store a staged upload, hashed as it was written, from its file; nothing is stored unless it
+        verifies (the staged file stays until its owner closes it)."""
+        return self._commit(staged.sha256, staged.size, staged, expected_sha256, expected_size)
+
     def _commit(
         self,
         digest: str,
         size: int,
-        source: bytes | _Spool,
+        source: bytes | _Spool | StagedBlob,
         expected_sha256: str | None,
         expected_size: int | None,
     ) -> StoredBlob:
@@ -292,13 +343,13 @@ class BlobStore:
             raise StorageUnavailableError(f"blob {digest} has the wrong size after writing it")
         return StoredBlob(digest, size, self.fs.unstrip_protocol(final), deduplicated=False)
 
-    def _write_object(self, final: str, source: bytes | _Spool) -> None:
+    def _write_object(self, final: str, source: bytes | _Spool | StagedBlob) -> None:
         if isinstance(source, bytes):
             self.fs.pipe_file(final, source)
         else:
             source.upload(self.fs, final)
 
-    def _write_local(self, final: str, source: bytes | _Spool) -> None:
+    def _write_local(self, final: str, source: bytes | _Spool | StagedBlob) -> None:
         tmp = f"{self.root}/tmp/{uuid.uuid4().hex}"
         self.fs.makedirs(f"{self.root}/tmp", exist_ok=True)
         self.fs.makedirs(posixpath.dirname(final), exist_ok=True)

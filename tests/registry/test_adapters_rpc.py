@@ -160,6 +160,7 @@ def test_import_from_uri(reg, adapter_dirs) -> None:
 
 def test_concurrent_uploads_get_distinct_versions(reg, adapter_dirs) -> None:
     folder = adapter_dirs["all-r4"]
+    reg.registry.catalog.upload_slots.limit = 4  # all of them at once (max_concurrent_uploads, default 2)
     results: list = []
 
     def push(version: int) -> None:
