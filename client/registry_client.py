@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -153,25 +154,36 @@ class RegistryClient:
         return self._call(self.adapters.DeleteAdapter, registry_pb2.DeleteAdapterRequest(adapter=ref))
 
     def download(self, ref: str, dest: str | Path) -> registry_pb2.Adapter:
-        """Write the adapter's PEFT files into ``dest``; the sha256 is checked before anything is written."""
+        """Write the adapter's PEFT files into ``dest``. The weights stream to a hidden partial file a chunk
+        at a time (never held in memory whole) and take their name only once their sha256 matched; a
+        mismatch or a failed stream leaves neither file."""
+        dest = Path(dest)
+        partial = dest / f".{WEIGHTS_FILE}.partial"
+        header, digest, out = None, hashlib.sha256(), None
         try:
             stream = self.adapters.DownloadAdapter(
                 registry_pb2.DownloadAdapterRequest(adapter=ref), timeout=self.timeout
             )
-            header, data = None, bytearray()
             for msg in stream:
                 if msg.WhichOneof("payload") == "header":
                     header = msg.header
-                else:
-                    data += msg.chunk
+                    dest.mkdir(parents=True, exist_ok=True)
+                    out = open(partial, "wb")  # noqa: SIM115 - closed below, whatever happens
+                elif out is not None:
+                    digest.update(msg.chunk)
+                    out.write(msg.chunk)
+            if out is not None:
+                out.close()
+            if header is None or digest.hexdigest() != header.adapter.sha256:
+                raise DataLoss(f"download of {ref} does not match its sha256")
+            (dest / CONFIG_FILE).write_bytes(header.adapter_config_json)
+            os.replace(partial, dest / WEIGHTS_FILE)
         except grpc.RpcError as exc:
             raise error_from_rpc(exc) from None
-        if header is None or hashlib.sha256(data).hexdigest() != header.adapter.sha256:
-            raise DataLoss(f"download of {ref} does not match its sha256")
-        dest = Path(dest)
-        dest.mkdir(parents=True, exist_ok=True)
-        (dest / CONFIG_FILE).write_bytes(header.adapter_config_json)
-        (dest / WEIGHTS_FILE).write_bytes(bytes(data))
+        finally:
+            if out is not None:
+                out.close()
+                partial.unlink(missing_ok=True)
         return header.adapter
 
     def workers(self, *, model_id: str = "", include_expired: bool = False) -> list[placement_pb2.Worker]:

@@ -6,6 +6,7 @@ keyed by sha256 avoids refetching. Every fetched blob is checked against the reg
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import threading
@@ -147,21 +148,25 @@ class RegistryAdapterSource:
         self.stats["direct"] += 1
         return data
 
-    def _download(self, key: str) -> tuple[bytes, bytes]:
+    def _download(self, key: str) -> tuple[bytes, bytes, str]:
+        """``key``'s config and weights through ``DownloadAdapter``, and the weights' sha256, hashed as the
+        chunks arrive. The chunks go into one growing buffer whose bytes are handed over as they are
+        (``BytesIO.getvalue`` shares them): one copy of the blob, not a bytearray and then its bytes."""
         try:
-            header, buf = None, bytearray()
+            header, buf, digest = None, io.BytesIO(), hashlib.sha256()
             for msg in self.stub.DownloadAdapter(
                 registry_pb2.DownloadAdapterRequest(adapter=key), timeout=self.timeout
             ):
                 if msg.WhichOneof("payload") == "header":
                     header = msg.header
                 else:
-                    buf += msg.chunk
+                    digest.update(msg.chunk)
+                    buf.write(msg.chunk)
         except grpc.RpcError as exc:
             raise _adapter_error(exc, f"downloading {key}", (NOT_FOUND, DATA_LOSS)) from None
         self.stats["download"] += 1
         assert header is not None
-        return header.adapter_config_json, bytes(buf)
+        return header.adapter_config_json, buf.getvalue(), digest.hexdigest()
 
     def fetch(self, key: str) -> FetchedAdapter:
         """``key``'s files: from the disk cache, else read straight from the store, else downloaded through
@@ -175,9 +180,11 @@ class RegistryAdapterSource:
         if data is not None:
             return FetchedAdapter(key, config, data, meta.sha256, origin="disk", verified=True)
         data = self._direct(meta)
-        if data is None or hashlib.sha256(data).hexdigest() != meta.sha256:
-            config, data = self._download(key)
-            if hashlib.sha256(data).hexdigest() != meta.sha256:  # the caller raises DATA_LOSS
+        if data is not None and hashlib.sha256(data).hexdigest() != meta.sha256:
+            data = None  # dropped before the download brings the blob again
+        if data is None:
+            config, data, digest = self._download(key)
+            if digest != meta.sha256:  # the caller raises DATA_LOSS
                 return FetchedAdapter(key, config, data, meta.sha256, origin="store")
         self._store(meta.sha256, data)
         return FetchedAdapter(
