@@ -220,6 +220,38 @@ def _start(args: list[str], timeout: float = 120.0) -> Server:
     return Server(args[0], popen, found["address"], found["url"], log)
 
 
+def _warm_up(servers: list[Server]) -> None:
+    """One request of each kind through each server: what runs once per process (lazy imports, the chat
+    template's compilation, the threads' start) is not measured against the hostile requests."""
+    import grpc
+    import httpx
+
+    from loraserve.protos.v1 import inference_pb2 as pb
+    from loraserve.protos.v1 import inference_pb2_grpc
+
+    chat = [{"role": "user", "content": "hi"}]
+    for s in servers:
+        with httpx.Client(timeout=60) as http:
+            for path, body in (
+                ("completions", {"prompt": "hello", "logprobs": 2}),
+                ("completions", {"prompt": [5, 6], "stream": True}),
+                ("chat/completions", {"messages": chat, "stream": True}),
+                ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}),
+                ("completions", {"prompt": "x" * 100_000}),
+            ):
+                http.post(f"{s.url}/v1/{path}", json={"model": MODEL, "max_tokens": 2, **body})
+            http.get(f"{s.url}/health")
+        with grpc.insecure_channel(s.address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            for req in (
+                pb.GenerateRequest(text="hello", sampling=pb.SamplingParams(max_tokens=2)),
+                pb.GenerateRequest(
+                    chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+                ),
+            ):
+                list(stub.Generate(req, timeout=60))
+
+
 @contextmanager
 def fake_stack(tokenizer_dir: Path, max_seq_len: int) -> Iterator[tuple[Server, Server]]:
     """(worker, router) processes; both are stopped (SIGTERM, then SIGKILL) afterwards."""
@@ -227,6 +259,7 @@ def fake_stack(tokenizer_dir: Path, max_seq_len: int) -> Iterator[tuple[Server, 
     try:
         servers.append(_start(["worker", str(tokenizer_dir), str(max_seq_len)]))
         servers.append(_start(["router", servers[0].address]))
+        _warm_up(servers)
         yield servers[0], servers[1]
     finally:
         for s in reversed(servers):
