@@ -60,6 +60,26 @@ def test_the_table_has_a_row_for_every_rpc_of_the_contract() -> None:
     assert all(ADMIN in scopes and scopes <= set(SCOPES) for scopes in RPC_SCOPES.values())
 
 
+def test_docs_print_the_same_table() -> None:
+    """docs/security.md's RPC table is ``RPC_SCOPES``, row for row, with the servers that serve each RPC."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
+    header = "| RPC | served by | " + " | ".join(SCOPES) + " |"
+    assert header in doc
+    rows = {}
+    for line in doc.split(header, 1)[1].splitlines()[2:]:
+        if not line.startswith("| `"):
+            break
+        rpc, served_by, *cells = (c.strip() for c in line.strip("|").split("|"))
+        service, method = rpc.strip("`").split(".")
+        servers = {name for name, services in SERVES.items() if f"loraserve.v1.{service}" in services}
+        assert set(served_by.split(", ")) == servers, line
+        assert all(cell in ("✓", "—") for cell in cells), line
+        rows[f"/loraserve.v1.{service}/{method}"] = {
+            s for s, cell in zip(SCOPES, cells, strict=True) if cell == "✓"
+        }
+    assert rows == RPC_SCOPES
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     from loraserve.worker.config import EngineConfig
