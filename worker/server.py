@@ -19,7 +19,7 @@ from loraserve.adapters.mixes import MixPart, mix_ref
 from loraserve.adapters.sources import LocalAdapterSource
 from loraserve.common.errors import InvalidArgument, LoraserveError, Unavailable
 from loraserve.common.finish_reasons import FINISH_TO_PROTO
-from loraserve.common.limits import MAX_BODY_BYTES, add_servicer, check_generate_request
+from loraserve.common.limits import MAX_BODY_BYTES, add_servicer, check_generate_request, check_ref
 from loraserve.common.observability import StreamTimer
 from loraserve.common.security import ServerSecurity
 from loraserve.common.server import Services, set_health
@@ -182,6 +182,7 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
         self.engine, self.model_id, self.worker_id = engine, model_id, worker_id
 
     async def LoadAdapter(self, request, context):
+        check_ref(request.adapter)  # adapters.refs would take "a@²" for a version and fail in int()
         if request.source_uri:
             if not isinstance(self.engine.source, LocalAdapterSource):
                 raise AdapterError("source_uri is only accepted by workers serving local adapters")
@@ -190,6 +191,7 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
         return slot_info(slot)
 
     async def UnloadAdapter(self, request, context):
+        check_ref(request.adapter)
         old = await asyncio.wrap_future(self.engine.unload_adapter(request.adapter, request.force))
         return worker_admin_pb2.UnloadAdapterResponse(slot=old.index, adapter=old.adapter)
 

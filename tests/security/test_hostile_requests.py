@@ -205,6 +205,31 @@ def test_grpc_fields_out_of_range_are_invalid_argument(stack) -> None:
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (server.address, code, details[:200])
 
 
+def test_adapter_refs_that_crash_int_are_invalid_argument(stack) -> None:
+    """ "a@²" passes str.isdigit but not int(); so does a 5000-digit version: both were INTERNAL."""
+    from loraserve.protos.v1 import worker_admin_pb2 as wa
+    from loraserve.protos.v1 import worker_admin_pb2_grpc
+
+    worker, router = stack
+    refs = ["a1@²", "a1@" + "9" * 5000]
+    for server in (worker, router):
+        for ref in refs:
+            code, details = _grpc_code(server, pb.GenerateRequest(adapter=ref, text="hi"))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (ref[:8], code, details)
+        message = _error(_post(server, "completions", {"model": refs[0], "prompt": "hi"}), 404, "NOT_FOUND")
+        assert "does not exist" in message
+    with grpc.insecure_channel(worker.address) as channel:
+        admin = worker_admin_pb2_grpc.WorkerAdminStub(channel)
+        for ref in refs:
+            for method, request in (
+                (admin.LoadAdapter, wa.LoadAdapterRequest(adapter=ref)),
+                (admin.UnloadAdapter, wa.UnloadAdapterRequest(adapter=ref)),
+            ):
+                with pytest.raises(grpc.RpcError) as exc:
+                    method(request, timeout=30)
+                assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.value
+
+
 def test_grpc_bytes_that_are_no_request_are_invalid_argument(stack) -> None:
     """A string field holding bad UTF-8 fails to parse: INVALID_ARGUMENT, not INTERNAL."""
     worker, router = stack
