@@ -267,15 +267,15 @@ class Catalog:
         version: int = 0,
         allow_base_mismatch: bool = False,
     ) -> AdapterRow:
-        try:
-            config, weights = self.imports.read(uri)  # PERMISSION_DENIED outside --import-allow
-        except AdapterError as exc:
-            raise InvalidArgument(str(exc)) from exc
-        except (OSError, ValueError) as exc:
-            raise InvalidArgument(f"cannot read a PEFT adapter folder at {uri!r}: {exc}") from exc
-        with StagedBlob() as staged:  # read whole (registry.imports), validated from a file like an upload
-            staged.write(weights)
-            del weights
+        # the weights stream into a staged file as they are read (counted there against --max-upload-bytes),
+        # then are validated from it like an upload: never held whole in memory
+        with StagedBlob(max_bytes=self.max_upload_bytes) as staged:
+            try:
+                config, _ = self.imports.read(uri, staged.write)  # PERMISSION_DENIED outside --import-allow
+            except AdapterError as exc:
+                raise InvalidArgument(str(exc)) from exc
+            except (OSError, ValueError) as exc:
+                raise InvalidArgument(f"cannot read a PEFT adapter folder at {uri!r}: {exc}") from exc
             header = UploadHeader(
                 name=name,
                 base_model=base_model,

@@ -319,3 +319,18 @@ def test_client_download_writes_only_verified_files(reg, adapter_dirs, tmp_path)
         adapter_dirs["all-r4"] / "adapter_model.safetensors"
     ).read_bytes()
     assert sorted(os.listdir(tmp_path / "out")) == ["adapter_config.json", "adapter_model.safetensors"]
+
+
+def test_import_peak_memory_is_bounded(big_reg, big_adapter) -> None:
+    """ImportAdapter streams the weights into the staged file as it reads them (``ImportPolicy.read``'s
+    sink), then validates from it like an upload: never a whole copy of the blob in memory."""
+    import shutil
+
+    folder = Path(big_reg.store_root) / "imports" / "big"  # the storage root is an allowed import prefix
+    shutil.copytree(big_adapter, folder)
+    size = (folder / "adapter_model.safetensors").stat().st_size
+    row, peak = _peak(lambda: big_reg.client.import_uri(str(folder), "big-import", BIG_MODEL))
+    print(f"\nimport of {size / MiB:.1f} MiB: traced peak {peak / MiB:.1f} MiB ({peak / size:.2f}x the blob)")
+    assert (row.version, row.size_bytes) == (1, size)
+    assert peak < size, f"peak {peak / MiB:.1f} MiB for a {size / MiB:.1f} MiB import"
+    assert list(big_reg.spool.iterdir()) == []
