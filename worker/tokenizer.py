@@ -187,13 +187,29 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
     return await asyncio.get_running_loop().run_in_executor(pool(), fn, *args)
 
 
+def _plain(tokenizer: Any, backend: Any) -> bool:
+    """Whether ``tokenizer(text)`` is its Rust tokenizer's ``encode_batch`` and nothing more: no encoding
+    method of a model's own (CodeLlama's infilling), no truncation or padding set, special tokens split as the
+    Python side says (transformers syncs that flag on each call; until it has, take its path)."""
+    for name in ("__call__", "_call_one", "encode_plus", "_encode_plus", "_batch_encode_plus"):
+        fn = getattr(type(tokenizer), name, None)
+        if fn is not None and not getattr(fn, "__module__", "").startswith("transformers.tokenization_utils"):
+            return False
+    split = bool(getattr(tokenizer, "split_special_tokens", False))
+    return (
+        backend.truncation is None
+        and backend.padding is None
+        and bool(getattr(backend, "encode_special_tokens", False)) == split
+    )
+
+
 def _token_ids(tokenizer: Any, text: str, special: bool, context: int) -> list[int]:
     """``tokenizer(text, add_special_tokens=special)["input_ids"]``, through the Rust tokenizer when there is
     one: ``encode_batch_fast`` releases the GIL while it works, keeps no offsets or token strings (a 4 MB
     prompt's Encoding frees in 2 ms, not 70, and that free holds the GIL), and a prompt of ``context`` tokens
     or more is refused by its length, never turned into a Python list (which holds the GIL too)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.truncation is not None or backend.padding is not None:
+    if backend is None or not _plain(tokenizer, backend):
         ids = list(tokenizer(text, add_special_tokens=special)["input_ids"])  # as transformers does it
         n = len(ids)
     else:

@@ -144,3 +144,23 @@ def test_no_tokenizer_or_an_unusual_one_has_no_bound() -> None:
                 return "not json"
 
     assert PromptBound.of(Broken()) is None
+
+
+def test_the_rust_path_only_where_it_is_what_transformers_does(tokenizer) -> None:
+    from loraserve.worker.tokenizer import _plain
+
+    backend = tokenizer.backend_tokenizer
+    assert _plain(tokenizer, backend)
+
+    class Infilling(type(tokenizer)):
+        def _encode_plus(self, *args, **kwargs):  # a model's own encoding (CodeLlama's <FILL_ME>)
+            return super()._encode_plus(*args, **kwargs)
+
+    assert not _plain(Infilling.__new__(Infilling), backend)
+    backend.encode_special_tokens = True  # the Python side says no: its path, which syncs the flag
+    try:
+        assert not _plain(tokenizer, backend)
+        assert encode(tokenizer, "<s>hi</s>") == list(tokenizer("<s>hi</s>")["input_ids"])
+        assert _plain(tokenizer, backend)
+    finally:
+        backend.encode_special_tokens = False
