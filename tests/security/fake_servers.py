@@ -2,7 +2,9 @@
 own serving gRPC and the OpenAI HTTP API on one event loop, as ``loraserve worker``/``router`` do; and a health
 prober process. The hostile-request tests measure the servers from outside: no GIL shared with the test.
 Each of these processes raises its priority a little (nice -5) where it may, so that other work on a busy
-machine (other tests, other users) counts less against the servers' health-check latency.
+machine (other tests, other users) counts less against the servers' health-check latency. To see what holds a
+server's event loop, set ``LORASERVE_TEST_SLOW_CALLBACK=0.03``: asyncio's debug mode then logs (to the server's
+output, ``Server.log``) every callback that ran longer.
 
     python -m tests.security.fake_servers worker TOKENIZER_DIR MAX_SEQ_LEN
     python -m tests.security.fake_servers router WORKER_ADDRESS
