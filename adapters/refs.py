@@ -15,6 +15,7 @@ from loraserve.adapters.errors import AdapterError
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,127}$")
 ALIAS_RE = re.compile(r"^[a-z][a-z0-9._-]{0,63}$")
+VERSION_RE = re.compile(r"[0-9]{1,9}")  # a version fits the database's 32-bit integer column
 
 
 @dataclass(frozen=True)
@@ -27,16 +28,17 @@ class Ref:
 def parse_ref(ref: str) -> Ref:
     """``"name"``, ``"name@3"`` or ``"name@prod"``; INVALID_ARGUMENT for anything else."""
     name, sep, tail = ref.partition("@")
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):  # fullmatch: ``$`` alone also matches before a trailing newline
         raise AdapterError(f"adapter name {name[:64]!r} must match {NAME_RE.pattern}")
     if not sep:
         return Ref(name)
-    if tail.isdigit() and int(tail) >= 1:
+    if VERSION_RE.fullmatch(tail) and int(tail) >= 1:  # ASCII digits only ('²'.isdigit() is True)
         return Ref(name, version=int(tail))
-    if ALIAS_RE.match(tail):
+    if ALIAS_RE.fullmatch(tail):
         return Ref(name, alias=tail)
     raise AdapterError(
-        f"{ref[:64]!r}: after '@' comes a version (a positive integer) or an alias matching {ALIAS_RE.pattern}"
+        f"{ref[:64]!r}: after '@' comes a version (a positive integer of at most 9 digits) or an alias "
+        f"matching {ALIAS_RE.pattern}"
     )
 
 

@@ -76,7 +76,7 @@ class LocalAdapterSource:
             with contextlib.suppress(OSError):
                 for entry in fs.ls(path, detail=False):
                     name = entry.rstrip("/").rsplit("/", 1)[-1]
-                    if NAME_RE.match(name) and self._uri(name) is not None:
+                    if NAME_RE.fullmatch(name) and self._uri(name) is not None:
                         names.add(name)
         return sorted(names)
 

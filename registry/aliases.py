@@ -63,7 +63,7 @@ def check_alias_name(name: str, alias: str) -> None:
         raise InvalidArgument(str(exc)) from exc
     if "@" in name:
         raise InvalidArgument("name must not carry a version or alias")
-    if not ALIAS_RE.match(alias):
+    if not ALIAS_RE.fullmatch(alias):
         why = " (that is a version number)" if alias.isdigit() else ""
         raise InvalidArgument(f"alias {alias[:64]!r} must match {ALIAS_RE.pattern}{why}")
 

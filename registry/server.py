@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from loraserve.common.errors import InvalidArgument, Unavailable
+from loraserve.common.limits import add_servicer
 from loraserve.common.security import ServerSecurity
 from loraserve.common.server import Services, set_health
 from loraserve.common.server import build_server as common_build_server
@@ -480,8 +481,11 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
 
 def registry_services(catalog: Catalog, placement: Placement) -> Services:
     def add(server: grpc.aio.Server) -> None:
-        registry_pb2_grpc.add_AdapterRegistryServicer_to_server(AdapterRegistryServicer(catalog), server)
-        placement_pb2_grpc.add_PlacementServicer_to_server(PlacementServicer(placement), server)
+        # a request whose bytes do not parse is INVALID_ARGUMENT, not grpc's UNKNOWN (common.limits)
+        add_servicer(
+            registry_pb2_grpc.add_AdapterRegistryServicer_to_server, AdapterRegistryServicer(catalog), server
+        )
+        add_servicer(placement_pb2_grpc.add_PlacementServicer_to_server, PlacementServicer(placement), server)
 
     return Services("registry", add, SERVICE_NAMES, MAX_MESSAGE_BYTES)
 

@@ -250,3 +250,40 @@ def test_servers_still_serve_after_fuzzing(servers) -> None:
     )
     assert out[-1].usage.completion_tokens == 3
     assert servers["engine"].snapshot().running == 0
+
+
+def test_registry_refuses_unparsable_bytes_and_odd_refs(servers) -> None:
+    """Every unary registry and placement RPC answers a request whose bytes do not parse (a string field of
+    invalid UTF-8) with INVALID_ARGUMENT, not grpc's UNKNOWN; refs whose version is no ASCII number
+    (``a@²``: '²'.isdigit() is True, int('²') a ValueError) or that end in a newline are INVALID_ARGUMENT,
+    not INTERNAL."""
+    from loraserve.protos.v1 import placement_pb2, registry_pb2
+
+    channel = servers["reg"]
+    tried = []
+    for module in (registry_pb2, placement_pb2):
+        for service in module.DESCRIPTOR.services_by_name.values():
+            for method in service.methods:
+                strings = [f for f in method.input_type.fields if f.type == f.TYPE_STRING]
+                if method.client_streaming or not strings:
+                    continue
+                tried.append(method.name)
+                bad_utf8 = bytes([strings[0].number << 3 | 2, 2, 0xFF, 0xFE])  # a string field, not UTF-8
+                call = (channel.unary_stream if method.server_streaming else channel.unary_unary)(
+                    f"/{service.full_name}/{method.name}",
+                    request_serializer=lambda b: b,
+                    response_deserializer=lambda b: b,
+                )
+                code = _code(lambda call=call, raw=bad_utf8: call(raw, timeout=10))
+                assert code == grpc.StatusCode.INVALID_ARGUMENT, (method.name, code)
+    assert {"GetAdapter", "LocateAdapter", "RegisterWorker", "Heartbeat", "DeleteAdapter"} <= set(tried)
+    reg = registry_pb2_grpc.AdapterRegistryStub(channel)
+    place = placement_pb2_grpc.PlacementStub(channel)
+    for ref in ("a@²", "a@١", "a@" + "9" * 5000, "a\n", "a@prod\n"):
+        assert _code(lambda ref=ref: reg.GetAdapter(rp.GetAdapterRequest(adapter=ref), timeout=10)) == (
+            grpc.StatusCode.INVALID_ARGUMENT
+        ), ref
+        locate = placement_pb2.LocateAdapterRequest(adapter=ref)
+        assert _code(lambda locate=locate: place.LocateAdapter(locate, timeout=10)) == (
+            grpc.StatusCode.INVALID_ARGUMENT
+        ), ref
