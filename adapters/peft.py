@@ -146,6 +146,33 @@ def parse_config(data: bytes) -> dict[str, Any]:
     return cfg
 
 
+def layer_kind(key: str, shape: tuple[int, ...], dora: bool, lora_bias: bool) -> tuple[int, str, str]:
+    """A decoder-layer tensor's ``(layer, module, which)`` (``A``, ``B``, ``bias`` for lora_B's bias, ``m`` for
+    DoRA's magnitude vector) from its name and shape, refusing names that are no LoRA tensor of a projection
+    this model adapts, DoRA / bias tensors the config does not declare, and the wrong number of dimensions."""
+    match = _KEY.search(key)
+    if match is None:
+        raise AdapterError(f"tensor {key} is not a LoRA A/B matrix of a decoder layer projection")
+    layer, module = int(match.group(1)), match.group(2)
+    if match.group(3):
+        which = "A"
+    elif match.group(4):
+        which = "bias" if match.group(5) == "bias" else "B"
+    else:
+        which = "m"  # lora_magnitude_vector
+    if module not in LORA_MODULES:
+        raise UnknownModuleError(f"tensor {key} targets {module!r}, which this model does not adapt")
+    if which == "m" and not dora:
+        raise AdapterError(f"tensor {key} is a DoRA magnitude vector but use_dora is not set")
+    if which == "bias" and not lora_bias:
+        raise AdapterError(f"tensor {key} is a lora_B bias but lora_bias is not set")
+    ndim = 1 if which in ("m", "bias") else 2
+    if len(shape) != ndim:
+        what = "LoRA matrices are 2-D" if ndim == 2 else "magnitude vectors and biases are 1-D"
+        raise AdapterError(f"tensor {key} has shape {list(shape)}; {what}")
+    return layer, module, which
+
+
 def _pattern_value(pattern: dict[str, Any], key: str, default: Any) -> Any:
     """PEFT's rank_pattern / alpha_pattern lookup: the first pattern matching a dotted suffix of the module
     path, in linear time (``adapters.patterns``)."""
@@ -259,26 +286,7 @@ def parse_adapter(
         if vmatch is not None:
             vocab_tensor(key, value, vmatch, vocab_found, module_shapes)
             continue
-        match = _KEY.search(key)
-        if match is None:
-            raise AdapterError(f"tensor {key} is not a LoRA A/B matrix of a decoder layer projection")
-        layer, module = int(match.group(1)), match.group(2)
-        if match.group(3):
-            which = "A"
-        elif match.group(4):
-            which = "bias" if match.group(5) == "bias" else "B"
-        else:
-            which = "m"  # lora_magnitude_vector
-        if module not in LORA_MODULES:
-            raise UnknownModuleError(f"tensor {key} targets {module!r}, which this model does not adapt")
-        if which == "m" and not dora:
-            raise AdapterError(f"tensor {key} is a DoRA magnitude vector but use_dora is not set")
-        if which == "bias" and not lora_bias:
-            raise AdapterError(f"tensor {key} is a lora_B bias but lora_bias is not set")
-        ndim = 1 if which in ("m", "bias") else 2
-        if value.ndim != ndim:
-            what = "LoRA matrices are 2-D" if ndim == 2 else "magnitude vectors and biases are 1-D"
-            raise AdapterError(f"tensor {key} has shape {list(value.shape)}; {what}")
+        layer, module, which = layer_kind(key, value.shape, dora, lora_bias)
         if not np.isfinite(value).all():
             raise AdapterError(f"tensor {key} contains NaN or inf")
         found.setdefault((module, layer), {})[which] = value

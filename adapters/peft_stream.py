@@ -30,16 +30,16 @@ import numpy as np
 from loraserve.adapters.errors import AdapterError, AdapterMismatchError, AdapterRankError, UnknownModuleError
 from loraserve.adapters.files import WEIGHTS_FILE
 from loraserve.adapters.peft import (
-    _KEY,
     LORA_MODULES,
     _check_header,
     _module_path,
     _pattern_value,
     check_layer_fans,
     check_slot_peak,
+    layer_kind,
     parse_config,
 )
-from loraserve.adapters.peft_vocab import VOCAB_KEY, fold_scaling, vocab_path
+from loraserve.adapters.peft_vocab import VOCAB_KEY, fold_scaling, vocab_kind, vocab_path
 
 CHUNK_BYTES = 1 << 20  # bytes of one tensor read at a time; the float32 work of a chunk is a few times this
 _ITEM_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
@@ -183,51 +183,11 @@ def _validate(
         shape = tuple(info["shape"])
         vmatch = VOCAB_KEY.search(key)
         if vmatch is not None:
-            module = vmatch.group(1)
-            if vmatch.group(4) == "bias":
-                raise AdapterError(f"tensor {key} is a lora_B bias; a LoRA bias on {module} is not supported")
-            if module == "embed_tokens" and vmatch.group(3):
-                raise AdapterError(f"tensor {key}: PEFT saves embed_tokens LoRA as lora_embedding_A/B")
-            if module == "lm_head" and vmatch.group(2):
-                raise AdapterError(f"tensor {key}: lm_head LoRA is lora_A/lora_B (a Linear LoRA)")
-            which = "base" if vmatch.group(5) else (vmatch.group(2) or vmatch.group(3))
-            if len(shape) != 2:
-                raise AdapterError(f"tensor {key} has shape {list(shape)}; LoRA matrices are 2-D")
+            module, which = vocab_kind(key, vmatch, shape, module_shapes)
             scaling = rank_and_scaling(vocab_path(module))[1] if which == "B" else None
-            tensor = _scan(f, data_start, info, key, scaling, chunk)
-            if which == "base" and module_shapes is not None and module in module_shapes:
-                want = (
-                    module_shapes["embed_tokens"]
-                    if "embed_tokens" in module_shapes
-                    else module_shapes[module][::-1]
-                )
-                if shape != tuple(want):
-                    raise AdapterMismatchError(
-                        f"{module}: the saved base weight {list(shape)} is not the model's [vocab, hidden] "
-                        f"{list(want)}; the adapter was built for another (or resized) vocabulary"
-                    )
-            vocab_found.setdefault(module, {})[which] = tensor
+            vocab_found.setdefault(module, {})[which] = _scan(f, data_start, info, key, scaling, chunk)
             continue
-        match = _KEY.search(key)
-        if match is None:
-            raise AdapterError(f"tensor {key} is not a LoRA A/B matrix of a decoder layer projection")
-        layer, module = int(match.group(1)), match.group(2)
-        if match.group(3):
-            which = "A"
-        elif match.group(4):
-            which = "bias" if match.group(5) == "bias" else "B"
-        else:
-            which = "m"  # lora_magnitude_vector
-        if module not in LORA_MODULES:
-            raise UnknownModuleError(f"tensor {key} targets {module!r}, which this model does not adapt")
-        if which == "m" and not dora:
-            raise AdapterError(f"tensor {key} is a DoRA magnitude vector but use_dora is not set")
-        if which == "bias" and not lora_bias:
-            raise AdapterError(f"tensor {key} is a lora_B bias but lora_bias is not set")
-        ndim = 1 if which in ("m", "bias") else 2
-        if len(shape) != ndim:
-            what = "LoRA matrices are 2-D" if ndim == 2 else "magnitude vectors and biases are 1-D"
-            raise AdapterError(f"tensor {key} has shape {list(shape)}; {what}")
+        layer, module, which = layer_kind(key, shape, dora, lora_bias)
         scaling = rank_and_scaling(_module_path(module, layer))[1] if which in ("B", "bias") else None
         found.setdefault((module, layer), {})[which] = _scan(f, data_start, info, key, scaling, chunk)
 

@@ -34,17 +34,12 @@ def vocab_path(module: str) -> str:
     return "model.embed_tokens" if module == "embed_tokens" else "lm_head"
 
 
-def vocab_tensor(
-    key: str,
-    value: np.ndarray,
-    match: re.Match[str],
-    found: dict[str, dict[str, np.ndarray]],
-    module_shapes: dict[str, tuple[int, int]] | None,
-) -> None:
-    """Check one embed_tokens / lm_head tensor and file it under ``found[module]`` (``A``, ``B``, ``base``).
-
-    The base weights PEFT saves with them (``base_layer.weight``, ``[vocab, hidden]``) are checked for shape
-    and otherwise ignored: the worker serves its own base (an adapter for a resized vocabulary is refused)."""
+def vocab_kind(
+    key: str, match: re.Match[str], shape: tuple[int, ...], module_shapes: dict[str, tuple[int, int]] | None
+) -> tuple[str, str]:
+    """An embed_tokens / lm_head tensor's ``(module, which)`` (``A``, ``B`` or ``base``) from its name and shape,
+    refusing what PEFT never saves there (a bias, the other LoRA kind's names), a non-matrix, and a saved base
+    weight whose ``[vocab, hidden]`` is not the model's (an adapter for a resized vocabulary)."""
     module = match.group(1)
     if match.group(4) == "bias":
         raise AdapterError(f"tensor {key} is a lora_B bias; a LoRA bias on {module} is not supported")
@@ -53,19 +48,33 @@ def vocab_tensor(
     if module == "lm_head" and match.group(2):
         raise AdapterError(f"tensor {key}: lm_head LoRA is lora_A/lora_B (a Linear LoRA)")
     which = "base" if match.group(5) else (match.group(2) or match.group(3))
-    if value.ndim != 2:
-        raise AdapterError(f"tensor {key} has shape {list(value.shape)}; LoRA matrices are 2-D")
-    if not np.isfinite(value).all():
-        raise AdapterError(f"tensor {key} contains NaN or inf")
+    if len(shape) != 2:
+        raise AdapterError(f"tensor {key} has shape {list(shape)}; LoRA matrices are 2-D")
     if which == "base" and module_shapes is not None and module in module_shapes:
         want = (
             module_shapes["embed_tokens"] if "embed_tokens" in module_shapes else module_shapes[module][::-1]
         )
-        if value.shape != tuple(want):
+        if tuple(shape) != tuple(want):
             raise AdapterMismatchError(
-                f"{module}: the saved base weight {list(value.shape)} is not the model's [vocab, hidden] "
+                f"{module}: the saved base weight {list(shape)} is not the model's [vocab, hidden] "
                 f"{list(want)}; the adapter was built for another (or resized) vocabulary"
             )
+    return module, which
+
+
+def vocab_tensor(
+    key: str,
+    value: np.ndarray,
+    match: re.Match[str],
+    found: dict[str, dict[str, np.ndarray]],
+    module_shapes: dict[str, tuple[int, int]] | None,
+) -> None:
+    """Check one embed_tokens / lm_head tensor (:func:`vocab_kind`, finite values) and file it under
+    ``found[module]`` (``A``, ``B``, ``base``). The base weights PEFT saves with them are checked for shape and
+    otherwise ignored: the worker serves its own base."""
+    module, which = vocab_kind(key, match, value.shape, module_shapes)
+    if not np.isfinite(value).all():
+        raise AdapterError(f"tensor {key} contains NaN or inf")
     found.setdefault(module, {})[which] = value
 
 

@@ -7,33 +7,15 @@ The limits are ``loraserve.common.limits``; a body past one is INVALID_ARGUMENT 
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from loraserve.common.errors import InvalidArgument
 from loraserve.common.limits import MAX_JSON_DEPTH, MAX_JSON_KEYS, MAX_JSON_VALUES
+from loraserve.common.offload import OffLoop
 
-T = TypeVar("T")
-_pool: ThreadPoolExecutor | None = None
-
-
-def pool() -> ThreadPoolExecutor:
-    """The HTTP API's own few threads for parsing and converting bodies (not the loop's default executor)."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(
-            max_workers=max(2, min(4, os.cpu_count() or 1)), thread_name_prefix="loraserve-http-body"
-        )
-    return _pool
-
-
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on the body threads; its exception (a refusal) is raised here."""
-    return await asyncio.get_running_loop().run_in_executor(pool(), fn, *args)
+# parsing and converting bodies run here, never on the event loop nor in its default executor
+off_loop = OffLoop("loraserve-http-body")
 
 
 def load_json(raw: bytes) -> Any:

@@ -16,20 +16,17 @@ body limit) before its length is known.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import os
 import tempfile
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import fsspec
 
+from loraserve.common.offload import OffLoop
+
 log = logging.getLogger("loraserve.worker.tokenizer")
-T = TypeVar("T")
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -168,23 +165,8 @@ class PromptBound:
             self._refuse(f"{size} bytes", context)
 
 
-_pool: ThreadPoolExecutor | None = None
-
-
-def pool() -> ThreadPoolExecutor:
-    """The worker's few threads for tokenising and chat templates (not the loop's default executor, which
-    start-up and other blocking calls use)."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(
-            max_workers=max(2, min(4, os.cpu_count() or 1)), thread_name_prefix="loraserve-tokenize"
-        )
-    return _pool
-
-
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on the tokenising threads; its exception (a refusal) is raised here."""
-    return await asyncio.get_running_loop().run_in_executor(pool(), fn, *args)
+# tokenising and chat templates run here, never on the event loop nor in its default executor
+off_loop = OffLoop("loraserve-tokenize")
 
 
 def _plain(tokenizer: Any, backend: Any) -> bool:
