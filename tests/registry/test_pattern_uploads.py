@@ -68,6 +68,7 @@ class HealthProbe:
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+@pytest.mark.exclusive  # health p99 under load: `make test` runs it alone
 def test_catastrophic_keys_are_decided_while_health_checks_answer(reg, adapter_dirs, tmp_path, monkeypatch):
     threads: list[str] = []
     validate = reg.registry.catalog._validate
@@ -82,6 +83,8 @@ def test_catastrophic_keys_are_decided_while_health_checks_answer(reg, adapter_d
     slow = _with_config(src, tmp_path / "slow", rank_pattern={"(.*){20}x": 2, "(.|.)*x": 3})
     # and a key RE2 cannot hold within its bounds (so it is refused rather than decided)
     refused = _with_config(src, tmp_path / "refused", alpha_pattern={"(.{1,100}){10}x": 2.0})
+    with HealthProbe(reg.address) as idle:  # the same checks with nothing else to do: the machine's floor
+        pass
     with HealthProbe(reg.address) as probe:
         pushed = reg.client.push(slow, "slow", TINY_MODEL)
         assert (pushed.version, pushed.rank) == (1, 4)  # no key matched: every module keeps r=4
@@ -93,8 +96,13 @@ def test_catastrophic_keys_are_decided_while_health_checks_answer(reg, adapter_d
     # the refused upload left no row and no blob
     assert reg.adapter_rows() == [("slow", 1, "READY")] and reg.blobs() == blobs and len(blobs) == 1
     assert len(probe.latencies) >= 100
-    print(f"health checks: {len(probe.latencies)}, p99 {probe.p99() * 1000:.1f} ms")
-    assert probe.p99() < 0.1, f"health check p99 {probe.p99() * 1000:.1f} ms"
+    print(
+        f"health checks: {len(probe.latencies)}, p99 {probe.p99() * 1000:.1f} ms (idle {idle.p99() * 1000:.1f})"
+    )
+    # 100 ms, or 3x the idle p99 where the machine is slower than that (CI: two test processes on two cores);
+    # Python's re held the GIL for minutes here
+    limit = max(0.1, 3 * idle.p99())
+    assert probe.p99() < limit, f"health check p99 {probe.p99() * 1000:.1f} ms, limit {limit * 1000:.0f} ms"
     assert threads and all(name.startswith("adapter-parse") for name in threads), threads
 
 

@@ -273,15 +273,34 @@ def fake_stack(tokenizer_dir: Path, max_seq_len: int) -> Iterator[tuple[Server, 
                 s.popen.wait(15)
 
 
+HEALTH_P99 = 0.1  # seconds: what health checks must stay under while hostile requests run
+
+
+def health_limit(idle_p99: float) -> float:
+    """The p99 health checks must stay under while a hostile request runs: ``HEALTH_P99``, or 3x what the same
+    checks take on the idle servers when the machine itself is slower than that (CI runs two test processes on
+    two cores). A loop blocked by a request stalls its checks for seconds: that fails either way."""
+    return max(HEALTH_P99, 3 * idle_p99)
+
+
 class Prober:
     """Health checks of ``servers`` from a process of its own while the ``with`` block runs;
-    ``latencies`` (target -> seconds) once it is left."""
+    ``latencies`` (target -> seconds) once it is left. With ``baseline`` (the default), half a second of checks
+    on the servers before the block (``idle_p99``) sets :meth:`limit`."""
 
-    def __init__(self, *servers: Server) -> None:
-        self.servers = servers
+    def __init__(self, *servers: Server, baseline: bool = True) -> None:
+        self.servers, self.baseline = servers, baseline
         self.latencies: dict[str, list[float]] = {}
+        self.idle_p99 = 0.0
+
+    def limit(self) -> float:
+        return health_limit(self.idle_p99)
 
     def __enter__(self) -> Prober:
+        if self.baseline:
+            with Prober(*self.servers, baseline=False) as idle:
+                time.sleep(0.5)
+            self.idle_p99 = max(idle.p99().values())
         args = [x for s in self.servers for x in (s.role, s.url, s.address)]
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "tests.security.fake_servers", "probe", *args],
@@ -308,11 +327,31 @@ class Prober:
             out[name] = xs[min(len(xs) - 1, math.ceil(0.99 * len(xs)) - 1)]
         return out
 
-    def assert_fast(self, limit: float = 0.1) -> None:
+    def assert_fast(self, limit: float | None = None) -> None:
+        """Every target's p99 under ``limit`` (default :meth:`limit`)."""
+        limit = self.limit() if limit is None else limit
         assert self.latencies and all(len(xs) >= 5 for xs in self.latencies.values()), self.latencies
         slow = {name: round(p, 4) for name, p in self.p99().items() if p >= limit}
         worst = {name: round(max(xs), 4) for name, xs in self.latencies.items()}
-        assert not slow, f"health checks over {limit * 1000:.0f} ms at p99: {slow} (max {worst})"
+        assert not slow, (
+            f"health checks over {limit * 1000:.0f} ms at p99: {slow} (max {worst}; idle p99 "
+            f"{self.idle_p99 * 1000:.0f} ms)"
+        )
+
+
+def while_probing(servers: tuple[Server, ...], action, attempts: int = 3) -> Prober:
+    """``action()`` while a prober checks the servers' health; their p99 must stay under 100 ms (or 3x the
+    idle servers' p99 on a machine slower than that: ``fake_servers.health_limit``) in one of ``attempts``
+    runs (a shared machine may starve any process for a moment; a loop blocked by the request fails every
+    run)."""
+    for _ in range(attempts):
+        with Prober(*servers) as probe:
+            action()
+        print("health p99 (ms):", {k: round(v * 1000, 1) for k, v in probe.p99().items()})
+        if all(p < probe.limit() for p in probe.p99().values()):
+            return probe
+    probe.assert_fast()
+    return probe
 
 
 if __name__ == "__main__":
