@@ -30,14 +30,14 @@ def test_kill_9_a_worker_mid_stream(llama_dir, adapter_dirs, tmp_path) -> None:
             "--registry",
             reg.address,
             "--max-seq-len",
-            "2048",
+            "512",
             "--max-loras",
             "2",
             "--max-batch-size",
             "2",
         ]
         with (
-            # two workers warming up a 2048-token context at once, beside another test process: allow time
+            # two workers warming up a 512-token context at once, beside another test process: allow time
             loraserve_process(args, timeout=300) as a,
             loraserve_process(args, timeout=300) as b,
             loraserve_process(
@@ -47,7 +47,7 @@ def test_kill_9_a_worker_mid_stream(llama_dir, adapter_dirs, tmp_path) -> None:
             for w in (a, b):
                 wait_healthy(w.address, timeout=180)
             wait_for_workers(reg.client, 2)
-            long = dict(adapter="steady@1", max_tokens=2000, ignore_eos=True)
+            long = dict(adapter="steady@1", max_tokens=480, ignore_eos=True)
             doomed = Client(a.address).generate([5], **long)
             survivor = Client(b.address).generate([5], **long)
             assert next(doomed).token_ids and next(survivor).token_ids  # both streams are running
@@ -57,7 +57,7 @@ def test_kill_9_a_worker_mid_stream(llama_dir, adapter_dirs, tmp_path) -> None:
                     pass
             assert exc.value.code_name == "UNAVAILABLE"
             rest = list(survivor)
-            assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 2000
+            assert rest[-1].finish_reason == "length" and rest[-1].completion_tokens == 480
             with Client(router.address) as client:  # requests that had not started are not lost
                 outs = [client.complete([5, 6, 7], adapter="steady", max_tokens=3) for _ in range(6)]
             assert all(o.completion_tokens == 3 for o in outs)
