@@ -173,6 +173,51 @@ def layer_kind(key: str, shape: tuple[int, ...], dora: bool, lora_bias: bool) ->
     return layer, module, which
 
 
+def check_module_pair(
+    path: str,
+    module: str,
+    layer: int,
+    r: int,
+    shapes: dict[str, tuple[int, ...]],
+    dora: bool,
+    max_rank: int | None,
+    module_shapes: dict[str, tuple[int, int]] | None,
+    num_layers: int | None,
+) -> None:
+    """One module of one layer, from its tensors' ``shapes`` (``A``, ``B``, and ``m`` / ``bias`` if saved): both
+    matrices present, of rank ``r`` (``rank_pattern`` applied) within ``max_rank``, fitting the base model's
+    ``(in, out)`` and layer count, DoRA's magnitude present when ``dora``, vectors as long as lora_B's outputs.
+    ``parse_adapter`` and the registry's streaming validator share it, so both refuse alike."""
+    if not {"A", "B"} <= set(shapes):
+        missing = ({"A", "B"} - set(shapes)).pop()
+        raise AdapterError(f"{path}: lora_{missing} is missing")
+    a, b = shapes["A"], shapes["B"]  # PEFT: A [r, in], B [out, r]
+    if a[0] != r or b[1] != r:
+        raise AdapterError(
+            f"{path}: lora_A {list(a)} / lora_B {list(b)} do not match rank {r} (lora_A [r, in], lora_B [out, r])"
+        )
+    if max_rank is not None and r > max_rank:
+        raise AdapterRankError(f"{path}: rank {r} is above the largest slot rank {max_rank}")
+    if module_shapes is not None:
+        want_in, want_out = module_shapes[module]
+        if a[1] != want_in or b[0] != want_out:
+            raise AdapterMismatchError(
+                f"{path}: lora_A {list(a)} / lora_B {list(b)} expect in={want_in}, out={want_out}; "
+                "the adapter was built for another base model"
+            )
+    if num_layers is not None and layer >= num_layers:
+        raise AdapterMismatchError(
+            f"{path}: layer {layer} does not exist (the model has {num_layers} layers)"
+        )
+    if dora and "m" not in shapes:
+        raise AdapterError(f"{path}: use_dora is set but the DoRA lora_magnitude_vector is missing")
+    for which, label in (("m", "lora_magnitude_vector"), ("bias", "lora_B bias")):
+        if which in shapes and tuple(shapes[which]) != (b[0],):
+            raise AdapterError(
+                f"{path}: {label} {list(shapes[which])} does not match lora_B's {b[0]} outputs"
+            )
+
+
 def _pattern_value(pattern: dict[str, Any], key: str, default: Any) -> Any:
     """PEFT's rank_pattern / alpha_pattern lookup: the first pattern matching a dotted suffix of the module
     path, in linear time (``adapters.patterns``)."""
@@ -298,35 +343,19 @@ def parse_adapter(
     max_seen = 0
     for (module, layer), pair in sorted(found.items()):
         path = _module_path(module, layer)
-        if not {"A", "B"} <= set(pair):
-            missing = ({"A", "B"} - set(pair)).pop()
-            raise AdapterError(f"{path}: lora_{missing} is missing")
-        a, b = pair["A"], pair["B"]  # PEFT: A [r, in], B [out, r]
         r = int(_pattern_value(rank_pattern, path, default_r))
-        if a.shape[0] != r or b.shape[1] != r:
-            raise AdapterError(
-                f"{path}: lora_A {list(a.shape)} / lora_B {list(b.shape)} do not match rank {r} (lora_A [r, in], lora_B [out, r])"
-            )
-        if max_rank is not None and r > max_rank:
-            raise AdapterRankError(f"{path}: rank {r} is above the largest slot rank {max_rank}")
-        if module_shapes is not None:
-            want_in, want_out = module_shapes[module]
-            if a.shape[1] != want_in or b.shape[0] != want_out:
-                raise AdapterMismatchError(
-                    f"{path}: lora_A {list(a.shape)} / lora_B {list(b.shape)} expect in={want_in}, out={want_out}; "
-                    "the adapter was built for another base model"
-                )
-        if num_layers is not None and layer >= num_layers:
-            raise AdapterMismatchError(
-                f"{path}: layer {layer} does not exist (the model has {num_layers} layers)"
-            )
-        if dora and "m" not in pair:
-            raise AdapterError(f"{path}: use_dora is set but the DoRA lora_magnitude_vector is missing")
-        for which, label in (("m", "lora_magnitude_vector"), ("bias", "lora_B bias")):
-            if which in pair and pair[which].shape != (b.shape[0],):
-                raise AdapterError(
-                    f"{path}: {label} {list(pair[which].shape)} does not match lora_B's {b.shape[0]} outputs"
-                )
+        check_module_pair(
+            path,
+            module,
+            layer,
+            r,
+            {k: v.shape for k, v in pair.items()},
+            dora,
+            max_rank,
+            module_shapes,
+            num_layers,
+        )
+        a, b = pair["A"], pair["B"]  # PEFT: A [r, in], B [out, r]
         alpha = float(_pattern_value(alpha_pattern, path, default_alpha))
         scaling = alpha / math.sqrt(r) if rslora else alpha / r
         per_module.setdefault(module, {})[layer] = (a.T, fold_scaling(b.T, scaling))

@@ -35,6 +35,7 @@ from loraserve.adapters.peft import (
     _module_path,
     _pattern_value,
     check_layer_fans,
+    check_module_pair,
     check_slot_peak,
     layer_kind,
     parse_config,
@@ -197,35 +198,19 @@ def _validate(
     max_seen = 0
     for (module, layer), pair in sorted(found.items()):
         path = _module_path(module, layer)
-        if not {"A", "B"} <= set(pair):
-            missing = ({"A", "B"} - set(pair)).pop()
-            raise AdapterError(f"{path}: lora_{missing} is missing")
-        a, b = pair["A"].shape, pair["B"].shape  # PEFT: A [r, in], B [out, r]
         r = int(_pattern_value(rank_pattern, path, default_r))
-        if a[0] != r or b[1] != r:
-            raise AdapterError(
-                f"{path}: lora_A {list(a)} / lora_B {list(b)} do not match rank {r} (lora_A [r, in], lora_B [out, r])"
-            )
-        if max_rank is not None and r > max_rank:
-            raise AdapterRankError(f"{path}: rank {r} is above the largest slot rank {max_rank}")
-        if module_shapes is not None:
-            want_in, want_out = module_shapes[module]
-            if a[1] != want_in or b[0] != want_out:
-                raise AdapterMismatchError(
-                    f"{path}: lora_A {list(a)} / lora_B {list(b)} expect in={want_in}, out={want_out}; "
-                    "the adapter was built for another base model"
-                )
-        if num_layers is not None and layer >= num_layers:
-            raise AdapterMismatchError(
-                f"{path}: layer {layer} does not exist (the model has {num_layers} layers)"
-            )
-        if dora and "m" not in pair:
-            raise AdapterError(f"{path}: use_dora is set but the DoRA lora_magnitude_vector is missing")
-        for which, label in (("m", "lora_magnitude_vector"), ("bias", "lora_B bias")):
-            if which in pair and pair[which].shape != (b[0],):
-                raise AdapterError(
-                    f"{path}: {label} {list(pair[which].shape)} does not match lora_B's {b[0]} outputs"
-                )
+        check_module_pair(
+            path,
+            module,
+            layer,
+            r,
+            {k: v.shape for k, v in pair.items()},
+            dora,
+            max_rank,
+            module_shapes,
+            num_layers,
+        )
+        a, b = pair["A"].shape, pair["B"].shape  # PEFT: A [r, in], B [out, r]
         per_module.setdefault(module, {})[layer] = (pair["A"], pair["B"])
         for which in ("m", "bias"):
             if which in pair:
