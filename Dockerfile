@@ -1,4 +1,4 @@
-# loraserve images, one per role (DESIGN.md §10.1): each installs the wheel with its role's extra only.
+# loraserve images, one per role (docs/design.md §10.1): each installs the wheel with its role's extra only.
 #   docker build --target worker   -t loraserve-worker .    # JAX worker (CPU; use the tpu extra on TPU VMs)
 #   docker build --target registry -t loraserve-registry .  # SQLAlchemy/Alembic, PostgreSQL, GCS
 #   docker build --target router   -t loraserve-router .    # the base install + the http extra (OpenAI API)

@@ -1,4 +1,4 @@
-"""Adapter errors: each is a ``LoraserveError`` carrying the gRPC status a server answers with (DESIGN.md §8).
+"""Adapter errors: each is a ``LoraserveError`` carrying the gRPC status a server answers with (docs/design.md §8).
 
 They keep ``ValueError`` as a second base: parsing callers catch bad input as ``ValueError``.
 """

@@ -1,4 +1,4 @@
-"""Weighted mixes of adapters per request (DESIGN.md §10.5): mix refs and their validation.
+"""Weighted mixes of adapters per request (docs/design.md §10.5): mix refs and their validation.
 
 A request may ask for ``Σ_k w_k · s_k · B_k A_k x`` instead of one adapter (``GenerateRequest.mix``). Inside
 the worker a mix travels as one *mix ref* string, ``"a@1*0.7+b*0.3"`` (``+`` between parts, ``*`` before a

@@ -1,7 +1,7 @@
 """PEFT LoRA adapters: parse and validate ``adapter_config.json`` + ``adapter_model.safetensors``.
 
 One parser serves the worker (before a slot write) and the registry (before anything is stored). It
-refuses, with an ``AdapterError`` whose ``code`` is the gRPC status to return (DESIGN.md §3, §8):
+refuses, with an ``AdapterError`` whose ``code`` is the gRPC status to return (docs/design.md §3, §8):
 unparsable files, pickle formats, non-LoRA / modules_to_save / ``bias`` adapters, NaN or inf weights,
 tensors that are not floats of the right rank, ranks of 0 or above the limit, modules the model lacks,
 shapes that do not fit the base model, DoRA modules without (or with a wrongly sized) magnitude vector,

@@ -1,5 +1,5 @@
 """Adapter references: ``name`` (the latest version), ``name@3`` (a version) or ``name@prod`` (an alias the
-registry resolves to one version, or to one of a weighted split); names match DESIGN.md §2's pattern.
+registry resolves to one version, or to one of a weighted split); names match docs/design.md §2's pattern.
 An alias starts with a letter, so it can never be mistaken for a version number."""
 
 from __future__ import annotations

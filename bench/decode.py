@@ -1,6 +1,6 @@
 """Decode throughput: loraserve's engine vs HF transformers and peft, same model, same script.
 
-Workload (DESIGN.md §7): random Llama (hidden 1024, 8 layers, intermediate 2816, 16/4 heads, vocab 32000,
+Workload (docs/design.md §7): random Llama (hidden 1024, 8 layers, intermediate 2816, 16/4 heads, vocab 32000,
 ~140M parameters, f32), prompts of 64 tokens, 32 new tokens, batch 16, adapters of rank 16 on all seven
 modules. The default engine also serves 16 distinct DoRA adapters (rank 16) and 16 distinct two-adapter
 weighted mixes (``GenerateRequest.mix``) of rank-8 adapters (a mix's rank is its parts' sum: 16, the same
@@ -250,7 +250,7 @@ def decode_rates(timed_round, w: dict, rounds: int) -> dict[str, float]:
     """End-to-end and decode-only tok/s of a peer from ``rounds`` rounds of ``new`` tokens.
 
     ``timed_round(new)`` returns (seconds, the gaps between consecutive tokens). A decode step is the
-    median gap over every step of every round, as for our engine (DESIGN §7): prefill and the first
+    median gap over every step of every round, as for our engine (docs/design.md §7): prefill and the first
     token are not in any gap, and one stalled step moves the median by nothing. (The difference of two
     medians of whole rounds, t(new) - t(1), used before, went to zero or below when a stall hit the
     short rounds, which made a peer look thousands of times faster.)
@@ -272,7 +272,7 @@ def engine_rates(runs: list[tuple[float, float, list[float]]], w: dict) -> dict[
     rounds are interleaved (base, one adapter, distinct, …, then again), so drift shows in every row alike.
 
     A decode step is the median gap between a row's consecutive tokens over every step of every round
-    (DESIGN §7: the median over interleaved decode steps): a stall of the VM in one step moves a median
+    (docs/design.md §7: the median over interleaved decode steps): a stall of the VM in one step moves a median
     of hundreds of steps by nothing, where it moved a round's total. The peers below are timed the same
     way, from a stopping criterion that stamps each generated token (``decode_rates``).
     """

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/device.sh: loraserve vs transformers+peft on one accelerator, in under 8 minutes (DESIGN.md §7, §10.6).
+# bench/device.sh: loraserve vs transformers+peft on one accelerator, in under 8 minutes (docs/design.md §7, §10.6).
 #
 #   OUT=/tmp/out bash bench/device.sh           # on an accelerator: an 8B-shaped random Llama in bf16
 #   OUT=/tmp/out bash bench/device.sh --tiny    # the same steps on a tiny model (CPU; tests/bench runs it)
@@ -230,7 +230,7 @@ for batch in batches:
 big = max(batches)
 got = summary["ratios"].get(f"distinct_adapters_vs_peft_mixed_b{big}")
 summary["target"] = {"what": f"batch {big}, {big} distinct adapters, decode tok/s: loraserve / peft mixed-adapter generate",
-                     "design": ">= 5x (DESIGN.md section 7, 8B-shaped bf16)", "got": got,
+                     "design": ">= 5x (docs/design.md §7, 8B-shaped bf16)", "got": got,
                      "met": None if got is None or shape != "8b" else got >= 5}
 kern = results["kernels"]
 summary["kernels"] = {k: v for k, v in kern.items() if k.startswith("geomean") or k == "config"}

@@ -1,5 +1,5 @@
 """Paged KV cache: capacity in a fixed KV budget vs a dense cache, prefix-cache prefill saving, and
-multi-adapter prefill throughput (issue #14 item 6, DESIGN.md §7 and §10.3), all on the real engine.
+multi-adapter prefill throughput (issue #14 item 6, docs/design.md §7 and §10.3), all on the real engine.
 
 1. capacity: a tiny-width random Llama (hidden 64, 2 layers, context 4096; compute is small, the memory
    accounting is what is measured) gets 160 greedy requests of mixed lengths at once, prompt + 32 new
@@ -9,7 +9,7 @@ multi-adapter prefill throughput (issue #14 item 6, DESIGN.md §7 and §10.3), a
    then), each divided by the rows a dense cache of the same bytes holds, which is computed (not run):
    budget // (max_seq_len * bytes per token).
 2. prefix caching: ``requests`` prompts of one adapter sharing a ``prefix``-token prefix, distinct
-   suffixes, arriving together, on the bench model (DESIGN.md §7 shape) with prefix caching on and off:
+   suffixes, arriving together, on the bench model (docs/design.md §7 shape) with prefix caching on and off:
    prefill tokens computed (snapshot prefix_query_tokens - prefix_hit_tokens; every prompt token when
    off), wall time of the prefill phase (to the first token of the last request), and the generated
    tokens, asserted identical.

@@ -10,7 +10,7 @@ second process, 8 slots each, while this process measures over loopback gRPC:
 * upload MB/s of a ~16 MB adapter to the local store (first upload and dedup hits).
 
 It also prints the database's plan of each hot query (``EXPLAIN``). Human-readable lines, then ONE
-JSON object as the last line (DESIGN §7: ListAdapters page p50 ≤ 10 ms, LocateAdapter p50 ≤ 2 ms at
+JSON object as the last line (docs/design.md §7: ListAdapters page p50 ≤ 10 ms, LocateAdapter p50 ≤ 2 ms at
 1 000 000 adapters with 200 workers).
 
     python bench/registry.py                                  # 10 000 adapters, 50 workers, SQLite

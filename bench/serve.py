@@ -9,7 +9,7 @@ SLO attainment (TTFT <= --slo-ttft and every gap <= --slo-itl), adapter loads, e
 Peers replay the SAME trace in the same run: ``max_loras_1`` (the same stack with one adapter slot: no mixed
 batching), ``no_prefix_cache`` (the stack with prefix caching off) and ``peft`` (transformers + peft in one
 process, batches grouped by adapter with ``set_adapter`` swaps). The summary (last line) gives each system's
-largest rate whose p99 TTFT meets the SLO with no error, and loraserve's ratios to the peers (DESIGN.md §7).
+largest rate whose p99 TTFT meets the SLO with no error, and loraserve's ratios to the peers (docs/design.md §7).
 
     python bench/serve.py --tiny                       # seconds: the smoke test's run
     python bench/serve.py                              # 100 adapters, rates 0.5..8 req/s, every peer

@@ -2,7 +2,7 @@
 
 ``target`` is a router (or a single worker). ``AsyncClient`` is the asyncio twin. Both raise
 ``loraserve.common.errors.LoraserveError`` from ``error_from_rpc``: ``.code`` is the ``grpc.StatusCode``
-(DESIGN.md §8), ``.message`` the server's message.
+(docs/design.md §8), ``.message`` the server's message.
 
     from loraserve.client.sdk import Client
     with Client("127.0.0.1:50071") as c:

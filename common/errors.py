@@ -1,4 +1,4 @@
-"""One error type for every room: a refusal carries its gRPC status (DESIGN.md §8) and a human message.
+"""One error type for every room: a refusal carries its gRPC status (docs/design.md §8) and a human message.
 
 Servers raise these from plain modules; one interceptor (``loraserve.common.interceptors``) turns them into
 the status of the RPC. Clients get the same type back from ``error_from_rpc``, and the CLI prints

@@ -5,7 +5,7 @@
 
 A ``Backend`` (router or worker) turns a ``GenerateRequest`` into the same ``GenerateResponse`` stream its
 gRPC ``Generate`` sends, so HTTP and gRPC give the same tokens for the same request. Refusals keep their
-DESIGN §8 status and become the HTTP status of the standard gRPC mapping, in OpenAI's error shape; a client
+docs/design.md §8 status and become the HTTP status of the standard gRPC mapping, in OpenAI's error shape; a client
 that disconnects cancels its request (the generator is closed, which frees the row and the slot).
 """
 
@@ -44,7 +44,7 @@ HTTP_REQUESTS = Counter(
     ["server", "route", "status"],
 )
 
-# The standard gRPC -> HTTP mapping (google.rpc.Code), for every status DESIGN §8 uses and a few more.
+# The standard gRPC -> HTTP mapping (google.rpc.Code), for every status docs/design.md §8 uses and a few more.
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.FAILED_PRECONDITION: 400,

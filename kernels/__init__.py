@@ -1,4 +1,4 @@
-"""Batched multi-LoRA ops (DESIGN.md §6): shrink/expand over per-token adapter slots.
+"""Batched multi-LoRA ops (docs/design.md §6): shrink/expand over per-token adapter slots.
 
 Two levels:
 
@@ -6,7 +6,7 @@ Two levels:
   ``cpu``, ``pallas``): pool layout, host→pool conversion, per-batch plan and ops, what the worker's
   model calls; ``resolve_backend("auto")`` picks one;
 * the function-level ops of :mod:`kernels.api` (``add_lora(..., backend="xla")`` etc., one signature,
-  DESIGN.md §6 layout), :mod:`kernels.sgmv` for the grouped prefill path.
+  docs/design.md §6 layout), :mod:`kernels.sgmv` for the grouped prefill path.
 """
 
 from loraserve.kernels.api import (

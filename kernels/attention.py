@@ -1,6 +1,6 @@
 """Decode attention over the paged KV cache: an XLA gather path (every platform) and JAX's TPU kernel.
 
-The cache layout is the one JAX's TPU paged-attention kernel reads (DESIGN.md §10.3): per layer
+The cache layout is the one JAX's TPU paged-attention kernel reads (docs/design.md §10.3): per layer
 ``k_pages, v_pages [kv_heads, num_pages, page_size, head_dim]``, page 0 the null page, each row's page
 table ``[B, W]`` listing its first W pages. Three implementations of one semantics:
 

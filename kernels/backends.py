@@ -5,14 +5,14 @@ picks one with ``--kernel-backend`` through :func:`resolve_backend`. The shape f
 ``PunicaWrapperBase``: per-batch metadata is prepared once on the host (:meth:`LoraBackend.plan`), then
 every projection of the step calls the op with it (:meth:`LoraBackend.add_decode`).
 
-* ``reference``   — DESIGN.md §6 pools (``A [in, n*R]``, ``B [R, out]`` per slot); decode: per-token
+* ``reference``   — docs/design.md §6 pools (``A [in, n*R]``, ``B [R, out]`` per slot); decode: per-token
   gather (the truth); prefill: the one slot's SGMV.
-* ``xla-onehot``  — DESIGN.md §6 pools; decode: one-hot einsum over all S slots (what TPU servers
+* ``xla-onehot``  — docs/design.md §6 pools; decode: one-hot einsum over all S slots (what TPU servers
   use); prefill: SGMV.
 * ``xla-grouped`` — weights-first pools (``A [n*R, in]``, ``B [out, R]``); decode: rows grouped by
   slot on the host (:mod:`kernels.grouped`); prefill: the one slot's matrices multiplied directly.
-* ``cpu``         — DESIGN.md §6 pools, float32 or bfloat16; C++ custom calls (:mod:`kernels.cpu`).
-* ``pallas``      — DESIGN.md §6 pools; decode: TPU kernels (:mod:`kernels.pallas`); prefill: SGMV.
+* ``cpu``         — docs/design.md §6 pools, float32 or bfloat16; C++ custom calls (:mod:`kernels.cpu`).
+* ``pallas``      — docs/design.md §6 pools; decode: TPU kernels (:mod:`kernels.pallas`); prefill: SGMV.
 
 Names ``--kernel-backend`` accepts: the five above, ``auto`` (``cpu`` where its C++ kernels build on
 a CPU, else ``xla-grouped``) and ``xla``, which means ``xla-grouped``: the worker's ``xla`` has always
@@ -51,7 +51,7 @@ PARALLEL_KINDS = (COLUMN, ROW)
 class LoraBackend(ABC):
     """One multi-LoRA strategy: pool layout, host→pool conversion, per-batch plan, shrink/expand ops.
 
-    Slot values are given in the canonical layout of DESIGN.md §6 without the slot axis: ``A [in, n*R]``
+    Slot values are given in the canonical layout of docs/design.md §6 without the slot axis: ``A [in, n*R]``
     (the n modules of a fused projection side by side on the rank axis) and ``B [R, out]``.
     """
 
@@ -187,7 +187,7 @@ class LoraBackend(ABC):
 
 
 class _SgmvPrefill:
-    """Prefill on DESIGN.md §6 pools: the one slot gathered, then the masked SGMV over one segment."""
+    """Prefill on docs/design.md §6 pools: the one slot gathered, then the masked SGMV over one segment."""
 
     def add_one_slot(self, y, x, a, bs, slot):  # [T, sum(out_i)]
         return sgmv.xla_add_lora_slices_one_slot(y, x, a, tuple(bs), slot)
@@ -205,7 +205,7 @@ class ReferenceBackend(_SgmvPrefill, LoraBackend):
 
 @dataclass(frozen=True)
 class XlaOneHotBackend(_SgmvPrefill, LoraBackend):
-    """One-hot masked matmuls over every slot (:mod:`kernels.xla`, DESIGN.md §6): what TPU servers use."""
+    """One-hot masked matmuls over every slot (:mod:`kernels.xla`, docs/design.md §6): what TPU servers use."""
 
     name: ClassVar[str] = "xla-onehot"
 

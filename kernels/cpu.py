@@ -14,7 +14,7 @@ image that runs on other CPUs than the one it was built on), into ``$LORASERVE_K
 flags and the compiler flags; later processes load the cached library. :func:`available` says whether that works here; without a compiler the worker's ``auto``
 backend falls back to ``xla``.
 
-Layout and semantics are DESIGN.md §6's, like ``reference``: ``x [T, in]``, ``A [S, in, R]``,
+Layout and semantics are docs/design.md §6's, like ``reference``: ``x [T, in]``, ``A [S, in, R]``,
 ``B [S, R, out]``, ``idx [T]`` (−1 = no adapter). CPU only: it does not lower for TPU or GPU.
 
 The same library holds the decode attention over the paged cache (:func:`paged_attention`) and the

@@ -159,7 +159,7 @@ def xla_expand_slices_sgmv(h, Bs: Sequence, seg_slots, seg_lens, y, *, method: s
 
 
 def xla_add_lora_slices_one_slot(y, x, A_cat, Bs: Sequence, slot):  # [T, sum(out_i)]
-    """Every token of one prompt with the adapter in ``slot`` (prefill of one request), DESIGN.md §6 pools.
+    """Every token of one prompt with the adapter in ``slot`` (prefill of one request), docs/design.md §6 pools.
 
     Args:
       y: ``[T, sum(out_i)]``; x: ``[T, in]``; A_cat: ``[S, in, n*R]``; Bs: n × ``[S, R, out_i]``;

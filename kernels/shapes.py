@@ -3,7 +3,7 @@
 All checks run at trace time on static shapes, so they cost nothing inside ``jax.jit`` and raise a
 ``ValueError`` that names the offending argument instead of an opaque XLA shape error.
 
-Conventions used by every backend (see DESIGN.md §6):
+Conventions used by every backend (see docs/design.md §6):
 
 * ``x``   ``[T, in]``      activations of T tokens.
 * ``A``   ``[S, in, R]``   the LoRA "down" matrices of S adapter slots, rank zero-padded to R.

@@ -1,6 +1,6 @@
 """Fully sharded LoRA: any backend's ops run per shard (``jax.shard_map``) over a 1-D ``model`` mesh.
 
-The slot pools are split like the layer they adapt (vLLM's ``fully_sharded_loras``, DESIGN.md §10.2):
+The slot pools are split like the layer they adapt (vLLM's ``fully_sharded_loras``, docs/design.md §10.2):
 
 * column-parallel layers (q/k/v, gate/up; base weight split by output features): ``x`` replicated,
   ``A`` whole, ``B`` and ``y`` split by output. Each shard adds its own output columns: no communication.

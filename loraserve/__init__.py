@@ -1,6 +1,6 @@
 """loraserve: serve many LoRA adapters on one base model.
 
-One import root for every room of the system (DESIGN.md §10.1); each room is a folder at the
+One import root for every room of the system (docs/design.md §10.1); each room is a folder at the
 repository's top, mapped here by ``pyproject.toml``'s ``package-dir``:
 
 ``loraserve.protos`` (the gRPC contract), ``loraserve.common`` (server scaffold, errors, auth/TLS,

@@ -1,6 +1,6 @@
 """The registry's SQL data model (SQLAlchemy 2.0 typed models) and its engine/session factory.
 
-Tables (DESIGN.md §4): ``adapters`` (one row per name@version), ``base_models`` (module shapes learned
+Tables (docs/design.md §4): ``adapters`` (one row per name@version), ``base_models`` (module shapes learned
 from workers, used to validate uploads), ``workers`` (address, lease, last heartbeat, load),
 ``placements`` (which adapter sits in which slot of which worker) and ``unload_orders`` (deleted
 adapters that workers still hold; delivered with heartbeats). SQLite is the embedded default,

@@ -4,7 +4,7 @@
         store = BlobStore("gs://adapters/prefix", **gcs_storage_options(emu.endpoint))
 
 The emulator keeps everything in memory (no files are left behind) and answers on one thread. gcsfs must run
-with ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` against it (DESIGN.md §3): :func:`start_gcs_emulator` sets that
+with ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false`` against it (docs/design.md §3): :func:`start_gcs_emulator` sets that
 default before gcsfs is imported, otherwise every bucket probe waits 60 s on a gRPC call the emulator cannot
 answer.
 """

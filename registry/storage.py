@@ -1,4 +1,4 @@
-"""Content-addressed blob store for adapter weights over one fsspec root URL (DESIGN.md §3).
+"""Content-addressed blob store for adapter weights over one fsspec root URL (docs/design.md §3).
 
 Layout: ``<root>/blobs/sha256/<hex[:2]>/<hex>``; ``<root>/tmp/<uuid>`` only for in-flight local-disk writes.
 Bytes are hashed while spooled locally (an upload: :class:`StagedBlob`, a local temporary file the registry

@@ -1,4 +1,4 @@
-"""One import root (DESIGN.md §10.1): the wheel installs `loraserve` and nothing else, with every room in it,
+"""One import root (docs/design.md §10.1): the wheel installs `loraserve` and nothing else, with every room in it,
 and no module of ours is ever loaded under its bare folder name."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The host side of the paged KV cache (DESIGN.md §10.3): free pages, per-sequence pages, the prefix cache.
+"""The host side of the paged KV cache (docs/design.md §10.3): free pages, per-sequence pages, the prefix cache.
 
 The pool holds ``num_pages`` pages of ``page_size`` tokens; page 0 is the reserved null page and is never
 handed out. A sequence's pages are a ``SeqPages`` (entry ``i`` holds positions ``i*page_size ..``).

@@ -12,7 +12,7 @@ layout and the ops belong to a LoRA backend object, ``kernels.backends``, which 
 without knowing which one it is; plus per group the DoRA-scale and LoRA-bias vectors of ``worker.dora``,
 applied to each adapter row's output after the backend's LoRA, the same for every backend; and in layer 0
 the embed_tokens / lm_head pools of ``worker.embed_lora``, added to each row's embedding and logits); the KV cache
-is paged (DESIGN.md §10.3): one ``(k_pages, v_pages)`` pair per layer, each ``[kv_heads, pages,
+is paged (docs/design.md §10.3): one ``(k_pages, v_pages)`` pair per layer, each ``[kv_heads, pages,
 page_size, head_dim]`` (see ``init_cache``), updated in place (donated). A sequence's positions live in the pages its page table lists (``worker.kv_cache`` hands them
 out); attention gathers a row's pages and masks by position, so the shapes never depend on which pages.
 
@@ -457,7 +457,7 @@ def decode(
 
 
 def lora_slot_shapes(cfg: ModelConfig, max_rank: int) -> dict[str, tuple[int, int]]:
-    """Pool name -> one slot's matrix in the canonical layout (DESIGN.md §6), the same for every layer.
+    """Pool name -> one slot's matrix in the canonical layout (docs/design.md §6), the same for every layer.
 
     Semantics: ``A_<group>`` is ``[in, n*R]`` (the group's n modules side by side on the rank axis),
     ``B_<module>`` is ``[R, out]``; a backend's pools store them in its own layout.

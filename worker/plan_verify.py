@@ -7,7 +7,7 @@ worker's jitted decode step (``worker.jax_runner``'s, with the tensor-parallel s
 compiles it for the N-device mesh and prints one JSON object: the compiled per-device argument, output,
 alias and temporary bytes beside the planner's estimate.
 
-The LoRA pools are compiled with the ``xla-onehot`` backend: the same DESIGN.md §6 pool layout (and
+The LoRA pools are compiled with the ``xla-onehot`` backend: the same docs/design.md §6 pool layout (and
 bytes) as the ``pallas`` backend a TPU serves with, in plain XLA that compiles on a CPU.
 """
 

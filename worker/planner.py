@@ -1,7 +1,7 @@
 """Capacity planning: per-device bytes of a worker configuration on a TPU slice, before anything is allocated.
 
 ``plan(model, chip, tp, ...)`` counts what one device holds under the worker's tensor-parallel layout
-(DESIGN.md §10.2, ``docs/worker.md``): weights (q/k/v/gate/up split by output, o/down by input, embedding
+(docs/design.md §10.2, ``docs/worker.md``): weights (q/k/v/gate/up split by output, o/down by input, embedding
 and lm_head by vocab, KV heads replicated when there are fewer than devices), the KV cache (split by KV
 head), the adapter slot pools (sharded like the layer they adapt: column-parallel A whole and B split,
 row-parallel A split and B whole), and the peak activations of a prefill and a decode step. It says

@@ -74,7 +74,7 @@ class StepOutput:
 
 
 class Runner(Protocol):
-    """The KV cache is paged (DESIGN.md §10.3): ``num_pages`` pages of ``page_size`` tokens per layer, page 0
+    """The KV cache is paged (docs/design.md §10.3): ``num_pages`` pages of ``page_size`` tokens per layer, page 0
     the reserved null page (never allocated; idle rows and padding write there, nothing reads it unmasked).
     A *page table* is ``[pages_per_row]`` int32: entry ``i`` is the page holding positions
     ``i*page_size .. (i+1)*page_size - 1`` of that sequence, 0 where none is assigned. The host side

@@ -3,7 +3,7 @@
 // One call serves a whole batch: rows are grouped by slot (a counting sort over T <= a few hundred
 // rows), and each group reads its slot's matrices ONCE for all of its rows, so the work is what the
 // batch needs (Punica's BGMV for one row per slot, SGMV for many) and never the one-hot's S-fold
-// flops. Pools are DESIGN.md §6's layout, A [S, in, n*R] and n x B [S, R, out_i], in float32 or
+// flops. Pools are docs/design.md §6's layout, A [S, in, n*R] and n x B [S, R, out_i], in float32 or
 // bfloat16; activations, sums and results are float32. bf16 pools halve the bytes a decode step
 // streams, which is what bounds many distinct adapters on a CPU.
 //

@@ -29,7 +29,7 @@ KNOWN_ENV = (
     | {"LORASERVE_REGISTRY_ADDRESS", "LORASERVE_TARGET"}  # the admin CLI and SDK's defaults
     | {"LORASERVE_TOKEN"}  # the CLI's and SDK's bearer token (client.connection_flags)
     | {"LORASERVE_LOG_FORMAT"}  # common.observability.setup_logging
-    | {"STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}  # read by gcsfs (DESIGN.md §3)
+    | {"STORAGE_EMULATOR_HOST", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"}  # read by gcsfs (docs/design.md §3)
 )
 THIRD_PARTY_PROBES = {"pg_isready", "wget"}  # shipped in the postgres and fake-gcs-server images
 
@@ -37,7 +37,7 @@ THIRD_PARTY_PROBES = {"pg_isready", "wget"}  # shipped in the postgres and fake-
 # The Dockerfile target each service must run from: the image of its role and nothing heavier.
 ROLE_OF = {"migrate": "registry", "registry": "registry", "worker-1": "worker", "worker-2": "worker"}
 ROLE_OF |= {"router": "router", "seed": "client", "assets": "demo"}
-# target -> the extras its `pip install` names (DESIGN.md §10.1: a role's image installs that role only)
+# target -> the extras its `pip install` names (docs/design.md §10.1: a role's image installs that role only)
 # (the router and the workers serve the OpenAI-compatible HTTP API too: the `http` extra)
 EXTRAS_OF = {"client": set(), "router": {"http"}, "registry": {"registry", "postgres", "gcs"}}
 EXTRAS_OF |= {"worker": {"worker", "gcs", "http"}, "demo": {"worker", "gcs", "http", "demo"}}

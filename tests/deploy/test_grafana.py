@@ -91,7 +91,7 @@ def test_every_expression_names_only_exported_metrics() -> None:
         for name in names:
             assert name in exported, f"{name!r} in {expr!r} is not exported by any loraserve server"
             seen.add(exported[name].name)
-    # the panels DESIGN.md §10.4 asks for are there
+    # the panels docs/design.md §10.4 asks for are there
     wanted = {
         "loraserve_generation_tokens",  # tokens/s
         "loraserve_time_to_first_token_seconds",

@@ -53,7 +53,7 @@ ROLES = {  # role -> (config dataclass, env prefix, Dockerfile image, argv)
 OTHER_ENV = {
     "LORASERVE_LOG_FORMAT",  # common.observability.setup_logging
     "LORASERVE_KERNEL_CACHE_DIR",  # kernels/cpu.py
-    "STORAGE_EMULATOR_HOST",  # gcsfs (DESIGN.md §3)
+    "STORAGE_EMULATOR_HOST",  # gcsfs (docs/design.md §3)
     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",  # gcsfs
     "HOME",
     "POD_NAME",  # downward API, used in the worker's advertise address

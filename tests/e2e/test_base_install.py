@@ -1,4 +1,4 @@
-"""The base install is the SDK, the CLI's client side and the router (DESIGN.md §10.1): `loraserve adapters
+"""The base install is the SDK, the CLI's client side and the router (docs/design.md §10.1): `loraserve adapters
 push`, `adapters ls`, `generate` and `health` run with JAX, torch, SQLAlchemy, numpy (and everything else that
 only the server extras bring) made unimportable, against a real registry and worker (full installs) and a
 router that runs with the same packages unimportable, and stream exactly the tokens that a full install gets,

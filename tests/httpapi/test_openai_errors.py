@@ -1,5 +1,5 @@
 """Every refusal of the HTTP API over plain HTTP: OpenAI's error shape, the HTTP status the standard gRPC
-mapping gives each DESIGN §8 row, nothing queued, and the server unharmed afterwards. Plus a fuzz of
+mapping gives each docs/design.md §8 row, nothing queued, and the server unharmed afterwards. Plus a fuzz of
 request bodies: only documented statuses, never a 500."""
 
 from __future__ import annotations

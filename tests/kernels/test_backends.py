@@ -110,7 +110,7 @@ def test_plan_of_a_batch_without_adapter_rows_is_none(name: str) -> None:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_warmup_plans_compile_every_decode_variant(name: str) -> None:
-    """After the warm-up plans, decode batches of any slot mix compile nothing (DESIGN.md §5)."""
+    """After the warm-up plans, decode batches of any slot mix compile nothing (docs/design.md §5)."""
     backend = kernels.get_backend(name)
     pools = _written(backend, _values(2), jnp.float32)
     x, y, _ = _problem(3, jnp.float32)

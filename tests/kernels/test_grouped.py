@@ -23,7 +23,7 @@ def _problem(seed: int, T: int, d_in: int, S: int, R: int, outs: tuple[int, ...]
         return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32).astype(dtype)
 
     x = arr((T, d_in))
-    A = arr((S, d_in, len(outs) * R), d_in**-0.5)  # [S, in, n*R], DESIGN.md §6
+    A = arr((S, d_in, len(outs) * R), d_in**-0.5)  # [S, in, n*R], docs/design.md §6
     Bs = tuple(arr((S, R, o), R**-0.5) for o in outs)  # [S, R, out_i]
     y = arr((T, sum(outs)))
     return x, A, Bs, y

@@ -1,4 +1,4 @@
-"""The generated modules carry the wire contract of DESIGN.md §2: services, streaming kinds, field numbers."""
+"""The generated modules carry the wire contract of docs/design.md §2: services, streaming kinds, field numbers."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ FIELDS = {
         "description": 12,
         "labels": 13,
     },
-    # tensor parallelism (DESIGN.md §10.2): new numbers, nothing renumbered
+    # tensor parallelism (docs/design.md §10.2): new numbers, nothing renumbered
     placement_pb2.RegisterWorkerRequest: {"max_batch_size": 6, "tensor_parallel_size": 7},
     placement_pb2.Worker: {"lease_expires_at": 9, "tensor_parallel_size": 10},
     worker_admin_pb2.WorkerInfo: {"platform": 11, "tensor_parallel_size": 12},

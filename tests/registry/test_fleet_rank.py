@@ -2,7 +2,8 @@
 
 rank reads an index built once per change of the fleet view instead of sorting every worker per call;
 on random fleets (models, loads, free slots, held and cached adapters, expired leases) it must pick the
-same workers in the same order with the same tiers as the plain sort of DESIGN's ranking rule."""
+same workers in the same order with the same tiers as the plain sort of the ranking rule (docs/registry.md,
+"Placement")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every rejection of DESIGN.md §3 over real gRPC, with a real PEFT adapter altered to break it.
+"""Every rejection of docs/design.md §3 over real gRPC, with a real PEFT adapter altered to break it.
 
 After each rejection the database and the store hold nothing new.
 """

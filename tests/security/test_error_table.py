@@ -1,4 +1,4 @@
-"""DESIGN.md §8 row by row over real servers (registry, worker, router on loopback, tokens on), plus the
+"""docs/design.md §8 row by row over real servers (registry, worker, router on loopback, tokens on), plus the
 bad inputs of the reliability issue. Every case asserts the status code AND that nothing was stored and
 the system still serves a normal request afterwards."""
 

@@ -92,7 +92,7 @@ def _serve_mixed(ck, backend, pools, row_slots, plan, seq, dtype: str) -> np.nda
 
 # The xla-grouped backend (weights-first pools) under each grouping of kernels.grouped — every row
 # through the heavy-slot loop (J=0), one row per slot in place plus heavy slots 2 and 0 (J=1), all in
-# place (J=4), one adapter on every adapter row (single) — and every backend with DESIGN.md §6 pools:
+# place (J=4), one adapter on every adapter row (single) — and every backend with docs/design.md §6 pools:
 # reference, xla-onehot, pallas (interpreted off-TPU) and cpu (C++ kernels) with f32 pools and with
 # bf16 pools. bf16 pools round every adapter weight to 8 mantissa bits (relative 2^-9); on these
 # adapters that moves the logits by up to 2.0e-3 (measured), so those rows get ATOL_BF16_POOLS instead.

@@ -1,6 +1,6 @@
 """Every LoRA backend object, through the model: after warm-up (each prefill bucket, each of the backend's
 warm-up plans, one slot write), slot swaps, prefills on any slot and decode steps over any slot mix
-compile nothing (DESIGN.md §5); on Llama for every backend and on Gemma 3 for the CPU default. The
+compile nothing (docs/design.md §5); on Llama for every backend and on Gemma 3 for the CPU default. The
 engine's own count over 200 requests is in test_engine.py."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tensor parallelism on CPU devices (DESIGN.md §10.2): N = 1, 2, 4, 8 serve the same tokens.
+"""Tensor parallelism on CPU devices (docs/design.md §10.2): N = 1, 2, 4, 8 serve the same tokens.
 
 JAX needs ``--xla_force_host_platform_device_count=8`` before it starts, so the runs happen in one
 subprocess per backend (``tests/worker/tp_child.py``, JSON on stdout). The model: a tiny Qwen2 (qkv
@@ -62,7 +62,7 @@ def run_child(*args: str) -> dict:
 
 def expected_pool_specs(backend: str) -> dict[str, str]:
     """B split by output for q/k/v/gate/up, A split by input for o/down, the rest whole (pool axes
-    of the backend's layout: DESIGN.md §6 ``A [S, in, n*R]``, ``B [S, R, out]``; xla-grouped transposed)."""
+    of the backend's layout: docs/design.md §6 ``A [S, in, n*R]``, ``B [S, R, out]``; xla-grouped transposed)."""
     b_out = "(None, 'model', None)" if backend == "xla-grouped" else "(None, None, 'model')"
     a_in = "(None, None, 'model')" if backend == "xla-grouped" else "(None, 'model', None)"
     column = {k: b_out for k in ("B_q", "B_k", "B_v", "B_gate", "B_up")}
@@ -146,7 +146,7 @@ def test_sizes_serve_the_same_tokens(tp_model, backend: str, sizes: tuple[int, .
 
 @pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
 def test_lora_collectives_are_rank_sized(tp_model, backend: str) -> None:
-    """DESIGN.md §7: at N = 4 the collectives LoRA adds to the compiled decode step move at most
+    """docs/design.md §7: at N = 4 the collectives LoRA adds to the compiled decode step move at most
     (2 · layers + 1) · batch · rank elements (one [batch, rank] reduction per row-parallel module, and one
     for the embed_tokens LoRA's gather from the vocab-split ``A_embed``; lm_head's ``B_lm_head`` is split
     like the logits and adds none)."""
@@ -227,7 +227,7 @@ def test_runner_refuses_more_devices_than_visible(llama_dir) -> None:
 
 
 def test_sharded_pallas_decode_lowers_for_tpu() -> None:
-    """DESIGN.md §6's TPU check for the N-device step: ``jax.export`` for the TPU platform runs the Mosaic
+    """docs/design.md §6's TPU check for the N-device step: ``jax.export`` for the TPU platform runs the Mosaic
     lowering of every Pallas kernel inside ``shard_map`` (block rules enforced) on abstract shapes from
     ``sharding.abstract_state`` (bf16, 128-wide heads; nothing allocated)."""
     out = run_child("--tpu-export", "--sizes", "2,4,8")
