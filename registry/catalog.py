@@ -1,7 +1,7 @@
 """The adapter catalog: validate, store and version adapters; list, get, delete and download them.
 
 Plain logic over a sessionmaker and a BlobStore; the gRPC servicer only converts messages. Upload order
-(DESIGN.md §3): spool the weights to a local temporary file while hashing them (``StagedBlob``) → validate
+(docs/design.md §3): spool the weights to a local temporary file while hashing them (``StagedBlob``) → validate
 config and weights tensor by tensor from that file (``adapters.peft_stream``: a few MiB of memory whatever
 the size) → write the blob and verify its size and sha256 → commit the row. A failure at any step leaves no
 row, and a blob without a READY row is never served (``gc`` removes it). Deleted versions keep their row
@@ -139,7 +139,7 @@ class Catalog:
         hot: HotReads | None = None,
     ) -> None:
         """``reads``: sessions for single-statement reads on the hot paths (LocateAdapter, ListAdapters),
-        in autocommit mode: no BEGIN/ROLLBACK round trips (0.4 instead of 1.0 ms a read on PostgreSQL).
+        in autocommit mode: no BEGIN/ROLLBACK round trips (docs/performance.md).
         ``hot``: how :meth:`resolve_async` awaits its read (``registry.hot_reads``; default: on a thread)."""
         self.sessions, self.store = sessions, store
         self.reads = reads or sessions
@@ -308,8 +308,7 @@ class Catalog:
         if parsed.alias is not None:
             return self._resolve_alias(ref, routing_key)
         # one prebuilt statement on a plain connection: SQLAlchemy reuses its compiled form and cache
-        # key, and no ORM session is made (0.34 instead of 0.81 ms a read on SQLite, 0.6 instead of
-        # 1.1 ms on PostgreSQL)
+        # key, and no ORM session is made (docs/performance.md)
         with self.reads.kw["bind"].connect() as conn:
             row = conn.execute(*_resolve_statement(parsed)).first()
         return self._keep(ref, row, generation)
@@ -384,8 +383,8 @@ class Catalog:
                 or_(AdapterRow.name > name, AdapterRow.version > version),
             )
         # plain rows of the listed columns on a plain connection, not ORM objects in a session: a page is
-        # read-only, and building 100 mapped objects cost more than the query itself (1.8 of 2.2 ms at a
-        # million adapters); adapter_config.json (``config``), which only GetAdapter returns, is not read
+        # read-only, and building 100 mapped objects cost more than the query itself (docs/performance.md);
+        # adapter_config.json (``config``), which only GetAdapter returns, is not read
         q = q.with_only_columns(*LISTED_COLUMNS)
         with self.reads.kw["bind"].connect() as conn:
             rows = list(conn.execute(q.order_by(AdapterRow.name, AdapterRow.version).limit(size + 1)))

@@ -162,7 +162,7 @@ class Fleet:
         within a tier), then workers with free slots (most free first, then the least busy), then the least
         busy; ties by worker id.
 
-        Costs O(holders of ``key`` + ``limit``), not a sort of the fleet (0.5 ms of Python at 200 workers)."""
+        Costs O(holders of ``key`` + ``limit``), not a sort of the fleet (docs/performance.md)."""
         self._refresh()
 
         def fits(w: LiveWorker) -> bool:
@@ -405,7 +405,7 @@ class Placement:
         statements on one connection, no ORM session: an UPDATE … RETURNING renews the lease (and finds
         out whether there is one), one read each for the reported names' versions, the worker's placement
         rows and its unload orders, and writes only for slots whose adapter or state changed (a steady
-        worker's heartbeat writes its worker row only). 0.9 instead of 2.0 ms a heartbeat on SQLite."""
+        worker's heartbeat writes its worker row only; docs/performance.md has the measurement)."""
         now = utcnow()
         cached = {a[:160]: t for a, t in (cached or {}).items() if t in ("HOST", "DISK")}
         values = {
