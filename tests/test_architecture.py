@@ -1,4 +1,4 @@
-"""The rooms and what each may import (DESIGN.md §10.1, docs/architecture.md): an import-graph check over the
+"""The rooms and what each may import (docs/design.md §10.1, docs/architecture.md): an import-graph check over the
 source, lazy imports inside functions included. A violation names the file, the line and the import."""
 
 from __future__ import annotations
@@ -297,3 +297,40 @@ def test_the_transitive_check_catches_a_violation(tmp_path: Path, monkeypatch: p
         "adapters/peft.py:1: imports numpy (reached from loraserve.adapters.peft <- loraserve.adapters.mixes"
         " <- loraserve.router.server)",
     ]
+
+
+# ------------------------------------------------------------------------------------- docs/architecture.md
+ARCHITECTURE_DOC = ROOT / "docs" / "architecture.md"
+
+
+def documented_rooms(doc: str) -> dict[str, str]:
+    """docs/architecture.md's room table: room (its folder, without the slash) -> its "may import" cell."""
+    section = doc.split("## The rooms", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        m = re.fullmatch(r"`(\w+)/`", cells[0]) if len(cells) == 4 else None
+        if m:
+            rows[m.group(1)] = cells[3]
+    return rows
+
+
+def test_the_docs_room_table_is_the_enforced_rules() -> None:
+    """The rooms docs/architecture.md lists, and what it says each may import, are ALLOWED: neither can change
+    without the other. The root package's row says it may import every room."""
+    rows = documented_rooms(ARCHITECTURE_DOC.read_text())
+    assert set(rows) == set(ROOMS) | {"loraserve"}
+    assert rows["loraserve"].startswith("every room")
+    documented = {
+        room: set() if cell == "nothing" else set(re.findall(r"`(\w+)`", cell))
+        for room, cell in rows.items()
+        if room != "loraserve"
+    }
+    assert documented == ALLOWED
+
+
+def test_the_docs_drawing_names_every_room() -> None:
+    doc = ARCHITECTURE_DOC.read_text()
+    section = doc.split("## The rooms", 1)[1].split("\n## ", 1)[0]
+    drawing = section.split("```", 2)[1]
+    assert {room for room in (*ROOMS, "loraserve") if not re.search(rf"\b{room}\b", drawing)} == set()
