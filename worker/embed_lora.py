@@ -2,7 +2,7 @@
 
 PEFT adapts the input embedding with ``embed(x) + s · B_e · A_e[x]`` (``lora_embedding_A [r, vocab]``
 gathered per token) and the output projection like any Linear, ``logits + s · (h A_l) B_l``. The pools
-are vocabulary-sized and exist once per model, not per layer; they live in layer 0's pool dict (so the
+are vocabulary-sized and exist once per model, not per layer: ``LoraPools.vocab`` (``worker.step``; the
 slot write, the shardings and the donation treat them like every other pool), in the canonical layout
 for every LoRA backend (no ``to_pool_layout``):
 
@@ -71,7 +71,7 @@ def _rows(slots: Array, num_slots: int) -> tuple[Array, Array]:
 def apply_embed(
     h: Array,  # [G*k, H] the embedding rows (before any embedding scale)
     tokens: Array,  # [G*k] int32
-    pools: dict[str, Array],  # layer 0's pools
+    pools: dict[str, Array],  # LoraPools.vocab
     slots: Array,  # [G] int32 slot of each group of k consecutive rows; -1 = none
 ) -> Array:  # [G*k, H]
     """*Semantics:* rows of slot s get ``h + A_embed[s][token] · B_embed[s]`` (f32, rounded to h's dtype);
@@ -94,7 +94,7 @@ def apply_embed(
 def apply_lm_head(
     logits: Array,  # [G, V] f32, before any soft-cap
     x: Array,  # [G, H] the final-normed hidden state lm_head reads
-    pools: dict[str, Array],  # layer 0's pools
+    pools: dict[str, Array],  # LoraPools.vocab
     slots: Array,  # [G] int32; -1 = none
 ) -> Array:  # [G, V]
     """*Semantics:* row g of slot s gets ``logits + (x A_lm_head[s]) B_lm_head[s]`` (f32); rows without a

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from loraserve import kernels
 from loraserve.adapters.peft import LoraWeights
 from loraserve.kernels.attention import DecodeAttention, resolve_attention
+from loraserve.kernels.backends import LoraBackend
 from loraserve.kernels.linear import resolve_backend as resolve_linear
 from loraserve.kernels.linear import traced_with
 from loraserve.kernels.sharded import ShardedBackend
@@ -26,30 +28,80 @@ from loraserve.worker import model as M
 from loraserve.worker import sharding
 from loraserve.worker.checkpoint import Checkpoint
 from loraserve.worker.config import EngineConfig
+from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.requests import SamplingRow
 from loraserve.worker.runner import PrefillInput, StepOutput
 from loraserve.worker.sampling import Sampled, SamplingArrays, sample
 from loraserve.worker.slots import SlotPools, SlotValues, base_weights, check_slot_values, slot_arrays
+from loraserve.worker.step import Array, Cache, DecodeBatch, DeviceState, LoraPools, Params, PrefillBatch
 
 log = logging.getLogger("loraserve.worker.runner")
 
 
-def _prefill_sample(
-    cfg, backend, params, pools, tokens, lengths, starts, slots, tables, blocks, cache, inv, samp
+def prefill_step(
+    cfg: ModelConfig,
+    backend: LoraBackend,
+    *,
+    params: Params,
+    pools: LoraPools,
+    cache: Cache,
+    rope: Array,
+    batch: PrefillBatch,
+    sampling: SamplingArrays | None = None,
 ):
-    logits, cache = M.prefill_packed(
-        cfg, params, pools, tokens, lengths, starts, slots, tables, blocks, cache, inv, backend
-    )
-    return sample(logits, *samp), cache
+    """Prefill ``batch`` and sample each sequence's next token: ``(Sampled [G], new cache)``; without
+    ``sampling``, ``(logits [G, V], new cache)``."""
+    state = DeviceState(params, pools, cache, rope)
+    logits, cache = M.prefill_packed(cfg, backend, state, batch)
+    return (logits if sampling is None else sample(logits, *sampling.as_tuple())), cache
 
 
-def _decode_sample(
-    cfg, backend, params, pools, tokens, positions, tables, plan, cache, inv_freq, samp, attention="xla"
+def decode_step(
+    cfg: ModelConfig,
+    backend: LoraBackend,
+    attention: Any,
+    *,
+    params: Params,
+    pools: LoraPools,
+    cache: Cache,
+    rope: Array,
+    batch: DecodeBatch,
+    sampling: SamplingArrays | None = None,
 ):
-    logits, cache = M.decode(
-        cfg, params, pools, tokens, positions, tables, plan, cache, inv_freq, backend, attention
+    """One decode step of every row and its sampled token: ``(Sampled [B], new cache)``; without
+    ``sampling``, ``(logits [B, V], new cache)``."""
+    state = DeviceState(params, pools, cache, rope)
+    logits, cache = M.decode(cfg, backend, state, batch, attention)
+    return (logits if sampling is None else sample(logits, *sampling.as_tuple())), cache
+
+
+class Steps(NamedTuple):
+    """The compiled steps of one model: call with keyword arguments only (``DeviceState.fields()``,
+    ``batch=``, ``sampling=``); each returns ``(Sampled, new cache)`` (without ``sampling``: the logits),
+    the old cache donated."""
+
+    prefill: Any
+    decode: Any
+
+
+def jit_steps(
+    cfg: ModelConfig,
+    backend: LoraBackend,
+    attention: Any = "xla",
+    linear: str = "auto",
+    out_shardings: Any = None,
+) -> Steps:
+    """Jit :func:`prefill_step` and :func:`decode_step` for ``cfg`` on ``backend``, each traced under the
+    ``linear`` backend of the base projections (``kernels.linear``), the KV cache donated by name.
+    ``out_shardings`` (tensor parallelism): ``(sampled, cache)`` shardings, pinned so the donated cache
+    keeps one layout."""
+    jit = partial(jax.jit, donate_argnames="cache")
+    if out_shardings is not None:
+        jit = partial(jit, out_shardings=out_shardings)
+    return Steps(
+        jit(traced_with(linear, partial(prefill_step, cfg, backend))),
+        jit(traced_with(linear, partial(decode_step, cfg, backend, attention))),
     )
-    return sample(logits, *samp), cache
 
 
 def _sampling_arrays(rows: list[SamplingRow | None]) -> SamplingArrays:
@@ -87,7 +139,7 @@ class JaxRunner:
         self.mesh = None
         if n == 1:
             self.model_config, self.params, self.backend = checkpoint.config, checkpoint.params, backend
-            jit_out: dict[str, object] = {}
+            out_shardings = None
         else:
             sharding.check_tensor_parallel(checkpoint.config, n, len(jax.devices()))
             self.mesh = sharding.make_mesh(n)
@@ -96,7 +148,7 @@ class JaxRunner:
             self.backend = ShardedBackend(backend, self.mesh)
             cache = NamedSharding(self.mesh, sharding.CACHE_SPEC)
             self._cache_shardings = [(cache, cache)] * self.model_config.num_layers
-            jit_out = {"out_shardings": (NamedSharding(self.mesh, P()), self._cache_shardings)}
+            out_shardings = (NamedSharding(self.mesh, P()), self._cache_shardings)
         # decode attention over the pages: the TPU kernel runs per device of the mesh (kernels.attention)
         self.attention = DecodeAttention(resolve_attention(config.attention_backend), self.mesh)
         log.info(
@@ -111,7 +163,7 @@ class JaxRunner:
             resolve_linear(config.traced_linear_backend),
             config.linear_backend,
         )
-        self.inv_freq = jnp.asarray(self.model_config.inv_freq(), jnp.float32)
+        self.rope = jnp.asarray(self.model_config.inv_freq(), jnp.float32)
         self.buckets = config.prefill_buckets()
         self.prefill_shapes = config.prefill_shapes()
         self.key_block = M.key_block_pages(config.kv_page_size, config.pages_per_row)
@@ -126,12 +178,10 @@ class JaxRunner:
             self.num_pages * page_bytes / 2**20,
             config.max_seq_len,
         )
-        cfg, backend = self.model_config, self.backend
-        linear = config.traced_linear_backend  # the base projections of both steps (kernels.linear)
-        prefill = traced_with(linear, partial(_prefill_sample, cfg, backend))
-        self._prefill = jax.jit(prefill, donate_argnums=(8,), **jit_out)
-        decode = traced_with(linear, partial(_decode_sample, cfg, backend, attention=self.attention))
-        self._decode = jax.jit(decode, donate_argnums=(6,), **jit_out)
+        # the base projections of both steps run on config.traced_linear_backend (kernels.linear)
+        self._steps = jit_steps(
+            self.model_config, self.backend, self.attention, config.traced_linear_backend, out_shardings
+        )
         self.init_state()
 
     def init_state(self) -> None:
@@ -163,19 +213,17 @@ class JaxRunner:
         for width in self.page_buckets:
             tables = np.zeros((b, width), np.int32)
             for plan in self.backend.warmup_plans(b, self.config.max_loras):
-                out, self.cache = self._decode(
-                    self.params,
-                    self.pools.pools,
-                    zeros,
-                    zeros,
-                    tables,
-                    plan,
-                    self.cache,
-                    self.inv_freq,
-                    SamplingArrays.empty(b).as_tuple(),
+                out, self.cache = self._steps.decode(
+                    **self.state().fields(),
+                    batch=DecodeBatch(zeros, zeros, tables, plan),
+                    sampling=SamplingArrays.empty(b),
                 )
         self.pools.zero(0)
         jax.block_until_ready(out)
+
+    def state(self) -> DeviceState:
+        """What the next step reads: the params, the slot pools as the latest write left them, the cache."""
+        return DeviceState(self.params, self.pools.pools, self.cache, self.rope)
 
     def prepare(self, weights: LoraWeights) -> SlotValues:
         values = slot_arrays(self.checkpoint_config, weights, self.config.max_lora_rank)
@@ -233,18 +281,10 @@ class JaxRunner:
             rows[k] = item.sampling
         context = int(np.max(starts + lengths))
         blocks = np.int32(max(1, -(-context // (self.key_block * self.page_size))))
-        out, self.cache = self._prefill(
-            self.params,
-            self.pools.pools,
-            tokens,
-            lengths,
-            starts,
-            slots,
-            tables,
-            blocks,
-            self.cache,
-            self.inv_freq,
-            _sampling_arrays(rows).as_tuple(),
+        out, self.cache = self._steps.prefill(
+            **self.state().fields(),
+            batch=PrefillBatch(tokens, lengths, starts, slots, tables, blocks),
+            sampling=_sampling_arrays(rows),
         )
         return _to_host(out, any(item.sampling.logprobs for item in items))
 
@@ -258,15 +298,13 @@ class JaxRunner:
     ) -> StepOutput:
         needed = int(np.max(positions)) // self.page_size + 1  # pages of the longest row
         width = next(w for w in self.page_buckets if w >= needed)
-        out, self.cache = self._decode(
-            self.params,
-            self.pools.pools,
+        batch = DecodeBatch(
             tokens,
             positions,
             np.array(page_tables[:, :width], np.int32),  # a copy: the caller rewrites its tables next step
             self.backend.plan(slots, self.config.max_loras),
-            self.cache,
-            self.inv_freq,
-            _sampling_arrays(sampling).as_tuple(),
+        )
+        out, self.cache = self._steps.decode(
+            **self.state().fields(), batch=batch, sampling=_sampling_arrays(sampling)
         )
         return _to_host(out, any(r is not None and r.logprobs for r in sampling))

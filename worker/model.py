@@ -5,13 +5,15 @@ RMSNorm and sandwich norms, q/k norm (Qwen3, Gemma 3), scaled embeddings, GELU-t
 logit soft-capping, sliding-window layers and a second RoPE table for them; layers are unrolled, so a
 layer's kind costs no extra compiled variant.
 
-Parameters come from ``worker.checkpoint`` (one dict per layer, matrices ``[out, in]`` as in Hugging Face,
-q/k/v and gate/up fused); LoRA slot pools come from ``worker.slots`` (per layer one ``A_<group>`` with the
-ranks of the group's modules side by side and one ``B_<module>`` per module, scaling folded into B; the
-layout and the ops belong to a LoRA backend object, ``kernels.backends``, which the model calls
-without knowing which one it is; plus per group the DoRA-scale and LoRA-bias vectors of ``worker.dora``,
-applied to each adapter row's output after the backend's LoRA, the same for every backend; and in layer 0
-the embed_tokens / lm_head pools of ``worker.embed_lora``, added to each row's embedding and logits); the KV cache
+Both steps take the device-step contract of ``worker.step``: a ``DeviceState`` (params, LoRA pools, KV
+cache, RoPE table) and a ``PrefillBatch`` or ``DecodeBatch``. Parameters come from ``worker.checkpoint`` (one
+dict per layer, matrices ``[out, in]`` as in Hugging Face, q/k/v and gate/up fused); the LoRA slot pools
+(``LoraPools``) from ``worker.slots``: per layer one ``A_<group>`` with the ranks of the group's modules
+side by side and one ``B_<module>`` per module, scaling folded into B (the layout and the ops belong to a
+LoRA backend object, ``kernels.backends``, which the model calls without knowing which one it is), plus
+per group the DoRA-scale and LoRA-bias vectors of ``worker.dora``, applied to each adapter row's output
+after the backend's LoRA, the same for every backend; and apart (``LoraPools.vocab``) the embed_tokens /
+lm_head pools of ``worker.embed_lora``, added to each row's embedding and logits. The KV cache
 is paged (docs/design.md §10.3): one ``(k_pages, v_pages)`` pair per layer, each ``[kv_heads, pages,
 page_size, head_dim]`` (see ``init_cache``), updated in place (donated). A sequence's positions live in the pages its page table lists (``worker.kv_cache`` hands them
 out); attention gathers a row's pages and masks by position, so the shapes never depend on which pages.
@@ -32,16 +34,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from loraserve.kernels.attention import DecodeAttention
-from loraserve.kernels.backends import COLUMN, ROW, LoraBackend, Plan
+from loraserve.kernels.backends import COLUMN, ROW, LoraBackend
 from loraserve.kernels.linear import linear
 from loraserve.worker.dora import apply_vectors, init_vector_pools
 from loraserve.worker.embed_lora import apply_embed, apply_lm_head, init_vocab_pools
 from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.step import Cache, DecodeBatch, DeviceState, LoraPools, Params, PrefillBatch
 
 Array = jax.Array
-Params = dict[str, Any]  # embed, final_norm, lm_head?, layers: list of per-layer dicts
-Lora = list[dict[str, Array]]  # per layer: A_qkv, B_q, ...
-Cache = list[tuple[Array, Array]]  # per layer: k_pages, v_pages [kv_heads, pages, page_size, D]
+Lora = list[dict[str, Array]]  # per layer: A_qkv, B_q, ... (LoraPools.layers)
 # (y, x, layer pools, group, parallel, base bias) -> y + LoRA(x), then DoRA's scale and the LoRA bias of
 # each row's slot (worker.dora): the strategy differs between decode (per-row slots) and prefill (per
 # segment); ``parallel`` (kernels.backends.COLUMN / ROW) says how tensor parallelism splits the layer.
@@ -82,14 +83,18 @@ def _softcap(x: Array, cap: float | None) -> Array:
 
 
 def _embed(
-    cfg: ModelConfig, params: Params, tokens: Array, lora: Lora | None = None, slots: Array | None = None
+    cfg: ModelConfig,
+    params: Params,
+    tokens: Array,
+    vocab: dict[str, Array] | None = None,
+    slots: Array | None = None,
 ) -> Array:
-    """tokens [T] -> [T, H]; with ``lora`` and ``slots`` ([G], T = G groups of consecutive tokens) each
-    row's embed_tokens LoRA is added (``worker.embed_lora``); then Gemma scales by sqrt(hidden), rounded to
-    the embedding dtype as HF does."""
+    """tokens [T] -> [T, H]; with the ``vocab`` pools (``LoraPools.vocab``) and ``slots`` ([G], T = G groups
+    of consecutive tokens) each row's embed_tokens LoRA is added (``worker.embed_lora``); then Gemma scales
+    by sqrt(hidden), rounded to the embedding dtype as HF does."""
     h = params["embed"][tokens]
-    if lora is not None and slots is not None and "A_embed" in lora[0]:
-        h = apply_embed(h, tokens, lora[0], slots)
+    if vocab is not None and slots is not None and "A_embed" in vocab:
+        h = apply_embed(h, tokens, vocab, slots)
     return h if cfg.embed_scale is None else h * jnp.asarray(cfg.embed_scale, h.dtype)
 
 
@@ -182,15 +187,19 @@ def _scores(cfg: ModelConfig, scores: Array) -> Array:
 
 
 def logits_from_hidden(
-    cfg: ModelConfig, params: Params, h: Array, lora: Lora | None = None, slots: Array | None = None
+    cfg: ModelConfig,
+    params: Params,
+    h: Array,
+    vocab: dict[str, Array] | None = None,
+    slots: Array | None = None,
 ) -> Array:
     """h [G, H] -> logits [G, V] in f32. Semantics: final norm, lm_head (or tied embeddings), plus each
-    row's lm_head LoRA (``slots`` [G], ``worker.embed_lora``) where given, then the final soft-cap where the
-    config has one (Gemma 2)."""
+    row's lm_head LoRA (``vocab`` pools, ``slots`` [G], ``worker.embed_lora``) where given, then the final
+    soft-cap where the config has one (Gemma 2)."""
     x = _norm(cfg, h, params["final_norm"])
     logits = linear(x, params["lm_head"] if "lm_head" in params else params["embed"])
-    if lora is not None and slots is not None and "A_lm_head" in lora[0]:
-        logits = apply_lm_head(logits, x, lora[0], slots)
+    if vocab is not None and slots is not None and "A_lm_head" in vocab:
+        logits = apply_lm_head(logits, x, vocab, slots)
     return _softcap(logits, cfg.final_logit_softcap)
 
 
@@ -290,18 +299,7 @@ def _attend_blocks(
 
 
 def prefill_packed(
-    cfg: ModelConfig,
-    params: Params,
-    lora: Lora,
-    tokens: Array,  # [G, L] int32: G sequences' new tokens, each padded to L
-    lengths: Array,  # [G] int32: real new tokens per sequence (0 = an unused segment)
-    starts: Array,  # [G] int32: position of each sequence's first new token (a cached prefix before it)
-    slots: Array,  # [G] int32: adapter slot per sequence, -1 = base
-    page_tables: Array,  # [G, R] int32: each sequence's pages (0 = the null page)
-    key_blocks: Array,  # [] int32: ceil(max(starts + lengths) / (block pages * page size))
-    cache: Cache,
-    inv_freq: Array,  # [D/2] f32, or [2, D/2] (global, local): ModelConfig.inv_freq()
-    backend: LoraBackend,
+    cfg: ModelConfig, backend: LoraBackend, state: DeviceState, batch: PrefillBatch
 ) -> tuple[Array, Cache]:
     """Prefill G sequences in one call (packed, each with its own adapter: SGMV-style segments); write
     their keys/values into their pages; returns each sequence's last-token logits ``[G, V]``.
@@ -311,6 +309,9 @@ def prefill_packed(
     ``sliding_window``), LoRA of ``slots[g]`` on every targeted projection. Padded tokens write to the
     null page and are never attended to by real ones.
     """
+    params, lora, cache, inv_freq = state.params, state.pools.layers, state.cache, state.rope
+    tokens, lengths, starts, slots = batch.tokens, batch.lengths, batch.starts, batch.slots
+    page_tables, key_blocks = batch.page_tables, batch.key_blocks
     g, t = tokens.shape
     page = cache[0][0].shape[2]
     block = key_block_pages(page, page_tables.shape[1])
@@ -330,7 +331,7 @@ def prefill_packed(
 
     flat_pos = positions.reshape(g * t)
     kv_dtype = _kv_dtype(params, cache[0][0])
-    h = _embed(cfg, params, tokens.reshape(g * t), lora, slots)
+    h = _embed(cfg, params, tokens.reshape(g * t), state.pools.vocab, slots)
     new_cache: Cache = []
     for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [G*L, heads, D]
@@ -354,55 +355,20 @@ def prefill_packed(
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
         new_cache.append((k_pages, v_pages))
     last = jnp.take_along_axis(h.reshape(g, t, -1), jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    return logits_from_hidden(cfg, params, last, lora, slots), new_cache
+    return logits_from_hidden(cfg, params, last, state.pools.vocab, slots), new_cache
 
 
-def prefill(
-    cfg: ModelConfig,
-    params: Params,
-    lora: Lora,
-    tokens: Array,  # [T] int32, padded to a bucket
-    length: Array,  # [] int32, real token count (1..T)
-    start: Array,  # [] int32, position of tokens[0]: positions before it are already in the pages
-    slot: Array,  # [] int32, adapter slot or -1
-    page_table: Array,  # [R] int32, the sequence's pages (0 = the null page)
-    cache: Cache,
-    inv_freq: Array,  # [D/2] f32, or [2, D/2] (global, local): ModelConfig.inv_freq()
-    backend: LoraBackend,
-) -> tuple[Array, Cache]:
-    """One sequence: :func:`prefill_packed` with G = 1 over every key block of the row; returns the last
-    token's logits [V]."""
-    page = cache[0][0].shape[2]
-    rows = page_table.shape[0]
-    blocks = jnp.int32(-(-rows // key_block_pages(page, rows)))
-    logits, cache = prefill_packed(
-        cfg,
-        params,
-        lora,
-        tokens[None],
-        jnp.reshape(length, (1,)),
-        jnp.reshape(start, (1,)),
-        jnp.reshape(slot, (1,)),
-        page_table[None],
-        blocks,
-        cache,
-        inv_freq,
-        backend,
-    )
-    return logits[0], cache
+def whole_row_key_blocks(page_size: int, pages_per_row: int) -> int:
+    """``PrefillBatch.key_blocks`` covering a row's every page: a one-sequence prefill that need not know
+    how long the row's context is (tests, benchmarks)."""
+    return -(-pages_per_row // key_block_pages(page_size, pages_per_row))
 
 
 def decode(
     cfg: ModelConfig,
-    params: Params,
-    lora: Lora,
-    tokens: Array,  # [B] int32, the last token of each row
-    positions: Array,  # [B] int32, the position of that token
-    page_tables: Array,  # [B, W] int32: each row's first W pages (W * page_size > every position)
-    plan: Plan | None,  # from backend.plan(); None = no row has an adapter
-    cache: Cache,
-    inv_freq: Array,  # [D/2] f32, or [2, D/2] (global, local): ModelConfig.inv_freq()
     backend: LoraBackend,
+    state: DeviceState,
+    batch: DecodeBatch,
     attention: str | DecodeAttention = "xla",
 ) -> tuple[Array, Cache]:
     """One decode step for every row; returns logits [B, V] and the cache with each row's new k/v.
@@ -414,6 +380,8 @@ def decode(
     ``attention``: how the paged attention runs (``kernels.attention``: ``"xla"``, ``"pallas"`` or a
     ``DecodeAttention``; a sharded ``backend``'s mesh is used for the Pallas kernel).
     """
+    params, lora, cache, inv_freq = state.params, state.pools.layers, state.cache, state.rope
+    tokens, positions, page_tables, plan = batch.tokens, batch.positions, batch.page_tables, batch.plan
     b = page_tables.shape[0]
     page = cache[0][0].shape[2]
     attend = DecodeAttention.of(attention, backend)
@@ -430,7 +398,7 @@ def decode(
         y = backend.apply_decode(y, x, *_group_pools(ll, group), plan, parallel)
         return apply_vectors(y, ll, group, rows, bias)
 
-    h = _embed(cfg, params, tokens, lora, rows)
+    h = _embed(cfg, params, tokens, state.pools.vocab, rows)
     kv_dtype = _kv_dtype(params, cache[0][0])
     new_cache: Cache = []
     for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
@@ -453,7 +421,7 @@ def decode(
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
         new_cache.append((k_pages, v_pages))
-    return logits_from_hidden(cfg, params, h, lora, rows), new_cache
+    return logits_from_hidden(cfg, params, h, state.pools.vocab, rows), new_cache
 
 
 def lora_slot_shapes(cfg: ModelConfig, max_rank: int) -> dict[str, tuple[int, int]]:
@@ -470,14 +438,15 @@ def lora_slot_shapes(cfg: ModelConfig, max_rank: int) -> dict[str, tuple[int, in
     return out
 
 
-def empty_lora(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, backend: LoraBackend) -> Lora:
+def empty_lora(
+    cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, backend: LoraBackend
+) -> LoraPools:
     """Zeroed slot pools, in ``backend``'s layout, for ``max_loras`` adapters of rank up to ``max_rank``
-    on all seven modules, plus the DoRA-scale (ones) and LoRA-bias (zeros) vector pools of ``worker.dora``,
-    and in layer 0 only the embed_tokens / lm_head pools of ``worker.embed_lora``."""
+    on all seven modules, plus the DoRA-scale (ones) and LoRA-bias (zeros) vector pools of ``worker.dora``
+    per layer, and the embed_tokens / lm_head pools of ``worker.embed_lora`` (``LoraPools.vocab``)."""
     pools = backend.init_pools(lora_slot_shapes(cfg, max_rank), cfg.num_layers, max_loras, dtype)
-    out = [{**layer, **init_vector_pools(lora_vector_sizes(cfg), max_loras)} for layer in pools]
-    out[0].update(init_vocab_pools(cfg, max_loras, max_rank, dtype))
-    return out
+    layers = [{**layer, **init_vector_pools(lora_vector_sizes(cfg), max_loras)} for layer in pools]
+    return LoraPools(layers, init_vocab_pools(cfg, max_loras, max_rank, dtype))
 
 
 def lora_vector_sizes(cfg: ModelConfig) -> dict[str, int]:

@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-from functools import partial
 from typing import Any
 
 FORCE_DEVICES = "--xla_force_host_platform_device_count"
@@ -68,11 +67,11 @@ def compiled_decode_memory(
 
     from loraserve.kernels.attention import DecodeAttention, resolve_attention
     from loraserve.kernels.backends import XlaOneHotBackend
-    from loraserve.kernels.linear import traced_with
     from loraserve.worker import sharding
     from loraserve.worker.config import EngineConfig
-    from loraserve.worker.jax_runner import _decode_sample
+    from loraserve.worker.jax_runner import jit_steps
     from loraserve.worker.sampling import SamplingArrays
+    from loraserve.worker.step import DecodeBatch
 
     config = EngineConfig(
         max_batch_size=batch,
@@ -98,23 +97,21 @@ def compiled_decode_memory(
     inv_freq = np.asarray(tcfg.inv_freq(), np.float32)
     samp = tuple(abstract(a) for a in SamplingArrays.empty(batch).as_tuple())
     attention = DecodeAttention.of(resolve_attention(config.attention_backend), backend)  # as the worker
-    decode = partial(_decode_sample, tcfg, backend, attention=attention)
-    step = jax.jit(
-        traced_with(config.traced_linear_backend, decode),  # as the worker traces its steps
-        donate_argnums=(6,),
-        out_shardings=st["out_shardings"],
-    )
+    step = jit_steps(
+        tcfg,
+        backend,
+        attention,
+        config.traced_linear_backend,
+        st["out_shardings"],  # as the worker
+    ).decode
     tables = jax.ShapeDtypeStruct((batch, config.pages_per_row), jnp.int32, sharding=rep)  # the widest step
     compiled = step.lower(
-        st["params"],
-        st["pools"],
-        rows,
-        rows,
-        tables,
-        jax.tree.map(abstract, plan),
-        st["cache"],
-        abstract(inv_freq),
-        samp,
+        params=st["params"],
+        pools=st["pools"],
+        cache=st["cache"],
+        rope=abstract(inv_freq),
+        batch=DecodeBatch(rows, rows, tables, jax.tree.map(abstract, plan)),
+        sampling=SamplingArrays(*samp),
     ).compile()
     mem = compiled.memory_analysis()
     return {

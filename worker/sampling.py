@@ -10,6 +10,7 @@ Likewise the log-softmax and top-``TOP_LOGPROBS`` that logprobs need run only wh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -24,9 +25,14 @@ Array = jax.Array
 TOP_LOGPROBS = MAX_LOGPROBS  # alternatives computed per row that asks (one compiled shape for every N)
 
 
+@partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["temperature", "top_k", "top_p", "seed_lo", "seed_hi", "step", "logprobs"],
+    meta_fields=[],
+)
 @dataclass(frozen=True)
 class SamplingArrays:
-    """Host-side per-row sampling parameters, each shaped ``[B]``."""
+    """Per-row sampling parameters, each shaped ``[B]`` (host arrays; a pytree, so a step takes it whole)."""
 
     temperature: np.ndarray  # f32, 0 = greedy
     top_k: np.ndarray  # int32, 0 = off

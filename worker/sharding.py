@@ -40,6 +40,7 @@ from loraserve.worker.model import (
     lora_vector_sizes,
 )
 from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.step import LoraPools
 
 # Which way each LoRA group's layer is split (Megatron): by output (column) or by input (row).
 GROUP_PARALLEL: dict[str, str] = {"qkv": COLUMN, "o": ROW, "gate_up": COLUMN, "down": ROW}
@@ -170,7 +171,7 @@ def pool_specs(cfg: ModelConfig, backend: ShardedBackend) -> dict[str, P]:
         # for o/down (applied to the all-reduced output)
         vec = P(None, AXIS) if GROUP_PARALLEL[group] == COLUMN else P()
         out.update({scale_name(group): vec, bias_name(group): vec})
-    # worker.embed_lora's vocabulary-sized pools (layer 0 only): A_embed [S, V, R] split by vocab like the
+    # worker.embed_lora's vocabulary-sized pools (LoraPools.vocab): A_embed [S, V, R] split by vocab like the
     # embedding, B_lm_head [S, R, V] like lm_head (when N divides the vocabulary, else replicated, as the
     # weights are); B_embed and A_lm_head whole
     split = cfg.vocab_size % backend.shards == 0
@@ -306,14 +307,12 @@ def abstract_state(
         }
         for _ in range(cfg.num_layers)
     ]
-    pools[0].update(
-        {
-            k: sds((config.max_loras, *s), pool_dtype, pspecs[k])
-            for k, s in vocab_slot_shapes(tcfg, config.max_lora_rank).items()
-        }
-    )
+    vocab = {
+        k: sds((config.max_loras, *s), pool_dtype, pspecs[k])
+        for k, s in vocab_slot_shapes(tcfg, config.max_lora_rank).items()
+    }
     cache_out = [(NamedSharding(mesh, CACHE_SPEC),) * 2 for _ in range(cfg.num_layers)]
     return {
-        "params": aparams, "cache": cache, "pools": pools, "model_config": tcfg, "backend": sharded,
+        "params": aparams, "cache": cache, "pools": LoraPools(pools, vocab), "model_config": tcfg, "backend": sharded,
         "out_shardings": (NamedSharding(mesh, P()), cache_out),
     }  # fmt: skip

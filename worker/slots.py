@@ -1,9 +1,9 @@
 """Adapter slots on the device: preallocated pools and the host arrays written into one slot.
 
-The pools (per layer one ``A_<group>`` and one ``B_<module>`` per module, in the layout of the LoRA
-backend object, ``kernels.backends``, plus the DoRA-scale and LoRA-bias vectors of ``worker.dora``, and in
-layer 0 the embed_tokens / lm_head pools of ``worker.embed_lora``, canonical for every backend) are
-allocated once; a swap writes one slot through a jitted ``.at[slot].set`` on donated buffers, so shapes
+The pools (``worker.step.LoraPools``: per layer one ``A_<group>`` and one ``B_<module>`` per module, in
+the layout of the LoRA backend object, ``kernels.backends``, plus the DoRA-scale and LoRA-bias vectors of
+``worker.dora``; apart, the embed_tokens / lm_head pools of ``worker.embed_lora``, canonical for every
+backend) are allocated once; a swap writes one slot through a jitted ``.at[slot].set`` on donated buffers, so shapes
 never change and nothing compiles. The bookkeeping (which adapter is where, LRU, pins, host tier) is
 ``worker.slot_table`` (no JAX); ``SlotPools`` owns the device arrays and is touched only by the JAX runner
 on the engine thread, which applies writes between decode steps (``with_scales``, which reads only the
@@ -24,8 +24,10 @@ from loraserve.worker.dora import bias_name, dora_scale, is_vector_pool, magnitu
 from loraserve.worker.embed_lora import is_vocab_pool, vocab_slot_shapes, vocab_slot_values
 from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, lora_slot_shapes, lora_vector_sizes
 from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.step import LoraPools
 
-SlotValues = list[dict[str, np.ndarray]]  # per layer, pool name -> one slot's array
+# per layer, pool name -> one slot's array; layer 0 also holds the vocabulary pools' (LoraPools.vocab)
+SlotValues = list[dict[str, np.ndarray]]
 BaseWeights = list[dict[str, jax.Array]]  # per layer, LoRA group -> fused base weight [out, in]
 
 
@@ -105,21 +107,23 @@ def _dora_scales(values: Lora, base: BaseWeights, shards: int) -> list[dict[str,
     return out
 
 
-_dora_scales_jit = jax.jit(_dora_scales, static_argnums=2)
+_dora_scales_jit = jax.jit(_dora_scales, static_argnames="shards")
 
 
-def _write_slot(pools: Lora, slot: jax.Array, values: Lora, backend: LoraBackend) -> Lora:
+def _write_slot(pools: LoraPools, slot: jax.Array, values: Lora, backend: LoraBackend) -> LoraPools:
     def put(name: str, pool: jax.Array, value: jax.Array) -> jax.Array:
         value = value.astype(pool.dtype)  # the worker.dora vectors have one layout for every backend
         canonical = is_vector_pool(name) or is_vocab_pool(name)
         return pool.at[slot].set(value if canonical else backend.to_pool_layout(value))
 
-    return [
-        {k: put(k, v, vals[k]) for k, v in layer.items()} for layer, vals in zip(pools, values, strict=True)
+    layers = [
+        {k: put(k, v, vals[k]) for k, v in layer.items()}
+        for layer, vals in zip(pools.layers, values, strict=True)
     ]
+    return LoraPools(layers, {k: put(k, v, values[0][k]) for k, v in pools.vocab.items()})
 
 
-_write_slot_jit = jax.jit(_write_slot, donate_argnums=0, static_argnums=3)
+_write_slot_jit = jax.jit(_write_slot, donate_argnames="pools", static_argnames="backend")
 
 
 def is_scaled(values: SlotValues) -> bool:
@@ -150,12 +154,14 @@ class SlotPools:
     ) -> None:
         self.cfg, self.max_loras, self.max_rank, self.dtype = cfg, max_loras, max_rank, dtype
         self.backend, self.shardings, self.base = backend, shardings, base
-        self.pools: Lora = empty_lora(cfg, max_loras, max_rank, dtype, backend)
+        self.pools: LoraPools = empty_lora(cfg, max_loras, max_rank, dtype, backend)
         self._write = _write_slot_jit
         if shardings is not None:
-            layered = [{k: shardings[k] for k in layer} for layer in self.pools]
+            layered = jax.tree.map_with_path(lambda path, _: shardings[path[-1].key], self.pools)
             self.pools = jax.device_put(self.pools, layered)
-            self._write = jax.jit(_write_slot, donate_argnums=0, static_argnums=3, out_shardings=layered)
+            self._write = jax.jit(
+                _write_slot, donate_argnames="pools", static_argnames="backend", out_shardings=layered
+            )
         zeros = {k: np.zeros(s, np.float32) for k, s in lora_slot_shapes(cfg, max_rank).items()}
         for group, size in lora_vector_sizes(cfg).items():
             zeros.update(
@@ -183,7 +189,7 @@ class SlotPools:
         if dora and self.base is None:
             raise ValueError("a DoRA slot needs the base weights: SlotPools(..., base=base_weights(params))")
         if (dora or on_device) and self.base is not None:
-            scales = jax.tree.map(np.asarray, _dora_scales_jit(values, self.base, self.backend.shards))
+            scales = jax.tree.map(np.asarray, _dora_scales_jit(values, self.base, shards=self.backend.shards))
         else:
             scales = [
                 {scale_name(g): np.ones(v[mask_name(g)].shape, np.float32) for g in LORA_GROUPS}
@@ -198,21 +204,21 @@ class SlotPools:
     def write(self, slot: int, values: SlotValues) -> None:
         """Write one slot: a jitted, donated ``.at[slot].set`` (values without their DoRA scales get them
         first, :meth:`with_scales`, here on the calling thread)."""
-        self.pools = self._write(self.pools, jnp.int32(slot), self.with_scales(values), self.backend)
+        self.pools = self._write(
+            pools=self.pools, slot=jnp.int32(slot), values=self.with_scales(values), backend=self.backend
+        )
 
     def read(self, slot: int) -> SlotValues:
-        """One slot back: matrices in the canonical layout, vectors as stored (host arrays)."""
-        return [
-            {
-                k: np.asarray(
-                    pool[slot]
-                    if is_vector_pool(k) or is_vocab_pool(k)
-                    else self.backend.from_pool_layout(pool[slot])
-                )
-                for k, pool in layer.items()
-            }
-            for layer in self.pools
-        ]
+        """One slot back: matrices in the canonical layout, vectors as stored (host arrays); the vocabulary
+        pools' in layer 0, as ``slot_arrays`` gives them."""
+
+        def value(k: str, pool: jax.Array) -> np.ndarray:
+            canonical = is_vector_pool(k) or is_vocab_pool(k)
+            return np.asarray(pool[slot] if canonical else self.backend.from_pool_layout(pool[slot]))
+
+        out = [{k: value(k, pool) for k, pool in layer.items()} for layer in self.pools.layers]
+        out[0].update({k: value(k, pool) for k, pool in self.pools.vocab.items()})
+        return out
 
     def zero(self, slot: int) -> None:
         if self._zeros_scaled is None:  # the first call (warm-up) compiles the DoRA scales; kept after

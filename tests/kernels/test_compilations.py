@@ -16,7 +16,7 @@ from loraserve.kernels.testing import count_compilations, random_lora_case
 T, D_IN, D_OUT, S, R = 24, 32, 48, 6, 8
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
+@functools.partial(jax.jit, donate_argnames=("A", "B"))
 def _swap(A, B, slot, a, b):
     """Write one adapter into a slot in place (what the worker does on a swap)."""
     return A.at[slot].set(a), B.at[slot].set(b)

@@ -41,6 +41,8 @@ from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.sharding import param_shapes
+from loraserve.worker.step import DecodeBatch, DeviceState
+from tests.worker.model_steps import ModelSteps
 
 TOL = 2e-5
 MODEL_TOL = 2e-2
@@ -191,21 +193,19 @@ def test_model_decode_with_pallas_attention_matches_xla(model_dirs, family: str)
     cache = M.init_cache(cfg, 1 + rows * width + 3, page, jnp.float32)
     tables = np.flip(M.contiguous_page_tables(rows, width), axis=1).copy()  # pages in reverse order
     tables[0, 3] = 0  # row 0 holds 3 pages; the null page in its last entry
-    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
     prompts = [[5, 17, 33, 100, 7, 9, 11, 12, 40, 41], [3, 4], [250, 11, 12, 13, 60, 61, 62, 63, 64]]
-    prefill = jax.jit(partial(M.prefill, cfg, backend=backend))
+    steps = ModelSteps(cfg, backend, ck.params, pools, cache)
     for row, p in enumerate(prompts):
         tokens = np.zeros(16, np.int32)
         tokens[: len(p)] = p
-        _, cache = prefill(
-            ck.params, pools, tokens, np.int32(len(p)), np.int32(0), np.int32(-1), tables[row], cache, inv
-        )
-    positions = np.array([len(p) for p in prompts], np.int32)
-    tokens = np.array([8, 9, 10], np.int32)
+        steps.prefill_one(tokens, len(p), 0, -1, tables[row])
+    batch = DecodeBatch(
+        np.array([8, 9, 10], np.int32), np.array([len(p) for p in prompts], np.int32), tables, None
+    )
     out = {}
-    for impl in ("xla", "pallas", "cpu"):
-        step = jax.jit(partial(M.decode, cfg, backend=backend, attention=impl))
-        out[impl] = np.asarray(step(ck.params, pools, tokens, positions, tables, None, cache, inv)[0])
+    for impl in ("xla", "pallas", "cpu"):  # the same cache for each: not donated
+        step = jax.jit(lambda state, batch, impl=impl: M.decode(cfg, backend, state, batch, impl)[0])
+        out[impl] = np.asarray(step(steps.state(), batch))
     np.testing.assert_allclose(out["pallas"], out["xla"], atol=MODEL_TOL, rtol=MODEL_TOL)
     np.testing.assert_array_equal(out["pallas"].argmax(-1), out["xla"].argmax(-1))
     np.testing.assert_allclose(out["cpu"], out["xla"], atol=1e-5, rtol=1e-5)  # f32 cache: sums' order only
@@ -230,10 +230,8 @@ def _tpu_export_kernel_calls(cfg: ModelConfig, impl: str, dtype=jnp.bfloat16) ->
     attention = DecodeAttention(impl, interpret=False)  # lower the kernel, not the interpreter
     backend = get_backend("xla-grouped")
 
-    def step(params, pools, tokens, positions, tables, cache, inv_freq):
-        return M.decode(
-            cfg, params, pools, tokens, positions, tables, None, cache, inv_freq, backend, attention
-        )
+    def step(state: DeviceState, batch: DecodeBatch):
+        return M.decode(cfg, backend, state, batch, attention)
 
     sds = jax.ShapeDtypeStruct
     params = jax.tree.map(lambda s: sds(s, dtype), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
@@ -242,13 +240,8 @@ def _tpu_export_kernel_calls(cfg: ModelConfig, impl: str, dtype=jnp.bfloat16) ->
     pools = jax.eval_shape(lambda: M.empty_lora(cfg, 2, 16, dtype, backend))
     ints = sds((rows,), jnp.int32)
     exported = jax.export.export(jax.jit(step), platforms=["tpu"])(
-        params,
-        pools,
-        ints,
-        ints,
-        sds((rows, width), jnp.int32),
-        cache,
-        sds((cfg.head_dim // 2,), jnp.float32),
+        DeviceState(params, pools, cache, sds((cfg.head_dim // 2,), jnp.float32)),
+        DecodeBatch(ints, ints, sds((rows, width), jnp.int32), None),
     )
     assert exported.platforms == ("tpu",)
     return kernel_calls(exported.mlir_module())

@@ -11,6 +11,8 @@ backend refuses an adapter type.
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,7 @@ from loraserve.worker.dora import apply_vectors, bias_name, scale_name
 from loraserve.worker.embed_lora import apply_embed, apply_lm_head
 from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.sharding import param_shapes
+from loraserve.worker.step import DecodeBatch, DeviceState, PrefillBatch
 
 EXAMPLES = settings(max_examples=40, deadline=None)
 
@@ -136,7 +139,8 @@ def test_decode_and_packed_prefill_with_every_adapter_pool_lower_for_tpu(monkeyp
     cfg = ModelConfig(**LLAMA)
     backend = get_backend("pallas")
     params, pools = _abstract(cfg, backend)
-    assert {"dora_scale_qkv", "lora_bias_down", "A_embed", "B_lm_head"} <= set(pools[0])
+    assert {"dora_scale_qkv", "lora_bias_down"} <= set(pools.layers[0])
+    assert {"A_embed", "B_embed", "A_lm_head", "B_lm_head"} == set(pools.vocab)
     sds = jax.ShapeDtypeStruct
     rows, page, pages = 16, 16, 65
     cache = [
@@ -145,11 +149,9 @@ def test_decode_and_packed_prefill_with_every_adapter_pool_lower_for_tpu(monkeyp
     ints = sds((rows,), jnp.int32)
     inv = sds((cfg.head_dim // 2,), jnp.float32)
 
-    def decode(params, pools, tokens, positions, tables, plan, cache, inv_freq):
-        return M.decode(cfg, params, pools, tokens, positions, tables, plan, cache, inv_freq, backend, "xla")
-
-    exported = jax.export.export(jax.jit(decode), platforms=["tpu"])(
-        params, pools, ints, ints, sds((rows, 4), jnp.int32), ints, cache, inv
+    state = DeviceState(params, pools, cache, inv)
+    exported = jax.export.export(jax.jit(partial(M.decode, cfg, backend)), platforms=["tpu"])(
+        state, DecodeBatch(ints, ints, sds((rows, 4), jnp.int32), ints)
     )
     # two kernels (shrink, expand) per LoRA call: 4 groups a layer
     assert (
@@ -157,23 +159,10 @@ def test_decode_and_packed_prefill_with_every_adapter_pool_lower_for_tpu(monkeyp
         and exported.mlir_module().count("tpu_custom_call") >= 8 * cfg.num_layers
     )
 
-    def prefill(params, pools, tokens, lengths, starts, slots, tables, blocks, cache, inv_freq):
-        return M.prefill_packed(
-            cfg, params, pools, tokens, lengths, starts, slots, tables, blocks, cache, inv_freq, backend
-        )
-
     g, t = 2, 64
     gs = sds((g,), jnp.int32)
-    exported = jax.export.export(jax.jit(prefill), platforms=["tpu"])(
-        params,
-        pools,
-        sds((g, t), jnp.int32),
-        gs,
-        gs,
-        gs,
-        sds((g, 4), jnp.int32),
-        sds((), jnp.int32),
-        cache,
-        inv,
+    batch = PrefillBatch(sds((g, t), jnp.int32), gs, gs, gs, sds((g, 4), jnp.int32), sds((), jnp.int32))
+    exported = jax.export.export(jax.jit(partial(M.prefill_packed, cfg, backend)), platforms=["tpu"])(
+        state, batch
     )
     assert exported.platforms == ("tpu",)

@@ -12,8 +12,6 @@ DoRA/bias adapters are swapped in and served. The engine, tensor parallelism and
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +25,9 @@ from loraserve.kernels.testing import count_compilations
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slots import SlotPools, base_weights, slot_arrays
+from loraserve.worker.step import PrefillBatch
 from tests.conftest import DORA_ADAPTERS
+from tests.worker.model_steps import ModelSteps
 from tests.worker.test_lora_parity import PROMPT, STEPS, _reference_logits, _serve_mixed
 
 ATOL = 2e-4
@@ -158,36 +158,28 @@ def test_loading_and_serving_dora_compiles_nothing_after_warmup(model_dirs, dora
     values = [slot_arrays(cfg, _weights(cfg, dirs[n]), RANK) for n in NAMES]
     rows, slots = 4, 3
     pools = SlotPools(cfg, slots, RANK, jnp.dtype(jnp.float32), lora, base=base_weights(ck.params))
-    cache = M.init_cache(cfg, rows * 2 + 1, 16, jnp.float32)
     tables = M.contiguous_page_tables(rows, 2)
-    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    prefill = jax.jit(partial(M.prefill, cfg, backend=lora), donate_argnums=(7,))
-    decode = jax.jit(partial(M.decode, cfg, backend=lora), donate_argnums=(6,))
+    steps = ModelSteps(cfg, lora, ck.params, pools, M.init_cache(cfg, rows * 2 + 1, 16, jnp.float32))
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT
-    n, zero, same = np.int32(len(PROMPT)), np.int32(0), np.full(rows, len(PROMPT), np.int32)
+    n, same, nines = len(PROMPT), np.full(rows, len(PROMPT), np.int32), np.full(rows, 9, np.int32)
     pools.zero(0)  # warm-up, as the runner does it
-    _, cache = prefill(ck.params, pools.pools, tokens, n, zero, zero, tables[0], cache, inv)
+    steps.prefill_one(tokens, n, 0, 0, tables[0])
     for plan in lora.warmup_plans(rows, slots):
-        _, cache = decode(ck.params, pools.pools, np.full(rows, 9, np.int32), same, tables, plan, cache, inv)
-    jax.block_until_ready(cache)
+        steps.decode(nines, same, tables, plan)
+    jax.block_until_ready(steps.cache)
     with count_compilations() as count:
         for i, v in enumerate(values * 2):  # DoRA, bias and plain adapters swapped through 3 slots
             pools.write(i % slots, v)
         for row, slot in enumerate([0, 1, 2, -1]):
-            _, cache = prefill(
-                ck.params, pools.pools, tokens, n, zero, np.int32(slot), tables[row], cache, inv
-            )
+            steps.prefill_one(tokens, n, 0, slot, tables[row])
         for mix in ([0, 1, 2, -1], [0, 0, 0, 0], [2, -1, 1, 1]):
-            plan = lora.plan(np.array(mix, np.int32), slots)
-            out, cache = decode(
-                ck.params, pools.pools, np.full(rows, 9, np.int32), same, tables, plan, cache, inv
-            )
+            out = steps.decode(nines, same, tables, lora.plan(np.array(mix, np.int32), slots))
         jax.block_until_ready(out)
     assert count.compilations == 0, count.names
     # the last writes left bias-r4, plain-r4 and dora-pattern-rslora in slots 0, 1, 2
-    assert np.abs(np.asarray(pools.pools[0]["dora_scale_qkv"][2]) - 1).max() > 0.1
-    assert np.abs(np.asarray(pools.pools[0]["lora_bias_qkv"][0])).max() > 0
+    assert np.abs(np.asarray(pools.pools.layers[0]["dora_scale_qkv"][2]) - 1).max() > 0.1
+    assert np.abs(np.asarray(pools.pools.layers[0]["lora_bias_qkv"][0])).max() > 0
 
 
 @pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
@@ -211,21 +203,10 @@ def test_packed_prefill_of_dora_and_bias_prompts_matches_peft(model_dirs, dora_d
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
-    cache = M.init_cache(cfg, g + 1, 16, jnp.float32)
+    steps = ModelSteps(cfg, lora, ck.params, pools, M.init_cache(cfg, g + 1, 16, jnp.float32))
     tables = M.contiguous_page_tables(g, 1)
-    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    logits, _ = jax.jit(partial(M.prefill_packed, cfg, backend=lora))(
-        ck.params,
-        pools.pools,
-        tokens,
-        lengths,
-        np.zeros(g, np.int32),
-        seg_slots,
-        tables,
-        np.int32(1),
-        cache,
-        inv,
-    )
+    zeros = np.zeros(g, np.int32)
+    logits = steps.prefill(PrefillBatch(tokens, lengths, zeros, seg_slots, tables, np.int32(1)))
     for i, (p, slot) in enumerate(zip(prompts, seg_slots, strict=True)):
         want = _reference_logits(model_dir, None if slot < 0 else dirs[NAMES[slot]], p)[-1]
         np.testing.assert_allclose(

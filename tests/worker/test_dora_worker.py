@@ -90,7 +90,7 @@ def test_runner_computes_dora_scales_on_prepare(model_dirs, dora_dirs) -> None:
     assert count.compilations == 0, count.names
     assert {"dora_scale_qkv", "lora_bias_qkv"} <= set(values[0]) and "magnitude_qkv" not in values[0]
     assert isinstance(values[0]["dora_scale_qkv"], np.ndarray)  # host arrays: the host tier keeps them
-    stored = np.asarray(runner.pools.pools[0]["dora_scale_qkv"][1])
+    stored = np.asarray(runner.pools.pools.layers[0]["dora_scale_qkv"][1])
     np.testing.assert_array_equal(stored, values[0]["dora_scale_qkv"])
     assert np.abs(stored - 1).max() > 0.1
 
@@ -218,4 +218,4 @@ def test_the_worker_checks_what_a_slot_will_hold(model_dirs, dora_dirs) -> None:
     with pytest.raises(AdapterError) as exc:
         runner.prepare(big)
     assert "slot value dora_scale_qkv of layer 0" in str(exc.value) and "over the bound" in str(exc.value)
-    assert not any(np.asarray(pool).any() for pool in runner.pools.pools[1].values() if pool.ndim == 3)
+    assert not any(np.asarray(pool).any() for pool in runner.pools.pools.layers[1].values() if pool.ndim == 3)

@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from functools import partial
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -31,6 +29,7 @@ from loraserve.worker.model_config import (
     ModelConfig,
     UnsupportedModelError,
 )
+from tests.worker.model_steps import ModelSteps
 
 PROMPT = [300, 200, 100, 50, 25, 12, 6, 3, 9, 11, 40]  # longer than every sliding window (4, 5)
 
@@ -166,12 +165,8 @@ def _prefill_last_logits(ck, cfg: ModelConfig) -> np.ndarray:
     cache = M.init_cache(cfg, 2, 16, jnp.float32)  # the null page and one page of 16
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT
-    run = jax.jit(partial(M.prefill, cfg, backend=backend))
-    lora = M.empty_lora(cfg, 1, 4, jnp.float32, backend)
-    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    n, start, table = np.int32(len(PROMPT)), np.int32(0), np.array([1], np.int32)
-    logits, _ = run(ck.params, lora, tokens, n, start, np.int32(-1), table, cache, inv)
-    return np.asarray(logits)
+    steps = ModelSteps(cfg, backend, ck.params, M.empty_lora(cfg, 1, 4, jnp.float32, backend), cache)
+    return np.asarray(steps.prefill_one(tokens, len(PROMPT), 0, -1, np.array([1], np.int32)))
 
 
 OFF = {  # family -> feature switched off in our config only (the weights stay)

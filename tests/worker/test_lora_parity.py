@@ -7,9 +7,6 @@ Gemma 3) through the default CPU backend in f32 and bf16. Tolerance: f32 logits 
 
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -22,6 +19,7 @@ from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slots import SlotPools, slot_arrays
 from tests.conftest import ADAPTERS, FAMILIES
+from tests.worker.model_steps import ModelSteps
 
 ATOL = 2e-4
 PROMPT = [5, 17, 33, 100, 7, 9]
@@ -67,24 +65,16 @@ def _serve_mixed(ck, backend, pools, row_slots, plan, seq, dtype: str) -> np.nda
     rows = len(row_slots)
     cache = M.init_cache(cfg, rows * 2 + 1, 16, jnp.dtype(dtype))  # two pages of 16 per row
     tables = M.contiguous_page_tables(rows, 2)
-    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    prefill = jax.jit(partial(M.prefill, cfg, backend=backend))
-    decode = jax.jit(partial(M.decode, cfg, backend=backend))
+    steps = ModelSteps(cfg, backend, ck.params, pools, cache)
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT
     out: list[list[np.ndarray]] = [[] for _ in range(rows)]
     for row, slot in enumerate(row_slots):
-        n, start = np.int32(len(PROMPT)), np.int32(0)
-        got, cache = prefill(
-            ck.params, pools.pools, tokens, n, start, np.int32(slot), tables[row], cache, inv
-        )
+        got = steps.prefill_one(tokens, len(PROMPT), 0, slot, tables[row])
         out[row].append(np.asarray(got, np.float32))
     for step in range(STEPS):
         pos = len(PROMPT) + step
-        toks = np.full(rows, seq[pos], np.int32)
-        got, cache = decode(
-            ck.params, pools.pools, toks, np.full(rows, pos, np.int32), tables, plan, cache, inv
-        )
+        got = steps.decode(np.full(rows, seq[pos], np.int32), np.full(rows, pos, np.int32), tables, plan)
         for row in range(rows):
             out[row].append(np.asarray(got[row], np.float32))
     return np.stack([np.stack(o) for o in out])

@@ -5,8 +5,6 @@ engine's own count over 200 requests is in test_engine.py."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +17,7 @@ from loraserve.kernels.testing import count_compilations
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slots import SlotPools, slot_arrays
+from tests.worker.model_steps import ModelSteps
 
 PROMPT = [5, 17, 33, 100, 7, 9]
 ROWS, SLOTS, RANK, BUCKET = 4, 3, 16, 16
@@ -53,36 +52,28 @@ def test_serving_after_warmup_compiles_nothing(
     pools = SlotPools(cfg, SLOTS, RANK, jnp.dtype(jnp.float32), backend)
     cache = M.init_cache(cfg, ROWS * 2 + 1, 16, jnp.float32)  # two pages of 16 per row
     tables = M.contiguous_page_tables(ROWS, 2)
-    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    prefill = jax.jit(partial(M.prefill, cfg, backend=backend), donate_argnums=(7,))
-    decode = jax.jit(partial(M.decode, cfg, backend=backend), donate_argnums=(6,))
+    steps = ModelSteps(cfg, backend, ck.params, pools, cache)
     tokens = np.zeros(BUCKET, np.int32)
     tokens[: len(PROMPT)] = PROMPT
-    n, same = np.int32(len(PROMPT)), np.full(ROWS, len(PROMPT), np.int32)
+    n, same, nines = len(PROMPT), np.full(ROWS, len(PROMPT), np.int32), np.full(ROWS, 9, np.int32)
     # warm-up, as the engine does it
     pools.zero(0)
-    zero = np.int32(0)
-    _, cache = prefill(ck.params, pools.pools, tokens, n, zero, zero, tables[0], cache, inv)
+    steps.prefill_one(tokens, n, 0, 0, tables[0])
     for plan in backend.warmup_plans(ROWS, SLOTS):
-        _, cache = decode(ck.params, pools.pools, np.full(ROWS, 9, np.int32), same, tables, plan, cache, inv)
-    jax.block_until_ready(cache)
+        steps.decode(nines, same, tables, plan)
+    jax.block_until_ready(steps.cache)
 
     mixes = [[0, 1, 2, -1], [1, 1, 1, 1], [-1, -1, -1, -1], [2, 2, 0, -1], [0, 1, 1, 2]]
     with count_compilations() as count:
         for i, v in enumerate(values):  # more adapters than slots: swaps
             pools.write(i % SLOTS, v)
         for row, slot in enumerate(mixes[0]):
-            _, cache = prefill(
-                ck.params, pools.pools, tokens, n, zero, np.int32(slot), tables[row], cache, inv
-            )
+            steps.prefill_one(tokens, n, 0, slot, tables[row])
         for row in range(ROWS):  # one history for every row (slot 1's prompt): rows then differ by slot only
-            _, cache = prefill(ck.params, pools.pools, tokens, n, zero, np.int32(1), tables[row], cache, inv)
+            steps.prefill_one(tokens, n, 0, 1, tables[row])
         logits = []
         for mix in mixes:
-            out, cache = decode(
-                ck.params, pools.pools, np.full(ROWS, 9, np.int32), same, tables,
-                backend.plan(np.array(mix, np.int32), SLOTS), cache, inv,
-            )  # fmt: skip
+            out = steps.decode(nines, same, tables, backend.plan(np.array(mix, np.int32), SLOTS))
             logits.append(np.asarray(out))
     assert count.compilations == 0, count.names
     # each step used its own mix: every step rewrites the same position, so a row's logits depend on its

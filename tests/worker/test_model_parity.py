@@ -19,6 +19,7 @@ from loraserve.kernels import XlaGroupedBackend
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 from tests.conftest import FAMILIES
+from tests.worker.model_steps import ModelSteps
 
 ATOL = 2e-4
 # bf16 on both sides: transformers rounds in other places (bf16 scores and logits, RoPE cos/sin rounded
@@ -59,22 +60,17 @@ def run_model(ck, refs, dtype: str) -> list[np.ndarray]:
     tables = np.random.default_rng(0).permutation(M.contiguous_page_tables(rows, per_row).ravel())
     tables = tables.reshape(rows, per_row).astype(np.int32)
     backend = XlaGroupedBackend()
-    lora = M.empty_lora(cfg, 2, 4, jnp.dtype(dtype), backend)
-    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    prefill = jax.jit(partial(M.prefill, cfg, backend=backend))
-    decode = jax.jit(partial(M.decode, cfg, backend=backend))
+    steps = ModelSteps(cfg, backend, ck.params, M.empty_lora(cfg, 2, 4, jnp.dtype(dtype), backend), cache)
     out: list[list[np.ndarray]] = [[] for _ in PROMPTS]
     for row, p in enumerate(PROMPTS):
         tokens = np.zeros(16, np.int32)
         tokens[: len(p)] = p
-        n, start, slot = np.int32(len(p)), np.int32(0), np.int32(-1)
-        got, cache = prefill(ck.params, lora, tokens, n, start, slot, tables[row], cache, inv)
-        out[row].append(np.asarray(got, np.float32))
+        out[row].append(np.asarray(steps.prefill_one(tokens, len(p), 0, -1, tables[row]), np.float32))
     for step in range(STEPS):
         toks = np.array([seq[len(p) + step] for p, (seq, _) in zip(PROMPTS, refs, strict=True)], np.int32)
         pos = np.array([len(p) + step for p in PROMPTS], np.int32)
         plan = backend.plan(np.full(rows, -1), 2)  # None: no row has an adapter
-        got, cache = decode(ck.params, lora, toks, pos, tables, plan, cache, inv)
+        got = steps.decode(toks, pos, tables, plan)
         for row in range(rows):
             out[row].append(np.asarray(got[row], np.float32))
     return [np.stack(o) for o in out]
@@ -154,7 +150,7 @@ def test_bf16_kv_pages_are_stored_as_bits_and_written_in_place() -> None:
     pages = jnp.zeros((kv, n, p, d), M.kv_storage_dtype(jnp.bfloat16))
     flat = np.array([5, 17, 30], np.int32)  # page * p + offset
     x = np.random.default_rng(0).standard_normal((3, kv, d)).astype(np.float32)
-    write = jax.jit(partial(M._write_pages, dtype=jnp.bfloat16), donate_argnums=0)
+    write = jax.jit(partial(M._write_pages, dtype=jnp.bfloat16), donate_argnames="pages")
     hlo = write.lower(pages, flat, x).compile().as_text()
     written = M._kv_view(write(pages, flat, x), jnp.bfloat16)
     assert written.dtype == jnp.bfloat16

@@ -9,9 +9,6 @@ run that computed every page.
 
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,6 +22,8 @@ from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.requests import Finished
+from loraserve.worker.step import PrefillBatch
+from tests.worker.model_steps import ModelSteps
 from tests.worker.test_engine import submit, wait
 
 BASE = dict(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16, kv_page_size=4)
@@ -129,30 +128,16 @@ def test_thousands_of_tokens_match_transformers_through_chunks_and_scattered_pag
     ck = load_checkpoint(str(long_model))
     cfg, page, per_row = ck.config, 64, 4096 // 64
     backend = XlaGroupedBackend()
-    lora = M.empty_lora(cfg, 1, 4, jnp.float32, backend)
-    inv = jnp.asarray(cfg.inv_freq(), jnp.float32)
     cache = M.init_cache(cfg, 2 * per_row + 1, page, jnp.float32)
+    steps = ModelSteps(cfg, backend, ck.params, M.empty_lora(cfg, 1, 4, jnp.float32, backend), cache)
     table = (1 + rng.permutation(2 * per_row)[:per_row]).astype(np.int32)  # half the pool, shuffled
-    prefill = jax.jit(partial(M.prefill, cfg, backend=backend))
-    decode = jax.jit(partial(M.decode, cfg, backend=backend))
     got = []
     for start, stop, bucket in ((0, 2048, 2048), (2048, LONG, 1024)):
         tokens = np.zeros(bucket, np.int32)
         tokens[: stop - start] = seq[start:stop]
-        n, first, slot = np.int32(stop - start), np.int32(start), np.int32(-1)
-        logits, cache = prefill(ck.params, lora, tokens, n, first, slot, table, cache, inv)
-        got.append((stop - 1, np.asarray(logits)))
+        got.append((stop - 1, np.asarray(steps.prefill_one(tokens, stop - start, start, -1, table))))
     for pos in range(LONG, LONG + 4):
-        logits, cache = decode(
-            ck.params,
-            lora,
-            np.array([seq[pos]], np.int32),
-            np.array([pos], np.int32),
-            table[None],
-            None,
-            cache,
-            inv,
-        )
+        logits = steps.decode(np.array([seq[pos]], np.int32), np.array([pos], np.int32), table[None])
         got.append((pos, np.asarray(logits)[0]))
     for pos, logits in got:
         np.testing.assert_allclose(logits, want[pos], atol=2e-4, err_msg=f"position {pos}")
@@ -199,25 +184,10 @@ def test_packed_prefill_of_mixed_adapters_matches_one_prompt_per_call(
     lengths = np.array([len(p) for p in PROMPTS[:3]] + [0], np.int32)
     slots = np.array([0, -1, 1, -1], np.int32)
     zeros = np.zeros(g, np.int32)
-    run = jax.jit(partial(M.prefill_packed, runner.model_config, backend=runner.backend))
-    many, runner.cache = run(
-        runner.params,
-        runner.pools.pools,
-        tokens,
-        lengths,
-        zeros,
-        slots,
-        tables,
-        np.int32(1),
-        runner.cache,
-        runner.inv_freq,
-    )
-    one = jax.jit(partial(M.prefill, runner.model_config, backend=runner.backend))
+    steps = ModelSteps(runner.model_config, runner.backend, runner.params, runner.pools, runner.cache)
+    many = steps.prefill(PrefillBatch(tokens, lengths, zeros, slots, tables, np.int32(1)))
     for i in range(3):
-        want, runner.cache = one(
-            runner.params, runner.pools.pools, tokens[i], lengths[i], np.int32(0), slots[i], tables[i],
-            runner.cache, runner.inv_freq,
-        )  # fmt: skip
+        want = steps.prefill_one(tokens[i], lengths[i], 0, slots[i], tables[i])
         np.testing.assert_allclose(np.asarray(many[i]), np.asarray(want), atol=1e-5)
 
 

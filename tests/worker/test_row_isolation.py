@@ -10,8 +10,6 @@ The comparison is exact (``assert_array_equal``): the two runs differ only in th
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +23,8 @@ from loraserve.worker.dora import bias_name, magnitude_name, mask_name
 from loraserve.worker.embed_lora import vocab_slot_shapes
 from loraserve.worker.model import lora_slot_shapes, lora_vector_sizes
 from loraserve.worker.slots import SlotPools, base_weights
+from loraserve.worker.step import PrefillBatch
+from tests.worker.model_steps import ModelSteps
 
 SLOTS, RANK, PAGE, PAGES_PER_ROW, SEG = 4, 8, 8, 4, 16
 POISONED = 2
@@ -80,13 +80,12 @@ def _pools(checkpoint, backend, poison: bool) -> SlotPools:
     for slot in range(SLOTS - 1):  # the last slot stays empty
         pools.write(slot, _healthy_values(cfg, seed=10 + slot))
     if poison:  # straight into the device pools, every pool of the slot: no validation on this path
-        pools.pools = [
-            {
-                name: pool.at[POISONED].set(jnp.asarray(np.resize(POISON, pool.shape[1:])).astype(pool.dtype))
-                for name, pool in layer.items()
-            }
-            for layer in pools.pools
-        ]
+        pools.pools = jax.tree.map(
+            lambda pool: pool.at[POISONED].set(
+                jnp.asarray(np.resize(POISON, pool.shape[1:])).astype(pool.dtype)
+            ),
+            pools.pools,
+        )
     return pools
 
 
@@ -95,43 +94,37 @@ def _serve(checkpoint, backend, attention: str, pools: SlotPools) -> dict[str, n
     poisoned rows' pages handed to two new requests (a healthy adapter and the base) that prefill shorter
     prompts into them and decode with the rest. Returns each phase's logits."""
     cfg = checkpoint.config
-    params, inv = checkpoint.params, jnp.asarray(cfg.inv_freq(), jnp.float32)
     rows = len(ROW_SLOTS)
-    prefill = jax.jit(partial(M.prefill_packed, cfg, backend=backend))
-    decode = jax.jit(partial(M.decode, cfg, backend=backend, attention=DecodeAttention(attention)))
     cache = M.init_cache(cfg, 1 + rows * PAGES_PER_ROW, PAGE, jnp.dtype(jnp.float32))
+    steps = ModelSteps(cfg, backend, checkpoint.params, pools, cache, attention=DecodeAttention(attention))
     tables = M.contiguous_page_tables(rows, PAGES_PER_ROW)
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, cfg.vocab_size, (rows, SEG)).astype(np.int32)
     out: dict[str, np.ndarray] = {}
 
-    def prefill_rows(slots, lengths, starts, cache):
+    def prefill_rows(slots, lengths, starts):
         blocks = np.int32(
             -(-int((starts + lengths).max()) // (M.key_block_pages(PAGE, PAGES_PER_ROW) * PAGE))
         )
-        return prefill(params, pools.pools, tokens, lengths, starts, slots, tables, blocks, cache, inv)
+        return steps.prefill(PrefillBatch(tokens, lengths, starts, slots, tables, blocks))
 
-    def decode_rows(slots, positions, cache, steps, key):
-        for step in range(steps):
+    def decode_rows(slots, positions, count, key):
+        for step in range(count):
             toks = rng.integers(3, cfg.vocab_size, rows).astype(np.int32)
-            logits, cache = decode(
-                params, pools.pools, toks, positions + step, tables, backend.plan(slots, SLOTS), cache, inv
-            )
+            logits = steps.decode(toks, positions + step, tables, backend.plan(slots, SLOTS))
             out[f"{key}{step}"] = np.asarray(logits)
-        return cache
 
-    logits, cache = prefill_rows(ROW_SLOTS, LENGTHS, np.zeros(rows, np.int32), cache)
-    out["prefill"] = np.asarray(logits)
-    cache = decode_rows(ROW_SLOTS, LENGTHS, cache, DECODE_STEPS, "decode")
+    out["prefill"] = np.asarray(prefill_rows(ROW_SLOTS, LENGTHS, np.zeros(rows, np.int32)))
+    decode_rows(ROW_SLOTS, LENGTHS, DECODE_STEPS, "decode")
     # the poisoned rows finish; their pages go to two new requests with shorter prompts (positions past
     # their lengths still hold what the poisoned rows wrote), the other rows go on
     reused = ROW_SLOTS == POISONED
     slots2 = np.where(reused, np.array([0, 0, 0, 0, -1, 0], np.int32), ROW_SLOTS)
     lengths2 = np.where(reused, 4, 0).astype(np.int32)
-    logits, cache = prefill_rows(np.where(reused, slots2, -1), lengths2, np.zeros(rows, np.int32), cache)
+    logits = prefill_rows(np.where(reused, slots2, -1), lengths2, np.zeros(rows, np.int32))
     out["reused-prefill"] = np.asarray(logits)[reused]
     positions2 = np.where(reused, lengths2, LENGTHS + DECODE_STEPS).astype(np.int32)
-    decode_rows(slots2, positions2, cache, DECODE_STEPS, "reused-decode")
+    decode_rows(slots2, positions2, DECODE_STEPS, "reused-decode")
     return out
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from functools import partial
 
 import jax
 import numpy as np
@@ -31,6 +30,7 @@ from loraserve.worker.jax_runner import JaxRunner
 from loraserve.worker.requests import SamplingRow
 from loraserve.worker.runner import PrefillInput
 from loraserve.worker.sampling import SamplingArrays
+from loraserve.worker.step import DecodeBatch, DeviceState
 
 PROMPTS = [[5, 17, 33, 100, 7, 9], [3, 4], [250, 11, 12, 13], [60, 61, 62, 63, 64], [8, 8, 8], [99, 1, 2]]
 ROW_SLOTS = [0, 1, 2, 3, -1, 0]  # four adapters, a base row, one adapter on two rows; slot 4 is swapped
@@ -81,30 +81,26 @@ def serve(
     tokens = np.array(first, np.int32)
     positions = np.array([len(p) for p in PROMPTS], np.int32)
     slots = np.array(ROW_SLOTS, np.int32)
-    logits_fn = jax.jit(partial(M.decode, runner.model_config, backend=runner.backend))
+    # the step's logits, the cache not donated (the runner's own step consumes it next)
+    logits_fn = jax.jit(lambda state, batch: M.decode(runner.model_config, runner.backend, state, batch)[0])
     out_tokens, out_logits = [first], []
-    base, _ = logits_fn(
-        runner.params, runner.pools.pools, tokens, positions, tables, None, runner.cache, runner.inv_freq
-    )
+    base = logits_fn(runner.state(), DecodeBatch(tokens, positions, tables, None))
     for step in range(steps):
         runner.write_slot(4, prepared[step % len(prepared)])  # hot swap of a slot no row uses
         plan = runner.backend.plan(slots, SLOTS)
-        logits, _ = logits_fn(
-            runner.params, runner.pools.pools, tokens, positions, tables, plan, runner.cache, runner.inv_freq
-        )
+        logits = logits_fn(runner.state(), DecodeBatch(tokens, positions, tables, plan))
         out_logits.append(np.asarray(logits).tolist())
         tokens = runner.decode(tokens, positions, slots, tables, [greedy] * len(PROMPTS)).tokens
         out_tokens.append(tokens.tolist())
         positions = positions + 1
     layer = runner.params["layers"][0]
+    first_layer_pools = {**runner.pools.pools.layers[0], **runner.pools.pools.vocab}  # as one report
     shardings = {
         "params": {k: _spec(v) for k, v in layer.items()},
         "embed": _spec(runner.params["embed"]),
         "cache": [_spec(runner.cache[0][0]), _spec(runner.cache[0][1])],
-        "pools": {k: _spec(v) for k, v in runner.pools.pools[0].items()},
-        "pool_shapes": {
-            k: list(v.addressable_shards[0].data.shape) for k, v in runner.pools.pools[0].items()
-        },
+        "pools": {k: _spec(v) for k, v in first_layer_pools.items()},
+        "pool_shapes": {k: list(v.addressable_shards[0].data.shape) for k, v in first_layer_pools.items()},
     }
     abstract = {}
     if runner.mesh is not None:  # what the planner lowers on must be what the runner allocates
@@ -121,7 +117,7 @@ def serve(
                 runner.decode(
                     np.full(rows, 9, np.int32), np.full(rows, 20, np.int32), mix, tables, [greedy] * rows
                 )
-    after = {k: _spec(v) for k, v in runner.pools.pools[0].items()}
+    after = {k: _spec(v) for k, v in {**runner.pools.pools.layers[0], **runner.pools.pools.vocab}.items()}
     return {
         "tokens": out_tokens, "logits": out_logits, "base_logits": np.asarray(base).tolist(), "shardings": shardings, "pools_after_swaps": after,
         "abstract_matches": abstract, "compilations": count.compilations, "compiled": count.names, "devices": len(jax.devices()),
@@ -156,11 +152,12 @@ def hlo(model: str, backend: str, n: int) -> dict:
     rows = config.max_batch_size
     zeros = np.zeros(rows, np.int32)
     tables = np.zeros((rows, config.pages_per_row), np.int32)
-    samp = SamplingArrays.empty(rows).as_tuple()
 
     def count(plan) -> dict[str, int]:
-        lowered = runner._decode.lower(
-            runner.params, runner.pools.pools, zeros, zeros, tables, plan, runner.cache, runner.inv_freq, samp
+        lowered = runner._steps.decode.lower(
+            **runner.state().fields(),
+            batch=DecodeBatch(zeros, zeros, tables, plan),
+            sampling=SamplingArrays.empty(rows),
         )
         return collective_elements(lowered.compile().as_text())
 
@@ -199,17 +196,15 @@ def tpu_export(n: int, attention: str = "xla") -> dict:
 
     attend = DecodeAttention.of(DecodeAttention(attention, interpret=False), backend)
 
-    def step(params, pools, tokens, positions, tables, plan, cache, inv_freq):
-        return M.decode(
-            tcfg, params, pools, tokens, positions, tables, plan, cache, inv_freq, backend, attend
-        )
+    def step(state: DeviceState, batch: DecodeBatch):
+        return M.decode(tcfg, backend, state, batch, attend)
 
     rep = NamedSharding(mesh, P())
     rows = jax.ShapeDtypeStruct((16,), jnp.int32, sharding=rep)
     inv = jax.ShapeDtypeStruct((tcfg.head_dim // 2,), jnp.float32, sharding=rep)
     tables = jax.ShapeDtypeStruct((16, config.pages_per_row), jnp.int32, sharding=rep)
     exported = jax.export.export(jax.jit(step, out_shardings=st["out_shardings"]), platforms=["tpu"])(
-        st["params"], st["pools"], rows, rows, tables, rows, st["cache"], inv
+        DeviceState(st["params"], st["pools"], st["cache"], inv), DecodeBatch(rows, rows, tables, rows)
     )
     mlir = exported.mlir_module()
     return {
