@@ -27,7 +27,7 @@ def _last_json(args: list[str]) -> dict:
         env=SMOKE_ENV,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=480,
         check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -140,7 +140,7 @@ def test_serve_bench_tiny_replays_one_trace_through_every_system(tmp_path) -> No
     work, png = tmp_path / "work", tmp_path / "serve.png"
     out = subprocess.run(
         [sys.executable, "bench/serve.py", "--tiny", "--rates", "4", "--workdir", str(work), "--plot", str(png)],
-        cwd=ROOT, env=SMOKE_ENV, capture_output=True, text=True, timeout=600, check=True,
+        cwd=ROOT, env=SMOKE_ENV, capture_output=True, text=True, timeout=480, check=True,
     )  # fmt: skip
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     rows, summary = lines[:-1], lines[-1]

@@ -15,7 +15,7 @@ def test_demo_runs_the_whole_stack_from_nothing(tmp_path) -> None:
         [sys.executable, "-m", "loraserve", "demo", "--workdir", str(tmp_path / "demo")],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=480,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()

@@ -152,7 +152,7 @@ def test_sharded_backends_keep_rows_isolated() -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=480,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
