@@ -342,11 +342,15 @@ def test_heartbeats_report_tiers_and_a_warm_worker_is_chosen_over_a_cold_one(sta
     for name in ("all-r4", "qv-r8-rslora", "mlp-r16"):  # three adapters through two slots: one is evicted
         with Client(stack.router_address) as client:
             client.complete(PROMPT, adapter=name, max_tokens=1)
-    deadline = time.monotonic() + 10
+    # the heartbeat after the last load reports two adapters on the device and the evicted one on the host;
+    # a report taken between two heartbeats (or just after the worker registered again, a lease having run
+    # out on a loaded machine) may not show it yet: wait for it
+    deadline = time.monotonic() + 15
     while True:
         worker = next(w for w in stack.registry.client.workers() if w.address == stack.worker_address)
         tiers = {r.adapter: r.tier for r in worker.residency}
-        if list(tiers.values()).count(pp.RESIDENCY_TIER_HOST) >= 1 or time.monotonic() > deadline:
+        counts = [list(tiers.values()).count(t) for t in (pp.RESIDENCY_TIER_HOST, pp.RESIDENCY_TIER_DEVICE)]
+        if (counts[0] >= 1 and counts[1] == 2) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     on_host = [a for a, t in tiers.items() if t == pp.RESIDENCY_TIER_HOST]

@@ -20,7 +20,7 @@ from loraserve.adapters.refs import ALIAS_RE, NAME_RE
 NAMES = st.from_regex(NAME_RE, fullmatch=True)
 REFS = st.one_of(
     NAMES,
-    st.tuples(NAMES, st.integers(1, 10**9)).map(lambda t: f"{t[0]}@{t[1]}"),
+    st.tuples(NAMES, st.integers(1, 10**9 - 1)).map(lambda t: f"{t[0]}@{t[1]}"),
     st.tuples(NAMES, st.from_regex(ALIAS_RE, fullmatch=True)).map(lambda t: f"{t[0]}@{t[1]}"),
 )
 FINITE = st.floats(allow_nan=False, allow_infinity=False)
