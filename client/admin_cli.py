@@ -17,6 +17,8 @@ from google.protobuf.json_format import MessageToDict
 from loraserve.client.connection_flags import add_connection_flags, connection_kwargs
 
 DEFAULT_REGISTRY = "127.0.0.1:50051"
+# ResidencyTier on the wire -> the word the tables print.
+_TIERS = {1: "device", 2: "host", 3: "disk"}
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -45,16 +47,20 @@ def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept an adapter_config.json that names another base model (recorded in its labels)",
     )
+    push.set_defaults(adapters_action=_push)
     _common(push)
     ls = sub.add_parser("ls", help="list adapters")
     ls.add_argument("--base-model", default="")
     ls.add_argument("--prefix", default="", help="only names starting with this")
+    ls.set_defaults(adapters_action=_ls)
     _common(ls)
     show = sub.add_parser("show", help="show one adapter (name or name@version)")
     show.add_argument("adapter")
+    show.set_defaults(adapters_action=_show)
     _common(show)
     rm = sub.add_parser("rm", help="delete one version (name@3) or every version (name)")
     rm.add_argument("adapter")
+    rm.set_defaults(adapters_action=_rm)
     _common(rm)
     alias = sub.add_parser(
         "alias", help="point NAME@ALIAS at a version (3) or a weighted split (3=90 4=10); one transaction"
@@ -63,11 +69,13 @@ def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
     alias.add_argument("alias")
     alias.add_argument("targets", nargs="+", metavar="VERSION[=WEIGHT]")
     alias.add_argument("--actor", default="", help="who is moving it (default: $USER)")
+    alias.set_defaults(adapters_action=_alias)
     _common(alias)
     unalias = sub.add_parser("unalias", help="remove NAME@ALIAS (its history stays)")
     unalias.add_argument("name")
     unalias.add_argument("alias")
     unalias.add_argument("--actor", default="", help="who is removing it (default: $USER)")
+    unalias.set_defaults(adapters_action=_unalias)
     _common(unalias)
     base = sub.add_parser(
         "base", help="show a base model's other names (e.g. its Hugging Face repo id); change them"
@@ -75,16 +83,19 @@ def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
     base.add_argument("model_id")
     base.add_argument("--alias", action="append", default=[], help="add this name (repeatable)")
     base.add_argument("--remove", action="append", default=[], help="remove this name (repeatable)")
+    base.set_defaults(adapters_action=_base)
     _common(base)
     stats = sub.add_parser(
         "stats",
         help="per version of NAME: requests, tokens, loads, bytes fetched (live workers), holders, aliases",
     )
     stats.add_argument("name")
+    stats.set_defaults(adapters_action=_stats)
     _common(stats)
     history = sub.add_parser("history", help="every alias change of NAME: who, when, from, to")
     history.add_argument("name")
     history.add_argument("--alias", default="", help="only this alias")
+    history.set_defaults(adapters_action=_history)
     _common(history)
 
 
@@ -99,6 +110,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="one row per adapter held: its tier (device, host, disk) and pin",
     )
+    ls.set_defaults(workers_action=_workers_ls)
     _common(ls)
 
 
@@ -154,153 +166,152 @@ def _actor(args: argparse.Namespace) -> str:
     return getattr(args, "actor", "") or os.environ.get("USER", "")
 
 
+def _push(client, args: argparse.Namespace) -> None:
+    labels = dict(item.split("=", 1) for item in args.label)
+    a = client.push(
+        args.folder,
+        args.name,
+        args.base_model,
+        description=args.description,
+        labels=labels,
+        version=args.version,
+        progress=None if args.json else _progress,
+        allow_base_mismatch=args.allow_base_mismatch,
+    )
+    for warning in a.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    moved = client.set_alias(a.name, args.alias, [(a.version, 1.0)], _actor(args)) if args.alias else None
+    if args.json:
+        print(json.dumps({**_dict(a), **({"alias": _dict(moved)} if moved else {})}))
+    else:
+        print(f"pushed {a.name}@{a.version} ({a.size_bytes} bytes, sha256 {a.sha256[:12]}…)")
+        if moved:
+            print(f"{a.name}@{moved.alias} -> {_split(moved.targets)}")
+
+
+def _ls(client, args: argparse.Namespace) -> None:
+    adapters = list(client.list(base_model=args.base_model, name_prefix=args.prefix))
+    if args.json:
+        print(json.dumps([_dict(a) for a in adapters]))
+        return
+    _table(
+        [
+            [
+                f"{a.name}@{a.version}",
+                a.base_model,
+                a.rank,
+                f"{a.alpha:g}",
+                ",".join(a.target_modules),
+                a.size_bytes,
+                ",".join(al.alias for al in a.aliases),
+            ]
+            for a in adapters
+        ],
+        ["ADAPTER", "BASE MODEL", "RANK", "ALPHA", "TARGETS", "BYTES", "ALIASES"],
+    )
+
+
+def _show(client, args: argparse.Namespace) -> None:
+    d = _dict(client.get(args.adapter))
+    print(json.dumps(d) if args.json else "\n".join(f"{k:15s} {v}" for k, v in d.items()))
+
+
+def _print_alias(args: argparse.Namespace, view, verb: str) -> None:
+    print(json.dumps(_dict(view)) if args.json else f"{view.name}@{view.alias} {verb} {_split(view.targets)}")
+
+
+def _alias(client, args: argparse.Namespace) -> None:
+    view = client.set_alias(args.name, args.alias, parse_targets(args.targets), _actor(args))
+    _print_alias(args, view, "->")
+
+
+def _unalias(client, args: argparse.Namespace) -> None:
+    view = client.delete_alias(args.name, args.alias, _actor(args))
+    _print_alias(args, view, "removed; it pointed at")
+
+
+def _base(client, args: argparse.Namespace) -> None:
+    if args.alias or args.remove:
+        model = client.set_base_model_aliases(args.model_id, args.alias, args.remove)
+    else:
+        model = client.base_model(args.model_id)
+    if args.json:
+        print(json.dumps(_dict(model)))
+    else:
+        print(f"{model.id}  also known as: {', '.join(model.aliases) or '(no other names)'}")
+
+
+def _stats(client, args: argparse.Namespace) -> None:
+    resp = client.stats(args.name)
+    if args.json:
+        print(json.dumps(_dict(resp)))
+        return
+    _table(
+        [
+            [
+                f"{resp.name}@{v.version}",
+                ",".join(v.aliases) or "-",
+                v.usage.requests,
+                v.usage.prompt_tokens,
+                v.usage.completion_tokens,
+                v.usage.loads,
+                v.usage.fetched_bytes,
+                " ".join(f"{h.address}:{_TIERS.get(h.tier, '?')}" for h in v.holders) or "-",
+            ]
+            for v in resp.versions
+        ],
+        ["VERSION", "ALIASES", "REQUESTS", "PROMPT TOK", "OUTPUT TOK", "LOADS", "FETCHED B", "HELD BY"],
+    )
+
+
+def _history(client, args: argparse.Namespace) -> None:
+    changes = client.alias_history(args.name, args.alias)
+    if args.json:
+        print(json.dumps([_dict(c) for c in changes]))
+        return
+    _table(
+        [
+            [
+                c.at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
+                f"{c.name}@{c.alias}",
+                _split(c.before) if c.before else "(new)",
+                _split(c.after) if c.after else "(deleted)",
+                c.actor,
+            ]
+            for c in changes
+        ],
+        ["WHEN (UTC)", "ALIAS", "FROM", "TO", "BY"],
+    )
+
+
+def _rm(client, args: argparse.Namespace) -> None:
+    resp = client.delete(args.adapter)
+    if args.json:
+        print(json.dumps(_dict(resp)))
+    else:
+        deleted = ", ".join(f"{a.name}@{a.version}" for a in resp.deleted)
+        print(f"deleted {deleted}; {resp.unload_orders} unload order(s) sent")
+
+
 def run_adapters(args: argparse.Namespace) -> int:
+    """Run the ``adapters`` action argparse chose (``set_defaults(adapters_action=...)``)."""
     with _client(args) as client:
-        cmd = args.adapters_command
-        if cmd == "push":
-            labels = dict(item.split("=", 1) for item in args.label)
-            a = client.push(
-                args.folder,
-                args.name,
-                args.base_model,
-                description=args.description,
-                labels=labels,
-                version=args.version,
-                progress=None if args.json else _progress,
-                allow_base_mismatch=args.allow_base_mismatch,
-            )
-            for warning in a.warnings:
-                print(f"warning: {warning}", file=sys.stderr)
-            moved = (
-                client.set_alias(a.name, args.alias, [(a.version, 1.0)], _actor(args)) if args.alias else None
-            )
-            if args.json:
-                print(json.dumps({**_dict(a), **({"alias": _dict(moved)} if moved else {})}))
-            else:
-                print(f"pushed {a.name}@{a.version} ({a.size_bytes} bytes, sha256 {a.sha256[:12]}…)")
-                if moved:
-                    print(f"{a.name}@{moved.alias} -> {_split(moved.targets)}")
-        elif cmd == "ls":
-            adapters = list(client.list(base_model=args.base_model, name_prefix=args.prefix))
-            if args.json:
-                print(json.dumps([_dict(a) for a in adapters]))
-            else:
-                _table(
-                    [
-                        [
-                            f"{a.name}@{a.version}",
-                            a.base_model,
-                            a.rank,
-                            f"{a.alpha:g}",
-                            ",".join(a.target_modules),
-                            a.size_bytes,
-                            ",".join(al.alias for al in a.aliases),
-                        ]
-                        for a in adapters
-                    ],
-                    ["ADAPTER", "BASE MODEL", "RANK", "ALPHA", "TARGETS", "BYTES", "ALIASES"],
-                )
-        elif cmd == "show":
-            a = client.get(args.adapter)
-            d = _dict(a)
-            print(json.dumps(d) if args.json else "\n".join(f"{k:15s} {v}" for k, v in d.items()))
-        elif cmd in ("alias", "unalias"):
-            if cmd == "alias":
-                view = client.set_alias(args.name, args.alias, parse_targets(args.targets), _actor(args))
-            else:
-                view = client.delete_alias(args.name, args.alias, _actor(args))
-            verb = "->" if cmd == "alias" else "removed; it pointed at"
-            print(
-                json.dumps(_dict(view))
-                if args.json
-                else f"{view.name}@{view.alias} {verb} {_split(view.targets)}"
-            )
-        elif cmd == "base":
-            if args.alias or args.remove:
-                model = client.set_base_model_aliases(args.model_id, args.alias, args.remove)
-            else:
-                model = client.base_model(args.model_id)
-            if args.json:
-                print(json.dumps(_dict(model)))
-            else:
-                print(f"{model.id}  also known as: {', '.join(model.aliases) or '(no other names)'}")
-        elif cmd == "stats":
-            resp = client.stats(args.name)
-            if args.json:
-                print(json.dumps(_dict(resp)))
-            else:
-                tiers = {1: "device", 2: "host", 3: "disk"}
-                _table(
-                    [
-                        [
-                            f"{resp.name}@{v.version}",
-                            ",".join(v.aliases) or "-",
-                            v.usage.requests,
-                            v.usage.prompt_tokens,
-                            v.usage.completion_tokens,
-                            v.usage.loads,
-                            v.usage.fetched_bytes,
-                            " ".join(f"{h.address}:{tiers.get(h.tier, '?')}" for h in v.holders) or "-",
-                        ]
-                        for v in resp.versions
-                    ],
-                    [
-                        "VERSION",
-                        "ALIASES",
-                        "REQUESTS",
-                        "PROMPT TOK",
-                        "OUTPUT TOK",
-                        "LOADS",
-                        "FETCHED B",
-                        "HELD BY",
-                    ],
-                )
-        elif cmd == "history":
-            changes = client.alias_history(args.name, args.alias)
-            if args.json:
-                print(json.dumps([_dict(c) for c in changes]))
-            else:
-                _table(
-                    [
-                        [
-                            c.at.ToDatetime().strftime("%Y-%m-%d %H:%M:%S"),
-                            f"{c.name}@{c.alias}",
-                            _split(c.before) if c.before else "(new)",
-                            _split(c.after) if c.after else "(deleted)",
-                            c.actor,
-                        ]
-                        for c in changes
-                    ],
-                    ["WHEN (UTC)", "ALIAS", "FROM", "TO", "BY"],
-                )
-        elif cmd == "rm":
-            resp = client.delete(args.adapter)
-            if args.json:
-                print(json.dumps(_dict(resp)))
-            else:
-                print(
-                    f"deleted {', '.join(f'{a.name}@{a.version}' for a in resp.deleted)}; {resp.unload_orders} unload order(s) sent"
-                )
+        args.adapters_action(client, args)
     return 0
 
 
-def run_workers(args: argparse.Namespace) -> int:
-    with _client(args) as client:
-        workers = client.workers(model_id=args.model_id, include_expired=args.all)
-    if args.json:
-        print(json.dumps([_dict(w) for w in workers]))
-        return 0
-    if args.adapters:
-        tiers = {1: "device", 2: "host", 3: "disk"}
-        _table(
-            [
-                [w.worker_id[:12], w.address, r.adapter, tiers.get(r.tier, "?"), "yes" if r.pinned else ""]
-                for w in workers
-                for r in w.residency
-            ],
-            ["WORKER", "ADDRESS", "ADAPTER", "TIER", "PINNED"],
-        )
-        return 0
+def _workers_residency_table(workers) -> None:
+    _table(
+        [
+            [w.worker_id[:12], w.address, r.adapter, _TIERS.get(r.tier, "?"), "yes" if r.pinned else ""]
+            for w in workers
+            for r in w.residency
+        ],
+        ["WORKER", "ADDRESS", "ADAPTER", "TIER", "PINNED"],
+    )
+
+
+def _workers_table(workers) -> None:
     _table(
         [
             [
@@ -317,4 +328,20 @@ def run_workers(args: argparse.Namespace) -> int:
         ],
         ["WORKER", "ADDRESS", "MODEL", "SLOTS", "TP", "ADAPTERS", "RUNNING", "WAITING"],
     )
+
+
+def _workers_ls(args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        workers = client.workers(model_id=args.model_id, include_expired=args.all)
+    if args.json:
+        print(json.dumps([_dict(w) for w in workers]))
+    elif args.adapters:
+        _workers_residency_table(workers)
+    else:
+        _workers_table(workers)
+
+
+def run_workers(args: argparse.Namespace) -> int:
+    """Run the ``workers`` action argparse chose (``set_defaults(workers_action=...)``)."""
+    args.workers_action(args)
     return 0
