@@ -4,7 +4,7 @@ Run ``python bench/kernels.py`` (or ``make bench``). For one projection (in = ou
 slots of rank R = 16, f32) it times, per token count T:
 
 * ``dense``     — ``x @ W``: the merged-weight / no-LoRA peer;
-* ``xla``       — ``x @ W`` then ``add_lora(..., backend="xla")`` (one-hot over every slot: the
+* ``xla``       — ``x @ W`` then ``add_lora(..., backend="xla-onehot")`` (one-hot over every slot: the
   ``xla-onehot`` backend object's decode op);
 * ``grouped``   — decode only: ``x @ W`` then ``kernels.grouped`` (rows grouped by slot on the host,
   weights-first pools: the ``xla-grouped`` backend object's decode op, ``--kernel-backend xla``);
@@ -114,7 +114,7 @@ def bench_shape(T: int, prefill: bool, weights, rng, runs: int = 0) -> dict:
         idx = jnp.arange(T, dtype=jnp.int32) % S
     fns = {
         "dense": lambda: dense(x, W),
-        "xla": lambda: _with_lora("xla")(x, W, A, B, idx),
+        "xla": lambda: _with_lora("xla-onehot")(x, W, A, B, idx),
         "reference": lambda: _with_lora("reference")(x, W, A, B, idx),
     }
     if kernels.cpu.available() and x.dtype == jnp.float32:

@@ -5,7 +5,7 @@ Two levels:
 * the LoRA backend objects of :mod:`kernels.backends` (``reference``, ``xla-onehot``, ``xla-grouped``,
   ``cpu``, ``pallas``): pool layout, host→pool conversion, per-batch plan and ops, what the worker's
   model calls; ``resolve_backend("auto")`` picks one;
-* the function-level ops of :mod:`kernels.api` (``add_lora(..., backend="xla")`` etc., one signature,
+* the function-level ops of :mod:`kernels.api` (``add_lora(..., backend="xla-onehot")`` etc., one signature,
   docs/design.md §6 layout), :mod:`kernels.sgmv` for the grouped prefill path.
 """
 

@@ -4,9 +4,9 @@
 slot ids) are traced, so serving a new mix of adapters never recompiles. Backends:
 
 * ``"reference"`` — gather + matmul, exact; the truth in tests.
-* ``"xla"``       — one-hot masked matmuls that XLA fuses; the default here. (The worker's
-  ``--kernel-backend xla`` is another thing: the ``xla-grouped`` backend object of
-  :mod:`kernels.backends`, which decodes with :mod:`kernels.grouped`.)
+* ``"xla-onehot"`` — one-hot masked matmuls that XLA fuses; the default here (the same ops as the
+  ``xla-onehot`` backend object of :mod:`kernels.backends`; the worker's default XLA backend,
+  ``xla-grouped``, decodes with :mod:`kernels.grouped` instead).
 * ``"pallas"``    — TPU kernels that skip unused slots (interpreted off-TPU, slow there).
 * ``"cpu"``       — C++ kernels called through XLA's FFI (:mod:`kernels.cpu`): rows grouped by slot,
   float32 or bfloat16 pools; CPU only, built with the system compiler on first use.
@@ -24,9 +24,9 @@ from loraserve.kernels import cpu, pallas, reference, sgmv, xla
 from loraserve.kernels.shapes import ACC_DTYPE
 
 # The function-level implementations; the worker picks a backend *object* (kernels.backends) instead.
-BACKENDS: tuple[str, ...] = ("reference", "xla", "pallas", "cpu")
+BACKENDS: tuple[str, ...] = ("reference", "xla-onehot", "pallas", "cpu")
 
-_MODULES: dict[str, ModuleType] = {"reference": reference, "xla": xla, "pallas": pallas, "cpu": cpu}
+_MODULES: dict[str, ModuleType] = {"reference": reference, "xla-onehot": xla, "pallas": pallas, "cpu": cpu}
 
 
 def backend_module(backend: str) -> ModuleType:
@@ -37,7 +37,7 @@ def backend_module(backend: str) -> ModuleType:
         raise ValueError(f"unknown kernels backend {backend!r}; expected one of {BACKENDS}") from None
 
 
-def lora_shrink(x, A, idx, *, backend: str = "xla", out_dtype=None):  # [T, R]
+def lora_shrink(x, A, idx, *, backend: str = "xla-onehot", out_dtype=None):  # [T, R]
     """x ``[T, in]``, A ``[S, in, R]``, idx ``[T]`` → ``[T, R]``.
 
     *Semantics:* ``h[t] = x[t] @ A[idx[t]]``, or 0 where idx[t] is −1 (any value outside ``[0, S)``).
@@ -45,7 +45,7 @@ def lora_shrink(x, A, idx, *, backend: str = "xla", out_dtype=None):  # [T, R]
     return backend_module(backend).lora_shrink(x, A, idx, out_dtype=out_dtype)
 
 
-def lora_expand(h, B, idx, y, *, backend: str = "xla"):  # [T, out]
+def lora_expand(h, B, idx, y, *, backend: str = "xla-onehot"):  # [T, out]
     """h ``[T, R]``, B ``[S, R, out]``, idx ``[T]``, y ``[T, out]`` → ``[T, out]`` (y's dtype).
 
     *Semantics:* ``out[t] = y[t] + h[t] @ B[idx[t]]``; rows with idx −1 return ``y[t]`` unchanged.
@@ -53,7 +53,7 @@ def lora_expand(h, B, idx, y, *, backend: str = "xla"):  # [T, out]
     return backend_module(backend).lora_expand(h, B, idx, y)
 
 
-def lora_expand_slices(h, Bs: Sequence, idx, y, *, backend: str = "xla"):  # [T, sum(out_i)]
+def lora_expand_slices(h, Bs: Sequence, idx, y, *, backend: str = "xla-onehot"):  # [T, sum(out_i)]
     """h ``[T, n*R]``, Bs n × ``[S, R, out_i]``, idx ``[T]``, y ``[T, sum(out_i)]``.
 
     *Semantics:* columns ``off_i:off_i+out_i`` of y get ``h[:, i*R:(i+1)*R] @ Bs[i][idx]`` added.
@@ -61,7 +61,7 @@ def lora_expand_slices(h, Bs: Sequence, idx, y, *, backend: str = "xla"):  # [T,
     return backend_module(backend).lora_expand_slices(h, tuple(Bs), idx, y)
 
 
-def add_lora(y, x, A, B, idx, *, backend: str = "xla"):  # [T, out]
+def add_lora(y, x, A, B, idx, *, backend: str = "xla-onehot"):  # [T, out]
     """y ``[T, out]``, x ``[T, in]``, A ``[S, in, R]``, B ``[S, R, out]``, idx ``[T]``.
 
     *Semantics:* ``lora_expand(lora_shrink(x, A, idx), B, idx, y)`` with the rank-R intermediate in f32.
@@ -69,7 +69,7 @@ def add_lora(y, x, A, B, idx, *, backend: str = "xla"):  # [T, out]
     return backend_module(backend).add_lora(y, x, A, B, idx)
 
 
-def add_lora_slices(y, x, A_cat, Bs: Sequence, idx, *, backend: str = "xla"):  # [T, sum(out_i)]
+def add_lora_slices(y, x, A_cat, Bs: Sequence, idx, *, backend: str = "xla-onehot"):  # [T, sum(out_i)]
     """y ``[T, sum(out_i)]``, x ``[T, in]``, A_cat ``[S, in, n*R]``, Bs n × ``[S, R, out_i]``, idx ``[T]``.
 
     *Semantics:* slice i of y gets ``x @ A_cat[idx][:, i*R:(i+1)*R] @ Bs[i][idx]`` added.
@@ -82,7 +82,9 @@ def add_lora_slices(y, x, A_cat, Bs: Sequence, idx, *, backend: str = "xla"):  #
 # ``method`` only matters for the xla backend ("masked" or "ragged").
 
 
-def lora_shrink_sgmv(x, A, seg_slots, seg_lens, *, backend: str = "xla", out_dtype=None, method="masked"):
+def lora_shrink_sgmv(
+    x, A, seg_slots, seg_lens, *, backend: str = "xla-onehot", out_dtype=None, method="masked"
+):
     """x ``[T, in]``, A ``[S, in, R]``, seg_slots/seg_lens ``[G]`` → ``[T, R]``.
 
     *Semantics:* ``h[t] = x[t] @ A[seg_slots[g]]`` for t in segment g; 0 for slot −1 and the tail.
@@ -93,7 +95,7 @@ def lora_shrink_sgmv(x, A, seg_slots, seg_lens, *, backend: str = "xla", out_dty
     return lora_shrink(x, A, idx, backend=backend, out_dtype=out_dtype)
 
 
-def lora_expand_sgmv(h, B, seg_slots, seg_lens, y, *, backend: str = "xla", method="masked"):
+def lora_expand_sgmv(h, B, seg_slots, seg_lens, y, *, backend: str = "xla-onehot", method="masked"):
     """h ``[T, R]``, B ``[S, R, out]``, seg_slots/seg_lens ``[G]``, y ``[T, out]`` → ``[T, out]``.
 
     *Semantics:* ``out[t] = y[t] + h[t] @ B[seg_slots[g]]`` for t in segment g; ``y[t]`` otherwise.
@@ -104,7 +106,7 @@ def lora_expand_sgmv(h, B, seg_slots, seg_lens, y, *, backend: str = "xla", meth
     return lora_expand(h, B, idx, y, backend=backend)
 
 
-def add_lora_sgmv(y, x, A, B, seg_slots, seg_lens, *, backend: str = "xla", method="masked"):
+def add_lora_sgmv(y, x, A, B, seg_slots, seg_lens, *, backend: str = "xla-onehot", method="masked"):
     """y ``[T, out]``, x ``[T, in]``, A ``[S, in, R]``, B ``[S, R, out]``, seg_slots/seg_lens ``[G]``.
 
     *Semantics:* ``add_lora`` with ``idx = segments_to_idx(seg_slots, seg_lens, T)``.
@@ -115,7 +117,9 @@ def add_lora_sgmv(y, x, A, B, seg_slots, seg_lens, *, backend: str = "xla", meth
     return add_lora(y, x, A, B, sgmv.segments_to_idx(seg_slots, seg_lens, x.shape[0]), backend=backend)
 
 
-def add_lora_slices_sgmv(y, x, A_cat, Bs: Sequence, seg_slots, seg_lens, *, backend="xla", method="masked"):
+def add_lora_slices_sgmv(
+    y, x, A_cat, Bs: Sequence, seg_slots, seg_lens, *, backend="xla-onehot", method="masked"
+):
     """Fused-projection ``add_lora_sgmv``: A_cat ``[S, in, n*R]``, Bs n × ``[S, R, out_i]``.
 
     *Semantics:* ``add_lora_slices`` with ``idx = segments_to_idx(seg_slots, seg_lens, T)``.

@@ -16,8 +16,8 @@ every projection of the step calls the op with it (:meth:`LoraBackend.add_decode
 
 Names ``--kernel-backend`` accepts: the five above, ``auto`` (``cpu`` where its C++ kernels build on
 a CPU, else ``xla-grouped``) and ``xla``, which means ``xla-grouped``: the worker's ``xla`` has always
-been the grouped decode, and users who pass it keep that code path. The function-level ops'
-``backend="xla"`` (``kernels.add_lora`` etc.) is the one-hot einsum, i.e. ``xla-onehot`` here.
+been the grouped decode, and users who pass it keep that code path. The function-level ops
+(``kernels.add_lora`` etc.) name their one-hot einsum ``backend="xla-onehot"`` as well.
 
 Backends are frozen, field-less dataclasses: equal and hashable by class, so they are static
 arguments of ``jax.jit`` (one compilation per backend, none per call).

@@ -60,7 +60,7 @@ def test_new_segments_never_recompile() -> None:
 
 def test_count_compilations_sees_new_shapes_and_other_threads() -> None:
     """Control for the tests above: the counter does count real compilations, from any thread."""
-    step = jax.jit(functools.partial(kernels.add_lora, backend="xla"))
+    step = jax.jit(functools.partial(kernels.add_lora, backend="xla-onehot"))
     c = random_lora_case(3, T=5, d_in=7, d_out=9, S=2, R=3)
     step(c.y, c.x, c.A, c.B, c.idx)
     with count_compilations() as count:

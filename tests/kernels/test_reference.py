@@ -54,7 +54,7 @@ def test_every_backend_gets_the_hand_case_exactly(backend: str) -> None:
 
 def test_out_of_range_slot_means_no_adapter() -> None:
     idx = jnp.array([2, 7, -5], jnp.int32)  # S = 2
-    for backend in ("reference", "xla"):
+    for backend in ("reference", "xla-onehot"):
         np.testing.assert_array_equal(kernels.add_lora(Y, X, A, B, idx, backend=backend), Y)
         np.testing.assert_array_equal(kernels.lora_shrink(X, A, idx, backend=backend), np.zeros((3, 2)))
 
@@ -75,7 +75,7 @@ def test_sgmv_by_hand() -> None:
     x = X[jnp.array([0, 2, 1])]  # [[1, 2], [5, 6], [3, 4]]
     # t0 (slot 1): h = [7, 10] -> y0 + [14, -10]; t1 (slot 0): h = [5, 6] -> y1 + [5, 11]; t2: y2
     want = [[24, 10], [35, 51], [50, 60]]
-    runs = [(b, "masked") for b in kernels.BACKENDS] + [("xla", "ragged")]
+    runs = [(b, "masked") for b in kernels.BACKENDS] + [("xla-onehot", "ragged")]
     for backend, method in runs:
         got = kernels.add_lora_sgmv(Y, x, A, B, seg_slots, seg_lens, backend=backend, method=method)
         np.testing.assert_array_equal(got, want, err_msg=f"{backend}/{method}")

@@ -24,7 +24,7 @@ FAST = settings(max_examples=25, deadline=None)
 @FAST
 @given(problems())
 def test_xla_matches_reference(p: Problem) -> None:
-    assert_matches_reference(p, run_all_ops(p, "xla"), run_all_ops(p, "reference"))
+    assert_matches_reference(p, run_all_ops(p, "xla-onehot"), run_all_ops(p, "reference"))
 
 
 @jax.jit
@@ -90,6 +90,6 @@ def test_xla_ignores_nan_in_rows_without_adapter() -> None:
     B = jnp.ones((3, 2, 2))
     y = jnp.array([[1.0, 1.0], [5.0, 6.0]])
     idx = jnp.array([2, -1], jnp.int32)
-    for backend in ("reference", "xla"):
+    for backend in ("reference", "xla-onehot"):
         out = np.asarray(kernels.add_lora(y, x, A, B, idx, backend=backend))
         np.testing.assert_array_equal(out, [[7.0, 7.0], [5.0, 6.0]], err_msg=backend)
