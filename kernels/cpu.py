@@ -1,4 +1,4 @@
-"""The ``cpu`` backend: grouped multi-LoRA as XLA FFI custom calls (``kernels/csrc/lora_cpu.cc``).
+"""The ``cpu`` backend: grouped multi-LoRA as XLA FFI custom calls (``kernels/csrc/lora.cc``).
 
 On XLA:CPU the best pure-XLA form of a mixed-adapter batch still pays for its grouping in glue
 (``kernels.grouped``: masks, gathers, a loop over heavy slots), and XLA:CPU runs bfloat16 matmuls
@@ -7,18 +7,19 @@ by slot inside the call, each slot's matrices are read once for all of its rows,
 float32 or bfloat16 (widened in registers, so bf16 pools halve the bytes a decode step streams —
 which is what bounds many distinct adapters on a CPU). Math is float32.
 
-The source is compiled on first use with the system C++ compiler (``$CXX``, else ``c++``/``g++``),
+The sources (``kernels/csrc``: one per kernel family, ``lora.cc``, ``attention.cc``, ``linear.cc``, and the
+shared ``common.h``) are compiled into one library on first use with the system C++ compiler (``$CXX``, else ``c++``/``g++``),
 ``-O3 -march=native`` (``$LORASERVE_KERNEL_MARCH`` names another target, e.g. ``x86-64-v3`` for an
 image that runs on other CPUs than the one it was built on), into ``$LORASERVE_KERNEL_CACHE_DIR``
-(default ``~/.cache/loraserve/kernels``), keyed by the source, jaxlib's version, this CPU's feature
+(default ``~/.cache/loraserve/kernels``), keyed by the sources, jaxlib's version, this CPU's feature
 flags and the compiler flags; later processes load the cached library. :func:`available` says whether that works here; without a compiler the worker's ``auto``
 backend falls back to ``xla``.
 
 Layout and semantics are docs/design.md §6's, like ``reference``: ``x [T, in]``, ``A [S, in, R]``,
 ``B [S, R, out]``, ``idx [T]`` (−1 = no adapter). CPU only: it does not lower for TPU or GPU.
 
-The same library holds the decode attention over the paged cache (:func:`paged_attention`) and the
-base model's bf16 projections for a few rows (:func:`linear_bf16`, which ``kernels.linear`` calls).
+The same library holds the decode attention over the paged cache (:func:`paged_attention`, ``attention.cc``)
+and the base model's bf16 projections for a few rows (:func:`linear_bf16`, ``linear.cc``, which ``kernels.linear`` calls).
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ import numpy as np
 
 from loraserve.kernels.shapes import ACC_DTYPE, check_expand, check_shrink, check_slices, valid_rows
 
-SOURCE = Path(__file__).with_name("csrc") / "lora_cpu.cc"
+CSRC = Path(__file__).with_name("csrc")
+# one library from one source per kernel family, and the header they share
+SOURCES = (CSRC / "lora.cc", CSRC / "attention.cc", CSRC / "linear.cc")
+HEADERS = (CSRC / "common.h",)
 TARGETS = {
     "loraserve_lora_delta": "LoraDelta",
     "loraserve_lora_shrink": "LoraShrink",
@@ -82,7 +86,7 @@ def _build() -> Path:
     """Compile the kernels (or reuse the cached build); returns the shared library's path."""
     import jaxlib
 
-    source = SOURCE.read_bytes()
+    source = b"\0".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
     march = os.environ.get("LORASERVE_KERNEL_MARCH") or "native"
     flags = ["-O3", f"-march={march}", "-std=c++17", "-shared", "-fPIC"]
     key = hashlib.sha256(
@@ -96,11 +100,11 @@ def _build() -> Path:
     include = jax.ffi.include_dir()
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         out = Path(tmp) / lib.name
-        cmd = [cxx, *flags, "-I", include, str(SOURCE), "-o", str(out)]
+        cmd = [cxx, *flags, "-I", include, *map(str, SOURCES), "-o", str(out)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if proc.returncode != 0:
             raise CpuKernelUnavailable(
-                f"compiling {SOURCE.name} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}"
+                f"compiling {', '.join(p.name for p in SOURCES)} failed:\n{' '.join(cmd)}\n{proc.stderr[-4000:]}"
             )
         os.replace(out, lib)  # atomic: concurrent builders each publish a complete file
     return lib

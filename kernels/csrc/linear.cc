@@ -1,0 +1,156 @@
+// bf16 decode projections (kernels/linear.py): y [N, M] = w [N, K] . x [M, K]^T, f32 sums, for the few
+// rows of a decode step of a bf16 model. XLA:CPU streams a bf16 weight matrix at 11-14 GB/s for 4-16
+// rows; this kernel keeps DRAM busy by prefetching the weights a dozen 4-row blocks ahead of the block it
+// multiplies, and on CPUs with AVX-512 BF16 multiplies with vdpbf16ps (two products per f32 lane and
+// instruction). Each output is the dot product of two contiguous rows (Hugging Face's layout as is),
+// computed as 4 x 4 tiles of 16-lane partial sums, reduced once at the end of K.
+//   loraserve_linear_bf16 (x [M, K] bf16, w [N, K] bf16) -> [N, M] f32   (weights-first, like linear)
+#include "common.h"
+
+namespace {
+
+struct LinearProblem {
+  int64_t M = 0, K = 0, N = 0;
+  const uint16_t* x = nullptr;
+  const uint16_t* w = nullptr;
+  float* y = nullptr;
+};
+
+constexpr int64_t kLinTileRows = 4;     // weight rows (outputs) per tile
+constexpr int64_t kLinTileCols = 4;     // x rows per tile
+constexpr int64_t kLinPrefetch = 12;    // weight blocks of kLinTileRows rows prefetched ahead
+constexpr int64_t kLinItemRows = 256;   // weight rows per work item
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kLinBf16Dot = true;
+// 32 elements of K a step; the tail of K (K % 32) as one masked step after the loop (zeros past the
+// end). The loop is kept free of branches and masks: with them GCC stored the sums every step.
+template <int TO, int TC>
+void lin_tile(const LinearProblem& p, int64_t o0, int64_t r0, uintptr_t pf, int64_t pf_step, uintptr_t pf_end) {
+  __m512 acc[TO][TC];
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) acc[a][b] = _mm512_setzero_ps();
+  const uint16_t* w = p.w + o0 * p.K;
+  const uint16_t* x = p.x + r0 * p.K;
+  const int64_t K = p.K, K32 = K / 32 * 32;
+  pf = std::min<uintptr_t>(pf, pf_end - (K32 / 32) * pf_step);  // the last block re-touches lines
+  for (int64_t k = 0; k < K32; k += 32) {
+    __m512bh wv[TO];
+    for (int a = 0; a < TO; ++a) wv[a] = (__m512bh)_mm512_loadu_si512(w + a * K + k);
+    __builtin_prefetch(reinterpret_cast<const void*>(pf), 0, 1);
+    pf += pf_step;
+    for (int b = 0; b < TC; ++b) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + b * K + k);
+      for (int a = 0; a < TO; ++a) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[a], xv);
+    }
+  }
+  if (K32 < K) {
+    const __mmask32 m = (__mmask32(1) << (K - K32)) - 1;
+    __m512bh wv[TO];
+    for (int a = 0; a < TO; ++a) wv[a] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + a * K + K32);
+    for (int b = 0; b < TC; ++b) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + b * K + K32);
+      for (int a = 0; a < TO; ++a) acc[a][b] = _mm512_dpbf16_ps(acc[a][b], wv[a], xv);
+    }
+  }
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) p.y[(o0 + a) * p.M + r0 + b] = _mm512_reduce_add_ps(acc[a][b]);
+}
+#else
+constexpr bool kLinBf16Dot = false;
+// Without bf16 dot products: each bf16 widened to f32 in registers (8 lanes at a time), the same tiles.
+template <int TO, int TC>
+void lin_tile(const LinearProblem& p, int64_t o0, int64_t r0, uintptr_t pf, int64_t pf_step, uintptr_t pf_end) {
+  v8f acc[TO][TC] = {};
+  const uint16_t* w = p.w + o0 * p.K;
+  const uint16_t* x = p.x + r0 * p.K;
+  const int64_t K8 = p.K / 8 * 8;
+  for (int64_t k = 0; k < K8; k += 8) {
+    v8f wv[TO];
+    for (int a = 0; a < TO; ++a) wv[a] = load8(w + a * p.K + k);
+    if (k % 32 == 0) {
+      __builtin_prefetch(reinterpret_cast<const void*>(std::min(pf, pf_end)), 0, 1);
+      pf += pf_step;
+    }
+    for (int b = 0; b < TC; ++b) {
+      const v8f xv = load8(x + b * p.K + k);
+      for (int a = 0; a < TO; ++a) acc[a][b] += wv[a] * xv;
+    }
+  }
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) {
+      float s = hsum(acc[a][b]);
+      for (int64_t k = K8; k < p.K; ++k) s += widen(w[a * p.K + k]) * widen(x[b * p.K + k]);
+      p.y[(o0 + a) * p.M + r0 + b] = s;
+    }
+}
+#endif
+
+template <int TO>
+void lin_block(const LinearProblem& p, int64_t o0, uintptr_t pf, int64_t pf_step, uintptr_t pf_end) {
+  const int64_t chunks = (p.K + 31) / 32;  // prefetch slots per tile
+  int64_t r = 0;
+  for (; r + kLinTileCols <= p.M; r += kLinTileCols, pf += chunks * pf_step)
+    lin_tile<TO, kLinTileCols>(p, o0, r, pf, pf_step, pf_end);
+  switch (p.M - r) {
+    case 3: lin_tile<TO, 3>(p, o0, r, pf, pf_step, pf_end); break;
+    case 2: lin_tile<TO, 2>(p, o0, r, pf, pf_step, pf_end); break;
+    case 1: lin_tile<TO, 1>(p, o0, r, pf, pf_step, pf_end); break;
+    default: break;
+  }
+}
+
+// Weight rows [lo, hi): 4-row blocks, each prefetching (spread over its tiles' K steps) the block
+// kLinPrefetch blocks ahead, so the weights' stream never waits on the multiply.
+void lin_rows(const LinearProblem& p, int64_t lo, int64_t hi) {
+  const int64_t chunks = (p.K + 31) / 32, tiles = (p.M + kLinTileCols - 1) / kLinTileCols;
+  const int64_t block_bytes = kLinTileRows * p.K * 2;
+  const int64_t pf_step = std::max<int64_t>(64, (block_bytes / (tiles * chunks) + 63) / 64 * 64);
+  const uintptr_t pf_end = reinterpret_cast<uintptr_t>(p.w + hi * p.K) - 64;
+  int64_t o = lo;
+  for (; o + kLinTileRows <= hi; o += kLinTileRows) {
+    const uintptr_t pf = reinterpret_cast<uintptr_t>(p.w) + 2 * (o + kLinTileRows * kLinPrefetch) * p.K;
+    lin_block<kLinTileRows>(p, o, pf, pf_step, pf_end);
+  }
+  for (; o < hi; ++o) lin_block<1>(p, o, pf_end, 0, pf_end);
+}
+
+ffi::Error LinearBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 || xd.size() != 2 ||
+      wd.size() != 2 || xd[1] != wd[1] || yd.size() != 2 || yd[0] != wd[0] || yd[1] != xd[0] || !is_f32(*y))
+    return ffi::Error::InvalidArgument("linear_bf16: x [M, K] bf16, w [N, K] bf16 -> [N, M] f32");
+  auto p = std::make_shared<LinearProblem>();
+  p->M = xd[0], p->K = xd[1], p->N = wd[0];
+  p->x = static_cast<const uint16_t*>(x.untyped_data());
+  p->w = static_cast<const uint16_t*>(w.untyped_data());
+  p->y = static_cast<float*>(y->untyped_data());
+  if (p->M == 0 || p->N == 0) return ffi::Error::Success();
+  if (p->K == 0) {
+    std::memset(p->y, 0, sizeof(float) * p->M * p->N);
+    return ffi::Error::Success();
+  }
+  const int64_t items = (p->N + kLinItemRows - 1) / kLinItemRows;
+  parallel_items(pool, items, [p](int64_t k, std::vector<float>&) {
+    lin_rows(*p, k * kLinItemRows, std::min(p->N, (k + 1) * kLinItemRows));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// What -march=native found (kernels/cpu.py): 1 when this build multiplies bf16 with AVX-512 BF16 dot
+// products (0: it widens to f32), and 1 when the CPU has AMX tiles (XLA's own GEMMs may use them there).
+extern "C" int LoraserveLinearBf16Dot() { return kLinBf16Dot ? 1 : 0; }
+#ifdef __AMX_BF16__
+extern "C" int LoraserveCpuAmx() { return 1; }
+#else
+extern "C" int LoraserveCpuAmx() { return 0; }
+#endif
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearBf16, LinearBf16Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // w
+                                  .Ret<ffi::AnyBuffer>());
