@@ -19,9 +19,8 @@ page_size, head_dim]`` (see ``init_cache``), updated in place (donated). A seque
 out); attention gathers a row's pages and masks by position, so the shapes never depend on which pages.
 
 Layers are unrolled over separate per-layer arrays rather than scanned over stacked ones: on XLA:CPU a
-``lax.scan`` slices each layer's weights out of the stack with a copy, which made the decode step 2.6x
-slower in measurement (40.7 ms vs 15.5 ms for the bench model's matmuls); unrolled code is what vLLM's
-TPU backend compiles as well.
+``lax.scan`` slices each layer's weights out of the stack with a copy (the measurement: docs/performance.md,
+*Why the worker's model looks the way it does*); unrolled code is what vLLM's TPU backend compiles as well.
 """
 
 from __future__ import annotations
