@@ -1,0 +1,56 @@
+"""The device-step contract (worker/step.py): typed inputs, the KV cache donated by name and nothing else."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from loraserve.kernels import get_backend
+from loraserve.worker import model as M
+from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.worker.jax_runner import jit_steps
+from loraserve.worker.sampling import SamplingArrays
+from loraserve.worker.step import DecodeBatch, DeviceState, LoraPools, PrefillBatch
+
+
+@pytest.fixture(scope="module")
+def state(llama_dir):
+    ck = load_checkpoint(str(llama_dir))
+    cfg, backend = ck.config, get_backend("xla-grouped")
+    pools = M.empty_lora(cfg, 2, 4, jnp.float32, backend)
+    rope = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    return cfg, backend, DeviceState(ck.params, pools, M.init_cache(cfg, 5, 16, jnp.float32), rope)
+
+
+def test_the_vocabulary_pools_are_their_own_field(state) -> None:
+    cfg, _, st = state
+    assert isinstance(st.pools, LoraPools) and len(st.pools.layers) == cfg.num_layers
+    assert set(st.pools.vocab) == {"A_embed", "B_embed", "A_lm_head", "B_lm_head"}
+    assert not any(name in layer for layer in st.pools.layers for name in st.pools.vocab)
+    # a pytree: its leaves are every pool, the vocabulary's included
+    assert len(jax.tree.leaves(st.pools)) == sum(map(len, st.pools.layers)) + 4
+
+
+def test_a_step_donates_the_cache_by_name_and_nothing_else(state) -> None:
+    cfg, backend, st = state
+    steps = jit_steps(cfg, backend)
+    tables = M.contiguous_page_tables(2, 2)
+    tokens = np.zeros((2, 16), np.int32)
+    tokens[:, :3] = [[5, 6, 7], [8, 9, 10]]
+    batch = PrefillBatch(tokens, np.array([3, 3], np.int32), np.zeros(2, np.int32), np.array([-1, 0], np.int32),
+                         tables, np.int32(1))  # fmt: skip
+    old = st.cache
+    sampled, cache = steps.prefill(**st.fields(), batch=batch, sampling=SamplingArrays.empty(2))
+    assert sampled.tokens.shape == (2,)
+    assert all(k.is_deleted() and v.is_deleted() for k, v in old)  # donated: updated in place
+    kept = (st.params, st.pools, st.rope)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(kept))
+    st = DeviceState(st.params, st.pools, cache, st.rope)
+    # without sampling the step gives the logits; keywords only: positions cannot be mixed up
+    logits, cache = steps.decode(**st.fields(), batch=DecodeBatch(np.array([1, 2], np.int32),
+                                                                   np.array([3, 3], np.int32), tables, None))  # fmt: skip
+    assert logits.shape == (2, cfg.vocab_size) and logits.dtype == jnp.float32
+    with pytest.raises(TypeError):
+        steps.decode(st.params, st.pools, cache, st.rope)
