@@ -25,7 +25,7 @@ from sqlalchemy.orm import sessionmaker
 from loraserve.adapters.errors import AdapterError
 from loraserve.adapters.refs import ALIAS_RE, parse_ref, pick_version
 from loraserve.common.errors import InvalidArgument, NotFound, Unavailable
-from loraserve.registry.db import AdapterRow, AliasChangeRow, AliasRow, utcnow
+from loraserve.registry.db import AdapterRow, AdapterState, AliasChangeRow, AliasRow, utcnow
 
 MAX_TARGETS = 16
 MAX_RETRIES = 50
@@ -102,7 +102,7 @@ class Aliases:
                     s.scalars(
                         select(AdapterRow.version).where(
                             AdapterRow.name == name,
-                            AdapterRow.state == "READY",
+                            AdapterRow.state == AdapterState.READY,
                             AdapterRow.version.in_([v for v, _ in clean]),
                         )
                     )
@@ -207,7 +207,9 @@ def _retire(s, name: str, alias: str, before: Sequence | None, after: Sequence |
         dropped -= {int(v) for v, _ in targets}
     dropped.discard(
         s.scalar(
-            select(func.max(AdapterRow.version)).where(AdapterRow.name == name, AdapterRow.state == "READY")
+            select(func.max(AdapterRow.version)).where(
+                AdapterRow.name == name, AdapterRow.state == AdapterState.READY
+            )
         )
     )
     for versions, retired in ((now, False), (dropped, True)):

@@ -38,7 +38,7 @@ from loraserve.common.errors import (
 )
 from loraserve.registry.aliases import Aliases
 from loraserve.registry.base_models import BaseModels
-from loraserve.registry.db import AdapterRow, BaseModelRow, PlacementRow, UnloadOrderRow
+from loraserve.registry.db import AdapterRow, AdapterState, BaseModelRow, PlacementRow, UnloadOrderRow
 from loraserve.registry.hot_reads import HotReads, ThreadReads
 from loraserve.registry.imports import ImportPolicy
 from loraserve.registry.storage import BlobStore, StagedBlob
@@ -112,7 +112,7 @@ LISTED_COLUMNS = tuple(
     )
 )  # fmt: skip
 _RESOLVE_COLUMNS = select(AdapterRow.name, AdapterRow.version, AdapterRow.base_model).where(
-    AdapterRow.name == bindparam("name"), AdapterRow.state == "READY"
+    AdapterRow.name == bindparam("name"), AdapterRow.state == AdapterState.READY
 )
 _RESOLVE_LATEST = _RESOLVE_COLUMNS.order_by(AdapterRow.version.desc()).limit(1)
 _RESOLVE_VERSION = _RESOLVE_COLUMNS.where(AdapterRow.version == bindparam("version")).limit(1)
@@ -243,7 +243,7 @@ class Catalog:
                     config=h.config_bytes.decode("utf-8"),
                     description=h.description,
                     labels={**h.labels, **labels},
-                    state="READY",
+                    state=AdapterState.READY.value,
                 )
                 s.add(row)
                 try:
@@ -355,7 +355,7 @@ class Catalog:
         name, version = parsed.name, parsed.version
         if parsed.alias is not None:
             version, _ = self.aliases.resolve(name, parsed.alias, routing_key)
-        q = q.where(AdapterRow.name == name, AdapterRow.state == "READY")
+        q = q.where(AdapterRow.name == name, AdapterRow.state == AdapterState.READY)
         q = q.where(AdapterRow.version == version) if version else q.order_by(AdapterRow.version.desc())
         with self.reads() as s:
             row = fetch(s, q.limit(1))
@@ -369,7 +369,7 @@ class Catalog:
         """A page of READY adapters by (name, version) after ``page_token``, as plain rows (``LISTED_COLUMNS``
         of ``AdapterRow``), and the next page's token ("" at the end)."""
         size = min(page_size or DEFAULT_PAGE, MAX_PAGE)
-        q = select(AdapterRow).where(AdapterRow.state == "READY")
+        q = select(AdapterRow).where(AdapterRow.state == AdapterState.READY)
         if base_model:
             q = q.where(AdapterRow.base_model == base_model)
         if name_prefix:
@@ -407,7 +407,7 @@ class Catalog:
             )
         name, version = parsed.name, parsed.version
         with self.sessions() as s:
-            q = select(AdapterRow).where(AdapterRow.name == name, AdapterRow.state == "READY")
+            q = select(AdapterRow).where(AdapterRow.name == name, AdapterRow.state == AdapterState.READY)
             if version:
                 q = q.where(AdapterRow.version == version)
             rows = list(s.scalars(q.with_for_update()))
@@ -435,7 +435,7 @@ class Catalog:
                     )
                     orders += 1
             for r in rows:
-                r.state = "DELETED"
+                r.state = AdapterState.DELETED.value
             s.commit()
             self._changed()
             return rows, orders
@@ -447,5 +447,7 @@ class Catalog:
         before its row is committed, and gc must not take it in between.
         """
         with self.sessions() as s:
-            referenced = set(s.scalars(select(AdapterRow.sha256).where(AdapterRow.state == "READY")))
+            referenced = set(
+                s.scalars(select(AdapterRow.sha256).where(AdapterRow.state == AdapterState.READY))
+            )
         return self.store.gc(referenced, min_age_s=min_age_s)

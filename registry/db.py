@@ -10,6 +10,7 @@ PostgreSQL the production database; the schema is created by Alembic (``loraserv
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,42 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship,
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+# The words the string columns hold. ``StrEnum``s whose names are their values: a member is bound and
+# stored as that very string, and a string read back compares equal to its member. (On the wire the
+# proto enums stay; registry.server maps between them.)
+
+
+class AdapterState(StrEnum):
+    """``adapters.state``."""
+
+    READY = "READY"
+    DELETED = "DELETED"
+
+
+class WorkerState(StrEnum):
+    """``workers.state``."""
+
+    READY = "READY"
+    DRAINING = "DRAINING"
+    EXPIRED = "EXPIRED"
+
+
+class SlotState(StrEnum):
+    """``placements.state``: an adapter being loaded into a device slot, or there."""
+
+    LOADING = "LOADING"
+    LOADED = "LOADED"
+
+
+class Tier(StrEnum):
+    """Where a worker keeps an adapter, fastest first: a device slot, host memory, its disk cache.
+    ``workers.cached`` holds HOST or DISK per adapter (a device slot is a ``placements`` row)."""
+
+    DEVICE = "DEVICE"
+    HOST = "HOST"
+    DISK = "DISK"
 
 
 class Base(DeclarativeBase):
@@ -62,7 +99,7 @@ class AdapterRow(Base):
     config: Mapped[str] = mapped_column(Text)  # adapter_config.json, byte for byte (UTF-8)
     description: Mapped[str] = mapped_column(Text, default="")
     labels: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)
-    state: Mapped[str] = mapped_column(String(16), default="READY")
+    state: Mapped[str] = mapped_column(String(16), default=AdapterState.READY.value)  # AdapterState
     # an alias moved away from it and none points at it: workers unload it once idle (registry/aliases.py); 0003
     retired: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
@@ -93,15 +130,16 @@ class WorkerRow(Base):
     max_lora_rank: Mapped[int] = mapped_column(Integer, default=0)
     max_batch_size: Mapped[int] = mapped_column(Integer, default=0)
     tensor_parallel_size: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
-    state: Mapped[str] = mapped_column(String(16), default="READY")
+    state: Mapped[str] = mapped_column(String(16), default=WorkerState.READY.value)  # WorkerState
     lease_expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     last_heartbeat: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     running: Mapped[int] = mapped_column(Integer, default=0)
     waiting: Mapped[int] = mapped_column(Integer, default=0)
     free_slots: Mapped[int] = mapped_column(Integer, default=0)
     utilization: Mapped[float] = mapped_column(Float, default=0.0)
-    cached: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)  # adapter -> "HOST" | "DISK"; 0003
+    cached: Mapped[dict[str, str]] = mapped_column(JSON, default=dict)  # adapter -> Tier HOST | DISK; 0003
     # adapter -> [requests, prompt_tokens, completion_tokens, loads, fetched_bytes] since the worker started
+    # (registry.placement.ReportedUsage.to_json / from_json)
     usage: Mapped[dict[str, list[int]]] = mapped_column(JSON, default=dict)
     registered_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # sha256 hex of the worker process's RegisterWorkerRequest.instance_id ("" = none sent); 0004
@@ -126,7 +164,7 @@ class PlacementRow(Base):
         ForeignKey("adapters.id", ondelete="SET NULL"), nullable=True
     )
     slot: Mapped[int] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(16))  # LOADING | LOADED
+    state: Mapped[str] = mapped_column(String(16))  # SlotState: LOADING | LOADED
     pinned: Mapped[bool] = mapped_column(Boolean, default=False)
     refcount: Mapped[int] = mapped_column(Integer, default=0)
     loaded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

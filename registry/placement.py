@@ -26,17 +26,21 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import bindparam, delete, insert, select, update
+from sqlalchemy import Connection, Row, bindparam, delete, insert, select, update
 from sqlalchemy.orm import selectinload, sessionmaker
 
 from loraserve.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from loraserve.registry.catalog import Catalog
 from loraserve.registry.db import (
     AdapterRow,
+    AdapterState,
     BaseModelRow,
     PlacementRow,
+    SlotState,
+    Tier,
     UnloadOrderRow,
     WorkerRow,
+    WorkerState,
     as_utc,
     utcnow,
 )
@@ -57,20 +61,48 @@ class Order:
 class SlotReport:
     slot: int
     adapter: str  # resolved "name@version"; "" = empty
-    state: str  # "LOADING" | "LOADED"
+    state: SlotState
     pinned: bool = False
     refcount: int = 0
 
 
 @dataclass(frozen=True)
-class Load:
+class ReportedLoad:
+    """A worker's load as its heartbeat reports it (the wire's ``WorkerLoad``)."""
+
     running: int = 0
     waiting: int = 0
     free_slots: int = 0
     utilization: float = 0.0
 
 
-TIERS = ("DEVICE", "HOST", "DISK")  # fastest first; a worker holding nothing is a cold load
+@dataclass(frozen=True)
+class ReportedUsage:
+    """One adapter's usage totals as a worker reports them (since it started), or a sum of such totals.
+
+    Stored per adapter in ``workers.usage`` as the JSON list ``[requests, prompt_tokens, completion_tokens,
+    loads, fetched_bytes]`` (:meth:`to_json`, :meth:`from_json`)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    loads: int = 0
+    fetched_bytes: int = 0
+
+    def __add__(self, other: ReportedUsage) -> ReportedUsage:
+        return ReportedUsage(*(a + b for a, b in zip(self.to_json(), other.to_json(), strict=True)))
+
+    def to_json(self) -> list[int]:
+        return [self.requests, self.prompt_tokens, self.completion_tokens, self.loads, self.fetched_bytes]
+
+    @classmethod
+    def from_json(cls, value: list[int]) -> ReportedUsage:
+        """A stored list; missing trailing fields are 0, extra ones ignored."""
+        return cls(*(int(x) for x in value[:5]))
+
+
+TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)  # fastest first; a worker holding nothing is a cold load
+CACHE_TIERS = (Tier.HOST, Tier.DISK)  # the tiers of workers.cached (a device slot is a placement row)
 MAX_USAGE = 4096  # adapters of a heartbeat's usage report kept (bounds a worker row)
 FLEET_TTL_S = 1.0  # the live-fleet view is re-read from the database at least this often
 
@@ -83,8 +115,8 @@ class LiveWorker:
     address: str
     model_id: str
     lease_expires_at: datetime
-    load: Load
-    cached: dict[str, str] = field(default_factory=dict)  # adapter -> "HOST" | "DISK"
+    load: ReportedLoad
+    cached: dict[str, str] = field(default_factory=dict)  # adapter -> Tier HOST | DISK
     holds: frozenset[str] = frozenset()  # adapters LOADED in a device slot
 
 
@@ -94,7 +126,7 @@ def _live(row: WorkerRow, holds: frozenset[str]) -> LiveWorker:
         row.address,
         row.model_id,
         as_utc(row.lease_expires_at),
-        Load(row.running, row.waiting, row.free_slots, row.utilization),
+        ReportedLoad(row.running, row.waiting, row.free_slots, row.utilization),
         dict(row.cached or {}),
         holds,
     )
@@ -110,8 +142,10 @@ _FLEET_WORKERS = select(
     WorkerRow.free_slots,
     WorkerRow.utilization,
     WorkerRow.cached,
-).where(WorkerRow.state == "READY")
-_FLEET_HOLDS = select(PlacementRow.worker_id, PlacementRow.adapter).where(PlacementRow.state == "LOADED")
+).where(WorkerRow.state == WorkerState.READY)
+_FLEET_HOLDS = select(PlacementRow.worker_id, PlacementRow.adapter).where(
+    PlacementRow.state == SlotState.LOADED
+)
 
 
 def _tiers_of(w: LiveWorker) -> dict[str, int]:
@@ -252,8 +286,8 @@ class Candidate:
     worker_id: str
     address: str
     holds_adapter: bool
-    load: Load
-    tier: str = ""  # "DEVICE" | "HOST" | "DISK" | "" (cold)
+    load: ReportedLoad
+    tier: str = ""  # a Tier, or "" (cold)
 
 
 _RENEW_VALUES = dict(
@@ -269,7 +303,7 @@ _RENEW = (
     update(WorkerRow)
     .where(
         WorkerRow.id == bindparam("wid"),
-        WorkerRow.state != "EXPIRED",
+        WorkerRow.state != WorkerState.EXPIRED,
         WorkerRow.lease_expires_at >= bindparam("now"),
     )
     .values(**_RENEW_VALUES)
@@ -308,6 +342,141 @@ _ORDERS = select(UnloadOrderRow.id, UnloadOrderRow.adapter, UnloadOrderRow.reaso
 )
 
 
+# Placement.heartbeat's steps, in the order they run on its one connection.
+
+
+def _renew_lease(
+    conn: Connection,
+    worker_id: str,
+    now: datetime,
+    lease: datetime,
+    load: ReportedLoad,
+    cached: dict[str, str],
+    usage: dict[str, list[int]] | None,
+) -> Row:
+    """Renew the worker's lease and record its load and caches (and its whole ``usage``, unless None):
+    one UPDATE … RETURNING its address and model. NOT_FOUND when it has no live lease."""
+    values = {
+        "wid": worker_id,
+        "now": now,
+        "lease": lease,
+        "running": load.running,
+        "waiting": load.waiting,
+        "free_slots": load.free_slots,
+        "utilization": load.utilization,
+        "cached": cached,
+    }
+    renew = _RENEW
+    if usage is not None:
+        values["usage"] = usage
+        renew = _RENEW_WITH_USAGE
+    worker = conn.execute(renew, values).first()
+    if worker is None:
+        raise NotFound(f"worker {worker_id!r} is not registered or its lease expired: register again")
+    return worker
+
+
+def _merge_usage(conn: Connection, worker_id: str, reported: dict[str, list[int]]) -> None:
+    """Merge the usage totals that changed into the worker's row (a read and a write): the reported
+    adapters move to the end, and the last ``MAX_USAGE`` are kept (the most recently reported)."""
+    held = conn.execute(_USAGE, {"wid": worker_id}).scalar() or {}
+    for key in reported:
+        held.pop(key, None)  # re-inserted last: the most recently reported are kept
+    held.update(reported)
+    merged = dict(list(held.items())[-MAX_USAGE:])
+    conn.execute(_SET_USAGE, {"wid": worker_id, "usage": merged})
+
+
+@dataclass
+class _Versions:
+    """What the registry holds of the reported adapters' names: placement ids by ``name@version``, and
+    which versions are READY (and not retired) or retired."""
+
+    ids: dict[str, int] = field(default_factory=dict)
+    ready: set[str] = field(default_factory=set)
+    retired: set[str] = field(default_factory=set)
+
+
+def _versions_of(conn: Connection, keys: set[str]) -> _Versions:
+    """One query for every version of every name in ``keys`` (``name@version``s)."""
+    out = _Versions()
+    names = sorted({k.partition("@")[0] for k in keys})
+    for adapter_id, name, version, state, is_retired in conn.execute(_VERSIONS, {"names": names}):
+        key = f"{name}@{version}"
+        out.ids[key] = adapter_id
+        if state == AdapterState.READY:
+            (out.retired if is_retired else out.ready).add(key)
+    return out
+
+
+def _reconcile_placements(
+    conn: Connection, worker_id: str, slots: list[SlotReport], ids: dict[str, int], now: datetime
+) -> None:
+    """Bring the worker's placement rows to the report, touching only the slots that changed (a steady
+    worker's heartbeat writes no placement row)."""
+    held = {row.slot: row for row in conn.execute(_PLACEMENTS, {"wid": worker_id})}
+    gone, added, changed = [], [], []
+    for r in slots:
+        if not r.adapter:
+            continue
+        row = held.pop(r.slot, None)
+        if row is not None and row.adapter != r.adapter:
+            gone.append(row.id)  # the (worker, slot) pair is unique: the old row goes first
+            row = None
+        if row is None:
+            added.append(
+                dict(
+                    worker_id=worker_id,
+                    adapter=r.adapter,
+                    adapter_id=ids.get(r.adapter),
+                    slot=r.slot,
+                    state=r.state,
+                    pinned=r.pinned,
+                    refcount=r.refcount,
+                    loaded_at=now,
+                    last_used=now,
+                )
+            )
+        elif (row.state, row.pinned, row.refcount) != (r.state, r.pinned, r.refcount):
+            changed.append(
+                dict(pid=row.id, state=r.state, pinned=r.pinned, refcount=r.refcount, last_used=now)
+            )
+    gone += [row.id for row in held.values()]  # slots the report leaves empty
+    if gone:
+        conn.execute(delete(PlacementRow).where(PlacementRow.id.in_(gone)))
+    if added:
+        conn.execute(insert(PlacementRow), added)
+    if changed:
+        conn.execute(_PLACEMENT_STATE, changed)
+
+
+def _collect_unload_orders(
+    conn: Connection, worker_id: str, reported: set[str], cached_keys: set[str], versions: _Versions
+) -> list[Order]:
+    """The worker's pending unload orders: its order rows for adapters it still holds (the others are
+    fulfilled and deleted), then orders for what it holds or caches that has no READY version."""
+    orders = list(conn.execute(_ORDERS, {"wid": worker_id}))
+    done = [o.id for o in orders if o.adapter not in reported]
+    if done:  # the worker no longer holds it: the order is fulfilled
+        conn.execute(delete(UnloadOrderRow).where(UnloadOrderRow.id.in_(done)))
+    pending = [Order(o.adapter, o.reason) for o in orders if o.adapter in reported]
+    # An adapter deleted before any heartbeat reported it has no order row: any reported adapter
+    # without a READY version is unloaded too, so nothing deleted stays resident. A retired version
+    # (an alias moved away from it) is drained: unloaded once no request uses it.
+    # Adapters kept in host memory or the disk cache are checked too: a deleted one is forgotten there
+    # (and in any weighted mix holding it), so no request can reach it again.
+    ready, retired = versions.ready, versions.retired
+    ordered = {o.adapter for o in pending}
+    for key in sorted(reported - ordered):
+        if key in retired:
+            pending.append(Order(key, f"{key} is retired: no alias points at it", drain=True))
+        elif key not in ready:
+            pending.append(Order(key, f"adapter {key} is not in the registry"))
+    for key in sorted(cached_keys - reported - ordered - ready - retired):
+        pending.append(Order(key, f"adapter {key} is not in the registry"))
+    return pending
+
+
 class Placement:
     def __init__(self, sessions: sessionmaker, catalog: Catalog, lease_seconds: int) -> None:
         self.sessions, self.catalog, self.lease = sessions, catalog, timedelta(seconds=lease_seconds)
@@ -342,7 +511,7 @@ class Placement:
             for held in s.scalars(select(WorkerRow).where(WorkerRow.address == address)):
                 until = as_utc(held.lease_expires_at)
                 same = bool(identity) and hmac.compare_digest(held.identity or "", identity)
-                if held.state != "EXPIRED" and until >= now and not same:
+                if held.state != WorkerState.EXPIRED and until >= now and not same:
                     raise AlreadyExists(
                         f"address {address} is held by a live worker until {until.isoformat(timespec='seconds')}"
                         " (another process): a restarted worker registers once that lease ends"
@@ -375,7 +544,7 @@ class Placement:
                 max_batch_size=max_batch_size,
                 tensor_parallel_size=tensor_parallel_size or 1,
                 identity=identity,
-                state="READY",
+                state=WorkerState.READY.value,
                 lease_expires_at=now + self.lease,
                 last_heartbeat=now,
                 free_slots=slots,
@@ -390,9 +559,9 @@ class Placement:
         self,
         worker_id: str,
         slots: list[SlotReport],
-        load: Load,
+        load: ReportedLoad,
         cached: dict[str, str] | None = None,
-        usage: dict[str, list[int]] | None = None,
+        usage: dict[str, ReportedUsage] | None = None,
         usage_changed_only: bool = False,
     ) -> tuple[LiveWorker, list[Order]]:
         """Renew the lease, replace the worker's placements, return its pending unload orders.
@@ -407,108 +576,34 @@ class Placement:
         rows and its unload orders, and writes only for slots whose adapter or state changed (a steady
         worker's heartbeat writes its worker row only; docs/performance.md has the measurement)."""
         now = utcnow()
-        cached = {a[:160]: t for a, t in (cached or {}).items() if t in ("HOST", "DISK")}
-        values = {
-            "wid": worker_id,
-            "now": now,
-            "lease": now + self.lease,
-            "running": load.running,
-            "waiting": load.waiting,
-            "free_slots": load.free_slots,
-            "utilization": load.utilization,
-            "cached": cached,
-        }
-        renew = _RENEW
-        reported_usage = {
-            a[:160]: [int(x) for x in v[:5]] for a, v in list((usage or {}).items())[:MAX_USAGE]
-        }
-        if usage is not None and not usage_changed_only:
-            values["usage"] = reported_usage
-            renew = _RENEW_WITH_USAGE
+        lease = now + self.lease
+        cached = {a[:160]: t for a, t in (cached or {}).items() if t in CACHE_TIERS}
+        usage_json = {a[:160]: u.to_json() for a, u in list((usage or {}).items())[:MAX_USAGE]}  # stored form
         reported = {r.adapter for r in slots if r.adapter}
         cached_keys = set(cached)  # host memory or disk cache: a deleted version must go from there too
         with self.engine.begin() as conn:
-            worker = conn.execute(renew, values).first()
-            if worker is None:
-                raise NotFound(f"worker {worker_id!r} is not registered or its lease expired: register again")
-            if usage_changed_only and reported_usage:  # only when something changed: a read and a write
-                held = conn.execute(_USAGE, {"wid": worker_id}).scalar() or {}
-                for key in reported_usage:
-                    held.pop(key, None)  # re-inserted last: the most recently reported are kept
-                held.update(reported_usage)
-                merged = dict(list(held.items())[-MAX_USAGE:])
-                conn.execute(_SET_USAGE, {"wid": worker_id, "usage": merged})
-            # one query for every version of every name in the report: placement ids, READY and retired
-            ids: dict[str, int] = {}
-            ready, retired = set(), set()
-            names = sorted({k.partition("@")[0] for k in reported | cached_keys})
-            for adapter_id, name, version, state, is_retired in conn.execute(_VERSIONS, {"names": names}):
-                key = f"{name}@{version}"
-                ids[key] = adapter_id
-                if state == "READY":
-                    (retired if is_retired else ready).add(key)
-            # bring the worker's placement rows to the report, touching only the slots that changed (a
-            # steady worker's heartbeat writes no placement row)
-            held = {row.slot: row for row in conn.execute(_PLACEMENTS, {"wid": worker_id})}
-            gone, added, changed = [], [], []
-            for r in slots:
-                if not r.adapter:
-                    continue
-                row = held.pop(r.slot, None)
-                if row is not None and row.adapter != r.adapter:
-                    gone.append(row.id)  # the (worker, slot) pair is unique: the old row goes first
-                    row = None
-                if row is None:
-                    added.append(
-                        dict(
-                            worker_id=worker_id,
-                            adapter=r.adapter,
-                            adapter_id=ids.get(r.adapter),
-                            slot=r.slot,
-                            state=r.state,
-                            pinned=r.pinned,
-                            refcount=r.refcount,
-                            loaded_at=now,
-                            last_used=now,
-                        )
-                    )
-                elif (row.state, row.pinned, row.refcount) != (r.state, r.pinned, r.refcount):
-                    changed.append(
-                        dict(pid=row.id, state=r.state, pinned=r.pinned, refcount=r.refcount, last_used=now)
-                    )
-            gone += [row.id for row in held.values()]  # slots the report leaves empty
-            if gone:
-                conn.execute(delete(PlacementRow).where(PlacementRow.id.in_(gone)))
-            if added:
-                conn.execute(insert(PlacementRow), added)
-            if changed:
-                conn.execute(_PLACEMENT_STATE, changed)
-            orders = list(conn.execute(_ORDERS, {"wid": worker_id}))
-            done = [o.id for o in orders if o.adapter not in reported]
-            if done:  # the worker no longer holds it: the order is fulfilled
-                conn.execute(delete(UnloadOrderRow).where(UnloadOrderRow.id.in_(done)))
-            pending = [Order(o.adapter, o.reason) for o in orders if o.adapter in reported]
-            # An adapter deleted before any heartbeat reported it has no order row: any reported adapter
-            # without a READY version is unloaded too, so nothing deleted stays resident. A retired version
-            # (an alias moved away from it) is drained: unloaded once no request uses it.
-            # Adapters kept in host memory or the disk cache are checked too: a deleted one is forgotten there
-            # (and in any weighted mix holding it), so no request can reach it again.
-            ordered = {o.adapter for o in pending}
-            for key in sorted(reported - ordered):
-                if key in retired:
-                    pending.append(Order(key, f"{key} is retired: no alias points at it", drain=True))
-                elif key not in ready:
-                    pending.append(Order(key, f"adapter {key} is not in the registry"))
-            for key in sorted(cached_keys - reported - ordered - ready - retired):
-                pending.append(Order(key, f"adapter {key} is not in the registry"))
+            worker = _renew_lease(
+                conn,
+                worker_id,
+                now,
+                lease,
+                load,
+                cached,
+                usage_json if usage is not None and not usage_changed_only else None,
+            )
+            if usage_changed_only and usage_json:  # only when something changed: a read and a write
+                _merge_usage(conn, worker_id, usage_json)
+            versions = _versions_of(conn, reported | cached_keys)
+            _reconcile_placements(conn, worker_id, slots, versions.ids, now)
+            pending = _collect_unload_orders(conn, worker_id, reported, cached_keys, versions)
         live = LiveWorker(
             worker_id,
             worker.address,
             worker.model_id,
-            values["lease"],
+            lease,
             load,
             cached,
-            frozenset(r.adapter for r in slots if r.adapter and r.state == "LOADED"),
+            frozenset(r.adapter for r in slots if r.adapter and r.state == SlotState.LOADED),
         )
         self.fleet.put(live)
         return live, pending
@@ -519,11 +614,13 @@ class Placement:
         with self.sessions() as s:
             stale = list(
                 s.scalars(
-                    select(WorkerRow).where(WorkerRow.state != "EXPIRED", WorkerRow.lease_expires_at < now)
+                    select(WorkerRow).where(
+                        WorkerRow.state != WorkerState.EXPIRED, WorkerRow.lease_expires_at < now
+                    )
                 )
             )
             for w in stale:
-                w.state = "EXPIRED"
+                w.state = WorkerState.EXPIRED.value
                 s.execute(delete(PlacementRow).where(PlacementRow.worker_id == w.id))
             s.commit()
         self.fleet.drop(*(w.id for w in stale))
@@ -536,7 +633,7 @@ class Placement:
             if model_id:
                 q = q.where(WorkerRow.model_id == model_id)
             if not include_expired:
-                q = q.where(WorkerRow.state != "EXPIRED")
+                q = q.where(WorkerRow.state != WorkerState.EXPIRED)
             return list(s.scalars(q))
 
     def locate(self, ref: str, max_candidates: int = 0, routing_key: str = "") -> tuple[str, list[Candidate]]:
@@ -559,7 +656,7 @@ class Placement:
     def _candidates(self, key: str, model: str | None, max_candidates: int) -> list[Candidate]:
         limit = min(max_candidates or 3, MAX_CANDIDATES)
         return [
-            Candidate(w.id, w.address, tier == "DEVICE", w.load, tier)
+            Candidate(w.id, w.address, tier == Tier.DEVICE, w.load, tier)
             for w, tier in self.fleet.rank(key, model, limit, utcnow())
         ]
 
@@ -567,7 +664,7 @@ class Placement:
 @dataclass
 class VersionStats:
     version: int
-    usage: list[int]  # requests, prompt_tokens, completion_tokens, loads, fetched_bytes (live workers)
+    usage: ReportedUsage  # summed over live workers
     holders: list[tuple[str, str, str]]  # (worker_id, address, tier)
     aliases: list[str]
 
@@ -579,7 +676,7 @@ def adapter_stats(placement: Placement, name: str) -> list[VersionStats]:
         versions = list(
             s.scalars(
                 select(AdapterRow.version)
-                .where(AdapterRow.name == name, AdapterRow.state == "READY")
+                .where(AdapterRow.name == name, AdapterRow.state == AdapterState.READY)
                 .order_by(AdapterRow.version)
             )
         )
@@ -590,13 +687,12 @@ def adapter_stats(placement: Placement, name: str) -> list[VersionStats]:
     out = []
     for v in versions:
         key = f"{name}@{v}"
-        total = [0] * 5
+        total = ReportedUsage()
         holders = []
         for w in workers:
-            for i, x in enumerate((w.usage or {}).get(key, [])[:5]):
-                total[i] += x
+            total += ReportedUsage.from_json((w.usage or {}).get(key, []))
             if any(p.adapter == key for p in w.placements):
-                holders.append((w.id, w.address, "DEVICE"))
+                holders.append((w.id, w.address, Tier.DEVICE))
             elif key in (w.cached or {}):
                 holders.append((w.id, w.address, w.cached[key]))
         named = [a.alias for a in aliases if any(tv == v for tv, _ in a.targets)]

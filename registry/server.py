@@ -37,15 +37,24 @@ from loraserve.protos.v1 import (
 )
 from loraserve.registry.aliases import AliasView
 from loraserve.registry.catalog import Catalog, UploadHeader, parse_ref
-from loraserve.registry.db import AdapterRow, WorkerRow, as_utc
-from loraserve.registry.placement import Load, Placement, SlotReport, adapter_stats
+from loraserve.registry.db import AdapterRow, SlotState, Tier, WorkerRow, WorkerState, as_utc
+from loraserve.registry.placement import (
+    Placement,
+    ReportedLoad,
+    ReportedUsage,
+    SlotReport,
+    adapter_stats,
+)
 from loraserve.registry.storage import StagedBlob
 
 log = logging.getLogger("loraserve.registry.server")
 CHUNK = 1 << 20
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 UPLOAD_THREADS = 2  # uploads and imports validated at once; more wait for a thread of their own pool
-SLOT_STATES = {worker_admin_pb2.SLOT_STATE_LOADING: "LOADING", worker_admin_pb2.SLOT_STATE_LOADED: "LOADED"}
+SLOT_STATES = {
+    worker_admin_pb2.SLOT_STATE_LOADING: SlotState.LOADING,
+    worker_admin_pb2.SLOT_STATE_LOADED: SlotState.LOADED,
+}
 SERVICE_NAMES = (
     registry_pb2.DESCRIPTOR.services_by_name["AdapterRegistry"].full_name,
     placement_pb2.DESCRIPTOR.services_by_name["Placement"].full_name,
@@ -110,24 +119,39 @@ def _actor(request, context) -> str:
 
 
 TIERS_PB = {
-    "DEVICE": placement_pb2.RESIDENCY_TIER_DEVICE,
-    "HOST": placement_pb2.RESIDENCY_TIER_HOST,
-    "DISK": placement_pb2.RESIDENCY_TIER_DISK,
+    Tier.DEVICE: placement_pb2.RESIDENCY_TIER_DEVICE,
+    Tier.HOST: placement_pb2.RESIDENCY_TIER_HOST,
+    Tier.DISK: placement_pb2.RESIDENCY_TIER_DISK,
 }
 TIER_NAMES = {v: k for k, v in TIERS_PB.items()}
+WORKER_STATES_PB = {
+    WorkerState.READY: placement_pb2.WORKER_STATE_READY,
+    WorkerState.DRAINING: placement_pb2.WORKER_STATE_DRAINING,
+    WorkerState.EXPIRED: placement_pb2.WORKER_STATE_EXPIRED,
+}
+
+
+def usage_from_proto(u: placement_pb2.AdapterUsage) -> ReportedUsage:
+    return ReportedUsage(u.requests, u.prompt_tokens, u.completion_tokens, u.loads, u.fetched_bytes)
+
+
+def usage_to_proto(adapter: str, u: ReportedUsage) -> placement_pb2.AdapterUsage:
+    return placement_pb2.AdapterUsage(
+        adapter=adapter,
+        requests=u.requests,
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        loads=u.loads,
+        fetched_bytes=u.fetched_bytes,
+    )
 
 
 def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
-    states = {
-        "READY": placement_pb2.WORKER_STATE_READY,
-        "DRAINING": placement_pb2.WORKER_STATE_DRAINING,
-        "EXPIRED": placement_pb2.WORKER_STATE_EXPIRED,
-    }
     return placement_pb2.Worker(
         worker_id=row.id,
         address=row.address,
         model_id=row.model_id,
-        state=states.get(row.state, 0),
+        state=WORKER_STATES_PB.get(row.state, 0),
         slots=row.slots,
         tensor_parallel_size=row.tensor_parallel_size,
         slot_infos=[
@@ -137,7 +161,7 @@ def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
                 pinned=p.pinned,
                 refcount=p.refcount,
                 state=worker_admin_pb2.SLOT_STATE_LOADED
-                if p.state == "LOADED"
+                if p.state == SlotState.LOADED
                 else worker_admin_pb2.SLOT_STATE_LOADING,
             )
             for p in row.placements
@@ -388,19 +412,15 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
 
     async def Heartbeat(self, request, context):
         slots = [
-            SlotReport(s.slot, s.adapter, SLOT_STATES.get(s.state, "LOADING"), s.pinned, s.refcount)
+            SlotReport(s.slot, s.adapter, SLOT_STATES.get(s.state, SlotState.LOADING), s.pinned, s.refcount)
             for s in request.slots
             if s.adapter
         ]
-        load = Load(
+        load = ReportedLoad(
             request.load.running, request.load.waiting, request.load.free_slots, request.load.utilization
         )
         cached = {c.adapter: TIER_NAMES.get(c.tier, "") for c in request.cached if c.adapter}
-        usage = {
-            u.adapter: [u.requests, u.prompt_tokens, u.completion_tokens, u.loads, u.fetched_bytes]
-            for u in request.usage
-            if u.adapter
-        }
+        usage = {u.adapter: usage_from_proto(u) for u in request.usage if u.adapter}
         worker, orders = await _call(
             context,
             self.placement.heartbeat,
@@ -425,14 +445,7 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
             versions=[
                 placement_pb2.AdapterVersionStats(
                     version=v.version,
-                    usage=placement_pb2.AdapterUsage(
-                        adapter=f"{request.name}@{v.version}",
-                        requests=v.usage[0],
-                        prompt_tokens=v.usage[1],
-                        completion_tokens=v.usage[2],
-                        loads=v.usage[3],
-                        fetched_bytes=v.usage[4],
-                    ),
+                    usage=usage_to_proto(f"{request.name}@{v.version}", v.usage),
                     holders=[
                         placement_pb2.AdapterHolder(worker_id=wid, address=addr, tier=TIERS_PB.get(tier, 0))
                         for wid, addr, tier in v.holders

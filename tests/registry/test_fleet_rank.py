@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loraserve.registry.placement import TIERS, Fleet, LiveWorker, Load
+from loraserve.registry.placement import TIERS, Fleet, LiveWorker, ReportedLoad
 
 NOW = datetime(2026, 12, 3, tzinfo=UTC)
 ADAPTERS = ["a@1", "b@1", "c@2", "d@1"]
@@ -44,7 +44,7 @@ workers_st = st.lists(
             address=f"10.0.0.{i}:1",
             model_id=model,
             lease_expires_at=NOW + timedelta(seconds=5 if alive else -1),
-            load=Load(running, waiting, free),
+            load=ReportedLoad(running, waiting, free),
             cached=cached,
             holds=frozenset(held),
         ),
@@ -81,12 +81,12 @@ def test_rank_follows_each_change_of_the_view() -> None:
     """The index is rebuilt after a put or a drop: a new holder comes first, a dropped one is gone."""
     fleet = Fleet(sessions=None, ttl_s=float("inf"))
     base = dict(address="x:1", model_id="m1", lease_expires_at=NOW + timedelta(seconds=5))
-    fleet.put(LiveWorker(id="w1", load=Load(0, 0, 2), **base))
-    fleet.put(LiveWorker(id="w2", load=Load(0, 0, 1), **base))
+    fleet.put(LiveWorker(id="w1", load=ReportedLoad(0, 0, 2), **base))
+    fleet.put(LiveWorker(id="w2", load=ReportedLoad(0, 0, 1), **base))
     assert [(w.id, t) for w, t in fleet.rank("a@1", "m1", 3, NOW)] == [("w1", ""), ("w2", "")]
-    fleet.put(LiveWorker(id="w2", load=Load(4, 0, 0), holds=frozenset({"a@1"}), **base))
+    fleet.put(LiveWorker(id="w2", load=ReportedLoad(4, 0, 0), holds=frozenset({"a@1"}), **base))
     assert [(w.id, t) for w, t in fleet.rank("a@1", "m1", 3, NOW)] == [("w2", "DEVICE"), ("w1", "")]
-    fleet.put(LiveWorker(id="w1", load=Load(0, 0, 2), cached={"a@1": "HOST"}, **base))
+    fleet.put(LiveWorker(id="w1", load=ReportedLoad(0, 0, 2), cached={"a@1": "HOST"}, **base))
     assert [(w.id, t) for w, t in fleet.rank("a@1", "m1", 1, NOW)] == [("w2", "DEVICE")]
     fleet.drop("w2")
     assert [(w.id, t) for w, t in fleet.rank("a@1", "m1", 3, NOW)] == [("w1", "HOST")]

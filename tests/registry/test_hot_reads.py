@@ -20,7 +20,7 @@ from loraserve.registry.app import open_registry
 from loraserve.registry.config import RegistryConfig
 from loraserve.registry.db import AdapterRow
 from loraserve.registry.hot_reads import InlineReads, PsycopgReads, ThreadReads, hot_reads_for
-from loraserve.registry.placement import Load, SlotReport
+from loraserve.registry.placement import ReportedLoad, SlotReport
 from tests.registry.conftest import start_registry
 
 
@@ -85,7 +85,7 @@ def test_the_reads_work_from_a_second_event_loop(registry) -> None:
 def test_locate_takes_no_thread_while_the_fleet_view_is_fresh(registry, monkeypatch) -> None:
     placement = registry.placement
     wid = placement.register("10.0.0.1:1", "m2", {}, 4).id
-    placement.heartbeat(wid, [SlotReport(0, "a@2", "LOADED")], Load(free_slots=3))
+    placement.heartbeat(wid, [SlotReport(0, "a@2", "LOADED")], ReportedLoad(free_slots=3))
     hops: list[object] = []
     real = asyncio.to_thread
 

@@ -117,7 +117,7 @@ def test_a_second_replica_sees_the_fleet_within_its_ttl(reg, adapter_dirs, tiny_
     """Locate ranks an in-memory view of the fleet: this replica's own writes show at once, another
     replica's (a second registry process on the same database) once its view is re-read (FLEET_TTL_S)."""
     from loraserve.registry.app import open_registry
-    from loraserve.registry.placement import Load, SlotReport
+    from loraserve.registry.placement import ReportedLoad, SlotReport
 
     reg.client.push(adapter_dirs["all-r4"], "hot", TINY_MODEL)
     first = _register(reg, "10.0.3.1:1", tiny_shapes)
@@ -128,7 +128,7 @@ def test_a_second_replica_sees_the_fleet_within_its_ttl(reg, adapter_dirs, tiny_
     try:
         assert [c.worker_id for c in other.placement.locate("hot")[1]] == [first]
         second = other.placement.register("10.0.3.2:1", TINY_MODEL, {}, 4)
-        other.placement.heartbeat(second.id, [SlotReport(0, "hot@1", "LOADED")], Load(free_slots=3))
+        other.placement.heartbeat(second.id, [SlotReport(0, "hot@1", "LOADED")], ReportedLoad(free_slots=3))
         # the replica that took the heartbeat ranks the holder first at once
         key, ranked = other.placement.locate("hot")
         assert key == "hot@1" and [(c.worker_id, c.holds_adapter) for c in ranked] == [
@@ -147,7 +147,7 @@ def test_a_second_replica_sees_the_fleet_within_its_ttl(reg, adapter_dirs, tiny_
         ]
         # a lease that runs out drops out of the view without a re-read (the lease is 2 s here)
         other.placement.fleet.ttl_s = 3600.0
-        other.placement.heartbeat(second.id, [SlotReport(0, "hot@1", "LOADED")], Load(free_slots=3))
+        other.placement.heartbeat(second.id, [SlotReport(0, "hot@1", "LOADED")], ReportedLoad(free_slots=3))
         assert [c.worker_id for c in other.placement.locate("hot")[1]] == [second.id, first]
         time.sleep(2.2)
         assert other.placement.locate("hot")[1] == []

@@ -16,7 +16,7 @@ from loraserve.registry.app import open_registry
 from loraserve.registry.catalog import _encode_token
 from loraserve.registry.config import RegistryConfig
 from loraserve.registry.db import AdapterRow
-from loraserve.registry.placement import Load, SlotReport
+from loraserve.registry.placement import ReportedLoad, SlotReport
 
 
 def _registry(tmp_path: Path, adapters: int = 2000):
@@ -102,7 +102,7 @@ def test_locate_reads_only_the_adapter_while_the_fleet_view_is_fresh(tmp_path) -
         placement = reg.placement
         workers = [placement.register(f"10.0.0.{i}:1", "m", {}, 4).id for i in range(50)]
         for i, wid in enumerate(workers):
-            placement.heartbeat(wid, [SlotReport(0, f"a-{i:05d}@1", "LOADED")], Load(free_slots=3))
+            placement.heartbeat(wid, [SlotReport(0, f"a-{i:05d}@1", "LOADED")], ReportedLoad(free_slots=3))
         placement.fleet.ttl_s = 3600.0
         placement.locate("a-00007")  # the first locate reads the fleet
         seen = _capture(reg.engine)
