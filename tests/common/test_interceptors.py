@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -16,6 +15,7 @@ from prometheus_client import REGISTRY
 
 from loraserve.common.errors import NotFound, ResourceExhausted
 from loraserve.common.interceptors import StatusInterceptor
+from tests import waiting
 from tests.aio_thread import aio_server_thread
 
 SERVICE = "loraserve.test.Probe"
@@ -118,12 +118,7 @@ def _rpcs(server: str, method: str, code: str) -> float:
 def settled(read, want, timeout: float = 5.0):
     """``read()`` once it equals ``want`` (the server records an RPC just after its client saw the status),
     or its last value after ``timeout`` seconds."""
-    deadline = time.time() + timeout
-    got = read()
-    while got != want and time.time() < deadline:
-        time.sleep(0.01)
-        got = read()
-    return got
+    return waiting.settled(read, lambda got: got == want, timeout, interval=0.01)
 
 
 def _seconds_count(server: str, method: str) -> float:

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraserve.common.processes import ServerProcess, start_server
+from tests.waiting import settled
 
 
 def wait_healthy(address: str, timeout: float = 60.0) -> None:
@@ -46,9 +47,4 @@ def loraserve_process(
 
 def wait_for_workers(client, count: int, timeout: float = 20.0) -> list:
     """Poll ``client.workers()`` (a RegistryClient) until exactly ``count`` live workers are registered."""
-    deadline = time.time() + timeout
-    workers = client.workers()
-    while len(workers) != count and time.time() < deadline:
-        time.sleep(0.1)
-        workers = client.workers()
-    return workers
+    return settled(client.workers, lambda workers: len(workers) == count, timeout, interval=0.1)

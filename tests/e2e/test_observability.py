@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import time
 import urllib.request
 
 import pytest
@@ -17,6 +16,7 @@ from loraserve.client.sdk import Client
 from loraserve.common.errors import LoraserveError
 from tests.e2e.compose_local import free_port
 from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
+from tests.waiting import settled
 
 pytestmark = pytest.mark.e2e
 PROMPT = [5, 17, 33]
@@ -113,13 +113,12 @@ def _rpc_samples(port: int) -> dict[tuple[str, str, str], float]:
 
 def _settled(port: int, want: dict[tuple[str, str, str], float], timeout: float = 10.0) -> dict:
     """The samples of ``want``'s keys once they match (a stream is recorded just after its last message)."""
-    deadline = time.time() + timeout
-    while True:
+
+    def picked() -> dict:
         got = _rpc_samples(port)
-        picked = {key: got.get(key, 0.0) for key in want}
-        if picked == want or time.time() > deadline:
-            return picked
-        time.sleep(0.1)
+        return {key: got.get(key, 0.0) for key in want}
+
+    return settled(picked, lambda p: p == want, timeout, interval=0.1)
 
 
 def test_every_server_records_its_rpcs_with_status_codes(llama_dir, adapter_dirs, tmp_path) -> None:

@@ -34,6 +34,7 @@ from loraserve.worker.server import build_server as build_worker
 from tests.aio_thread import aio_server_thread
 from tests.e2e.procs import wait_for_workers
 from tests.registry.conftest import TINY_MODEL, start_registry
+from tests.waiting import wait_until
 
 
 class PacedRunner(FakeRunner):
@@ -42,14 +43,6 @@ class PacedRunner(FakeRunner):
     def decode(self, *args, **kwargs):
         time.sleep(0.004)
         return super().decode(*args, **kwargs)
-
-
-def wait_until(check, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def test_new_version_under_the_alias_loads_next_to_the_old_one_which_drains(

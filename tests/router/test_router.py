@@ -36,6 +36,7 @@ from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread
 from tests.e2e.procs import wait_for_workers
 from tests.registry.conftest import TINY_MODEL, RegistryEnv, start_registry
+from tests.waiting import settled
 
 PROMPT = [5, 17, 33, 100, 7]
 
@@ -190,10 +191,7 @@ def test_worker_serves_through_a_registry_outage_and_registers_again(stack, llam
     assert (
         Client(stack.worker_address).complete(PROMPT, adapter="all-r4@1", max_tokens=2).completion_tokens == 2
     )
-    deadline = time.time() + 10
-    while time.time() < deadline and not stack.registry.client.workers():
-        time.sleep(0.1)
-    workers = stack.registry.client.workers()
+    workers = settled(stack.registry.client.workers, bool, timeout=10, interval=0.1)
     assert [w.address for w in workers] == [stack.worker_address] and workers[0].worker_id != first_id
 
 
@@ -342,17 +340,19 @@ def test_heartbeats_report_tiers_and_a_warm_worker_is_chosen_over_a_cold_one(sta
     for name in ("all-r4", "qv-r8-rslora", "mlp-r16"):  # three adapters through two slots: one is evicted
         with Client(stack.router_address) as client:
             client.complete(PROMPT, adapter=name, max_tokens=1)
+
     # the heartbeat after the last load reports two adapters on the device and the evicted one on the host;
     # a report taken between two heartbeats (or just after the worker registered again, a lease having run
     # out on a loaded machine) may not show it yet: wait for it
-    deadline = time.monotonic() + 15
-    while True:
+    def tiers_now() -> dict[str, int]:
         worker = next(w for w in stack.registry.client.workers() if w.address == stack.worker_address)
-        tiers = {r.adapter: r.tier for r in worker.residency}
-        counts = [list(tiers.values()).count(t) for t in (pp.RESIDENCY_TIER_HOST, pp.RESIDENCY_TIER_DEVICE)]
-        if (counts[0] >= 1 and counts[1] == 2) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
+        return {r.adapter: r.tier for r in worker.residency}
+
+    def steady(tiers: dict[str, int]) -> bool:
+        held = list(tiers.values())
+        return held.count(pp.RESIDENCY_TIER_HOST) >= 1 and held.count(pp.RESIDENCY_TIER_DEVICE) == 2
+
+    tiers = settled(tiers_now, steady, timeout=15, interval=0.2)
     on_host = [a for a, t in tiers.items() if t == pp.RESIDENCY_TIER_HOST]
     assert on_host and sum(t == pp.RESIDENCY_TIER_DEVICE for t in tiers.values()) == 2, tiers
     warm = on_host[0]
@@ -403,9 +403,8 @@ def test_per_adapter_usage_reaches_the_registry_and_the_metrics(stack, adapter_d
     with Client(stack.router_address) as client:
         answers = [client.complete(PROMPT, adapter="acct", max_tokens=4, ignore_eos=True) for _ in range(3)]
     assert [(a.adapter, a.prompt_tokens, a.completion_tokens) for a in answers] == [("acct@1", 5, 4)] * 3
-    deadline = time.monotonic() + 10
-    while (v := reg.stats("acct").versions[0]).usage.requests < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)  # one heartbeat (lease 3 s / 3)
+    # one heartbeat (lease 3 s / 3)
+    v = settled(lambda: reg.stats("acct").versions[0], lambda v: v.usage.requests >= 3, interval=0.2)
     u = v.usage
     assert (v.version, u.requests, u.prompt_tokens, u.completion_tokens, u.loads) == (1, 3, 15, 12, 1)
     assert u.fetched_bytes == pushed.size_bytes  # the one load read the blob from the object store
@@ -502,9 +501,8 @@ def test_mix_through_the_router_sdk_and_cli(stack, capsys) -> None:
         main(["generate", "--target", stack.router_address, "--mix", "all-r4", "hi"])
     assert exit_.value.code == 2 and "'all-r4' is not ADAPTER=WEIGHT" in capsys.readouterr().err
     seen = stack.registration.heartbeats
-    deadline = time.monotonic() + 10
-    while stack.registration.heartbeats < seen + 2 and time.monotonic() < deadline:
-        time.sleep(0.1)  # two heartbeats since: the registry has seen the mix's slot
+    # two heartbeats since: the registry has seen the mix's slot
+    settled(lambda: stack.registration.heartbeats, lambda n: n >= seen + 2, interval=0.1)
     assert any("*" in s.adapter for s in stack.engine.snapshot().slots)
     worker = next(w for w in stack.registry.client.workers() if w.address == stack.worker_address)
     assert [s.adapter for s in worker.slot_infos if "*" in s.adapter] == []
