@@ -306,26 +306,51 @@ def load_tensors(data: bytes) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()}
 
 
-def parse_adapter(
-    config_bytes: bytes,
-    weights_bytes: bytes,
-    *,
-    module_shapes: dict[str, tuple[int, int]] | None = None,
-    num_layers: int | None = None,
-    max_rank: int | None = None,
-) -> LoraWeights:
-    """Validate an adapter and return its weights, scaling folded into B.
+@dataclass(frozen=True)
+class _Scaling:
+    """``adapter_config.json``'s ranks and alphas: per module path (``rank_pattern``, ``alpha_pattern``) or
+    the defaults, and whether rsLoRA scales by ``alpha / sqrt(r)`` instead of ``alpha / r``."""
 
-    ``module_shapes`` (``module -> (in, out)``) and ``num_layers`` describe the base model; when given,
-    an adapter that does not fit raises AdapterMismatchError. ``max_rank`` bounds every module's rank.
-    """
-    cfg = parse_config(config_bytes)
-    tensors = load_tensors(weights_bytes)
-    if not tensors:
-        raise AdapterError(f"{WEIGHTS_FILE} holds no tensors")
-    dora, lora_bias = bool(cfg.get("use_dora")), bool(cfg.get("lora_bias"))
-    found: dict[tuple[str, int], dict[str, np.ndarray]] = {}
-    vocab_found: dict[str, dict[str, np.ndarray]] = {}
+    rank_pattern: dict[str, Any]
+    alpha_pattern: dict[str, Any]
+    default_r: int
+    default_alpha: float
+    rslora: bool
+
+    @classmethod
+    def of(cls, cfg: dict[str, Any]) -> _Scaling:
+        return cls(
+            cfg.get("rank_pattern") or {},
+            cfg.get("alpha_pattern") or {},
+            int(cfg.get("r", 8)),
+            float(cfg.get("lora_alpha", cfg.get("r", 8))),
+            bool(cfg.get("use_rslora", False)),
+        )
+
+    def rank(self, path: str) -> int:
+        return int(_pattern_value(self.rank_pattern, path, self.default_r))
+
+    def alpha(self, path: str) -> float:
+        return float(_pattern_value(self.alpha_pattern, path, self.default_alpha))
+
+    def factor(self, alpha: float, r: int) -> float:
+        return alpha / math.sqrt(r) if self.rslora else alpha / r
+
+
+_Pair = dict[str, np.ndarray]  # "A", "B" and, where present, "m" (DoRA) and "bias" (lora_bias)
+
+
+def _group_tensors(
+    tensors: dict[str, np.ndarray],
+    dora: bool,
+    lora_bias: bool,
+    module_shapes: dict[str, tuple[int, int]] | None,
+) -> tuple[dict[tuple[str, int], _Pair], dict[str, _Pair]]:
+    """Every tensor by what it is: ``(module, layer) -> {which: tensor}`` for the projections, ``module ->
+    {which: tensor}`` for embed_tokens / lm_head (``adapters.peft_vocab.vocab_tensor``). Refuses a name
+    that is neither, a wrong rank or dtype, NaN or inf."""
+    found: dict[tuple[str, int], _Pair] = {}
+    vocab_found: dict[str, _Pair] = {}
     for key, value in tensors.items():
         vmatch = VOCAB_KEY.search(key)
         if vmatch is not None:
@@ -335,15 +360,35 @@ def parse_adapter(
         if not np.isfinite(value).all():
             raise AdapterError(f"tensor {key} contains NaN or inf")
         found.setdefault((module, layer), {})[which] = value
-    rank_pattern, alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
-    default_r, default_alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", cfg.get("r", 8)))
-    rslora = bool(cfg.get("use_rslora", False))
-    per_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
-    vectors: dict[str, dict[str, dict[int, np.ndarray]]] = {"m": {}, "bias": {}}
-    max_seen = 0
+    return found, vocab_found
+
+
+@dataclass
+class _Folded:
+    """The projections checked and scaled, per module and layer: ``(A [in, r], B [r, out] scaled)``, DoRA
+    magnitudes (``vectors["m"]``) and scaled lora_B biases (``vectors["bias"]``), and the largest rank."""
+
+    per_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = field(default_factory=dict)
+    vectors: dict[str, dict[str, dict[int, np.ndarray]]] = field(
+        default_factory=lambda: {"m": {}, "bias": {}}
+    )
+    max_rank: int = 0
+
+
+def _fold_modules(
+    found: dict[tuple[str, int], _Pair],
+    scaling: _Scaling,
+    dora: bool,
+    max_rank: int | None,
+    module_shapes: dict[str, tuple[int, int]] | None,
+    num_layers: int | None,
+) -> _Folded:
+    """Check each (module, layer)'s tensors against its rank and the base model (``check_module_pair``), in
+    (module, layer) order, and fold the LoRA scaling into B and the bias."""
+    out = _Folded()
     for (module, layer), pair in sorted(found.items()):
         path = _module_path(module, layer)
-        r = int(_pattern_value(rank_pattern, path, default_r))
+        r = scaling.rank(path)
         check_module_pair(
             path,
             module,
@@ -356,21 +401,31 @@ def parse_adapter(
             num_layers,
         )
         a, b = pair["A"], pair["B"]  # PEFT: A [r, in], B [out, r]
-        alpha = float(_pattern_value(alpha_pattern, path, default_alpha))
-        scaling = alpha / math.sqrt(r) if rslora else alpha / r
-        per_module.setdefault(module, {})[layer] = (a.T, fold_scaling(b.T, scaling))
+        factor = scaling.factor(scaling.alpha(path), r)
+        out.per_module.setdefault(module, {})[layer] = (a.T, fold_scaling(b.T, factor))
         if "m" in pair:
-            vectors["m"].setdefault(module, {})[layer] = pair["m"]
+            out.vectors["m"].setdefault(module, {})[layer] = pair["m"]
         if "bias" in pair:
-            vectors["bias"].setdefault(module, {})[layer] = fold_scaling(pair["bias"], scaling)
-        max_seen = max(max_seen, r)
+            out.vectors["bias"].setdefault(module, {})[layer] = fold_scaling(pair["bias"], factor)
+        out.max_rank = max(out.max_rank, r)
+    return out
+
+
+def _vocab_pairs(
+    vocab_found: dict[str, _Pair],
+    scaling: _Scaling,
+    max_rank: int | None,
+    module_shapes: dict[str, tuple[int, int]] | None,
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """embed_tokens / lm_head LoRA (``adapters.peft_vocab.vocab_pair``; a base-layer copy alone is no LoRA),
+    shapes checked against the model's when it is known."""
     vocab = {
         module: vocab_pair(
             module,
             pair,
-            int(_pattern_value(rank_pattern, vocab_path(module), default_r)),
-            float(_pattern_value(alpha_pattern, vocab_path(module), default_alpha)),
-            rslora,
+            scaling.rank(vocab_path(module)),
+            scaling.alpha(vocab_path(module)),
+            scaling.rslora,
             max_rank,
         )
         for module, pair in sorted(vocab_found.items())
@@ -378,10 +433,14 @@ def parse_adapter(
     }
     if module_shapes is not None and vocab:
         check_vocab_shapes_of(vocab, module_shapes)
-    max_seen = max([max_seen, *(a.shape[1] for a, _ in vocab.values())])
-    if not found and not vocab:
-        raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA matrices")
-    layers = num_layers if num_layers is not None else 1 + max((layer for _, layer in found), default=-1)
+    return vocab
+
+
+def _stack_modules(
+    per_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]], layers: int
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per module ``(A [L, in, r], B [L, r, out])``, zero-padded to the module's largest rank and ``layers``
+    (a layer the adapter leaves out is zeros). Refuses layers whose fans disagree."""
     modules: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for module, by_layer in per_module.items():
         r = max(a.shape[1] for a, _ in by_layer.values())
@@ -394,13 +453,48 @@ def parse_adapter(
             a_all[layer, :, : a.shape[1]] = a
             b_all[layer, : b.shape[0]] = b
         modules[module] = (a_all, b_all)
+    return modules
+
+
+def parse_adapter(
+    config_bytes: bytes,
+    weights_bytes: bytes,
+    *,
+    module_shapes: dict[str, tuple[int, int]] | None = None,
+    num_layers: int | None = None,
+    max_rank: int | None = None,
+) -> LoraWeights:
+    """Validate an adapter and return its weights, scaling folded into B.
+
+    ``module_shapes`` (``module -> (in, out)``) and ``num_layers`` describe the base model; when given,
+    an adapter that does not fit raises AdapterMismatchError. ``max_rank`` bounds every module's rank.
+
+    The steps, in the order their refusals come: the config, the tensors (``_group_tensors``), each
+    projection (``_fold_modules``), embed_tokens / lm_head (``_vocab_pairs``), the stacks per module
+    (``_stack_modules``), then the values (``check_weights``).
+    """
+    cfg = parse_config(config_bytes)
+    tensors = load_tensors(weights_bytes)
+    if not tensors:
+        raise AdapterError(f"{WEIGHTS_FILE} holds no tensors")
+    dora, lora_bias = bool(cfg.get("use_dora")), bool(cfg.get("lora_bias"))
+    found, vocab_found = _group_tensors(tensors, dora, lora_bias, module_shapes)
+    scaling = _Scaling.of(cfg)
+    folded = _fold_modules(found, scaling, dora, max_rank, module_shapes, num_layers)
+    vocab = _vocab_pairs(vocab_found, scaling, max_rank, module_shapes)
+    max_seen = max([folded.max_rank, *(a.shape[1] for a, _ in vocab.values())])
+    if not found and not vocab:
+        raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA matrices")
+    layers = num_layers if num_layers is not None else 1 + max((layer for _, layer in found), default=-1)
+    modules = _stack_modules(folded.per_module, layers)
     stacked = {
-        which: {m: _stack(v, layers) for m, v in by_module.items()} for which, by_module in vectors.items()
+        which: {m: _stack(v, layers) for m, v in by_module.items()}
+        for which, by_module in folded.vectors.items()
     }
     weights = LoraWeights(
         rank=max_seen,
-        alpha=default_alpha,
-        use_rslora=rslora,
+        alpha=scaling.default_alpha,
+        use_rslora=scaling.rslora,
         target_modules=tuple(m for m in LORA_MODULES if m in modules) + tuple(vocab),
         modules=modules,
         sha256=hashlib.sha256(weights_bytes).hexdigest(),
