@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import grpc
 
 from loraserve.common.errors import error_from_rpc
-from loraserve.common.finish_reasons import FINISH_FROM_PROTO
+from loraserve.common.finish_reasons import FINISH_FROM_PROTO, FinishReason
 from loraserve.common.security import aio_channel, channel
 from loraserve.protos.v1 import inference_pb2 as pb
 from loraserve.protos.v1 import inference_pb2_grpc
@@ -53,7 +54,7 @@ class TokenLogprobs:
 class Chunk:
     text: str
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""  # "" until the last chunk
+    finish_reason: FinishReason | Literal[""] = ""  # "" until the last chunk; a str: "length", "stop", "eos"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     adapter: str = ""  # resolved "name@version" (a mix: "a@1*0.7+b@2*0.3")

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from loraserve.protos.v1 import inference_pb2 as pb
 
-FINISH_TO_PROTO: dict[str, int] = {
-    "length": pb.FINISH_REASON_LENGTH,
-    "stop": pb.FINISH_REASON_STOP,
-    "eos": pb.FINISH_REASON_EOS,
+
+class FinishReason(StrEnum):
+    """Why a generation ended; the value is the name the SDK, the worker and ``loraserve generate`` use
+    (the OpenAI-compatible API says "stop" for EOS too: ``httpapi.responses``)."""
+
+    LENGTH = "length"  # max_new_tokens reached
+    STOP = "stop"  # a stop string or stop token id
+    EOS = "eos"  # the model's end-of-sequence token
+
+
+FINISH_TO_PROTO: dict[FinishReason, int] = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
 }
-FINISH_FROM_PROTO: dict[int, str] = {v: k for k, v in FINISH_TO_PROTO.items()}
+FINISH_FROM_PROTO: dict[int, FinishReason] = {v: k for k, v in FINISH_TO_PROTO.items()}

@@ -11,10 +11,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from loraserve.common.finish_reasons import FinishReason
 from loraserve.protos.v1 import inference_pb2 as pb
 
 # EOS and stop strings/ids are both "stop" to OpenAI clients.
-FINISH = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_EOS: "stop"}
+FINISH = {
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_STOP: FinishReason.STOP,
+    pb.FINISH_REASON_EOS: FinishReason.STOP,
+}
 
 
 def _bytes(lp: pb.Logprob) -> list[int]:
@@ -56,7 +61,7 @@ class Choice:
 
     text: str = ""
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     adapter: str = ""
@@ -66,7 +71,7 @@ class Choice:
         self.logprobs.extend(msg.logprobs)
         self.adapter = msg.adapter or self.adapter
         if msg.finish_reason:
-            self.finish_reason = FINISH.get(msg.finish_reason, "stop")
+            self.finish_reason = FINISH.get(msg.finish_reason, FinishReason.STOP)
             self.prompt_tokens = msg.usage.prompt_tokens
             self.completion_tokens = msg.usage.completion_tokens
 

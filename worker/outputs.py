@@ -9,8 +9,9 @@ text that may be the start of a stop string is held back until it cannot be) and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from loraserve.common.finish_reasons import FinishReason
 from loraserve.worker.requests import Event, Failed, Finished, Started, Token, TokenLogprobs
 
 REPLACEMENT = "\ufffd"
@@ -49,7 +50,7 @@ class Detokenizer:
 class Chunk:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str = ""  # "" until the last chunk; "length" | "stop" | "eos"
+    finish_reason: FinishReason | Literal[""] = ""  # "" until the last chunk
     prompt_tokens: int = 0
     completion_tokens: int = 0
     adapter: str = ""
@@ -102,7 +103,7 @@ class StreamAssembler:
                 if at >= 0:
                     self.text = self.text[:at]
                     self.stopped_by_string = True
-                    return [self._last("stop", [token_id], lps)]
+                    return [self._last(FinishReason.STOP, [token_id], lps)]
         if isinstance(event, Token):
             upto = len(self.text) - self._held_back()
             chunk = Chunk(
@@ -118,7 +119,7 @@ class StreamAssembler:
             self.text += self.detok.flush()
         return [self._last(event.reason, [] if token_id is None else [token_id], lps)]
 
-    def _last(self, reason: str, ids: list[int], logprobs: list[TokenLogprobs]) -> Chunk:
+    def _last(self, reason: FinishReason, ids: list[int], logprobs: list[TokenLogprobs]) -> Chunk:
         self.done = True
         chunk = Chunk(
             token_ids=ids,

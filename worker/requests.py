@@ -12,6 +12,7 @@ import grpc
 
 from loraserve.common import limits
 from loraserve.common.errors import InvalidArgument
+from loraserve.common.finish_reasons import FinishReason
 from loraserve.common.limits import INT32_MAX, MAX_STOP_TOKEN_IDS, UINT32_MAX
 
 MAX_LOGPROBS = limits.MAX_LOGPROBS  # most alternatives a request may ask for (the device computes this many)
@@ -81,7 +82,7 @@ class Finished:
     """The request ended; ``token_id`` is the last token when it came with the finish (else None), with
     its ``logprobs`` when the request asked for them."""
 
-    reason: str  # "length" | "stop" | "eos"
+    reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     token_id: int | None = None

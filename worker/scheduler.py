@@ -34,6 +34,7 @@ import numpy as np
 from loraserve.adapters.mixes import is_mix, parse_mix, validate_mix
 from loraserve.adapters.refs import parse_ref
 from loraserve.common.errors import ResourceExhausted
+from loraserve.common.finish_reasons import FinishReason
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.kv_cache import BASE_KEY, KVCache, SeqPages
 from loraserve.worker.model_config import ModelConfig
@@ -450,14 +451,14 @@ class Scheduler:
         req.generated.append(token)
         self.tokens_out += 1
         s, n = req.sampling, len(req.generated)
-        reason = ""
+        reason: FinishReason | None = None
         if token in self.eos_ids and not s.ignore_eos:
-            reason = "eos"
+            reason = FinishReason.EOS
         elif token in s.stop_token_ids:
-            reason = "stop"
+            reason = FinishReason.STOP
         elif n >= req.max_new_tokens:
-            reason = "length"
-        if reason:  # the last token travels with the finish, in one message
+            reason = FinishReason.LENGTH
+        if reason is not None:  # the last token travels with the finish, in one message
             self._finish(row, Finished(reason, len(req.prompt), n, token_id=token, logprobs=logprobs))
         else:
             self._emit(req, Token(token, logprobs))
