@@ -1,6 +1,9 @@
 """``loraserve registry {serve,migrate,gc}``: run the registry, migrate its database, collect orphan blobs.
 
-Every flag has an environment twin ``LORASERVE_REGISTRY_<FLAG>`` (flags win).
+Every flag of ``serve`` (and of ``migrate`` and ``gc`` but ``--min-age-seconds``) has an environment twin
+``LORASERVE_REGISTRY_<FLAG>`` (flags win); the logging flags' twins are ``LORASERVE_LOG_LEVEL`` and
+``LORASERVE_LOG_FORMAT``, the same for every server (common.config). The options, their help and their
+groups are the fields of ``registry.config.RegistryConfig``.
 """
 
 from __future__ import annotations
@@ -8,36 +11,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from loraserve.common.config import SECURITY_HELP, add_config_flags, config_from_args
+from loraserve.common.config import add_config_flags, add_logging_flags, config_from_args
 from loraserve.registry.config import ENV_PREFIX, RegistryConfig
-
-HELP = {
-    "db": "SQLAlchemy URL of the database (SQLite file by default, postgresql+psycopg://… in production)",
-    "storage": "fsspec root URL for adapter weights (a folder, memory://…, gs://bucket/prefix)",
-    "host": "address to bind",
-    "port": "port to bind (0 picks a free one)",
-    "lease_seconds": "a worker that misses heartbeats this long loses its placements",
-    "max_upload_bytes": "largest adapter weights file accepted",
-    "max_concurrent_uploads": "uploads and imports in flight at once; one more is RESOURCE_EXHAUSTED (retry later)",
-    "max_lora_rank": "largest adapter rank accepted (the largest slot rank of the fleet)",
-    "migrate": "run database migrations at start",
-    "metrics_port": "Prometheus /metrics port (0 = off)",
-    "import_allow": "comma-separated URL prefixes ImportAdapter may read from; anything else is "
-    "PERMISSION_DENIED (empty = the storage root only)",
-    **SECURITY_HELP,
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="registry_command", metavar="ACTION")
     sub.required = True
     serve = sub.add_parser("serve", help="serve AdapterRegistry and Placement over gRPC")
-    add_config_flags(serve, RegistryConfig, ENV_PREFIX, HELP)
-    serve.add_argument("--log-level", default="INFO")
+    add_config_flags(serve, RegistryConfig, ENV_PREFIX)
+    add_logging_flags(serve)
     migrate = sub.add_parser("migrate", help="create or upgrade the database schema (Alembic)")
-    add_config_flags(migrate, RegistryConfig, ENV_PREFIX, HELP, only=("db",))
+    add_config_flags(migrate, RegistryConfig, ENV_PREFIX, only=("db",))
     gc = sub.add_parser("gc", help="delete stored blobs that no adapter references")
-    add_config_flags(gc, RegistryConfig, ENV_PREFIX, HELP, only=("db", "storage"))
+    add_config_flags(gc, RegistryConfig, ENV_PREFIX, only=("db", "storage"))
     gc.add_argument(
         "--min-age-seconds",
         type=float,
@@ -69,9 +56,9 @@ async def serve(config: RegistryConfig, stop: asyncio.Event | None = None) -> No
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(RegistryConfig, ENV_PREFIX, args)
     if args.registry_command == "serve":
-        from loraserve.common.observability import setup_logging
+        from loraserve.common.config import setup_logging_from_args
 
-        setup_logging(args.log_level)
+        setup_logging_from_args(args)
         asyncio.run(serve(config))
     elif args.registry_command == "migrate":
         from loraserve.registry.migrate import current_revision, upgrade

@@ -3,30 +3,57 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-from loraserve.common.config import ServerSecurityConfig, config_from_env
+from loraserve.common.config import SECURITY, ServerSecurityConfig, config_from_env, opt
 
 ENV_PREFIX = "LORASERVE_REGISTRY_"
+
+STORAGE, UPLOADS, SERVING = "storage", "uploads", "serving"
 
 
 @dataclass(frozen=True)
 class RegistryConfig(ServerSecurityConfig):
     """Also ``admin_tokens`` and ``tls_cert``/``tls_key``/``tls_client_ca`` from ``ServerSecurityConfig``."""
 
-    db: str = "sqlite:///loraserve-registry.db"  # any SQLAlchemy URL
-    storage: str = "./loraserve-store"  # fsspec root URL for adapter blobs
-    host: str = "127.0.0.1"
-    port: int = 50051
-    lease_seconds: int = 15  # a worker that misses heartbeats this long loses its placements
-    max_upload_bytes: int = 1 << 30
-    # uploads and imports in flight at once (each spools to a local temporary file and is validated tensor by
-    # tensor: a few MiB of memory each); one more is refused with RESOURCE_EXHAUSTED, never queued
-    max_concurrent_uploads: int = 2
-    max_lora_rank: int = 256  # largest rank accepted at upload (the largest slot rank of the fleet)
-    migrate: bool = True  # run migrations at start
-    metrics_port: int = 0  # Prometheus /metrics port (0 = off)
-    import_allow: str = (
-        ""  # comma-separated URL prefixes ImportAdapter may read (empty = the storage root only)
+    GROUPS: ClassVar[dict[str, str]] = {
+        STORAGE: "the database and the blob store",
+        UPLOADS: "what uploads and imports may be",
+        SERVING: "address, port, metrics and worker leases",
+        SECURITY: "tokens and TLS (docs/security.md)",
+    }
+
+    db: str = opt(
+        "sqlite:///loraserve-registry.db",
+        "SQLAlchemy URL of the database (a SQLite file by default, postgresql+psycopg://… in production)",
+        STORAGE,
+    )
+    storage: str = opt(
+        "./loraserve-store",
+        "fsspec root URL for adapter weights (a folder, memory://…, gs://bucket/prefix)",
+        STORAGE,
+    )
+    host: str = opt("127.0.0.1", "address to bind", SERVING)
+    port: int = opt(50051, "port to bind (0 picks a free one)", SERVING)
+    lease_seconds: int = opt(15, "a worker that misses heartbeats this long loses its placements", SERVING)
+    max_upload_bytes: int = opt(1 << 30, "largest adapter weights file accepted", UPLOADS)
+    max_concurrent_uploads: int = opt(
+        2,
+        "uploads and imports in flight at once (each spools to a local temporary file and is validated tensor"
+        " by tensor: a few MiB of memory each); one more is refused with RESOURCE_EXHAUSTED (retry later),"
+        " never queued",
+        UPLOADS,
+    )
+    max_lora_rank: int = opt(
+        256, "largest adapter rank accepted at upload (the largest slot rank of the fleet)", UPLOADS
+    )
+    migrate: bool = opt(True, "run database migrations at start", STORAGE)
+    metrics_port: int = opt(0, "Prometheus /metrics port (0 = off)", SERVING)
+    import_allow: str = opt(
+        "",
+        "comma-separated URL prefixes ImportAdapter may read from; anything else is PERMISSION_DENIED (empty:"
+        " the storage root only)",
+        UPLOADS,
     )
 
     def __post_init__(self) -> None:

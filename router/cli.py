@@ -1,43 +1,25 @@
-"""``loraserve router serve``: the adapter-affinity front door. Flags mirror ``LORASERVE_ROUTER_*``."""
+"""``loraserve router serve``: the adapter-affinity front door.
+
+Every flag has an environment twin ``LORASERVE_ROUTER_<FLAG>`` (flags win); the logging flags' twins are
+``LORASERVE_LOG_LEVEL`` and ``LORASERVE_LOG_FORMAT``, the same for every server (common.config). The options,
+their help and their groups are the fields of ``router.config.RouterConfig``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 
-from loraserve.common.config import SECURITY_HELP, add_config_flags, config_from_args
+from loraserve.common.config import add_config_flags, add_logging_flags, config_from_args
 from loraserve.router.config import ENV_PREFIX, RouterConfig
-
-HELP = {
-    "registry": "registry host:port (LocateAdapter)",
-    "host": "address to bind",
-    "port": "port to bind (0 picks a free one)",
-    "locate_ttl": "seconds a LocateAdapter answer is reused",
-    "max_candidates": "workers tried, best first, before UNAVAILABLE",
-    "metrics_port": "Prometheus /metrics port (0 = off)",
-    "http_port": "OpenAI-compatible HTTP API port, also serving /health, and /metrics when there is no"
-    " --metrics-port (0 = off)",
-    "max_concurrency": "streams in flight; more get RESOURCE_EXHAUSTED at once",
-    **SECURITY_HELP,
-    "registry_token": "bearer token presented to the registry",
-    "worker_token": "bearer token presented to the workers",
-    "upstream_tls_ca": "PEM CA of the registry's and workers' certificates",
-    "worker_timeout": "seconds a call to a worker may last when the client set no deadline (0 = no limit)",
-    "worker_first_token_timeout": "seconds to wait for a worker's first message before trying the next "
-    "worker (0 = no limit)",
-    "worker_stall_timeout": "seconds a worker may send nothing after its first message before the stream "
-    "fails UNAVAILABLE (0 = no limit)",
-    "upstream_keepalive": "seconds between keepalive pings to the registry and workers; a ping unanswered "
-    "as long drops the connection (0 = off, else >= 5)",
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="router_command", metavar="ACTION")
     sub.required = True
     serve_parser = sub.add_parser("serve", help="serve Inference.Generate, proxied to the best worker")
-    add_config_flags(serve_parser, RouterConfig, ENV_PREFIX, HELP)
-    serve_parser.add_argument("--log-level", default="INFO")
+    add_config_flags(serve_parser, RouterConfig, ENV_PREFIX)
+    add_logging_flags(serve_parser)
 
 
 async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
@@ -79,8 +61,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
 
 
 def run(args: argparse.Namespace) -> int:
-    from loraserve.common.observability import setup_logging
+    from loraserve.common.config import setup_logging_from_args
 
-    setup_logging(args.log_level)
+    setup_logging_from_args(args)
     asyncio.run(serve(config_from_args(RouterConfig, ENV_PREFIX, args)))
     return 0

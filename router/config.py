@@ -4,35 +4,64 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
-from loraserve.common.config import InferenceSecurityConfig, config_from_env
+from loraserve.common.config import SECURITY, InferenceSecurityConfig, config_from_env, opt
 
 if TYPE_CHECKING:
     from loraserve.router.routing import WorkerLimits
 
 ENV_PREFIX = "LORASERVE_ROUTER_"
 
+SERVING, UPSTREAM = "serving", "upstream"
+
 
 @dataclass(frozen=True)
 class RouterConfig(InferenceSecurityConfig):
     """Also ``auth_tokens``, ``admin_tokens`` and the TLS fields from ``InferenceSecurityConfig``."""
 
-    registry: str = "127.0.0.1:50051"  # host:port of the registry (LocateAdapter)
-    host: str = "127.0.0.1"
-    port: int = 50071
-    locate_ttl: float = 1.0  # seconds a LocateAdapter answer is reused
-    max_candidates: int = 3  # workers tried, best first, before giving up with UNAVAILABLE
-    metrics_port: int = 0  # Prometheus /metrics port (0 = off)
-    http_port: int = 0  # OpenAI-compatible HTTP API (+ /metrics, /health) on host:http_port (0 = off)
-    max_concurrency: int = 1024  # streams in flight; more get RESOURCE_EXHAUSTED at once
-    registry_token: str = ""  # token presented to the registry
-    worker_token: str = ""  # token presented to the workers
-    upstream_tls_ca: str = ""  # PEM CA of the registry's and workers' certificates
-    worker_timeout: float = 600.0  # deadline of a call to a worker when the client set none (0 = none)
-    worker_first_token_timeout: float = 120.0  # no first message this long: try the next worker (0 = off)
-    worker_stall_timeout: float = 30.0  # no message this long after the first: UNAVAILABLE (0 = off)
-    upstream_keepalive: float = 10.0  # keepalive ping interval to the registry and workers (0 = off; >= 5)
+    GROUPS: ClassVar[dict[str, str]] = {
+        SERVING: "address, ports, metrics and admission",
+        UPSTREAM: "the registry and the workers: lookups, deadlines, keepalive",
+        SECURITY: "tokens and TLS (docs/security.md)",
+    }
+
+    registry: str = opt("127.0.0.1:50051", "registry host:port (LocateAdapter)", UPSTREAM)
+    host: str = opt("127.0.0.1", "address to bind", SERVING)
+    port: int = opt(50071, "port to bind (0 picks a free one)", SERVING)
+    locate_ttl: float = opt(1.0, "seconds a LocateAdapter answer is reused", UPSTREAM)
+    max_candidates: int = opt(3, "workers tried, best first, before giving up with UNAVAILABLE", UPSTREAM)
+    metrics_port: int = opt(0, "Prometheus /metrics port (0 = off)", SERVING)
+    http_port: int = opt(
+        0,
+        "OpenAI-compatible HTTP API port, also serving /health, and /metrics when there is no --metrics-port"
+        " (0 = off)",
+        SERVING,
+    )
+    max_concurrency: int = opt(1024, "streams in flight; more get RESOURCE_EXHAUSTED at once", SERVING)
+    registry_token: str = opt("", "bearer token presented to the registry", SECURITY)
+    worker_token: str = opt("", "bearer token presented to the workers", SECURITY)
+    upstream_tls_ca: str = opt("", "PEM CA of the registry's and workers' certificates", SECURITY)
+    worker_timeout: float = opt(
+        600.0, "seconds a call to a worker may last when the client set no deadline (0 = no limit)", UPSTREAM
+    )
+    worker_first_token_timeout: float = opt(
+        120.0,
+        "seconds to wait for a worker's first message before trying the next worker (0 = no limit)",
+        UPSTREAM,
+    )
+    worker_stall_timeout: float = opt(
+        30.0,
+        "seconds a worker may send nothing after its first message before the stream fails UNAVAILABLE (0 = no"
+        " limit)",
+        UPSTREAM,
+    )
+    upstream_keepalive: float = opt(
+        10.0,
+        "seconds between keepalive pings to the registry and workers; a ping unanswered as long drops the"
+        " connection (0 = off, else >= 5)",
+        UPSTREAM,
+    )
 
     def __post_init__(self) -> None:
         from loraserve.common.server import MIN_PING_INTERVAL_S  # here: `loraserve --help` stays light

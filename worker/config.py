@@ -1,46 +1,159 @@
-"""Worker configuration: frozen dataclasses read from flags or ``LORASERVE_WORKER_*`` environment variables."""
+"""Worker configuration: frozen dataclasses read from flags or ``LORASERVE_WORKER_*`` environment variables.
+
+Every option is declared once, below, with its help text and ``--help`` group (common.config.opt). Two
+default to ``auto`` for ``loraserve worker`` (``WorkerConfig``) and resolve against the checkpoint's
+``config.json`` in one place, :func:`resolve_engine_config`:
+
+- ``dtype auto``: the checkpoint's ``torch_dtype`` (``dtype`` in newer transformers): bfloat16 for a bfloat16
+  or float16 checkpoint (float16 is served as bfloat16: the same bytes, a wider range; ask for float32 to keep
+  every float16 bit), float32 for float32, another dtype or none;
+- ``max_seq_len auto``: the model's context (``max_position_embeddings``), at most what the KV budget holds
+  (``kv_pages``, or ``kv_cache_bytes`` at the resolved dtype: one full context plus the null page) or, with
+  no budget (the pool is then ``max_batch_size`` full contexts), at most ``AUTO_MAX_SEQ_LEN`` tokens.
+
+``EngineConfig`` built in code keeps explicit defaults (256 tokens, float32); an ``EngineConfig`` still
+holding ``auto`` cannot run an engine (``check_resolved``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar, Literal
 
-from loraserve.common.config import InferenceSecurityConfig, config_from_env
+from loraserve.common.config import (
+    AUTO,
+    SECURITY,
+    ConfigError,
+    InferenceSecurityConfig,
+    config_from_env,
+    opt,
+)
+
+log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16")
+# the choices of kernel_backend, attention_backend and linear_backend below are the values of
+# kernels.KERNEL_BACKENDS, kernels.attention.ATTENTION_BACKENDS and kernels.linear.LINEAR_BACKENDS, spelled
+# out so that `loraserve --help` imports no JAX (tests/worker/test_config.py keeps them equal)
+
+# max_seq_len auto with no KV budget (--kv-pages, --kv-cache-bytes): the pool is then max_batch_size full
+# contexts, so the context is capped here rather than at a long-context model's 128k
+AUTO_MAX_SEQ_LEN = 4096
+
+MODEL, CACHE, ADAPTERS, SCHEDULING, KERNELS, SERVING = (
+    "model",
+    "cache",
+    "adapters",
+    "scheduling",
+    "kernels",
+    "serving",
+)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Shapes fixed at start-up: nothing the engine compiles depends on anything else."""
 
-    max_batch_size: int = 8  # decode rows per step
-    max_seq_len: int = 256  # context length (prompt + new tokens)
-    max_loras: int = 4  # adapter slots on the device
-    max_lora_rank: int = 16  # largest rank a slot holds
-    max_cpu_loras: int = 16  # adapters kept in host memory after eviction
-    max_mix: int = 4  # adapters one request's weighted mix may name (adapters.mixes)
-    max_waiting: int = 256  # queued requests before RESOURCE_EXHAUSTED
-    prefill_per_step: int = 2  # prompts admitted (and prefilled together, packed) between two decode steps
-    max_prefill_tokens: int = 4096  # tokens one packed prefill computes at most (a longer prompt goes alone)
-    # chunked prefill: prompt tokens computed per step at most, a decode step between two chunks (0 = off)
-    prefill_chunk: int = 0
-    min_prefill_bucket: int = 16
-    default_max_tokens: int = 16
-    # auto | cpu | xla (= xla-grouped) | xla-grouped | xla-onehot | pallas | reference (kernels.resolve_backend)
-    kernel_backend: str = "auto"
-    dtype: str = "float32"
-    lora_dtype: str = ""  # slot pools: float32 | bfloat16; empty = dtype
-    tensor_parallel_size: int = 1  # devices one model is split over (Megatron layout; worker.sharding)
-    # decode attention over the paged cache: auto (pallas on a TPU, else xla) | xla | pallas (kernels.attention)
-    attention_backend: str = "auto"
-    # the base model's bf16 projections of up to kernels.linear.KERNEL_MAX_ROWS rows: auto (the C++ kernel on
-    # a CPU with AVX-512 BF16) | xla | cpu (kernels.linear); tensor-parallel programs always use xla
-    linear_backend: str = "auto"
-    # paged KV cache (worker.kv_cache): one pool of pages per layer, a page table per row
-    kv_page_size: int = 16  # tokens per page
-    kv_pages: int = 0  # pages in the pool (page 0 is the reserved null page); 0 = from kv_cache_bytes
-    kv_cache_bytes: int = 0  # pool size in bytes when kv_pages is 0; both 0 = max_batch_size full contexts
-    enable_prefix_caching: bool = True  # reuse full pages computed under the same adapter and tokens
+    max_batch_size: int = opt(8, "decode rows per step", SCHEDULING)
+    max_seq_len: int | Literal["auto"] = opt(
+        256,
+        "context length: prompt plus new tokens. auto: the model's max_position_embeddings, at most what the"
+        f" KV budget holds (--kv-pages / --kv-cache-bytes), or at most {AUTO_MAX_SEQ_LEN} without a budget; the"
+        " worker logs the value it chose",
+        MODEL,
+    )
+    max_loras: int = opt(4, "adapter slots on the device", ADAPTERS)
+    max_lora_rank: int = opt(16, "largest adapter rank a slot holds", ADAPTERS)
+    max_cpu_loras: int = opt(16, "adapters kept in host memory after eviction", ADAPTERS)
+    max_mix: int = opt(
+        4,
+        "adapters one request's weighted mix may name (adapters.mixes; a mix's summed rank must fit"
+        " --max-lora-rank)",
+        ADAPTERS,
+    )
+    max_waiting: int = opt(256, "queued requests before RESOURCE_EXHAUSTED", SCHEDULING)
+    prefill_per_step: int = opt(
+        2, "prompts admitted between two decode steps (prefilled together in one packed call)", SCHEDULING
+    )
+    max_prefill_tokens: int = opt(
+        4096,
+        "tokens one packed prefill computes at most (prompts x padded length); a longer prompt is prefilled"
+        " alone",
+        SCHEDULING,
+    )
+    prefill_chunk: int = opt(
+        0,
+        "chunked prefill: prompt tokens computed per step at most, with a decode step of the running rows"
+        " between two chunks, so a long prompt never stalls them for more than one chunk; 0 = off (a prompt"
+        " is prefilled whole in one step)",
+        SCHEDULING,
+    )
+    min_prefill_bucket: int = opt(
+        16, "smallest prefill token bucket (buckets double up to --max-seq-len)", SCHEDULING
+    )
+    default_max_tokens: int = opt(16, "new tokens of a request that sets no max_tokens", SCHEDULING)
+    kernel_backend: Literal["auto", "cpu", "pallas", "reference", "xla", "xla-grouped", "xla-onehot"] = opt(
+        "auto",
+        "multi-LoRA backend (kernels.resolve_backend): auto (cpu on a CPU when its C++ kernels build, else"
+        " xla-grouped), cpu, xla (= xla-grouped: rows grouped by slot), xla-grouped, xla-onehot (one-hot over"
+        " all slots), pallas or reference",
+        KERNELS,
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = opt(
+        "float32",
+        "compute dtype of the base model and the KV cache. auto: the checkpoint's torch_dtype, bfloat16 for"
+        " bfloat16 and float16 checkpoints, else float32",
+        MODEL,
+    )
+    lora_dtype: Literal["", "float32", "bfloat16"] = opt(
+        "",
+        "dtype of the adapter slot pools (empty: --dtype); bfloat16 halves the bytes each decode step reads"
+        " for its adapters",
+        ADAPTERS,
+    )
+    tensor_parallel_size: int = opt(
+        1,
+        "devices one model is split over (tensor parallelism on a 'model' mesh: heads, MLP, vocab, KV heads"
+        " and the LoRA slot pools split Megatron-style; worker.sharding); must divide the heads and the"
+        " intermediate size and be at most the visible devices",
+        MODEL,
+    )
+    attention_backend: Literal["auto", "xla", "pallas", "cpu"] = opt(
+        "auto",
+        "decode attention over the paged KV cache: auto (pallas on a TPU, cpu on a CPU where the C++ kernels"
+        " build, else xla), xla (gather each row's pages, dense attention), cpu (C++ kernel reading the pages"
+        " in place) or pallas (JAX's TPU paged-attention kernel; sliding-window layers use xla; interpreted,"
+        " slowly, off a TPU); kernels.attention",
+        KERNELS,
+    )
+    linear_backend: Literal["auto", "xla", "cpu"] = opt(
+        "auto",
+        "the base model's bfloat16 projections of a few rows (decode steps, up to"
+        " kernels.linear.KERNEL_MAX_ROWS = 24 rows): auto (cpu on a CPU with AVX-512 BF16 where the C++"
+        " kernels build, else xla), xla or cpu (C++ kernel streaming the weights with prefetch; widens to"
+        " float32 on CPUs without bf16 dot products); tensor-parallel workers use xla",
+        KERNELS,
+    )
+    kv_page_size: int = opt(
+        16,
+        "tokens per KV-cache page (worker.kv_cache: one pool of pages per layer; each sequence holds only the"
+        " pages its tokens fill)",
+        CACHE,
+    )
+    kv_pages: int = opt(
+        0, "pages in the KV pool, the reserved null page included (0: from --kv-cache-bytes)", CACHE
+    )
+    kv_cache_bytes: int = opt(
+        0, "KV pool size in bytes when --kv-pages is 0 (both 0: --max-batch-size full contexts)", CACHE
+    )
+    enable_prefix_caching: bool = opt(
+        True,
+        "reuse the KV pages of a prompt prefix computed under the same adapter content (sha256) or the base"
+        " model; never across adapters",
+        CACHE,
+    )
 
     def __post_init__(self) -> None:
         from loraserve.kernels import KERNEL_BACKENDS
@@ -61,22 +174,26 @@ class EngineConfig:
                 "linear_backend cpu runs on one device; with tensor_parallel_size > 1 use auto or xla"
                 " (a sharded program's projections are XLA's)"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in (AUTO, *DTYPES):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.lora_dtype not in ("", *DTYPES):
             raise ValueError(f"lora_dtype must be float32 or bfloat16 (or empty), got {self.lora_dtype!r}")
-        names = ("max_batch_size", "max_seq_len", "max_loras", "max_lora_rank", "prefill_per_step")
+        if self.max_seq_len != AUTO and (
+            isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int)
+        ):
+            raise ValueError(f"max_seq_len must be an integer or auto, got {self.max_seq_len!r}")
+        names = ("max_batch_size", "max_loras", "max_lora_rank", "prefill_per_step")
         names = (*names, "max_prefill_tokens")
         for name in (*names, "tensor_parallel_size", "max_mix"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.max_seq_len < 2:
+        if self.max_seq_len != AUTO and self.max_seq_len < 2:
             raise ValueError("max_seq_len must be >= 2")
         if self.prefill_chunk < 0:
             raise ValueError("prefill_chunk must be >= 0 (0 = whole prompts)")
         if self.kv_page_size < 1 or self.kv_pages < 0 or self.kv_cache_bytes < 0:
             raise ValueError("kv_page_size must be >= 1, kv_pages and kv_cache_bytes >= 0")
-        if self.kv_pages and self.kv_pages < self.pages_per_row + 1:
+        if self.kv_pages and self.max_seq_len != AUTO and self.kv_pages < self.pages_per_row + 1:
             raise ValueError(
                 f"kv_pages must hold one full context plus the null page: >= {self.pages_per_row + 1}"
                 f" for max_seq_len {self.max_seq_len} at kv_page_size {self.kv_page_size}"
@@ -89,12 +206,27 @@ class EngineConfig:
         return "xla" if self.tensor_parallel_size > 1 else self.linear_backend
 
     @property
+    def resolved(self) -> bool:
+        """Whether no field is ``auto`` any more (``resolve_engine_config``)."""
+        return AUTO not in (self.dtype, self.max_seq_len)
+
+    def check_resolved(self) -> None:
+        """Refuse a config that still says ``auto``: an engine needs the values."""
+        if not self.resolved:
+            raise ValueError(
+                f"dtype={self.dtype!r}, max_seq_len={self.max_seq_len!r}: resolve auto against the checkpoint"
+                " first (worker.config.resolve_engine_config)"
+            )
+
+    @property
     def pool_dtype(self) -> str:
         return self.lora_dtype or self.dtype
 
     @property
     def pages_per_row(self) -> int:
         """Page-table entries of one sequence: ``ceil(max_seq_len / kv_page_size)``."""
+        if self.max_seq_len == AUTO:
+            self.check_resolved()
         return -(-self.max_seq_len // self.kv_page_size)
 
     def num_kv_pages(self, bytes_per_page: int) -> int:
@@ -156,32 +288,142 @@ class EngineConfig:
 ENV_PREFIX = "LORASERVE_WORKER_"
 
 
+def _auto(name: str) -> Any:
+    """``EngineConfig``'s field ``name`` (its help, its group) with the default ``auto``."""
+    return field(default=AUTO, metadata=EngineConfig.__dataclass_fields__[name].metadata)
+
+
 @dataclass(frozen=True)
 class WorkerConfig(InferenceSecurityConfig, EngineConfig):
     """Everything ``loraserve worker`` needs; every field maps to ``LORASERVE_WORKER_<FIELD>``.
 
-    The engine's fields come from ``EngineConfig`` (validated the same way), the token and TLS fields from
-    ``InferenceSecurityConfig``; only what the worker process itself needs is declared here.
+    The engine's fields come from ``EngineConfig`` (validated the same way; ``dtype`` and ``max_seq_len``
+    default to ``auto`` here), the token and TLS fields from ``InferenceSecurityConfig``; only what the
+    worker process itself needs is declared here.
     """
 
-    model: str = ""  # checkpoint folder or fsspec URL
-    model_id: str = ""  # name reported to the registry; defaults to the model path
-    host: str = "127.0.0.1"
-    port: int = 50061
-    adapter_dir: str = ""  # optional root of PEFT folders served by name
-    registry: str = ""  # host:port of the registry; adapters then come from it and the worker registers
-    advertise_address: str = ""  # host:port others use to reach this worker (default: host:bound port)
-    cache_dir: str = ""  # local disk cache of adapter blobs, keyed by sha256
-    metrics_port: int = 0  # Prometheus /metrics port (0 = off)
-    http_port: int = 0  # OpenAI-compatible HTTP API (+ /metrics, /health) on host:http_port (0 = off)
-    metrics_top_adapters: int = 20  # adapters with per-adapter metric series of their own; the rest: "other"
-    registry_token: str = ""  # token this worker presents to the registry
-    registry_tls_ca: str = ""  # PEM CA of the registry's certificate (TLS to the registry)
-    compilation_cache_dir: str = ""  # JAX persistent compilation cache: restarts warm up from disk
+    GROUPS: ClassVar[dict[str, str]] = {
+        MODEL: "the checkpoint, its dtype, its context and the devices it is split over",
+        CACHE: "the paged KV cache (worker.kv_cache)",
+        ADAPTERS: "adapter slots, the host cache, and where adapters come from",
+        SCHEDULING: "batching, admission and prefill",
+        KERNELS: "the backends the steps are compiled with",
+        SERVING: "addresses, ports, metrics and the registry",
+        SECURITY: "tokens and TLS (docs/security.md)",
+    }
+
+    max_seq_len: int | Literal["auto"] = _auto("max_seq_len")
+    dtype: Literal["auto", "float32", "bfloat16"] = _auto("dtype")
+    model: str = opt("", "Hugging Face checkpoint folder or fsspec URL (config.json + *.safetensors)", MODEL)
+    model_id: str = opt("", "model id reported to clients and the registry (empty: the model path)", MODEL)
+    host: str = opt("127.0.0.1", "address to bind", SERVING)
+    port: int = opt(50061, "gRPC port to bind (0 picks a free one)", SERVING)
+    adapter_dir: str = opt(
+        "",
+        "folder (or fsspec URL) of PEFT adapter folders served by name (when no registry is set)",
+        ADAPTERS,
+    )
+    registry: str = opt(
+        "",
+        "registry host:port: adapters come from it, and the worker registers and heartbeats (empty: no"
+        " registry)",
+        SERVING,
+    )
+    advertise_address: str = opt(
+        "", "host:port the router uses to reach this worker (empty: host and the port bound)", SERVING
+    )
+    cache_dir: str = opt(
+        "",
+        "local disk cache of adapter blobs fetched from the registry, keyed by sha256 (empty: none)",
+        ADAPTERS,
+    )
+    metrics_port: int = opt(0, "Prometheus /metrics port (0 = off)", SERVING)
+    http_port: int = opt(
+        0,
+        "OpenAI-compatible HTTP API port, also serving /health, and /metrics when there is no --metrics-port"
+        " (0 = off)",
+        SERVING,
+    )
+    metrics_top_adapters: int = opt(
+        20, "adapters with per-adapter metric series of their own (the rest are summed as 'other')", SERVING
+    )
+    registry_token: str = opt("", "bearer token presented to the registry", SECURITY)
+    registry_tls_ca: str = opt("", "PEM CA of the registry's certificate (TLS to the registry)", SECURITY)
+    compilation_cache_dir: str = opt(
+        "",
+        "folder for compiled programs (JAX persistent cache): a restart with the same model and shapes warms"
+        " up from disk (empty: off)",
+        KERNELS,
+    )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> WorkerConfig:
         return config_from_env(cls, ENV_PREFIX, env, overrides)
 
     def engine_config(self) -> EngineConfig:
+        """The engine's fields, ``auto`` left as it is (``resolve_engine_config`` resolves it)."""
         return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
+
+
+# ---------------------------------------------------------------- auto, resolved against the checkpoint
+
+
+def checkpoint_dtype(hf_config: Mapping[str, Any]) -> str:
+    """``dtype auto``: the compute dtype for a checkpoint whose ``config.json`` is ``hf_config``.
+
+    Its ``torch_dtype`` (``dtype`` since transformers 4.56): bfloat16 for bfloat16, and for float16 (served
+    as bfloat16: the same bytes and a wider range; pass float32 to keep every float16 bit); float32 for
+    float32, for anything else and when it says nothing.
+    """
+    raw = hf_config.get("dtype") or hf_config.get("torch_dtype") or ""
+    name = str(raw).removeprefix("torch.").lower()
+    return "bfloat16" if name in ("bfloat16", "bf16", "float16", "fp16", "half") else "float32"
+
+
+def auto_max_seq_len(config: EngineConfig, model: Any, dtype: str) -> tuple[int, str]:
+    """``max_seq_len auto``: the model's context (``max_position_embeddings`` of the ``ModelConfig``
+    ``model``), capped by the KV budget at ``dtype``, with the reason (for the start-up log)."""
+    from loraserve.worker.model import kv_page_bytes
+
+    context = int(model.max_position_embeddings)
+    page = config.kv_page_size
+    if config.kv_pages:
+        pages, budget = config.kv_pages, f"--kv-pages {config.kv_pages}"
+    elif config.kv_cache_bytes:
+        page_bytes = kv_page_bytes(model, page, dtype)
+        pages = config.kv_cache_bytes // page_bytes
+        budget = f"--kv-cache-bytes {config.kv_cache_bytes} ({pages} pages of {page_bytes} bytes)"
+    else:
+        if context <= AUTO_MAX_SEQ_LEN:
+            return context, f"the model's max_position_embeddings {context}"
+        return AUTO_MAX_SEQ_LEN, (
+            f"the model's max_position_embeddings {context}, capped at {AUTO_MAX_SEQ_LEN} without a KV budget"
+            " (--kv-cache-bytes or --kv-pages allow more)"
+        )
+    most = (pages - 1) * page  # one full context plus the null page
+    if most < 2:
+        raise ConfigError(
+            f"max_seq_len auto: {budget} holds no context of 2 tokens or more (pages of {page} tokens)"
+        )
+    if context <= most:
+        return context, f"the model's max_position_embeddings {context} (fits {budget})"
+    return most, f"the model's max_position_embeddings {context}, capped at {most}: what {budget} holds"
+
+
+def resolve_engine_config(config: EngineConfig, hf_config: Mapping[str, Any]) -> EngineConfig:
+    """The one place ``auto`` resolves: ``config``'s engine fields with ``dtype`` and ``max_seq_len`` taken
+    from the checkpoint whose parsed ``config.json`` is ``hf_config`` where they say ``auto`` (logged), as
+    an ``EngineConfig``. Explicit values pass through unchanged."""
+    engine = EngineConfig(**{f.name: getattr(config, f.name) for f in fields(EngineConfig)})
+    if engine.dtype == AUTO:
+        dtype = checkpoint_dtype(hf_config)
+        raw = hf_config.get("dtype") or hf_config.get("torch_dtype")
+        log.info("dtype auto: %s (the checkpoint's torch_dtype: %s)", dtype, raw or "not set")
+        engine = replace(engine, dtype=dtype)
+    if engine.max_seq_len == AUTO:
+        from loraserve.worker.model_config import ModelConfig
+
+        length, why = auto_max_seq_len(engine, ModelConfig.from_hf(dict(hf_config)), engine.dtype)
+        log.info("max_seq_len auto: %d (%s)", length, why)
+        engine = replace(engine, max_seq_len=length)
+    return engine

@@ -62,6 +62,7 @@ class Engine:
         runner: Runner | None = None,
         model_config: ModelConfig | None = None,
     ) -> None:
+        config.check_resolved()  # no auto left (worker.config.resolve_engine_config)
         self.config = config
         if runner is None:
             from loraserve.worker.jax_runner import JaxRunner

@@ -140,8 +140,8 @@ def test_backend_names_and_config() -> None:
 def test_flag_and_environment_twin() -> None:
     import argparse
 
-    from loraserve.common.config import config_from_args
-    from loraserve.worker.cli import HELP, add_arguments
+    from loraserve.common.config import config_from_args, field_help
+    from loraserve.worker.cli import add_arguments
     from loraserve.worker.config import ENV_PREFIX, WorkerConfig
 
     env = WorkerConfig.from_env({"LORASERVE_WORKER_LINEAR_BACKEND": "xla"})
@@ -150,7 +150,9 @@ def test_flag_and_environment_twin() -> None:
     add_arguments(parser)
     args = parser.parse_args(["--linear-backend", "cpu"])
     assert config_from_args(WorkerConfig, ENV_PREFIX, args).engine_config().linear_backend == "cpu"
-    assert HELP["linear_backend"].startswith("the base model's bfloat16 projections of a few rows")
+    assert field_help(WorkerConfig, "linear_backend").startswith(
+        "the base model's bfloat16 projections of a few rows"
+    )
 
 
 def test_bf16_runner_decodes_through_the_kernel(llama_dir) -> None:

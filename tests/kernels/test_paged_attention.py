@@ -270,8 +270,8 @@ def test_sliding_layers_lower_without_the_kernel() -> None:
 def test_config_flag_and_environment_twin() -> None:
     import argparse
 
-    from loraserve.common.config import config_from_args
-    from loraserve.worker.cli import HELP, add_arguments
+    from loraserve.common.config import config_from_args, field_help
+    from loraserve.worker.cli import add_arguments
     from loraserve.worker.config import ENV_PREFIX, EngineConfig, WorkerConfig
 
     assert EngineConfig().attention_backend == "auto"
@@ -285,7 +285,9 @@ def test_config_flag_and_environment_twin() -> None:
     add_arguments(parser)
     args = parser.parse_args(["--attention-backend", "xla"])
     assert config_from_args(WorkerConfig, ENV_PREFIX, args).engine_config().attention_backend == "xla"
-    assert HELP["attention_backend"].startswith("decode attention over the paged KV cache: auto")
+    assert field_help(WorkerConfig, "attention_backend").startswith(
+        "decode attention over the paged KV cache: auto"
+    )
 
 
 def test_runner_serves_the_same_tokens_with_either_attention(llama_dir) -> None:

@@ -267,8 +267,8 @@ def test_sharded_pallas_attention_matches_xla() -> None:
 def test_flag_and_environment_twin() -> None:
     import argparse
 
-    from loraserve.common.config import config_from_args
-    from loraserve.worker.cli import HELP, add_arguments
+    from loraserve.common.config import config_from_args, field_help
+    from loraserve.worker.cli import add_arguments
     from loraserve.worker.config import ENV_PREFIX, WorkerConfig
 
     env = WorkerConfig.from_env({"LORASERVE_WORKER_TENSOR_PARALLEL_SIZE": "4"})
@@ -278,4 +278,4 @@ def test_flag_and_environment_twin() -> None:
     add_arguments(parser)
     args = parser.parse_args(["--tensor-parallel-size", "8"])
     assert config_from_args(WorkerConfig, ENV_PREFIX, args).engine_config().tensor_parallel_size == 8
-    assert HELP["tensor_parallel_size"].startswith("devices one model is split over")
+    assert field_help(WorkerConfig, "tensor_parallel_size").startswith("devices one model is split over")
