@@ -40,7 +40,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     background = []
     if config.http_port:
         from loraserve.httpapi import http_server
-        from loraserve.router.http import RouterHttpBackend
+        from loraserve.router.http_backend import RouterHttpBackend
 
         backend = RouterHttpBackend(services.inference, locator)
         # /metrics leave through the metrics port when there is one (docs/security.md)

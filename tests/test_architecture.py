@@ -129,7 +129,7 @@ BASE_DEPENDENCIES = {
 BASE_ROOMS = ("protos", "common", "adapters", "client", "router")
 BASE_ROOT_MODULES = ("loraserve", "loraserve.cli", "loraserve.__main__", "loraserve.version")
 # Lazy imports of an extra's code from a base module: `loraserve router serve --http-port` needs `[http]`.
-EXTRA_ONLY = ("loraserve.httpapi", "loraserve.router.http")
+EXTRA_ONLY = ("loraserve.httpapi", "loraserve.router.http_backend")
 
 
 def base_entry_points() -> list[str]:

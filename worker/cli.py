@@ -65,7 +65,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
     background = []
     if config.http_port:
         from loraserve.httpapi import http_server
-        from loraserve.worker.http import WorkerHttpBackend
+        from loraserve.worker.http_backend import WorkerHttpBackend
 
         backend = WorkerHttpBackend(services.inference, model_id, config.model)
         # /metrics leave through the metrics port when there is one (docs/security.md)

@@ -1,6 +1,6 @@
 """DoRA and LoRA-bias slot vectors: per-slot, per-output-channel scales and biases, and their maths.
 
-Next to a slot's ``A``/``B`` matrices (``worker.slots``, laid out by the LoRA backend), every layer keeps
+Next to a slot's ``A``/``B`` matrices (``worker.slot_pools``, laid out by the LoRA backend), every layer keeps
 two vector pools per LoRA group (q|k|v, o, gate|up, down), each laid out like the group's fused output
 (``[q | k | v]`` side by side; under tensor parallelism in the device order of ``worker.sharding``'s
 ``fuse_order``, so device s holds its own output columns):

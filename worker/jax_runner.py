@@ -32,7 +32,7 @@ from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.requests import SamplingRow
 from loraserve.worker.runner import PrefillInput, StepOutput
 from loraserve.worker.sampling import Sampled, SamplingArrays, sample
-from loraserve.worker.slots import SlotPools, SlotValues, base_weights, check_slot_values, slot_arrays
+from loraserve.worker.slot_pools import SlotPools, SlotValues, base_weights, check_slot_values, slot_arrays
 from loraserve.worker.step import Array, Cache, DecodeBatch, DeviceState, LoraPools, Params, PrefillBatch
 
 log = logging.getLogger("loraserve.worker.runner")

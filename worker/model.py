@@ -8,7 +8,7 @@ layer's kind costs no extra compiled variant.
 Both steps take the device-step contract of ``worker.step``: a ``DeviceState`` (params, LoRA pools, KV
 cache, RoPE table) and a ``PrefillBatch`` or ``DecodeBatch``. Parameters come from ``worker.checkpoint`` (one
 dict per layer, matrices ``[out, in]`` as in Hugging Face, q/k/v and gate/up fused); the LoRA slot pools
-(``LoraPools``) from ``worker.slots``: per layer one ``A_<group>`` with the ranks of the group's modules
+(``LoraPools``) from ``worker.slot_pools``: per layer one ``A_<group>`` with the ranks of the group's modules
 side by side and one ``B_<module>`` per module, scaling folded into B (the layout and the ops belong to a
 LoRA backend object, ``kernels.backends``, which the model calls without knowing which one it is), plus
 per group the DoRA-scale and LoRA-bias vectors of ``worker.dora``, applied to each adapter row's output

@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY
 from loraserve.common.security import ServerSecurity
 from loraserve.httpapi.app import build_app
 from loraserve.protos.v1 import inference_pb2 as pb
-from loraserve.worker.http import WorkerHttpBackend
+from loraserve.worker.http_backend import WorkerHttpBackend
 from loraserve.worker.server import InferenceServicer
 from tests.aio_thread import http_server_thread
 from tests.httpapi.conftest import MODEL, Served

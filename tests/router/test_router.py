@@ -274,7 +274,7 @@ def test_router_http_api(stack) -> None:
     import openai
 
     from loraserve.httpapi.app import build_app
-    from loraserve.router.http import RouterHttpBackend
+    from loraserve.router.http_backend import RouterHttpBackend
     from loraserve.router.server import RouterServicer
     from tests.aio_thread import http_server_thread
 

@@ -44,7 +44,7 @@ async def _serve_worker(tokenizer_dir: str, max_seq_len: int) -> None:
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.engine import Engine
     from loraserve.worker.fake_runner import FakeRunner
-    from loraserve.worker.http import WorkerHttpBackend
+    from loraserve.worker.http_backend import WorkerHttpBackend
     from loraserve.worker.server import worker_services
     from loraserve.worker.tokenizer import load_tokenizer
     from tests.worker.fake_engine import TINY, source_of
@@ -99,7 +99,7 @@ async def _serve_router(worker: str) -> None:
     from loraserve.common.security import ServerSecurity
     from loraserve.common.server import run_server
     from loraserve.httpapi import http_server
-    from loraserve.router.http import RouterHttpBackend
+    from loraserve.router.http_backend import RouterHttpBackend
     from loraserve.router.routing import WorkerPool
     from loraserve.router.server import router_services
 

@@ -52,7 +52,7 @@ def servicer():
 
 def _app(servicer, **kw):
     from loraserve.httpapi.app import build_app
-    from loraserve.worker.http import WorkerHttpBackend
+    from loraserve.worker.http_backend import WorkerHttpBackend
 
     return lambda: build_app(WorkerHttpBackend(servicer, MODEL), SECURITY, **kw)
 

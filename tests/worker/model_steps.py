@@ -15,7 +15,7 @@ import numpy as np
 
 from loraserve.worker import model as M
 from loraserve.worker.jax_runner import jit_steps
-from loraserve.worker.slots import SlotPools
+from loraserve.worker.slot_pools import SlotPools
 from loraserve.worker.step import DecodeBatch, DeviceState, LoraPools, PrefillBatch
 
 

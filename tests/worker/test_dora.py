@@ -24,7 +24,7 @@ from loraserve.kernels import get_backend
 from loraserve.kernels.testing import count_compilations
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.slots import SlotPools, base_weights, slot_arrays
+from loraserve.worker.slot_pools import SlotPools, base_weights, slot_arrays
 from loraserve.worker.step import PrefillBatch
 from tests.conftest import DORA_ADAPTERS
 from tests.worker.model_steps import ModelSteps

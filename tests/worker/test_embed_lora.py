@@ -27,7 +27,7 @@ from loraserve.kernels.testing import count_compilations
 from loraserve.testing import make_adapter
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.slots import SlotPools, base_weights, slot_arrays
+from loraserve.worker.slot_pools import SlotPools, base_weights, slot_arrays
 from loraserve.worker.step import PrefillBatch
 from tests.conftest import DORA_ADAPTERS, _adapters_per_family
 from tests.worker.model_steps import ModelSteps

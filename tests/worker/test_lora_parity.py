@@ -17,7 +17,7 @@ from loraserve.adapters.peft import parse_adapter
 from loraserve.kernels import XlaGroupedBackend, get_backend, grouped
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.slots import SlotPools, slot_arrays
+from loraserve.worker.slot_pools import SlotPools, slot_arrays
 from tests.conftest import ADAPTERS, FAMILIES
 from tests.worker.model_steps import ModelSteps
 

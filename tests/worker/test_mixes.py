@@ -26,7 +26,7 @@ from loraserve.kernels import get_backend
 from loraserve.kernels.testing import count_compilations
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.requests import Failed, Finished, Started
-from loraserve.worker.slots import SlotPools, slot_arrays
+from loraserve.worker.slot_pools import SlotPools, slot_arrays
 from tests.worker.test_lora_parity import PROMPT, STEPS, _serve_mixed
 
 ATOL = 2e-4

@@ -16,7 +16,7 @@ from loraserve.kernels import LORA_BACKENDS, get_backend
 from loraserve.kernels.testing import count_compilations
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.slots import SlotPools, slot_arrays
+from loraserve.worker.slot_pools import SlotPools, slot_arrays
 from tests.worker.model_steps import ModelSteps
 
 PROMPT = [5, 17, 33, 100, 7, 9]

@@ -22,7 +22,7 @@ from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.dora import bias_name, magnitude_name, mask_name
 from loraserve.worker.embed_lora import vocab_slot_shapes
 from loraserve.worker.model import lora_slot_shapes, lora_vector_sizes
-from loraserve.worker.slots import SlotPools, base_weights
+from loraserve.worker.slot_pools import SlotPools, base_weights
 from loraserve.worker.step import PrefillBatch
 from tests.worker.model_steps import ModelSteps
 
