@@ -1,4 +1,4 @@
-"""Load: 64 concurrent streams for 30 s (LORASERVE_LOAD_SECONDS sets a longer soak) through the router to
+"""Load: 64 concurrent streams for 15 s (LORASERVE_LOAD_SECONDS sets a longer soak) through the router to
 two workers with mixed adapters. Every request completes or gets a documented error, client counts reconcile with the
 Prometheus counters of the router and the workers, and worker memory stays flat."""
 
@@ -22,7 +22,7 @@ from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
 from tests.registry.conftest import start_registry
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-SECONDS = float(os.environ.get("LORASERVE_LOAD_SECONDS", "30"))
+SECONDS = float(os.environ.get("LORASERVE_LOAD_SECONDS", "15"))
 STREAMS = 64
 DOCUMENTED = {"RESOURCE_EXHAUSTED", "UNAVAILABLE"}  # acceptable under load; anything else is a bug
 

@@ -45,13 +45,13 @@ def test_family_sizes_serve_the_same_tokens(family_model) -> None:
     family, model, adapters = family_model
     out = run_child(
         "--model", str(model), "--adapters", ",".join(map(str, adapters)), "--backend", "cpu",
-        "--sizes", "1,2,4", "--steps", "4", "--swaps", "40",
+        "--sizes", "1,4", "--steps", "4", "--swaps", "40",
     )  # fmt: skip
     ref = out["1"]
     ref_logits = np.array(ref["logits"])
     moved = np.abs(ref_logits[0] - np.array(ref["base_logits"])).max(axis=-1)
     assert moved[4] < 1e-5 and (moved[[0, 1, 2, 3, 5]] > 0.01).all(), (family, moved)
-    for n in ("2", "4"):
+    for n in ("4",):  # KV heads repeated at N = 4 in both families (x2 for Gemma 2, x4 for Gemma 3)
         got = out[n]
         assert got["tokens"] == ref["tokens"], (family, n)
         np.testing.assert_allclose(np.array(got["logits"]), ref_logits, atol=ATOL, rtol=0, err_msg=f"N={n}")
