@@ -42,6 +42,16 @@ def test_precedence_and_types() -> None:
         WorkerConfig.from_env({"LORASERVE_WORKER_PORT": "not-a-number"})
 
 
+def test_the_worker_process_prefills_in_chunks_by_default() -> None:
+    """`loraserve worker` turns chunked prefill on (64 tokens a step: bench/serve.py showed it does not lose
+    at low load); the engine's own config, which tests and benchmarks build, keeps whole prompts."""
+    from loraserve.worker.config import EngineConfig
+
+    assert WorkerConfig.from_env({}).engine_config().prefill_chunk == 64
+    assert WorkerConfig.from_env({"LORASERVE_WORKER_PREFILL_CHUNK": "0"}).engine_config().prefill_chunk == 0
+    assert EngineConfig().prefill_chunk == 0
+
+
 def test_engine_config_validation_and_buckets() -> None:
     assert EngineConfig(max_seq_len=100, min_prefill_bucket=16).prefill_buckets() == (16, 32, 64, 100)
     assert EngineConfig(max_seq_len=64).prefill_buckets() == (16, 32, 64)
