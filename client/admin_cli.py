@@ -17,8 +17,14 @@ from google.protobuf.json_format import MessageToDict
 from loraserve.client.connection_flags import add_connection_flags, connection_kwargs
 
 DEFAULT_REGISTRY = "127.0.0.1:50051"
-# ResidencyTier on the wire -> the word the tables print.
-_TIERS = {1: "device", 2: "host", 3: "disk"}
+
+
+def _tier_word(value: int) -> str:
+    """A ResidencyTier wire value as the tables print it."""
+    from loraserve.common.slots import Tier
+
+    tier = Tier.of_proto(value)
+    return tier.word if tier else "?"
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -256,7 +262,7 @@ def _stats(client, args: argparse.Namespace) -> None:
                 v.usage.completion_tokens,
                 v.usage.loads,
                 v.usage.fetched_bytes,
-                " ".join(f"{h.address}:{_TIERS.get(h.tier, '?')}" for h in v.holders) or "-",
+                " ".join(f"{h.address}:{_tier_word(h.tier)}" for h in v.holders) or "-",
             ]
             for v in resp.versions
         ],
@@ -303,7 +309,7 @@ def run_adapters(args: argparse.Namespace) -> int:
 def _workers_residency_table(workers) -> None:
     _table(
         [
-            [w.worker_id[:12], w.address, r.adapter, _TIERS.get(r.tier, "?"), "yes" if r.pinned else ""]
+            [w.worker_id[:12], w.address, r.adapter, _tier_word(r.tier), "yes" if r.pinned else ""]
             for w in workers
             for r in w.residency
         ],

@@ -39,7 +39,8 @@ def utcnow() -> datetime:
 
 # The words the string columns hold. ``StrEnum``s whose names are their values: a member is bound and
 # stored as that very string, and a string read back compares equal to its member. (On the wire the
-# proto enums stay; registry.server maps between them.)
+# proto enums stay; registry.server maps between them.) ``placements.state`` and ``workers.cached`` hold
+# the worker's own ``SlotState`` and ``Tier`` (loraserve.common.slots).
 
 
 class AdapterState(StrEnum):
@@ -55,22 +56,6 @@ class WorkerState(StrEnum):
     READY = "READY"
     DRAINING = "DRAINING"
     EXPIRED = "EXPIRED"
-
-
-class SlotState(StrEnum):
-    """``placements.state``: an adapter being loaded into a device slot, or there."""
-
-    LOADING = "LOADING"
-    LOADED = "LOADED"
-
-
-class Tier(StrEnum):
-    """Where a worker keeps an adapter, fastest first: a device slot, host memory, its disk cache.
-    ``workers.cached`` holds HOST or DISK per adapter (a device slot is a ``placements`` row)."""
-
-    DEVICE = "DEVICE"
-    HOST = "HOST"
-    DISK = "DISK"
 
 
 class Base(DeclarativeBase):

@@ -30,14 +30,13 @@ from sqlalchemy import Connection, Row, bindparam, delete, insert, select, updat
 from sqlalchemy.orm import selectinload, sessionmaker
 
 from loraserve.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from loraserve.common.slots import SlotState, Tier
 from loraserve.registry.catalog import Catalog
 from loraserve.registry.db import (
     AdapterRow,
     AdapterState,
     BaseModelRow,
     PlacementRow,
-    SlotState,
-    Tier,
     UnloadOrderRow,
     WorkerRow,
     WorkerState,

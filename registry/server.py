@@ -28,6 +28,7 @@ from loraserve.common.limits import add_servicer
 from loraserve.common.security import ServerSecurity
 from loraserve.common.server import Services, set_health
 from loraserve.common.server import build_server as common_build_server
+from loraserve.common.slots import SlotState, Tier, tier_proto
 from loraserve.protos.v1 import (
     placement_pb2,
     placement_pb2_grpc,
@@ -37,7 +38,7 @@ from loraserve.protos.v1 import (
 )
 from loraserve.registry.aliases import AliasView
 from loraserve.registry.catalog import Catalog, UploadHeader, parse_ref
-from loraserve.registry.db import AdapterRow, SlotState, Tier, WorkerRow, WorkerState, as_utc
+from loraserve.registry.db import AdapterRow, WorkerRow, WorkerState, as_utc
 from loraserve.registry.placement import (
     Placement,
     ReportedLoad,
@@ -51,10 +52,6 @@ log = logging.getLogger("loraserve.registry.server")
 CHUNK = 1 << 20
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 UPLOAD_THREADS = 2  # uploads and imports validated at once; more wait for a thread of their own pool
-SLOT_STATES = {
-    worker_admin_pb2.SLOT_STATE_LOADING: SlotState.LOADING,
-    worker_admin_pb2.SLOT_STATE_LOADED: SlotState.LOADED,
-}
 SERVICE_NAMES = (
     registry_pb2.DESCRIPTOR.services_by_name["AdapterRegistry"].full_name,
     placement_pb2.DESCRIPTOR.services_by_name["Placement"].full_name,
@@ -62,6 +59,11 @@ SERVICE_NAMES = (
 
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+def _placement_state(value: int) -> SlotState:
+    """A reported slot's state as a ``placements`` row holds it: LOADED, or LOADING for anything else."""
+    return SlotState.LOADED if value == SlotState.LOADED.proto else SlotState.LOADING
 
 
 def ts(value: datetime | None) -> Timestamp:
@@ -118,12 +120,6 @@ def _actor(request, context) -> str:
     return (request.actor or context.peer() or "unknown")[:256]
 
 
-TIERS_PB = {
-    Tier.DEVICE: placement_pb2.RESIDENCY_TIER_DEVICE,
-    Tier.HOST: placement_pb2.RESIDENCY_TIER_HOST,
-    Tier.DISK: placement_pb2.RESIDENCY_TIER_DISK,
-}
-TIER_NAMES = {v: k for k, v in TIERS_PB.items()}
 WORKER_STATES_PB = {
     WorkerState.READY: placement_pb2.WORKER_STATE_READY,
     WorkerState.DRAINING: placement_pb2.WORKER_STATE_DRAINING,
@@ -160,9 +156,7 @@ def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
                 adapter=p.adapter,
                 pinned=p.pinned,
                 refcount=p.refcount,
-                state=worker_admin_pb2.SLOT_STATE_LOADED
-                if p.state == SlotState.LOADED
-                else worker_admin_pb2.SLOT_STATE_LOADING,
+                state=SlotState(p.state).proto,
             )
             for p in row.placements
         ],
@@ -172,15 +166,13 @@ def worker_to_proto(row: WorkerRow) -> placement_pb2.Worker:
         last_heartbeat=ts(row.last_heartbeat),
         lease_expires_at=ts(row.lease_expires_at),
         residency=[
-            placement_pb2.AdapterResidency(
-                adapter=p.adapter, tier=placement_pb2.RESIDENCY_TIER_DEVICE, pinned=p.pinned
-            )
+            placement_pb2.AdapterResidency(adapter=p.adapter, tier=Tier.DEVICE.proto, pinned=p.pinned)
             for p in row.placements
         ]
         + [
-            placement_pb2.AdapterResidency(adapter=a, tier=TIERS_PB[t])
+            placement_pb2.AdapterResidency(adapter=a, tier=tier_proto(t))
             for a, t in sorted((row.cached or {}).items())
-            if t in TIERS_PB
+            if tier_proto(t)
         ],
     )
 
@@ -412,14 +404,14 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
 
     async def Heartbeat(self, request, context):
         slots = [
-            SlotReport(s.slot, s.adapter, SLOT_STATES.get(s.state, SlotState.LOADING), s.pinned, s.refcount)
+            SlotReport(s.slot, s.adapter, _placement_state(s.state), s.pinned, s.refcount)
             for s in request.slots
             if s.adapter
         ]
         load = ReportedLoad(
             request.load.running, request.load.waiting, request.load.free_slots, request.load.utilization
         )
-        cached = {c.adapter: TIER_NAMES.get(c.tier, "") for c in request.cached if c.adapter}
+        cached = {c.adapter: Tier.of_proto(c.tier) or "" for c in request.cached if c.adapter}
         usage = {u.adapter: usage_from_proto(u) for u in request.usage if u.adapter}
         worker, orders = await _call(
             context,
@@ -447,7 +439,7 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
                     version=v.version,
                     usage=usage_to_proto(f"{request.name}@{v.version}", v.usage),
                     holders=[
-                        placement_pb2.AdapterHolder(worker_id=wid, address=addr, tier=TIERS_PB.get(tier, 0))
+                        placement_pb2.AdapterHolder(worker_id=wid, address=addr, tier=tier_proto(tier))
                         for wid, addr, tier in v.holders
                     ],
                     aliases=v.aliases,
@@ -479,7 +471,7 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
                     worker_id=c.worker_id,
                     address=c.address,
                     holds_adapter=c.holds_adapter,
-                    tier=TIERS_PB.get(c.tier, placement_pb2.RESIDENCY_TIER_UNSPECIFIED),
+                    tier=tier_proto(c.tier),
                     load=placement_pb2.WorkerLoad(
                         running=c.load.running,
                         waiting=c.load.waiting,

@@ -21,6 +21,7 @@ from loraserve.adapters.mixes import MixPart, mix_ref
 from loraserve.adapters.refs import pick_version
 from loraserve.common.errors import Unavailable, error_from_rpc
 from loraserve.common.security import aio_channel
+from loraserve.common.slots import Tier
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc, placement_pb2, placement_pb2_grpc
 
 log = logging.getLogger("loraserve.router")
@@ -92,7 +93,7 @@ class Locator:
             tuple(
                 c.address
                 for c in sorted(resp.candidates, key=lambda c: c.tier)
-                if c.tier in (placement_pb2.RESIDENCY_TIER_HOST, placement_pb2.RESIDENCY_TIER_DISK)
+                if Tier.of_proto(c.tier) in (Tier.HOST, Tier.DISK)
             ),
         )
         self._routes[adapter] = route

@@ -23,6 +23,7 @@ import grpc
 from loraserve.adapters.mixes import is_mix, parse_mix
 from loraserve.common.errors import FailedPrecondition
 from loraserve.common.security import aio_channel
+from loraserve.common.slots import Tier
 from loraserve.protos.v1 import placement_pb2, placement_pb2_grpc
 from loraserve.worker.engine import Engine
 from loraserve.worker.snapshot import occupied_slot_infos, worker_load
@@ -95,17 +96,17 @@ class Registration:
     def _cached(self, snap) -> list[placement_pb2.AdapterResidency]:
         """Adapters held outside the device slots, each at its fastest tier: host memory, then disk cache."""
         on_device = {s.adapter for s in snap.slots if s.adapter}
-        tiers: dict[str, int] = {}
+        tiers: dict[str, Tier] = {}
         disk_keys = getattr(self.engine.source, "disk_keys", lambda: [])()
         for key in disk_keys:
-            tiers[key] = placement_pb2.RESIDENCY_TIER_DISK
+            tiers[key] = Tier.DISK
         for key in snap.host_tier:
-            tiers[key] = placement_pb2.RESIDENCY_TIER_HOST
+            tiers[key] = Tier.HOST
         for slot in snap.slots:  # a mix's slot holds its parts' matrices: they count as held in memory
             if slot.adapter and is_mix(slot.adapter):
-                tiers.update((p.ref, placement_pb2.RESIDENCY_TIER_HOST) for p in parse_mix(slot.adapter))
+                tiers.update((p.ref, Tier.HOST) for p in parse_mix(slot.adapter))
         return [
-            placement_pb2.AdapterResidency(adapter=k, tier=t)
+            placement_pb2.AdapterResidency(adapter=k, tier=t.proto)
             for k, t in sorted(tiers.items())
             if k not in on_device
         ]

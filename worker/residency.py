@@ -25,10 +25,11 @@ from loraserve.adapters.mixes import MixPart, is_mix, mix_ref, parse_mix, valida
 from loraserve.adapters.peft import LoraWeights, parse_adapter
 from loraserve.adapters.sources import AdapterSource, verify_sha256
 from loraserve.common.errors import FailedPrecondition, LoraserveError, NotFound
+from loraserve.common.slots import SlotState
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.runner import Runner
-from loraserve.worker.slot_table import HostTier, NoFreeSlotError, Slot, SlotState, SlotTable
+from loraserve.worker.slot_table import HostTier, NoFreeSlotError, Slot, SlotTable
 
 log = logging.getLogger("loraserve.worker.residency")
 MAX_DELETED = 4096  # deleted versions a worker remembers (a version number is never reused)

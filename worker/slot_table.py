@@ -11,14 +11,9 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
-from enum import Enum
 from typing import Any
 
-
-class SlotState(Enum):
-    EMPTY = 1
-    LOADING = 2
-    LOADED = 3
+from loraserve.common.slots import SlotState
 
 
 class NoFreeSlotError(RuntimeError):

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from loraserve.worker.slot_table import Slot, SlotState
+from loraserve.common.slots import SlotState
+from loraserve.worker.slot_table import Slot
 
 if TYPE_CHECKING:
     from loraserve.protos.v1 import placement_pb2, worker_admin_pb2
@@ -65,7 +66,7 @@ def slot_info(slot: Slot) -> worker_admin_pb2.SlotInfo:
     info = worker_admin_pb2.SlotInfo(
         slot=slot.index,
         adapter=slot.adapter,
-        state=slot.state.value,  # SlotState's values are the proto enum's
+        state=slot.state.proto,
         pinned=slot.pinned,
         refcount=slot.refcount,
         rank=slot.rank,

@@ -17,13 +17,13 @@ import pytest
 
 from loraserve.adapters.errors import AdapterDataLossError
 from loraserve.common.errors import FailedPrecondition, LoraserveError, ResourceExhausted
+from loraserve.common.slots import SlotState
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.fake_runner import fake_logprobs
 from loraserve.worker.kv_cache import KVCache
 from loraserve.worker.requests import Failed, Finished, SamplingRow, Started, Token, TokenLogprobs
 from loraserve.worker.residency import Load, Unload
 from loraserve.worker.scheduler import Cancel
-from loraserve.worker.slot_table import SlotState
 from tests.worker.fake_engine import Collector, Harness, adapter_files, source_of
 
 CFG = EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=2, max_lora_rank=4, max_cpu_loras=2)
