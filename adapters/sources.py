@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import threading
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
 
 import fsspec
@@ -21,13 +22,28 @@ from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE, read_adapter_fil
 from loraserve.adapters.refs import NAME_RE, split_ref
 
 
+class Origin(StrEnum):
+    """Where an adapter's bytes came from, fastest first (a mix reports its slowest part's). The value is
+    the ``origin`` label of the worker's adapter-load metrics."""
+
+    HOST = "host"  # the worker's host tier: fetched and prepared before
+    LOCAL = "local"  # a local folder or fsspec URL
+    DISK = "disk"  # the worker's disk cache of registry blobs
+    STORE = "store"  # the registry's object store
+
+    @property
+    def cost(self) -> int:
+        """How slow it is to come from there: the order above."""
+        return list(Origin).index(self)
+
+
 @dataclass(frozen=True)
 class FetchedAdapter:
     key: str  # resolved "name@version" (or "name" for unversioned local adapters)
     config_bytes: bytes
     weights_bytes: bytes
     sha256: str = ""  # expected hash when the source knows it; a mismatch is DATA_LOSS
-    origin: str = "local"  # where the bytes came from: "local", "disk" (a cache) or "store" (object storage)
+    origin: Origin = Origin.LOCAL
     verified: bool = False  # the source already hashed these bytes against ``sha256`` (no second pass)
 
 

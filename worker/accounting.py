@@ -18,11 +18,11 @@ from dataclasses import dataclass, field, fields
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
+from loraserve.adapters.sources import Origin
 from loraserve.common.observability import LATENCY_BUCKETS
 
 BASE = "base"  # the label of requests without an adapter
 OTHER = "other"
-ORIGINS = ("host", "disk", "store", "local")
 
 
 @dataclass
@@ -78,9 +78,9 @@ class AdapterAccounting:
             Usage(requests=1, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
         )
 
-    def loaded(self, adapter: str, seconds: float, origin: str, fetched_bytes: int) -> None:
-        """One preparation of ``adapter`` for a slot: how long it took, where its bytes came from (one of
-        ``ORIGINS``) and how many were fetched from object storage."""
+    def loaded(self, adapter: str, seconds: float, origin: Origin, fetched_bytes: int) -> None:
+        """One preparation of ``adapter`` for a slot: how long it took, where its bytes came from (the
+        ``origin`` label) and how many were fetched from object storage."""
         buckets = [1 if seconds <= b else 0 for b in LATENCY_BUCKETS] + [1]
         delta = Usage(
             loads=1,

@@ -18,7 +18,7 @@ import grpc
 
 from loraserve.adapters.errors import AdapterError, AdapterUnavailableError
 from loraserve.adapters.refs import parse_ref
-from loraserve.adapters.sources import FetchedAdapter
+from loraserve.adapters.sources import FetchedAdapter, Origin
 from loraserve.common.security import channel
 from loraserve.protos.v1 import registry_pb2, registry_pb2_grpc
 
@@ -178,20 +178,20 @@ class RegistryAdapterSource:
         config = meta.adapter_config_json
         data = self._cached(meta.sha256)  # hashed there: returned only when it matches
         if data is not None:
-            return FetchedAdapter(key, config, data, meta.sha256, origin="disk", verified=True)
+            return FetchedAdapter(key, config, data, meta.sha256, origin=Origin.DISK, verified=True)
         data = self._direct(meta)
         if data is not None and hashlib.sha256(data).hexdigest() != meta.sha256:
             data = None  # dropped before the download brings the blob again
         if data is None:
             config, data, digest = self._download(key)
             if digest != meta.sha256:  # the caller raises DATA_LOSS
-                return FetchedAdapter(key, config, data, meta.sha256, origin="store")
+                return FetchedAdapter(key, config, data, meta.sha256, origin=Origin.STORE)
         self._store(meta.sha256, data)
         return FetchedAdapter(
             key=key,
             config_bytes=config,
             weights_bytes=data,
             sha256=meta.sha256,
-            origin="store",
+            origin=Origin.STORE,
             verified=True,
         )

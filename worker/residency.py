@@ -23,7 +23,7 @@ from loraserve.adapters.errors import AdapterUnavailableError
 from loraserve.adapters.mix_weights import concat_adapters
 from loraserve.adapters.mixes import MixPart, is_mix, mix_ref, parse_mix, validate_mix
 from loraserve.adapters.peft import LoraWeights, parse_adapter
-from loraserve.adapters.sources import AdapterSource, verify_sha256
+from loraserve.adapters.sources import AdapterSource, Origin, verify_sha256
 from loraserve.common.errors import FailedPrecondition, LoraserveError, NotFound
 from loraserve.common.slots import SlotState
 from loraserve.worker.config import EngineConfig
@@ -71,7 +71,7 @@ class Prepared:
     values: Any = None
     error: LoraserveError | None = None
     seconds: float = 0.0
-    origin: str = ""  # "host" (host tier), "disk", "store" or "local": where the bytes came from
+    origin: Origin | None = None  # where the bytes came from (None: it failed)
     fetched_bytes: int = 0  # bytes read from outside the process (0 for a host-tier hit)
 
 
@@ -359,12 +359,12 @@ class Residency:
             result = Prepared(ref, error=AdapterUnavailableError(f"loading adapter {ref!r} failed: {exc}"))
         self._post(result)
 
-    def _load(self, key: str) -> tuple[LoraWeights, Any, str, int]:
+    def _load(self, key: str) -> tuple[LoraWeights, Any, Origin, int]:
         """``key``'s weights and slot values, from the host tier or fetched, checked and prepared (then kept
         in the host tier); with where the bytes came from and how many were read from the object store."""
         cached = self.host_tier.get(key)
         if cached is not None:
-            return (*cached, "host", 0)
+            return (*cached, Origin.HOST, 0)
         fetched = self.source.fetch(key)
         verify_sha256(fetched)
         cfg = self.model_config
@@ -377,16 +377,17 @@ class Residency:
         )
         values = self.runner.prepare(weights)
         self.host_tier.put(key, (weights, values))
-        fetched_bytes = len(fetched.weights_bytes) if fetched.origin == "store" else 0
+        fetched_bytes = len(fetched.weights_bytes) if fetched.origin is Origin.STORE else 0
         return weights, values, fetched.origin, fetched_bytes
 
-    def _prepare_mix(self, ref: str) -> tuple[str, LoraWeights, Any, str, int]:
+    def _prepare_mix(self, ref: str) -> tuple[str, LoraWeights, Any, Origin, int]:
         """A mix ref -> (mix key, the parts' concatenation, its slot values, origin, bytes fetched): every
         part resolved and loaded at once; the origin is the slowest part's."""
         parts = parse_mix(ref)
         validate_mix(parts, self.config.max_mix)
         loaded = []
-        origins, fetched_bytes = [], 0
+        origins: list[Origin] = []
+        fetched_bytes = 0
         for part in parts:
             key = self.source.resolve(part.ref)
             weights, _, origin, nbytes = self._load(key)
@@ -395,14 +396,10 @@ class Residency:
             fetched_bytes += nbytes
         weights = concat_adapters(loaded, self.config.max_lora_rank)
         key = mix_ref([MixPart(k, w) for k, _, w in loaded])
-        origin = max(origins, key=lambda o: _ORIGIN_COST.get(o, 0))
+        origin = max(origins, key=lambda o: o.cost)
         return key, weights, self.runner.prepare(weights), origin, fetched_bytes
 
 
 def _is_part_of(key: str, adapter: str) -> bool:
     """Whether the slot key ``adapter`` is a mix with ``key`` among its parts."""
     return is_mix(adapter) and any(p.ref == key for p in parse_mix(adapter))
-
-
-# The slower the origin, the higher: a mix reports its slowest part's.
-_ORIGIN_COST = {"host": 0, "local": 1, "disk": 2, "store": 3}
