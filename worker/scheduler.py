@@ -2,8 +2,9 @@
 deadlines, finishes.
 
 Requests live in one of three places: ``waiting`` (their adapter is not resident yet), ``ready`` (they
-hold a slot reference and wait for a free decode row and enough KV pages) or ``rows`` (decoding; each
-row's pages are in ``pages`` and its page table in ``tables``, idle rows' tables all 0). ``handle``
+hold a slot reference and wait for a free decode row and enough KV pages) or ``rows`` (a ``Row`` each:
+the request, its KV pages, its admission order and, while its prompt is chunked, how much of it is
+computed; the rows' page tables are ``tables``, the array the runner takes, idle rows' all 0). ``handle``
 applies one command (``Submit``, ``Cancel``, or a residency command); ``step`` places prepared adapters,
 expires deadlines, admits up to ``prefill_per_step`` prompts and runs one decode step on the ``Runner``.
 
@@ -26,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -75,6 +76,30 @@ class Cancel:
     request_id: str
 
 
+@dataclass
+class Row:
+    """A decode row's request and what the scheduler keeps for it."""
+
+    req: EngineRequest
+    pages: SeqPages
+    admitted: int  # admission order (the newest running request has the largest)
+    prefilled: int | None = None  # tokens computed while the prompt is chunked; None once it decodes
+
+
+@dataclass
+class _Prefill:
+    """One step's packed prefill as it is planned: the runner's inputs, whose rows they are, whether each
+    is its row's final chunk, and the step's token budget left (None: no limit)."""
+
+    budget: int | None
+    inputs: list[PrefillInput] = field(default_factory=list)
+    parts: list[tuple[int, Row, bool]] = field(default_factory=list)  # (row index, row, final chunk)
+
+    @property
+    def spent(self) -> bool:
+        return self.budget == 0
+
+
 class Scheduler:
     def __init__(
         self,
@@ -89,17 +114,13 @@ class Scheduler:
         self.eos_ids = frozenset(model_config.eos_token_ids)
         self.waiting: deque[EngineRequest] = deque()
         self.ready: deque[EngineRequest] = deque()
-        self.rows: list[EngineRequest | None] = [None] * config.max_batch_size
+        self.rows: list[Row | None] = [None] * config.max_batch_size
         if runner.page_size != config.kv_page_size:
             raise ValueError(
                 f"runner pages hold {runner.page_size} tokens, the config says {config.kv_page_size}"
             )
         self.kv = KVCache(runner.num_pages, runner.page_size, config.enable_prefix_caching)
-        self.pages: list[SeqPages | None] = [None] * config.max_batch_size
         self.tables = np.zeros((config.max_batch_size, config.pages_per_row), np.int32)
-        self._admitted = [0] * config.max_batch_size  # admission order of each row's request (newest = max)
-        # per row: None, or how many tokens of its sequence are computed while its prompt is chunked
-        self.prefilled: list[int | None] = [None] * config.max_batch_size
         self._admissions = 0
         self.steps = self.tokens_out = self.requests_done = self.preemptions = 0
         self.outbox: list[Callable[[], None]] = []  # events, delivered by flush() after the snapshot
@@ -152,6 +173,10 @@ class Scheduler:
         for i in range(len(self.rows)):
             self._finish(i, event)
 
+    def _running(self) -> list[tuple[int, Row]]:
+        """The occupied rows, by row index."""
+        return [(i, row) for i, row in enumerate(self.rows) if row is not None]
+
     def flush(self) -> None:
         """Deliver the events and future results of the last commands/step (after publishing a snapshot)."""
         calls, self.outbox, self.residency.outbox = self.residency.outbox + self.outbox, [], []
@@ -162,7 +187,7 @@ class Scheduler:
         self.outbox.append(lambda: req.emit(event))
 
     def snapshot(self) -> EngineSnapshot:
-        rows = [r for r in self.rows if r is not None]
+        rows = [row.req for _, row in self._running()]
         res = self.residency
         return EngineSnapshot(
             step=self.steps,
@@ -199,8 +224,8 @@ class Scheduler:
         self.residency.want(req.adapter)
 
     def _cancel(self, request_id: str) -> None:
-        for i, req in enumerate(self.rows):
-            if req is not None and req.request_id == request_id:
+        for i, row in self._running():
+            if row.req.request_id == request_id:
                 self._finish(i, CANCELLED)
                 return
         self._drop(lambda r: r.request_id == request_id, CANCELLED)
@@ -220,9 +245,9 @@ class Scheduler:
                     self._drop(lambda r, ref=ref: r.adapter == ref, failed, (self.waiting,))
                 case Evicted(index, key):
                     gone = Failed(grpc.StatusCode.UNAVAILABLE, f"adapter {key} was unloaded")
-                    for i, req in enumerate(self.rows):
-                        if req is not None and req.slot == index:
-                            req.slot = -1  # the slot is already cleared: nothing to release
+                    for i, row in self._running():
+                        if row.req.slot == index:
+                            row.req.slot = -1  # the slot is already cleared: nothing to release
                             self._finish(i, gone)
                     holders = [r for r in self.ready if r.slot == index]
                     for req in holders:
@@ -250,8 +275,8 @@ class Scheduler:
 
     def _expire(self) -> None:
         now = self.clock()
-        for i, req in enumerate(self.rows):
-            if req is not None and req.deadline is not None and req.deadline <= now:
+        for i, row in self._running():
+            if row.req.deadline is not None and row.req.deadline <= now:
                 self._finish(i, DEADLINE)
         self._drop(lambda r: r.deadline is not None and r.deadline <= now, DEADLINE)
 
@@ -265,36 +290,32 @@ class Scheduler:
         a chunk per step, each step's decode runs in between, so a newcomer's prompt never stalls the
         running rows for longer than one chunk. All of it goes to the runner as one packed prefill; a
         row's last chunk samples its first token (an earlier chunk's sample is dropped)."""
-        budget = self.config.prefill_chunk or None
-        parts: list[tuple[int, EngineRequest, SeqPages, bool]] = []
-        batch: list[PrefillInput] = []
+        plan = _Prefill(self.config.prefill_chunk or None)
+        self._next_chunks(plan)
+        self._admit_ready(plan)
+        if not plan.inputs:
+            return False
+        self._run_prefill(plan)
+        return True
 
-        def take(row: int, req: EngineRequest, pages: SeqPages, seq: list[int], start: int) -> None:
-            nonlocal budget
-            end = len(seq) if budget is None else min(len(seq), start + budget)
-            if budget is not None:
-                budget -= end - start
-            table = self.tables[row].copy()  # the runner may hold on to it (a zero-copy device array)
-            batch.append(PrefillInput(seq[start:end], start, req.slot, table, SamplingRow.of(req)))
-            final = end == len(seq)
-            self.prefilled[row] = None if final else end
-            parts.append((row, req, pages, final))
-            # registered now, computed by the prefill below: a later prompt of this same batch may share
-            # them (the runner writes every sequence's keys/values before any of them attends)
-            self.kv.register(pages, seq, end)
+    def _next_chunks(self, plan: _Prefill) -> None:
+        """The next chunk of every row still prefilling, oldest first, while the budget lasts."""
+        for i, row in sorted(self._prefilling(), key=lambda r: r[1].admitted):
+            if plan.spent:
+                return
+            assert row.prefilled is not None
+            self._take(plan, i, row, row.req.prompt + row.req.generated, row.prefilled)
 
-        for row in sorted(self._prefilling(), key=self._admitted.__getitem__):
-            if budget == 0:
-                break
-            req, pages = self.rows[row], self.pages[row]
-            assert req is not None and pages is not None
-            take(row, req, pages, req.prompt + req.generated, self.prefilled[row])
+    def _admit_ready(self, plan: _Prefill) -> None:
+        """Ready requests in FIFO order into free rows, while rows, pages and the budget last. A request
+        that could never fit the pool ends with NO_ROOM; one that must wait for pages stops admission
+        (nobody behind it goes first)."""
         admitted = 0
-        while self.ready and admitted < self.config.prefill_per_step and budget != 0:
+        while self.ready and admitted < self.config.prefill_per_step and not plan.spent:
             try:
-                row = self.rows.index(None)
+                i = self.rows.index(None)
             except ValueError:
-                break
+                return
             req = self.ready[0]
             seq = req.prompt + req.generated  # prompt + what was streamed before a preemption
             key = self._adapter_key(req)
@@ -306,33 +327,46 @@ class Scheduler:
                 self._emit(req, NO_ROOM)
                 continue
             if not self.kv.can_take(lookup, spare=self._pages_due()):
-                break  # the head waits for pages; nobody behind it goes first
+                return
             self.ready.popleft()
             self._dequeued()
-            pages = self.kv.admit(key, seq, lookup)
-            self._place(row, req, pages)
-            take(row, req, pages, seq, lookup.hits * self.kv.page_size)
+            row = self._place(i, req, self.kv.admit(key, seq, lookup))
+            self._take(plan, i, row, seq, lookup.hits * self.kv.page_size)
             admitted += 1
-        if not batch:
-            return False
+
+    def _take(self, plan: _Prefill, i: int, row: Row, seq: list[int], start: int) -> None:
+        """Row ``i`` computes ``seq`` from ``start`` in this step's prefill, as far as the budget goes."""
+        end = len(seq) if plan.budget is None else min(len(seq), start + plan.budget)
+        if plan.budget is not None:
+            plan.budget -= end - start
+        table = self.tables[i].copy()  # the runner may hold on to it (a zero-copy device array)
+        plan.inputs.append(PrefillInput(seq[start:end], start, row.req.slot, table, SamplingRow.of(row.req)))
+        final = end == len(seq)
+        row.prefilled = None if final else end
+        plan.parts.append((i, row, final))
+        # registered now, computed by the prefill below: a later prompt of this same batch may share
+        # them (the runner writes every sequence's keys/values before any of them attends)
+        self.kv.register(row.pages, seq, end)
+
+    def _run_prefill(self, plan: _Prefill) -> None:
+        """Run the planned prefill; each row whose last chunk it was takes its first token."""
         try:
-            out = self.runner.prefill(batch)
+            out = self.runner.prefill(plan.inputs)
         except BaseException:
-            for _, _, pages, _ in parts:
-                self.kv.forget(pages)
+            for _, row, _ in plan.parts:
+                self.kv.forget(row.pages)
             raise
-        assert len(out.tokens) == len(parts), (len(out.tokens), len(parts))
-        for i, (row, req, _, final) in enumerate(parts):
+        assert len(out.tokens) == len(plan.parts), (len(out.tokens), len(plan.parts))
+        for n, (i, row, final) in enumerate(plan.parts):
             if not final:
                 continue
-            if not req.generated:
-                self._emit(req, Started(req.key))
-            self._accept_token(row, out, i)
-        return True
+            if not row.req.generated:
+                self._emit(row.req, Started(row.req.key))
+            self._accept_token(i, out, n)
 
-    def _prefilling(self) -> list[int]:
+    def _prefilling(self) -> list[tuple[int, Row]]:
         """Rows whose prompt is still being computed, a chunk per step (they take no decode step yet)."""
-        return [i for i, done in enumerate(self.prefilled) if done is not None]
+        return [(i, row) for i, row in self._running() if row.prefilled is not None]
 
     def _adapter_key(self, req: EngineRequest) -> str:
         """The prefix cache's key for ``req``'s pages: its slot's adapter content sha256, or the base's."""
@@ -342,26 +376,26 @@ class Scheduler:
         assert sha, f"slot {req.slot} holds no adapter content"
         return sha
 
-    def _place(self, row: int, req: EngineRequest, pages: SeqPages) -> None:
-        req.row = row
-        self.rows[row] = req
-        self.pages[row] = pages
-        self._sync_table(row)
+    def _place(self, i: int, req: EngineRequest, pages: SeqPages) -> Row:
         self._admissions += 1
-        self._admitted[row] = self._admissions
+        req.row = i
+        row = self.rows[i] = Row(req, pages, self._admissions)
+        self._sync_table(i)
+        return row
 
-    def _sync_table(self, row: int) -> None:
-        pages = self.pages[row]
-        self.tables[row] = 0
-        if pages is not None:
-            self.tables[row, : len(pages.pages)] = pages.pages
+    def _sync_table(self, i: int) -> None:
+        row = self.rows[i]
+        self.tables[i] = 0
+        if row is not None:
+            self.tables[i, : len(row.pages.pages)] = row.pages.pages
 
-    def _release_pages(self, row: int) -> None:
-        pages = self.pages[row]
-        if pages is not None:
-            self.kv.release(pages)
-        self.pages[row] = None
-        self.tables[row] = 0
+    def _vacate(self, i: int) -> Row | None:
+        """Empty row ``i``: its pages go back to the cache (full computed pages stay cached)."""
+        row, self.rows[i] = self.rows[i], None
+        if row is not None:
+            self.kv.release(row.pages)
+        self.tables[i] = 0
+        return row
 
     def _release_slot(self, req: EngineRequest) -> None:
         if req.slot >= 0:
@@ -375,38 +409,31 @@ class Scheduler:
     def _pages_due(self) -> int:
         """Pages the running rows take at the next decode step: admitting must leave them, or the
         newcomer would be preempted at once."""
-        due = 0
-        for req, pages in zip(self.rows, self.pages, strict=True):
-            if req is not None and pages is not None:
-                due += max(0, self.kv.pages_for(self._position(req) + 1) - len(pages.pages))
-        return due
+        return sum(
+            max(0, self.kv.pages_for(self._position(row.req) + 1) - len(row.pages.pages))
+            for _, row in self._running()
+        )
 
     def _grow(self) -> None:
         """Give every running row the page its next position needs, oldest first; preempt the newest
         running requests while the pages do not go round."""
-        for row in sorted(
-            (i for i, r in enumerate(self.rows) if r is not None), key=self._admitted.__getitem__
-        ):
-            req, pages = self.rows[row], self.pages[row]
-            if req is None or pages is None:
+        for i, row in sorted(self._running(), key=lambda r: r[1].admitted):
+            if self.rows[i] is not row:
                 continue  # preempted below on an earlier row's behalf
-            while not self.kv.grow(pages, self._position(req) + 1):
+            while not self.kv.grow(row.pages, self._position(row.req) + 1):
                 self._preempt()
-                if self.rows[row] is None:
+                if self.rows[i] is not row:
                     break  # it was the newest itself
-            if self.rows[row] is not None:
-                self._sync_table(row)
+            if self.rows[i] is row:
+                self._sync_table(i)
 
     def _preempt(self) -> None:
         """Send the newest running request back to the front of ``ready``, its pages released."""
-        row = max((i for i, r in enumerate(self.rows) if r is not None), key=self._admitted.__getitem__)
-        req = self.rows[row]
-        assert req is not None
-        self.rows[row] = None
-        self.prefilled[row] = None  # its computed full pages stay cached: the resume starts after them
-        self._release_pages(row)
-        req.row = -1
-        self.ready.appendleft(req)
+        i, _ = max(self._running(), key=lambda r: r[1].admitted)
+        row = self._vacate(i)  # its computed full pages stay cached: the resume starts after them
+        assert row is not None
+        row.req.row = -1
+        self.ready.appendleft(row.req)
         with self._lock:
             self._queued += 1  # waiting again, not a new submission: no max_waiting check
         self.preemptions += 1
@@ -414,37 +441,36 @@ class Scheduler:
     def _decode(self) -> bool:
         """One decode step for every row past its prefill; returns whether one ran."""
         self._grow()
-        prefilling = self._prefilling()
-        if all(r is None for i, r in enumerate(self.rows) if i not in prefilling):
+        decoding = [(i, row) for i, row in self._running() if row.prefilled is None]
+        if not decoding:
             return False
         b = self.config.max_batch_size
         tokens, positions, slots = np.zeros(b, np.int32), np.zeros(b, np.int32), np.full(b, -1, np.int32)
         sampling: list[SamplingRow | None] = [None] * b
         tables = self.tables
-        if prefilling:  # their pages hold a half-computed prompt: they sit this step out like idle rows
-            tables = self.tables.copy()
-            tables[prefilling] = 0
-        for i, req in enumerate(self.rows):
-            if req is None or i in prefilling:
-                continue
-            tokens[i] = req.generated[-1]
-            positions[i] = self._position(req)
-            slots[i] = req.slot
-            sampling[i] = SamplingRow.of(req)
+        if len(decoding) < len(self._running()):  # rows holding a half-computed prompt sit this step out
+            tables = np.zeros_like(self.tables)
+            rows = [i for i, _ in decoding]
+            tables[rows] = self.tables[rows]
+        for i, row in decoding:
+            tokens[i] = row.req.generated[-1]
+            positions[i] = self._position(row.req)
+            slots[i] = row.req.slot
+            sampling[i] = SamplingRow.of(row.req)
         out = self.runner.decode(tokens, positions, slots, tables, sampling)
         self.steps += 1
-        for i, req in enumerate(self.rows):
-            if req is not None and i not in prefilling:
-                filled = int(positions[i]) + 1
-                if filled % self.kv.page_size == 0:  # this step filled a page: cache it
-                    self.kv.register(self.pages[i], req.prompt + req.generated, filled)
-                self._accept_token(i, out, i)
+        for i, row in decoding:
+            filled = int(positions[i]) + 1
+            if filled % self.kv.page_size == 0:  # this step filled a page: cache it
+                self.kv.register(row.pages, row.req.prompt + row.req.generated, filled)
+            self._accept_token(i, out, i)
         return True
 
     def _accept_token(self, row: int, out: StepOutput, i: int) -> None:
         """Row ``row``'s request takes the token of ``out``'s row ``i`` (and its logprobs if it asked)."""
-        req = self.rows[row]
-        assert req is not None
+        held = self.rows[row]
+        assert held is not None
+        req = held.req
         token = int(out.tokens[i])
         want = req.sampling.logprobs
         logprobs = None if want is None else out.logprobs(i, want)
@@ -463,13 +489,10 @@ class Scheduler:
         else:
             self._emit(req, Token(token, logprobs))
 
-    def _finish(self, row: int, event: Finished | Failed) -> None:
-        req = self.rows[row]
-        if req is None:
+    def _finish(self, i: int, event: Finished | Failed) -> None:
+        row = self._vacate(i)
+        if row is None:
             return
-        self.rows[row] = None
-        self.prefilled[row] = None
-        self._release_pages(row)
-        self._release_slot(req)
+        self._release_slot(row.req)
         self.requests_done += 1
-        self._emit(req, event)
+        self._emit(row.req, event)

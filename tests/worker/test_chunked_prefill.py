@@ -86,7 +86,7 @@ def test_cancelling_mid_prefill_ends_the_request_and_frees_its_row_and_pages() -
     h.step()
     assert c.events == [Failed(grpc.StatusCode.CANCELLED, "cancelled by the client")]
     snap = h.scheduler.snapshot()
-    assert (snap.running, snap.kv_pages_used, h.scheduler.prefilled) == (0, 0, [None, None])
+    assert (snap.running, snap.kv_pages_used, h.scheduler.rows) == (0, 0, [None, None])
     after = h.submit(prompt=(5,), max_tokens=2)  # the row is free again and nothing half-done leaks
     h.run(after)
     assert after.tokens == [6, 7]
