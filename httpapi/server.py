@@ -37,7 +37,7 @@ class CallContext:
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, made as ``socket.create_server`` makes one but with ``IPPROTO_TCP`` as its protocol:
     asyncio sets TCP_NODELAY only on accepted sockets that say so, and without it a response written in two
-    parts (uvicorn's headers, then body; every SSE chunk) waits for the client's delayed ACK, 40 ms a time."""
+    parts (uvicorn's headers, then body; every SSE chunk) waits for the client's delayed ACK (docs/performance.md)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:

@@ -128,7 +128,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                 )
             # bounded once rendered (a template may drop text, e.g. earlier turns' reasoning)
             return await off_loop(_chat_ids, self.tokenizer, request.chat, context, self.bound)
-        text = request.text if kind == "text" else ""  # one copy out of the message: 16 MiB take 10 ms
+        text = request.text if kind == "text" else ""  # one copy out of the message
         if text:
             if self.tokenizer is None:
                 raise InvalidArgument("this model has no tokenizer: send token ids")

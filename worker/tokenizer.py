@@ -187,9 +187,9 @@ def _plain(tokenizer: Any, backend: Any) -> bool:
 
 def _token_ids(tokenizer: Any, text: str, special: bool, context: int) -> list[int]:
     """``tokenizer(text, add_special_tokens=special)["input_ids"]``, through the Rust tokenizer when there is
-    one: ``encode_batch_fast`` releases the GIL while it works, keeps no offsets or token strings (a 4 MB
-    prompt's Encoding frees in 2 ms, not 70, and that free holds the GIL), and a prompt of ``context`` tokens
-    or more is refused by its length, never turned into a Python list (which holds the GIL too)."""
+    one: ``encode_batch_fast`` releases the GIL while it works, keeps no offsets or token strings (freeing
+    them holds the GIL: docs/performance.md), and a prompt of ``context`` tokens or more is refused by its
+    length, never turned into a Python list (which holds the GIL too)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not _plain(tokenizer, backend):
         ids = list(tokenizer(text, add_special_tokens=special)["input_ids"])  # as transformers does it
