@@ -2,7 +2,8 @@
 
 ``StatusInterceptor(server)`` wraps each handler, whatever its streaming kind, so that
 
-- a raised ``LoraserveError`` ends the RPC with its own status and message (``context.abort``);
+- a raised ``LoraserveError`` ends the RPC with its own status and message (``context.abort``), and its
+  retry hint in the trailing metadata when it has one (``LoraserveError.retry_metadata``);
 - an abort the handler made itself, and any other gRPC error, pass through untouched;
 - any other exception ends the RPC as INTERNAL (``internal error: <type>``) with its traceback logged;
 - ``loraserve_rpc_requests_total{server,method,code}`` and ``loraserve_rpc_seconds{server,method}`` are
@@ -78,7 +79,7 @@ class StatusInterceptor(grpc.aio.ServerInterceptor):
     async def _fail(self, exc: BaseException, context: grpc.aio.ServicerContext, method: str) -> NoReturn:
         """End the RPC for ``exc``: its own status, untouched, or INTERNAL with the traceback logged."""
         if isinstance(exc, LoraserveError):
-            await context.abort(exc.code, exc.message)
+            await context.abort(exc.code, exc.message, exc.retry_metadata())
         if isinstance(exc, grpc.RpcError | grpc.aio.AbortError) or not isinstance(exc, Exception):
             raise exc  # an abort, an upstream gRPC error, a cancellation: as it is
         log.error("unexpected error in %s/%s", self.server, method, exc_info=exc)

@@ -26,7 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
-from loraserve.common.errors import InvalidArgument, LoraserveError
+from loraserve.common.errors import InvalidArgument, LoraserveError, retry_after_seconds
 from loraserve.common.limits import MAX_BODY_BYTES, MAX_ID_CHARS
 from loraserve.common.security import GENERATE, ServerSecurity
 from loraserve.httpapi.body import load_json, off_loop
@@ -97,8 +97,12 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
 
 
 def error_response(exc: LoraserveError) -> JSONResponse:
+    """The OpenAI-shaped error for a refusal; a 429 or 503 that waiting cures says how long in
+    ``Retry-After`` (whole seconds)."""
     status = HTTP_STATUS.get(exc.code, 500)
-    return JSONResponse(error_body(status, exc.message, exc.code_name), status_code=status)
+    hint = exc.retry_hint
+    headers = {"Retry-After": str(retry_after_seconds(hint))} if hint is not None else None
+    return JSONResponse(error_body(status, exc.message, exc.code_name), status_code=status, headers=headers)
 
 
 class Edge:

@@ -26,6 +26,7 @@ from loraserve.router.routing import Locator, Route, WorkerPool, mix_route
 log = logging.getLogger("loraserve.router")
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+STREAMS_FULL_RETRY_S = 1.0  # the wait the router announces (Retry-After) when it is at --max-concurrency
 
 
 class RouterServicer(inference_pb2_grpc.InferenceServicer):
@@ -36,7 +37,9 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         check_generate_request(request)  # counts and lengths (common.limits), before any routing
         if self.active >= self.max_concurrency:  # admission: refuse at once, never queue without bound
-            raise ResourceExhausted(f"router is at its limit of {self.max_concurrency} streams")
+            raise ResourceExhausted(
+                f"router is at its limit of {self.max_concurrency} streams", retry_after=STREAMS_FULL_RETRY_S
+            )
         self.active += 1
         try:
             async for msg in self._generate(request, context):

@@ -64,6 +64,7 @@ from loraserve.worker.snapshot import EngineSnapshot
 NO_ROOM = Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more KV pages than the pool holds")
 CANCELLED = Failed(grpc.StatusCode.CANCELLED, "cancelled by the client")
 DEADLINE = Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+QUEUE_FULL_RETRY_S = 1.0  # the wait a full queue announces (Retry-After): rows free up within steps
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,9 @@ class Scheduler:
         req.seed = req.sampling.resolved_seed()
         with self._lock:
             if self._queued >= self.config.max_waiting:
-                raise ResourceExhausted(f"queue is full ({self.config.max_waiting} waiting)")
+                raise ResourceExhausted(
+                    f"queue is full ({self.config.max_waiting} waiting)", retry_after=QUEUE_FULL_RETRY_S
+                )
             self._queued += 1
         return Submit(req)
 

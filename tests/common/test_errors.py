@@ -32,7 +32,26 @@ def test_a_status_name_string_is_refused() -> None:
 def test_errors_pickle_with_their_code() -> None:
     err = pickle.loads(pickle.dumps(errors.ResourceExhausted("queue is full", grpc.StatusCode.UNAVAILABLE)))
     assert type(err) is errors.ResourceExhausted
-    assert (err.code, err.message) == (grpc.StatusCode.UNAVAILABLE, "queue is full")
+    assert (err.code, err.message, err.retry_after) == (grpc.StatusCode.UNAVAILABLE, "queue is full", None)
+    err = pickle.loads(pickle.dumps(errors.ResourceExhausted("queue is full", retry_after=0.25)))
+    assert err.retry_after == 0.25
+
+
+def test_retry_hints() -> None:
+    """Only a refusal that waiting cures announces a wait: one it names, or 1 s for any UNAVAILABLE."""
+    full = errors.ResourceExhausted("queue is full", retry_after=0.25)
+    assert (full.retry_hint, full.retry_metadata()) == (
+        0.25,
+        (("retry-after", "1"), ("grpc-retry-pushback-ms", "250")),
+    )
+    assert errors.Unavailable("warming up").retry_metadata() == (
+        ("retry-after", "1"),
+        ("grpc-retry-pushback-ms", "1000"),
+    )
+    too_big = errors.ResourceExhausted("the request needs more KV pages than the pool holds")
+    assert (too_big.retry_hint, too_big.retry_metadata()) == (None, ())
+    assert errors.InvalidArgument("bad").retry_hint is None
+    assert [errors.retry_after_seconds(s) for s in (0.001, 1.0, 1.2, 30)] == [1, 1, 2, 30]
 
 
 class _Rpc(grpc.RpcError):
@@ -51,3 +70,27 @@ def test_error_from_rpc_keeps_code_and_details() -> None:
     assert (err.code, err.message) == (grpc.StatusCode.FAILED_PRECONDITION, "built for another base model")
     bare = errors.error_from_rpc(_Rpc(grpc.StatusCode.UNAVAILABLE, None))
     assert bare.message == "UNAVAILABLE"
+
+
+class _Trailed(_Rpc):
+    def __init__(self, trailing: tuple[tuple[str, str], ...]) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is full")
+        self._trailing = trailing
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._trailing
+
+
+def test_error_from_rpc_reads_the_retry_hint_and_ignores_a_malformed_one() -> None:
+    read = [
+        errors.error_from_rpc(_Trailed(t)).retry_after
+        for t in (
+            (("retry-after", "3"), ("grpc-retry-pushback-ms", "2500")),  # the finer one wins
+            (("retry-after", "3"),),
+            (),
+            (("retry-after", "-1"),),
+            (("retry-after", "1e9"),),
+            (("grpc-retry-pushback-ms", "9" * 40),),  # a hostile upstream's number: not passed on
+        )
+    ]
+    assert read == [2.5, 3.0, None, None, None, None]

@@ -114,6 +114,7 @@ def _check(resp: httpx.Response, status: int, code: str, words: str = "", param:
 def test_bad_requests(served, endpoint, body, status, code, words, param) -> None:
     resp = httpx.post(f"{served.url}/v1/{endpoint}", json=body, timeout=30)
     _check(resp, status, code, words, param)
+    assert "retry-after" not in resp.headers  # waiting cures no bad request
     snap = served.worker.engine.snapshot()
     assert snap.running == 0 and snap.waiting == 0  # nothing queued
 
@@ -171,12 +172,13 @@ def test_queue_full_is_429_and_no_worker_is_503() -> None:
         return make
 
     with http_server_thread(app(0)) as port:
-        _check(
-            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=OK), 429, "RESOURCE_EXHAUSTED", "limit"
-        )
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=OK)
+        _check(resp, 429, "RESOURCE_EXHAUSTED", "limit")
+        assert resp.headers["retry-after"] == "1"  # a wait cures it: clients such as guidellm back off
     with http_server_thread(app(8)) as port:
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=OK, timeout=30)
         _check(resp, 503, "UNAVAILABLE", "registry unavailable")
+        assert resp.headers["retry-after"] == "1"
         # /v1/models needs the registry too: 503 with the same shape
         _check(httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30), 503, "UNAVAILABLE", "registry")
 
@@ -190,9 +192,9 @@ def test_worker_not_ready_is_503(llama_dir) -> None:
         return build_app(WorkerHttpBackend(InferenceServicer(engine, None), MODEL))
 
     with http_server_thread(make) as port:
-        _check(
-            httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=OK), 503, "UNAVAILABLE", "warming up"
-        )
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=OK)
+        _check(resp, 503, "UNAVAILABLE", "warming up")
+        assert resp.headers["retry-after"] == "1"
 
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -16,7 +16,7 @@ import pytest
 
 from loraserve.client.sdk import Client
 from loraserve.common.config import ConfigError
-from loraserve.common.errors import LoraserveError
+from loraserve.common.errors import LoraserveError, ResourceExhausted
 from loraserve.common.server import Services
 from loraserve.common.server import build_server as common_build_server
 from loraserve.protos.v1 import inference_pb2 as pb
@@ -31,7 +31,7 @@ LIMITS = WorkerLimits(timeout=42.0, first_token_timeout=0.5, stall_timeout=0.5, 
 
 class FakeWorker(inference_pb2_grpc.InferenceServicer):
     """Answers 3 chunks of one token; ``mode`` "hang-first" sends nothing, "hang-after-one" one chunk and then
-    nothing. Records the deadline each call arrived with (``context.time_remaining()``)."""
+    nothing, "full" refuses as a worker whose queue is full. Records the deadline each call arrived with (``context.time_remaining()``)."""
 
     def __init__(self, mode: str = "ok") -> None:
         self.mode = mode
@@ -40,6 +40,8 @@ class FakeWorker(inference_pb2_grpc.InferenceServicer):
 
     async def Generate(self, request, context):
         self.deadlines.append(context.time_remaining())
+        if self.mode == "full":
+            raise ResourceExhausted("queue is full (1 waiting)", retry_after=2.5)
         try:
             for i in range(3):
                 if self.mode == "hang-first" or (self.mode == "hang-after-one" and i == 1):
@@ -178,6 +180,31 @@ def test_a_worker_silent_before_the_first_token_is_given_up_for_the_next(es) -> 
         client.complete([1], max_tokens=3)
     assert err.value.code_name == "UNAVAILABLE"
     assert f"{silent_address}: UNAVAILABLE" in err.value.message
+
+
+def test_a_full_worker_s_retry_hint_reaches_the_client_through_the_router(es) -> None:
+    """A refusal that waiting cures carries its wait in the trailing metadata (whole seconds as HTTP's
+    Retry-After, and gRPC's own pushback in ms); the router passes the worker's on, and the SDK reads it."""
+    router = _serve_router(es, [_serve_worker(es, FakeWorker("full"))])
+    with grpc.insecure_channel(router) as channel, pytest.raises(grpc.RpcError) as raw:
+        list(
+            inference_pb2_grpc.InferenceStub(channel).Generate(
+                pb.GenerateRequest(tokens=pb.TokenIds(ids=[1]))
+            )
+        )
+    assert (raw.value.code(), raw.value.details()) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "queue is full (1 waiting)",
+    )
+    trailing = dict(raw.value.trailing_metadata())
+    assert (trailing["retry-after"], trailing["grpc-retry-pushback-ms"]) == ("3", "2500")
+    with Client(router, timeout=30) as client, pytest.raises(LoraserveError) as err:
+        client.complete([1], max_tokens=3)
+    assert (err.value.code_name, err.value.retry_after) == ("RESOURCE_EXHAUSTED", 2.5)
+    lone = _serve_router(es, [])  # nowhere to send: UNAVAILABLE, with the default wait
+    with Client(lone, timeout=30) as client, pytest.raises(LoraserveError) as err:
+        client.complete([1], max_tokens=3)
+    assert (err.value.code_name, err.value.retry_after) == ("UNAVAILABLE", 1.0)
 
 
 def test_zero_turns_a_timeout_off(es) -> None:
