@@ -15,10 +15,18 @@
 
 ``logprobs=N`` (0-20) asks for every token's log-probability and its N most likely alternatives:
 ``chunk.logprobs`` then holds one ``TokenLogprobs`` per id of ``chunk.token_ids``.
+
+``prompt_logprobs=N`` scores the prompt: the first chunk's ``prompt_logprobs`` holds one ``TokenLogprobs``
+per prompt token (the first one's logprob is None: nothing precedes it) and ``prompt_token_ids`` the ids;
+``prompt_only=True`` generates nothing (how evaluation harnesses score a choice's log-likelihood)::
+
+    scored = c.complete(context + choice, adapter="geo-expert", prompt_logprobs=0, prompt_only=True)
+    loglik = sum(lp.chosen.logprob for lp in scored.prompt_logprobs[len(context):])
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -37,7 +45,7 @@ class Logprob:
     """A token and its natural-log probability under the model's raw distribution."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None for a prompt's first token: nothing precedes it
     token: str = ""  # the token decoded on its own ("" when the server has no tokenizer)
     token_bytes: bytes = b""  # its bytes (true bytes for byte-level BPE tokenizers)
 
@@ -60,6 +68,8 @@ class Chunk:
     adapter: str = ""  # resolved "name@version" (a mix: "a@1*0.7+b@2*0.3")
     request_id: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id when asked for
+    prompt_token_ids: list[int] = field(default_factory=list)  # first chunk, with prompt_logprobs/prompt_only
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # first chunk: one per prompt token
 
 
 def build_request(
@@ -76,6 +86,8 @@ def build_request(
     ignore_eos: bool = False,
     request_id: str = "",
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    prompt_only: bool = False,
     routing_key: str = "",
     mix: Mapping[str, float] | Sequence[tuple[str, float]] = (),
 ) -> pb.GenerateRequest:
@@ -87,7 +99,10 @@ def build_request(
         stop=list(stop),
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
+        prompt_only=prompt_only,
     )
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = prompt_logprobs
     if seed is not None:
         sampling.seed = seed
     if logprobs is not None:
@@ -105,7 +120,11 @@ def build_request(
 
 
 def _logprob(p: pb.Logprob) -> Logprob:
-    return Logprob(p.token_id, p.logprob, p.token, p.token_bytes)
+    return Logprob(p.token_id, None if math.isnan(p.logprob) else p.logprob, p.token, p.token_bytes)
+
+
+def _token_logprobs(entries) -> list[TokenLogprobs]:
+    return [TokenLogprobs(_logprob(t.chosen), tuple(_logprob(x) for x in t.top)) for t in entries]
 
 
 def to_chunk(r: pb.GenerateResponse) -> Chunk:
@@ -117,7 +136,9 @@ def to_chunk(r: pb.GenerateResponse) -> Chunk:
         completion_tokens=r.usage.completion_tokens,
         adapter=r.adapter,
         request_id=r.request_id,
-        logprobs=[TokenLogprobs(_logprob(t.chosen), tuple(_logprob(x) for x in t.top)) for t in r.logprobs],
+        logprobs=_token_logprobs(r.logprobs),
+        prompt_token_ids=list(r.prompt_token_ids),
+        prompt_logprobs=_token_logprobs(r.prompt_logprobs),
     )
 
 
@@ -162,6 +183,8 @@ class Client:
             adapter=last.adapter,
             request_id=last.request_id,
             logprobs=[lp for c in chunks for lp in c.logprobs],
+            prompt_token_ids=chunks[0].prompt_token_ids,
+            prompt_logprobs=chunks[0].prompt_logprobs,
         )
 
     def close(self) -> None:

@@ -87,6 +87,8 @@ def check_generate_request(request: pb.GenerateRequest) -> None:
         raise InvalidArgument(f"stop_token_ids has {len(s.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
     if s.HasField("logprobs") and s.logprobs > MAX_LOGPROBS:
         raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
+    if s.HasField("prompt_logprobs") and s.prompt_logprobs > MAX_LOGPROBS:
+        raise InvalidArgument(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {s.prompt_logprobs}")
 
 
 # ------------------------------------------------------------------------------ bytes that are no request

@@ -291,7 +291,9 @@ async def _serve(
     adapter = await backend.adapter_for(body.model)
     proto = await off_loop(body.to_grpc, adapter, request_id)  # a prompt of up to 16 MiB is copied
     wants_logprobs = proto.sampling.HasField("logprobs")
-    shape = Shape(request_id, body.model, chat, wants_logprobs)
+    echo = not chat and body.echo
+    text_prompt = body.prompt if echo and isinstance(body.prompt, str) else None
+    shape = Shape(request_id, body.model, chat, wants_logprobs, echo, text_prompt)
     log.info(
         "http request",
         extra={"request_id": request_id, "model": body.model, "user": body.user or "", "stream": body.stream},
@@ -356,7 +358,7 @@ async def _events(
         while True:
             choice.add(msg)
             yield sse(shape.chunk(msg, offset, first=msg is first))
-            offset += len(msg.text)
+            offset += len(msg.text) + (shape.text_before(msg) if msg is first else 0)
             try:
                 msg = await anext(stream)
             except StopAsyncIteration:

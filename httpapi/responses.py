@@ -7,6 +7,7 @@ chunk or the whole into the JSON shapes of ``/v1/completions`` and ``/v1/chat/co
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,12 +41,14 @@ def chat_logprobs(entries: list[pb.TokenLogprobs]) -> list[dict[str, Any]]:
 
 
 def completion_logprobs(entries: list[pb.TokenLogprobs], offset: int) -> dict[str, Any]:
-    """OpenAI (legacy) completions ``logprobs``: parallel lists; ``offset`` is the text length before them."""
+    """OpenAI (legacy) completions ``logprobs``: parallel lists; ``offset`` is the text length before them.
+    An echoed prompt's first token has none (NaN on the wire): null there, as vLLM and OpenAI say it."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for e in entries:
+        first = math.isnan(e.chosen.logprob)
         out["tokens"].append(e.chosen.token)
-        out["token_logprobs"].append(e.chosen.logprob)
-        out["top_logprobs"].append({t.token: t.logprob for t in e.top})
+        out["token_logprobs"].append(None if first else e.chosen.logprob)
+        out["top_logprobs"].append(None if first else {t.token: t.logprob for t in e.top})
         out["text_offset"].append(offset)
         offset += len(e.chosen.token)
     return out
@@ -61,6 +64,7 @@ class Choice:
 
     text: str = ""
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[pb.TokenLogprobs] = field(default_factory=list)  # echo: the prompt's, first message
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -69,6 +73,7 @@ class Choice:
     def add(self, msg: pb.GenerateResponse) -> None:
         self.text += msg.text
         self.logprobs.extend(msg.logprobs)
+        self.prompt_logprobs.extend(msg.prompt_logprobs)
         self.adapter = msg.adapter or self.adapter
         if msg.finish_reason:
             self.finish_reason = FINISH.get(msg.finish_reason, FinishReason.STOP)
@@ -84,6 +89,8 @@ class Shape:
     model: str
     chat: bool
     logprobs: bool
+    echo: bool = False  # completions: the prompt comes first in the text (and logprobs)
+    prompt_text: str | None = None  # an echoed text prompt as sent; None: its tokens' strings joined
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -100,10 +107,11 @@ class Shape:
             }
             head = self._head("chat.completion")
         else:
+            echoed, prompt = self._echo(c.prompt_logprobs)
             choice = {
                 "index": 0,
-                "text": c.text,
-                "logprobs": completion_logprobs(c.logprobs, 0) if self.logprobs else None,
+                "text": echoed + c.text,
+                "logprobs": self._logprobs(prompt, c.logprobs, 0, len(echoed)) if self.logprobs else None,
                 "finish_reason": c.finish_reason,
             }
             head = self._head("text_completion")
@@ -120,10 +128,36 @@ class Shape:
             choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             head = self._head("chat.completion.chunk")
         else:
-            logprobs = completion_logprobs(list(msg.logprobs), offset) if self.logprobs else None
-            choice = {"index": 0, "text": msg.text, "logprobs": logprobs, "finish_reason": finish}
+            echoed, prompt = self._echo(list(msg.prompt_logprobs)) if first else ("", [])
+            generated = list(msg.logprobs)
+            logprobs = (
+                self._logprobs(prompt, generated, offset, offset + len(echoed)) if self.logprobs else None
+            )
+            choice = {"index": 0, "text": echoed + msg.text, "logprobs": logprobs, "finish_reason": finish}
             head = self._head("text_completion")
         return {**head, "choices": [choice], "usage": None}
+
+    @staticmethod
+    def _logprobs(
+        prompt: list[pb.TokenLogprobs], generated: list[pb.TokenLogprobs], at: int, generated_at: int
+    ) -> dict[str, Any]:
+        """Completions ``logprobs`` of an echoed prompt (its offsets from ``at``) and then the generated
+        tokens (theirs from ``generated_at``, where the echoed text ends)."""
+        out = completion_logprobs(prompt, at)
+        for key, values in completion_logprobs(generated, generated_at).items():
+            out[key] += values
+        return out
+
+    def _echo(self, prompt: list[pb.TokenLogprobs]) -> tuple[str, list[pb.TokenLogprobs]]:
+        """What an echoing completion puts first: the prompt's text and its logprob entries."""
+        if not self.echo:
+            return "", []
+        text = self.prompt_text if self.prompt_text is not None else "".join(e.chosen.token for e in prompt)
+        return text, prompt
+
+    def text_before(self, msg: pb.GenerateResponse) -> int:
+        """How much text the chunk of ``msg`` (the first one) puts before its generated text."""
+        return len(self._echo(list(msg.prompt_logprobs))[0])
 
     def usage_chunk(self, c: Choice) -> dict[str, Any]:
         """The extra last chunk of ``stream_options.include_usage``: no choices, the usage."""

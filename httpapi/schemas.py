@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from loraserve.adapters.refs import parse_ref
 from loraserve.common.errors import InvalidArgument, LoraserveError, NotFound
@@ -156,9 +156,10 @@ class _Common(Strict):
 
 class CompletionRequest(_Common):
     prompt: str | list[int]  # OpenAI's shapes, see one_prompt
-    max_tokens: MaxTokens | None = 16  # OpenAI's default for completions
+    echo: bool = False  # (before max_tokens: its check reads it)
+    # OpenAI's default for completions; 0 (with echo): the prompt alone, scored (vLLM's form of lm-eval's)
+    max_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -167,10 +168,15 @@ class CompletionRequest(_Common):
     def _prompt(cls, v: Any) -> str | list[int]:
         return one_prompt(v)
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("must be >= 1 (0 returns the prompt alone: it needs echo=true)")
+        return v
+
     @model_validator(mode="after")
     def _completion_only(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1):
@@ -187,9 +193,13 @@ class CompletionRequest(_Common):
         req = pb.GenerateRequest(
             request_id=request_id,
             adapter=adapter,
-            sampling=self.sampling(self.max_tokens, self.logprobs),
+            sampling=self.sampling(self.max_tokens or None, self.logprobs),
             routing_key=self.user or "",
         )
+        if self.echo and (self.logprobs is not None or not isinstance(prompt, str)):
+            # the prompt's logprobs (and token strings: a prompt of token ids is echoed as their text)
+            req.sampling.prompt_logprobs = self.logprobs or 0
+        req.sampling.prompt_only = self.max_tokens == 0
         if isinstance(prompt, str):
             req.text = prompt
         else:

@@ -18,6 +18,7 @@ its position and asserts the same of every position the row attends to. A failed
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass, field
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from loraserve.adapters.peft import LoraWeights
 from loraserve.worker.config import EngineConfig
-from loraserve.worker.requests import MAX_LOGPROBS, SamplingRow
+from loraserve.worker.requests import MAX_LOGPROBS, SamplingRow, TokenLogprobs
 from loraserve.worker.runner import PrefillInput, StepOutput
 
 # a default EngineConfig's pool, read off the class: building one would import the kernels (JAX)
@@ -116,7 +117,19 @@ class FakeRunner:
     def prefill(self, batch: list[PrefillInput]) -> StepOutput:
         self.prefill_batches.append(len(batch))
         tokens = [self.prefill_one(p.tokens, p.start, p.slot, p.page_table, p.sampling) for p in batch]
-        return _output(tokens, [p.sampling for p in batch], self.vocab_size)
+        out = _output(tokens, [p.sampling for p in batch], self.vocab_size)
+        if all(p.targets is None for p in batch):
+            return out
+        scored = tuple(None if p.targets is None else self._scores(p.targets) for p in batch)
+        return dataclasses.replace(out, prompt=scored)
+
+    def _scores(self, targets: list[int]) -> tuple[TokenLogprobs, ...] | None:
+        """Each target's ``fake_logprobs``: ranked first at -0.25, the next ids after it."""
+        out = []
+        for target in (t for t in targets if t >= 0):
+            ids, lps = fake_logprobs(target, self.vocab_size)
+            out.append(TokenLogprobs(lps[0], tuple(ids), tuple(lps)))
+        return tuple(out) or None
 
     def prefill_one(
         self, tokens: list[int], start: int, slot: int, page_table: np.ndarray, sampling: SamplingRow

@@ -29,7 +29,7 @@ from loraserve.worker import sharding
 from loraserve.worker.checkpoint import Checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.requests import SamplingRow
+from loraserve.worker.requests import SamplingRow, TokenLogprobs
 from loraserve.worker.runner import PrefillInput, StepOutput
 from loraserve.worker.sampling import Sampled, SamplingArrays, sample
 from loraserve.worker.slot_pools import SlotPools, SlotValues, base_weights, check_slot_values, slot_arrays
@@ -50,10 +50,16 @@ def prefill_step(
     sampling: SamplingArrays | None = None,
 ):
     """Prefill ``batch`` and sample each sequence's next token: ``(Sampled [G], new cache)``; without
-    ``sampling``, ``(logits [G, V], new cache)``."""
+    ``sampling``, ``(logits [G, V], new cache)``. A batch with ``targets`` also scores its prompts
+    (``Sampled.prompt``; without ``sampling``: ``((logits, PromptScores), new cache)``)."""
     state = DeviceState(params, pools, cache, rope)
-    logits, cache = M.prefill_packed(cfg, backend, state, batch)
-    return (logits if sampling is None else sample(logits, *sampling.as_tuple())), cache
+    if batch.targets is None:
+        logits, cache = M.prefill_packed(cfg, backend, state, batch)
+        return (logits if sampling is None else sample(logits, *sampling.as_tuple())), cache
+    logits, scores, cache = M.prefill_scored(cfg, backend, state, batch)
+    if sampling is None:
+        return (logits, scores), cache
+    return sample(logits, *sampling.as_tuple())._replace(prompt=scores), cache
 
 
 def decode_step(
@@ -115,12 +121,28 @@ def _sampling_arrays(rows: list[SamplingRow | None]) -> SamplingArrays:
     return arrays
 
 
-def _to_host(out: Sampled, logprobs: bool) -> StepOutput:
-    """The device's draw on the host; the logprob arrays are copied only when some row asked."""
+def _to_host(out: Sampled, logprobs: bool, targets: np.ndarray | None = None) -> StepOutput:
+    """The device's draw on the host; the logprob arrays are copied only when some row asked, the prompt
+    scores only when some target (``targets`` [G, L]) is set."""
+    prompt = None
+    if targets is not None and out.prompt is not None and (targets >= 0).any():
+        lp, ids, top = (np.asarray(a) for a in out.prompt)
+        prompt = tuple(
+            tuple(
+                TokenLogprobs(float(lp[g, i]), tuple(ids[g, i].tolist()), tuple(top[g, i].tolist()))
+                for i in np.flatnonzero(row >= 0)
+            )
+            or None
+            for g, row in enumerate(targets)
+        )
     if not logprobs:
-        return StepOutput(np.asarray(out.tokens))
+        return StepOutput(np.asarray(out.tokens), prompt=prompt)
     return StepOutput(
-        np.asarray(out.tokens), np.asarray(out.logprob), np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+        np.asarray(out.tokens),
+        np.asarray(out.logprob),
+        np.asarray(out.top_ids),
+        np.asarray(out.top_logprobs),
+        prompt,
     )
 
 
@@ -273,20 +295,23 @@ class JaxRunner:
         lengths, starts = np.zeros(g, np.int32), np.zeros(g, np.int32)
         slots = np.full(g, -1, np.int32)
         tables = np.zeros((g, self.config.pages_per_row), np.int32)
+        targets = np.full((g, t), -1, np.int32)
         rows: list[SamplingRow | None] = [None] * g
         for k, item in enumerate(items):
             tokens[k, : len(item.tokens)] = item.tokens
             lengths[k], starts[k], slots[k] = len(item.tokens), item.start, item.slot
             tables[k] = item.page_table
             rows[k] = item.sampling
+            if item.targets is not None:
+                targets[k, : len(item.targets)] = item.targets
         context = int(np.max(starts + lengths))
         blocks = np.int32(max(1, -(-context // (self.key_block * self.page_size))))
         out, self.cache = self._steps.prefill(
             **self.state().fields(),
-            batch=PrefillBatch(tokens, lengths, starts, slots, tables, blocks),
+            batch=PrefillBatch(tokens, lengths, starts, slots, tables, blocks, targets),
             sampling=_sampling_arrays(rows),
         )
-        return _to_host(out, any(item.sampling.logprobs for item in items))
+        return _to_host(out, any(item.sampling.logprobs for item in items), targets)
 
     def decode(
         self,

@@ -109,13 +109,14 @@ class KVCache:
         return -(-positions // self.page_size)
 
     # ----------------------------------------------------------------- lookup / admission
-    def lookup(self, adapter_key: str, tokens: list[int], reserve: int = 0) -> Lookup:
+    def lookup(self, adapter_key: str, tokens: list[int], reserve: int = 0, cached: bool = True) -> Lookup:
         """Cached pages for ``tokens`` under ``adapter_key`` (at most ``(len-1)//page_size``, so the last
         token is recomputed) and how many new pages holding positions ``0 .. len(tokens)-1+reserve`` need.
-        Takes nothing and counts nothing."""
+        ``cached=False``: no hits, every position is computed (a request scoring its whole prompt). Takes
+        nothing and counts nothing."""
         pages: list[int] = []
         hashes: list[bytes] = []
-        if self.prefix_caching:
+        if self.prefix_caching and cached:
             prev, p = b"", self.page_size
             for i in range((len(tokens) - 1) // p):
                 h = page_hash(prev, adapter_key, tokens[i * p : (i + 1) * p])

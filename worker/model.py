@@ -38,6 +38,7 @@ from loraserve.kernels.linear import linear
 from loraserve.worker.dora import apply_vectors, init_vector_pools
 from loraserve.worker.embed_lora import apply_embed, apply_lm_head, init_vocab_pools
 from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.sampling import TOP_LOGPROBS, PromptScores, token_logprobs
 from loraserve.worker.step import Cache, DecodeBatch, DeviceState, LoraPools, Params, PrefillBatch
 
 Array = jax.Array
@@ -308,6 +309,59 @@ def prefill_packed(
     ``sliding_window``), LoRA of ``slots[g]`` on every targeted projection. Padded tokens write to the
     null page and are never attended to by real ones.
     """
+    h, cache = _prefill_hidden(cfg, backend, state, batch)
+    return _last_logits(cfg, state, batch, h), cache
+
+
+def prefill_scored(
+    cfg: ModelConfig, backend: LoraBackend, state: DeviceState, batch: PrefillBatch
+) -> tuple[Array, PromptScores, Cache]:
+    """:func:`prefill_packed`, and the log-probabilities of ``batch.targets`` (prompt log-probabilities):
+    at every position whose target is >= 0, ``token_logprobs`` of the logits there, i.e. of the next
+    prompt token given the tokens up to that position. Computed only when some target is set (else
+    zeros, at no cost but the test): the lm_head over every packed position is the expensive part."""
+    assert batch.targets is not None
+    h, cache = _prefill_hidden(cfg, backend, state, batch)
+    g, t = batch.tokens.shape
+    k = min(TOP_LOGPROBS, cfg.vocab_size)
+
+    def scored() -> PromptScores:
+        flat_slots = jnp.repeat(batch.slots, t)
+        targets = jnp.maximum(batch.targets.reshape(g * t), 0)
+        # a chunk of positions at a time: [chunk, V] logits, not [G*L, V]
+        chunk = next(c for c in (256, 128, 64, 32, 16, 8, 4, 2, 1) if (g * t) % c == 0)
+
+        def one(args: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+            hc, sc, tc = args
+            return token_logprobs(logits_from_hidden(cfg, state.params, hc, state.pools.vocab, sc), tc)
+
+        parts = (h.reshape(-1, chunk, h.shape[-1]), flat_slots.reshape(-1, chunk), targets.reshape(-1, chunk))
+        lp, ids, top = jax.lax.map(one, parts)
+        return PromptScores(lp.reshape(g, t), ids.reshape(g, t, k), top.reshape(g, t, k))
+
+    def none() -> PromptScores:
+        return PromptScores(
+            jnp.zeros((g, t), jnp.float32), jnp.zeros((g, t, k), jnp.int32), jnp.zeros((g, t, k), jnp.float32)
+        )
+
+    scores = jax.lax.cond(jnp.any(batch.targets >= 0), scored, none)
+    return _last_logits(cfg, state, batch, h), scores, cache
+
+
+def _last_logits(cfg: ModelConfig, state: DeviceState, batch: PrefillBatch, h: Array) -> Array:
+    """Each sequence's last real token's logits ``[G, V]`` from the packed hidden states ``[G*L, H]``."""
+    g, t = batch.tokens.shape
+    last = jnp.take_along_axis(h.reshape(g, t, -1), jnp.maximum(batch.lengths - 1, 0)[:, None, None], axis=1)[
+        :, 0
+    ]
+    return logits_from_hidden(cfg, state.params, last, state.pools.vocab, batch.slots)
+
+
+def _prefill_hidden(
+    cfg: ModelConfig, backend: LoraBackend, state: DeviceState, batch: PrefillBatch
+) -> tuple[Array, Cache]:
+    """The packed prefill's layers: the final hidden state of every packed position ``[G*L, H]`` (before
+    the final norm) and the cache with the batch's keys/values written."""
     params, lora, cache, inv_freq = state.params, state.pools.layers, state.cache, state.rope
     tokens, lengths, starts, slots = batch.tokens, batch.lengths, batch.starts, batch.slots
     page_tables, key_blocks = batch.page_tables, batch.key_blocks
@@ -353,8 +407,7 @@ def prefill_packed(
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
         h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
         new_cache.append((k_pages, v_pages))
-    last = jnp.take_along_axis(h.reshape(g, t, -1), jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)[:, 0]
-    return logits_from_hidden(cfg, params, last, state.pools.vocab, slots), new_cache
+    return h, new_cache
 
 
 def whole_row_key_blocks(page_size: int, pages_per_row: int) -> int:

@@ -55,12 +55,22 @@ class Chunk:
     completion_tokens: int = 0
     adapter: str = ""
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id when asked, else empty
+    # the first chunk of an echoing stream: the prompt's ids, and their logprobs (one per id after the
+    # first) when the request asked for them
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class StreamAssembler:
-    """Feeds engine events, returns chunks to send. ``done`` turns True with the last chunk."""
+    """Feeds engine events, returns chunks to send. ``done`` turns True with the last chunk. ``echo``: the
+    first chunk carries the prompt's ids and, when the engine scored them, their logprobs."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...] = (), echo: bool = False
+    ) -> None:
+        self.echo: tuple[list[int], tuple[TokenLogprobs, ...]] | None = (
+            (list(prompt_ids), ()) if echo else None
+        )
         self.detok = Detokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
         self.stop = tuple(s for s in stop if s)
         self.prompt_tokens = len(prompt_ids)
@@ -84,10 +94,19 @@ class StreamAssembler:
         return best
 
     def feed(self, event: Event) -> list[Chunk]:
+        chunks = self._feed(event)
+        if chunks and self.echo is not None:  # the prompt travels with the first chunk
+            chunks[0].prompt_token_ids, chunks[0].prompt_logprobs = self.echo
+            self.echo = None
+        return chunks
+
+    def _feed(self, event: Event) -> list[Chunk]:
         if self.done:
             return []
         if isinstance(event, Started):
             self.adapter = event.adapter
+            if self.echo is not None and event.prompt_logprobs is not None:
+                self.echo = (self.echo[0], event.prompt_logprobs)
             return []
         if isinstance(event, Failed):
             self.done, self.error = True, event

@@ -28,6 +28,8 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; N = the token's logprob and the N most likely
+    prompt_logprobs: int | None = None  # None = none; N = each prompt token's (after the first) and N more
+    prompt_only: bool = False  # generate nothing: score the prompt (with prompt_logprobs) and finish
 
     def validate(self, vocab_size: int) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -42,6 +44,10 @@ class Sampling:
             raise InvalidArgument(f"seed must fit in 64 bits, got {self.seed}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidArgument(
                 f"stop_token_ids has {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
@@ -56,9 +62,12 @@ class Sampling:
 
 @dataclass(frozen=True)
 class Started:
-    """The request was admitted; ``adapter`` is the resolved key actually served ("" for the base model)."""
+    """The request was admitted; ``adapter`` is the resolved key actually served ("" for the base model).
+    ``prompt_logprobs`` (when the request asked): one entry per prompt token after the first, the token's
+    log-probability given the ones before it and the ``Sampling.prompt_logprobs`` most likely there."""
 
     adapter: str
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,10 @@ class TokenLogprobs:
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+
+    def cut(self, n: int) -> TokenLogprobs:
+        """The same with only the ``n`` most likely alternatives."""
+        return TokenLogprobs(self.logprob, self.top_ids[:n], self.top_logprobs[:n])
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,7 @@ class EngineRequest:
     seed: int = 0
     max_new_tokens: int = 0
     generated: list[int] = field(default_factory=list)
+    prompt_scores: list[TokenLogprobs] | None = None  # while its prompt is scored (Sampling.prompt_logprobs)
     done: bool = False
 
     def emit(self, event: Event) -> None:

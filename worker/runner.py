@@ -20,13 +20,19 @@ from loraserve.worker.requests import SamplingRow, TokenLogprobs
 @dataclass(frozen=True)
 class PrefillInput:
     """One sequence of a packed prefill: its new ``tokens`` at positions ``start ..`` under adapter
-    ``slot`` (-1 = base), its ``page_table`` (``[pages_per_row]`` int32) and sampling row."""
+    ``slot`` (-1 = base), its ``page_table`` (``[pages_per_row]`` int32) and sampling row. ``targets``
+    (prompt log-probabilities): per new token, the prompt token after it, whose log-probability to report
+    (-1: none); None scores nothing."""
 
     tokens: list[int]
     start: int
     slot: int
     page_table: np.ndarray
     sampling: SamplingRow
+    targets: list[int] | None = None
+
+
+PromptLogprobs = tuple[TokenLogprobs, ...]  # one per scored target, in order, with all K alternatives
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,9 @@ class StepOutput:
     logprob: np.ndarray | None = None  # [B] f32, the token's log-probability (raw distribution)
     top_ids: np.ndarray | None = None  # [B, K] int32, the K most likely tokens, most likely first
     top_logprobs: np.ndarray | None = None  # [B, K] f32
+    # prefill: per row, its scored targets' logprobs (PrefillInput.targets), None for a row that scored
+    # none; None when no row did
+    prompt: tuple[PromptLogprobs | None, ...] | None = None
 
     def logprobs(self, row: int, n: int) -> TokenLogprobs:
         """Row ``row``'s token logprob and its ``n`` (<= K) most likely alternatives; the row asked."""
@@ -52,15 +61,22 @@ class StepOutput:
     def head(self, n: int) -> StepOutput:
         """The first ``n`` rows."""
         cut = [None if a is None else a[:n] for a in (self.logprob, self.top_ids, self.top_logprobs)]
-        return StepOutput(self.tokens[:n], *cut)
+        return StepOutput(self.tokens[:n], *cut, prompt=None if self.prompt is None else self.prompt[:n])
+
+    def prompt_logprobs(self, row: int) -> PromptLogprobs:
+        """Row ``row``'s scored targets (empty when it scored none)."""
+        return () if self.prompt is None else self.prompt[row] or ()
 
     @staticmethod
     def concat(parts: Sequence[StepOutput]) -> StepOutput:
         """The rows of ``parts`` in order; when some part has logprobs, the others' rows get zeros there."""
         tokens = np.concatenate([p.tokens for p in parts])
+        prompt = None
+        if any(p.prompt is not None for p in parts):
+            prompt = tuple(x for p in parts for x in (p.prompt or (None,) * len(p.tokens)))
         have = [p for p in parts if p.logprob is not None]
         if not have:
-            return StepOutput(tokens)
+            return StepOutput(tokens, prompt=prompt)
         k = have[0].top_ids.shape[1]
 
         def rows(p: StepOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -70,7 +86,7 @@ class StepOutput:
             return np.zeros(b, np.float32), np.zeros((b, k), np.int32), np.zeros((b, k), np.float32)
 
         lp, ids, top = zip(*(rows(p) for p in parts), strict=True)
-        return StepOutput(tokens, np.concatenate(lp), np.concatenate(ids), np.concatenate(top))
+        return StepOutput(tokens, np.concatenate(lp), np.concatenate(ids), np.concatenate(top), prompt)
 
 
 class Runner(Protocol):

@@ -66,13 +66,24 @@ class SamplingArrays:
         )
 
 
+class PromptScores(NamedTuple):
+    """A packed prefill's prompt log-probabilities, per sequence g and packed position l: of the target
+    token there (the next prompt token) and the K most likely tokens; zeros where nothing was asked."""
+
+    logprob: Array  # [G, L] f32
+    top_ids: Array  # [G, L, K] int32
+    top_logprobs: Array  # [G, L, K] f32
+
+
 class Sampled(NamedTuple):
-    """One draw over a batch of B rows; the logprob arrays are zeros when no row asked for them."""
+    """One draw over a batch of B rows; the logprob arrays are zeros when no row asked for them. A prefill
+    that scored its prompts (``PrefillBatch.targets``) carries their ``prompt`` scores too."""
 
     tokens: Array  # [B] int32
     logprob: Array  # [B] f32, log_softmax(raw logits)[token]
     top_ids: Array  # [B, K] int32, the K = min(TOP_LOGPROBS, V) most likely tokens, most likely first
     top_logprobs: Array  # [B, K] f32, their logprobs (descending)
+    prompt: PromptScores | None = None
 
 
 def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array) -> Array:

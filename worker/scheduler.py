@@ -139,7 +139,8 @@ class Scheduler:
         elif req.adapter:
             parse_ref(req.adapter)  # an AdapterError (INVALID_ARGUMENT) for a malformed ref
         room = self.config.max_seq_len - len(req.prompt)
-        req.max_new_tokens = min(req.sampling.max_tokens or self.config.default_max_tokens, room)
+        wanted = 0 if req.sampling.prompt_only else req.sampling.max_tokens or self.config.default_max_tokens
+        req.max_new_tokens = min(wanted, room)
         req.seed = req.sampling.resolved_seed()
         with self._lock:
             if self._queued >= self.config.max_waiting:
@@ -322,7 +323,11 @@ class Scheduler:
             req = self.ready[0]
             seq = req.prompt + req.generated  # prompt + what was streamed before a preemption
             key = self._adapter_key(req)
-            lookup = self.kv.lookup(key, seq, reserve=1)  # + the page of the first decode token
+            # a request scoring its prompt computes all of it: no logprobs are kept for cached pages
+            scoring = req.sampling.prompt_logprobs is not None and not req.generated
+            lookup = self.kv.lookup(
+                key, seq, reserve=1, cached=not scoring
+            )  # + the first decode token's page
             if lookup.hits + lookup.new_pages > self.kv.total:  # config keeps one context in the pool
                 self.ready.popleft()
                 self._dequeued()
@@ -333,6 +338,7 @@ class Scheduler:
                 return
             self.ready.popleft()
             self._dequeued()
+            req.prompt_scores = [] if scoring else None
             row = self._place(i, req, self.kv.admit(key, seq, lookup))
             self._take(plan, i, row, seq, lookup.hits * self.kv.page_size)
             admitted += 1
@@ -343,7 +349,13 @@ class Scheduler:
         if plan.budget is not None:
             plan.budget -= end - start
         table = self.tables[i].copy()  # the runner may hold on to it (a zero-copy device array)
-        plan.inputs.append(PrefillInput(seq[start:end], start, row.req.slot, table, SamplingRow.of(row.req)))
+        targets = None
+        if row.req.prompt_scores is not None:  # each position scores the prompt token after it
+            n = len(row.req.prompt)
+            targets = [seq[p + 1] if p + 1 < n else -1 for p in range(start, end)]
+        plan.inputs.append(
+            PrefillInput(seq[start:end], start, row.req.slot, table, SamplingRow.of(row.req), targets)
+        )
         final = end == len(seq)
         row.prefilled = None if final else end
         plan.parts.append((i, row, final))
@@ -352,7 +364,8 @@ class Scheduler:
         self.kv.register(row.pages, seq, end)
 
     def _run_prefill(self, plan: _Prefill) -> None:
-        """Run the planned prefill; each row whose last chunk it was takes its first token."""
+        """Run the planned prefill; each row whose last chunk it was starts (with its prompt's logprobs
+        when it asked) and takes its first token, or finishes when it asked for none."""
         try:
             out = self.runner.prefill(plan.inputs)
         except BaseException:
@@ -361,10 +374,18 @@ class Scheduler:
             raise
         assert len(out.tokens) == len(plan.parts), (len(out.tokens), len(plan.parts))
         for n, (i, row, final) in enumerate(plan.parts):
+            req = row.req
+            if req.prompt_scores is not None:
+                want = req.sampling.prompt_logprobs or 0
+                req.prompt_scores.extend(lp.cut(want) for lp in out.prompt_logprobs(n))
             if not final:
                 continue
-            if not row.req.generated:
-                self._emit(row.req, Started(row.req.key))
+            if not req.generated:
+                scores, req.prompt_scores = req.prompt_scores, None
+                self._emit(req, Started(req.key, None if scores is None else tuple(scores)))
+            if req.max_new_tokens == 0:  # prompt_only: the prompt was all it asked for
+                self._finish(i, Finished(FinishReason.LENGTH, len(req.prompt), 0))
+                continue
             self._accept_token(i, out, n)
 
     def _prefilling(self) -> list[tuple[int, Row]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +28,7 @@ from loraserve.common.server import build_server as common_build_server
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.worker.engine import Engine
 from loraserve.worker.outputs import Chunk, StreamAssembler
-from loraserve.worker.requests import EngineRequest, Sampling
+from loraserve.worker.requests import EngineRequest, Sampling, TokenLogprobs
 from loraserve.worker.snapshot import slot_info
 from loraserve.worker.token_strings import TokenStrings
 from loraserve.worker.tokenizer import PromptBound, apply_chat, encode, off_loop
@@ -48,12 +49,21 @@ def sampling_from_proto(p: inference_pb2.SamplingParams) -> Sampling:
         stop_token_ids=tuple(p.stop_token_ids),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        prompt_only=p.prompt_only,
     )
 
 
 def _logprob(strings: TokenStrings, token_id: int, logprob: float) -> inference_pb2.Logprob:
     token, token_bytes = strings.get(token_id)
     return inference_pb2.Logprob(token_id=token_id, logprob=logprob, token=token, token_bytes=token_bytes)
+
+
+def _token_logprobs(strings: TokenStrings, token_id: int, lp: TokenLogprobs) -> inference_pb2.TokenLogprobs:
+    return inference_pb2.TokenLogprobs(
+        chosen=_logprob(strings, token_id, lp.logprob),
+        top=[_logprob(strings, i, x) for i, x in zip(lp.top_ids, lp.top_logprobs, strict=True)],
+    )
 
 
 def chunk_to_proto(
@@ -63,15 +73,16 @@ def chunk_to_proto(
     out = inference_pb2.GenerateResponse(
         request_id=request_id, token_ids=chunk.token_ids, text=chunk.text, adapter=chunk.adapter
     )
+    strings = strings or TokenStrings(None)
     if chunk.logprobs:
-        strings = strings or TokenStrings(None)
-        for token_id, lp in zip(chunk.token_ids, chunk.logprobs, strict=True):
-            out.logprobs.append(
-                inference_pb2.TokenLogprobs(
-                    chosen=_logprob(strings, token_id, lp.logprob),
-                    top=[_logprob(strings, i, x) for i, x in zip(lp.top_ids, lp.top_logprobs, strict=True)],
-                )
-            )
+        pairs = zip(chunk.token_ids, chunk.logprobs, strict=True)
+        out.logprobs.extend(_token_logprobs(strings, t, lp) for t, lp in pairs)
+    out.prompt_token_ids.extend(chunk.prompt_token_ids)
+    if chunk.prompt_logprobs:  # nothing precedes the first prompt token: NaN, no alternatives
+        first = chunk.prompt_token_ids[0]
+        out.prompt_logprobs.append(inference_pb2.TokenLogprobs(chosen=_logprob(strings, first, math.nan)))
+        pairs = zip(chunk.prompt_token_ids[1:], chunk.prompt_logprobs, strict=True)
+        out.prompt_logprobs.extend(_token_logprobs(strings, t, lp) for t, lp in pairs)
     if chunk.finish_reason:
         out.finish_reason = FINISH_TO_PROTO[chunk.finish_reason]
         out.usage.prompt_tokens = chunk.prompt_tokens
@@ -157,7 +168,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             deadline=_deadline(context),
         )
         self.engine.submit(engine_req)  # refusals raise LoraserveError: the interceptor maps them
-        assembler = StreamAssembler(self.tokenizer, prompt, tuple(request.sampling.stop))
+        sampling = engine_req.sampling
+        echo = sampling.prompt_logprobs is not None or sampling.prompt_only
+        assembler = StreamAssembler(self.tokenizer, prompt, tuple(request.sampling.stop), echo)
         timer = StreamTimer("worker")
         try:
             while not assembler.done:

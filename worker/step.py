@@ -86,6 +86,9 @@ class PrefillBatch:
     slots: Array  # [G] int32: adapter slot per sequence, -1 = base
     page_tables: Array  # [G, R] int32: each sequence's pages (0 = the null page)
     key_blocks: Array  # [] int32: ceil(max(starts + lengths) / (block pages * page size))
+    # [G, L] int32: per new token, the prompt token after it, whose log-probability the prefill reports
+    # (-1: none); None: a prefill that scores nothing (``worker.model.prefill_scored``)
+    targets: Array | None = None
 
     @classmethod
     def single(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import time
 
@@ -15,6 +16,7 @@ import openai
 import pytest
 from prometheus_client import REGISTRY
 
+from loraserve.client.sdk import Client
 from loraserve.common.security import ServerSecurity
 from loraserve.httpapi.app import build_app
 from loraserve.protos.v1 import inference_pb2 as pb
@@ -193,6 +195,65 @@ def test_logprobs_equal_grpc(served) -> None:
     for item in content:
         assert len(item.top_logprobs) == 2 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
         assert item.logprob <= 0 and item.bytes is not None
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_asks(served) -> None:
+    """lm-eval's log-likelihood request (echo, logprobs=1, max_tokens=1) and vLLM's (max_tokens=0): the
+    prompt's tokens with their logprobs (the first null), then the generated token's; equal to gRPC's."""
+    req = pb.GenerateRequest(
+        adapter="all-r4", text=PROMPT, sampling=pb.SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1)
+    )
+    msgs = served.grpc(req)
+    prompt_lp, generated = list(msgs[0].prompt_logprobs), [e for m in msgs for e in m.logprobs]
+    n = msgs[-1].usage.prompt_tokens
+    assert len(prompt_lp) == len(msgs[0].prompt_token_ids) == n and math.isnan(prompt_lp[0].chosen.logprob)
+    out = served.client.completions.create(
+        model="all-r4", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    choice = out.choices[0]
+    assert choice.text == PROMPT + "".join(m.text for m in msgs)
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [e.chosen.logprob for e in prompt_lp[1:] + generated]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-6)
+    assert lp.tokens == [e.chosen.token for e in prompt_lp + generated]
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset[-1] == len(
+        PROMPT
+    )  # the generated token after the prompt
+    assert out.usage.prompt_tokens == n and out.usage.completion_tokens == 1
+
+    alone = served.client.completions.create(
+        model="all-r4", prompt=PROMPT, max_tokens=0, logprobs=1, echo=True
+    )
+    assert alone.choices[0].text == PROMPT and alone.choices[0].finish_reason == "length"
+    assert alone.usage.completion_tokens == 0
+    assert alone.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want[:-1], abs=1e-6)
+
+    ids = served.worker.tokenizer(PROMPT)["input_ids"]  # token ids echo as their tokens' text
+    by_ids = served.client.completions.create(model="all-r4", prompt=ids, max_tokens=0, echo=True)
+    assert by_ids.choices[0].text == "".join(e.chosen.token for e in prompt_lp)
+
+    stream = served.client.completions.create(
+        model="all-r4", prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, echo=True, stream=True
+    )
+    chunks = [c for c in stream if c.choices]
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert chunks[0].choices[0].logprobs.token_logprobs[1:n] == pytest.approx(want[: n - 1], abs=1e-6)
+    assert sum(len(c.choices[0].logprobs.tokens) for c in chunks) == n + 3
+
+    with Client(served.worker.address) as sdk:  # the SDK's form of the same question
+        scored = sdk.complete(PROMPT, adapter="all-r4", prompt_logprobs=1, prompt_only=True)
+    assert scored.token_ids == [] and scored.prompt_token_ids == list(msgs[0].prompt_token_ids)
+    assert scored.prompt_logprobs[0].chosen.logprob is None
+    assert [e.chosen.logprob for e in scored.prompt_logprobs[1:]] == pytest.approx(want[:-1], abs=1e-6)
+
+    refused = httpx.post(
+        f"{served.url}/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0}
+    )
+    assert refused.status_code == 400 and "needs echo=true" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"] == "max_tokens"
 
 
 def test_models_lists_the_base_and_the_adapters(served) -> None:
