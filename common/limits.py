@@ -36,6 +36,7 @@ MAX_STOP = 16  # stop strings
 MAX_STOP_CHARS = 256  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # alternatives per token (the device computes this many)
+MAX_SEQUENCES = 64  # sequences one HTTP request may start: prompts x (best_of or n)
 MAX_ID_CHARS = 256  # request_id, and an HTTP x-request-id (it is echoed in every streamed chunk)
 MAX_ROUTING_KEY_CHARS = 1024
 MAX_MIX_PARTS = 64  # parts of a weighted mix (a worker allows --max-mix of them)

@@ -30,7 +30,7 @@ from loraserve.common.errors import InvalidArgument, LoraserveError, retry_after
 from loraserve.common.limits import MAX_BODY_BYTES, MAX_ID_CHARS
 from loraserve.common.security import GENERATE, ServerSecurity
 from loraserve.httpapi.body import load_json, off_loop
-from loraserve.httpapi.responses import Choice, Shape, sse
+from loraserve.httpapi.responses import Choice, Shape, cumulative_logprob, sse
 from loraserve.httpapi.schemas import ChatCompletionRequest, CompletionRequest, new_id
 from loraserve.protos.v1 import inference_pb2 as pb
 
@@ -289,40 +289,78 @@ async def _serve(
     if len(request_id) > MAX_ID_CHARS:
         raise InvalidArgument(f"x-request-id is {len(request_id)} characters; at most {MAX_ID_CHARS}")
     adapter = await backend.adapter_for(body.model)
-    proto = await off_loop(body.to_grpc, adapter, request_id)  # a prompt of up to 16 MiB is copied
-    wants_logprobs = proto.sampling.HasField("logprobs")
+    # one request per sequence (prompts x candidates); a prompt of up to 16 MiB is copied off the loop
+    protos = await off_loop(body.to_grpc, adapter, request_id)
+    per_prompt = body.candidates
     echo = not chat and body.echo
-    text_prompt = body.prompt if echo and isinstance(body.prompt, str) else None
-    shape = Shape(request_id, body.model, chat, wants_logprobs, echo, text_prompt)
+    texts = tuple(body.echoed_text(i) for i in range(len(body.prompt))) if echo else ()
+    shape = Shape(request_id, body.model, chat, body.wants_logprobs, echo, texts)
     log.info(
         "http request",
         extra={"request_id": request_id, "model": body.model, "user": body.user or "", "stream": body.stream},
     )
-    stream = backend.generate(proto, _timeout(request))
-    try:  # errors before the first token (unknown adapter, queue full...) become the HTTP status
-        first = await anext(stream)
-    except StopAsyncIteration:
-        raise LoraserveError("the stream ended without a response", grpc.StatusCode.INTERNAL) from None
-    except BaseException:
-        await stream.aclose()
-        raise
+    streams = [backend.generate(proto, _timeout(request)) for proto in protos]
+    firsts = await _firsts(streams)  # errors before the first token (unknown adapter, queue full...)
     headers = {"x-request-id": request_id}
-    if first.adapter:
-        headers["x-loraserve-adapter"] = first.adapter  # the resolved name@version
+    if firsts[0].adapter:
+        headers["x-loraserve-adapter"] = firsts[0].adapter  # the resolved name@version
     if body.stream:
-        events = _events(stream, first, shape, body.include_usage)
+        events = _events(streams, firsts, shape, per_prompt, body.include_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    choice = Choice()
-    choice.add(first)
-    task = asyncio.ensure_future(_collect(stream, choice))
-    while not task.done():  # a client gone mid-generation cancels it
-        await asyncio.wait({task}, timeout=0.25)
-        if not task.done() and await request.is_disconnected():
+    choices = [Choice() for _ in streams]
+    for choice, first in zip(choices, firsts, strict=True):
+        choice.add(first)
+    tasks = [asyncio.ensure_future(_collect(st, c)) for st, c in zip(streams, choices, strict=True)]
+    try:
+        while not all(t.done() for t in tasks):  # a client gone mid-generation cancels it
+            await asyncio.wait(tasks, timeout=0.25, return_when=asyncio.FIRST_EXCEPTION)
+            if any(t.done() and t.exception() for t in tasks):
+                break
+            if await request.is_disconnected():
+                log.info("client disconnected", extra={"request_id": request_id})
+                return Response(status_code=499)
+        for task in tasks:
+            if task.done():
+                task.result()  # the first failure becomes the response's status
+    finally:
+        for task in tasks:
             task.cancel()
-            log.info("client disconnected", extra={"request_id": request_id})
-            return Response(status_code=499)
-    task.result()
-    return JSONResponse(shape.whole(choice), headers=headers)
+    return JSONResponse(
+        shape.whole(_best(choices, per_prompt, body.n), _usage(choices, per_prompt)), headers=headers
+    )
+
+
+async def _firsts(streams: list[AsyncIterator[pb.GenerateResponse]]) -> list[pb.GenerateResponse]:
+    """Every stream's first message; a refusal of any ends them all and is raised."""
+    results = await asyncio.gather(*(anext(st) for st in streams), return_exceptions=True)
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is None:
+        return list(results)  # type: ignore[arg-type]
+    for st in streams:
+        await st.aclose()  # type: ignore[attr-defined]
+    if isinstance(failed, StopAsyncIteration):
+        raise LoraserveError("the stream ended without a response", grpc.StatusCode.INTERNAL)
+    raise failed
+
+
+def _best(choices: list[Choice], per_prompt: int, n: int) -> list[tuple[int, Choice]]:
+    """(prompt index, choice) of each prompt's ``n`` best candidates (by summed logprob when there are
+    more candidates than ``n``: ``best_of``), prompt by prompt."""
+    out = []
+    for i in range(0, len(choices), per_prompt):
+        group = choices[i : i + per_prompt]
+        if per_prompt > n:
+            group = sorted(group, key=cumulative_logprob, reverse=True)[:n]
+        out.extend((i // per_prompt, c) for c in group)
+    return out
+
+
+def _usage(choices: list[Choice], per_prompt: int) -> tuple[int, int]:
+    """(prompt tokens, counted once per prompt; completion tokens of every sequence, best_of's too)."""
+    return (
+        sum(c.prompt_tokens for c in choices[::per_prompt]),
+        sum(c.completion_tokens for c in choices),
+    )
 
 
 def _timeout(request: Request) -> float | None:
@@ -348,26 +386,56 @@ async def _collect(stream: AsyncIterator[pb.GenerateResponse], choice: Choice) -
 
 
 async def _events(
-    stream: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse, shape: Shape, include_usage: bool
+    streams: list[AsyncIterator[pb.GenerateResponse]],
+    firsts: list[pb.GenerateResponse],
+    shape: Shape,
+    per_prompt: int,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
-    """SSE: one chunk per GenerateResponse, the usage chunk if asked, then ``[DONE]``. A refusal after the
-    first token (deadline, worker lost) is sent as an error event; the client's disconnect cancels us here,
-    and closing ``stream`` frees the request."""
-    choice, offset, msg = Choice(), 0, first
+    """SSE: one chunk per GenerateResponse of every choice as it comes (``index`` says whose), the usage
+    chunk if asked, then ``[DONE]``. A refusal after the first token (deadline, worker lost) is sent as an
+    error event and ends every choice; the client's disconnect cancels us here, and closing the streams
+    frees the requests."""
+    choices = [Choice() for _ in streams]
+    offsets = [0] * len(streams)
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        try:
+            async for msg in streams[index]:
+                await queue.put((index, msg))
+        except Exception as exc:  # handed to the writer below
+            await queue.put((index, exc))
+        finally:
+            await queue.put((index, None))
+
+    for index, first in enumerate(firsts):
+        await queue.put((index, first))
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    open_streams, first_sent = len(streams), [False] * len(streams)
     try:
-        while True:
-            choice.add(msg)
-            yield sse(shape.chunk(msg, offset, first=msg is first))
-            offset += len(msg.text) + (shape.text_before(msg) if msg is first else 0)
-            try:
-                msg = await anext(stream)
-            except StopAsyncIteration:
+        while open_streams:
+            index, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+                continue
+            if isinstance(item, LoraserveError):
+                status = HTTP_STATUS.get(item.code, 500)
+                yield sse(error_body(status, item.message, item.code_name))
                 break
-    except LoraserveError as exc:
-        status = HTTP_STATUS.get(exc.code, 500)
-        yield sse(error_body(status, exc.message, exc.code_name))
+            if isinstance(item, BaseException):
+                raise item
+            choices[index].add(item)
+            first = not first_sent[index]
+            prompt = index // per_prompt
+            yield sse(shape.chunk(item, offsets[index], first, index, prompt))
+            offsets[index] += len(item.text) + (shape.text_before(item, prompt) if first else 0)
+            first_sent[index] = True
     finally:
-        await stream.aclose()  # type: ignore[attr-defined]
+        for task in tasks:
+            task.cancel()
+        for st in streams:
+            await st.aclose()  # type: ignore[attr-defined]
     if include_usage:
-        yield sse(shape.usage_chunk(choice))
+        yield sse(shape.usage_chunk(_usage(choices, per_prompt)))
     yield sse("[DONE]")

@@ -83,59 +83,80 @@ class Choice:
 
 @dataclass
 class Shape:
-    """The per-request constants of every object: id, model, created, and what the caller asked for."""
+    """The per-request constants of every object: id, model, created, what the caller asked for, and for
+    an echoing completion each prompt's text as sent (None: its tokens' strings joined)."""
 
     id: str
     model: str
     chat: bool
     logprobs: bool
     echo: bool = False  # completions: the prompt comes first in the text (and logprobs)
-    prompt_text: str | None = None  # an echoed text prompt as sent; None: its tokens' strings joined
+    prompt_texts: tuple[str | None, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, c: Choice) -> dict[str, Any]:
-        """The non-streaming response."""
-        if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": {"content": chat_logprobs(c.logprobs)} if self.logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
-            head = self._head("chat.completion")
-        else:
-            echoed, prompt = self._echo(c.prompt_logprobs)
-            choice = {
-                "index": 0,
-                "text": echoed + c.text,
-                "logprobs": self._logprobs(prompt, c.logprobs, 0, len(echoed)) if self.logprobs else None,
-                "finish_reason": c.finish_reason,
-            }
-            head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage_json(c.prompt_tokens, c.completion_tokens)}
+    def whole(self, choices: list[tuple[int, Choice]], usage: tuple[int, int]) -> dict[str, Any]:
+        """The non-streaming response: ``choices`` as (prompt index, what it streamed), in order."""
+        out = []
+        for index, (prompt, c) in enumerate(choices):
+            if self.chat:
+                out.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": {"content": chat_logprobs(c.logprobs)} if self.logprobs else None,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
+                continue
+            echoed, entries = self._echo(prompt, c.prompt_logprobs)
+            out.append(
+                {
+                    "index": index,
+                    "text": echoed + c.text,
+                    "logprobs": self._logprobs(entries, c.logprobs, 0, len(echoed))
+                    if self.logprobs
+                    else None,
+                    "finish_reason": c.finish_reason,
+                }
+            )
+        head = self._head("chat.completion" if self.chat else "text_completion")
+        return {**head, "choices": out, "usage": usage_json(*usage)}
 
-    def chunk(self, msg: pb.GenerateResponse, offset: int, first: bool) -> dict[str, Any]:
-        """One SSE chunk for ``msg``; ``offset`` is the text length streamed before it (completions logprobs)."""
+    def chunk(
+        self, msg: pb.GenerateResponse, offset: int, first: bool, index: int = 0, prompt: int = 0
+    ) -> dict[str, Any]:
+        """One SSE chunk for ``msg`` of choice ``index`` (of prompt ``prompt``); ``offset`` is the text length
+        that choice streamed before it (completions logprobs)."""
         finish = FINISH.get(msg.finish_reason) if msg.finish_reason else None
         if self.chat:
             delta: dict[str, Any] = (
                 {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
             )
             logprobs = {"content": chat_logprobs(list(msg.logprobs))} if self.logprobs else None
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             head = self._head("chat.completion.chunk")
         else:
-            echoed, prompt = self._echo(list(msg.prompt_logprobs)) if first else ("", [])
+            echoed, entries = self._echo(prompt, list(msg.prompt_logprobs)) if first else ("", [])
             generated = list(msg.logprobs)
             logprobs = (
-                self._logprobs(prompt, generated, offset, offset + len(echoed)) if self.logprobs else None
+                self._logprobs(entries, generated, offset, offset + len(echoed)) if self.logprobs else None
             )
-            choice = {"index": 0, "text": echoed + msg.text, "logprobs": logprobs, "finish_reason": finish}
+            choice = {
+                "index": index,
+                "text": echoed + msg.text,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }
             head = self._head("text_completion")
         return {**head, "choices": [choice], "usage": None}
+
+    def usage_chunk(self, usage: tuple[int, int]) -> dict[str, Any]:
+        """The extra last chunk of ``stream_options.include_usage``: no choices, the usage."""
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage_json(*usage)}
 
     @staticmethod
     def _logprobs(
@@ -148,21 +169,21 @@ class Shape:
             out[key] += values
         return out
 
-    def _echo(self, prompt: list[pb.TokenLogprobs]) -> tuple[str, list[pb.TokenLogprobs]]:
-        """What an echoing completion puts first: the prompt's text and its logprob entries."""
+    def _echo(self, prompt: int, entries: list[pb.TokenLogprobs]) -> tuple[str, list[pb.TokenLogprobs]]:
+        """What an echoing completion of prompt ``prompt`` puts first: its text and logprob entries."""
         if not self.echo:
             return "", []
-        text = self.prompt_text if self.prompt_text is not None else "".join(e.chosen.token for e in prompt)
-        return text, prompt
+        text = self.prompt_texts[prompt] if prompt < len(self.prompt_texts) else None
+        return (text if text is not None else "".join(e.chosen.token for e in entries)), entries
 
-    def text_before(self, msg: pb.GenerateResponse) -> int:
-        """How much text the chunk of ``msg`` (the first one) puts before its generated text."""
-        return len(self._echo(list(msg.prompt_logprobs))[0])
+    def text_before(self, msg: pb.GenerateResponse, prompt: int = 0) -> int:
+        """How much text the first chunk of a choice (``msg``) puts before its generated text."""
+        return len(self._echo(prompt, list(msg.prompt_logprobs))[0])
 
-    def usage_chunk(self, c: Choice) -> dict[str, Any]:
-        """The extra last chunk of ``stream_options.include_usage``: no choices, the usage."""
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage_json(c.prompt_tokens, c.completion_tokens)}
+
+def cumulative_logprob(c: Choice) -> float:
+    """The summed logprob of a choice's generated tokens (how ``best_of`` ranks candidates)."""
+    return sum(e.chosen.logprob for e in c.logprobs)
 
 
 def sse(obj: dict[str, Any] | str) -> bytes:

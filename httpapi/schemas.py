@@ -22,6 +22,7 @@ from loraserve.common.limits import (
     MAX_LOGPROBS,
     MAX_MESSAGES,
     MAX_PROMPT_TOKENS,
+    MAX_SEQUENCES,
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
@@ -33,7 +34,7 @@ from loraserve.protos.v1 import inference_pb2 as pb
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # uint32 max: "as many as fit"; the worker caps max_tokens by the context left after the prompt.
 UNLIMITED = UINT32_MAX
-PROMPT_SHAPES = "prompt must be a string, a list of token ids, or a one-element list of either"
+PROMPT_SHAPES = "prompt must be a string, a list of token ids, or a list of either"
 # Every integer that reaches the proto is bounded by its field's type (token ids: int32, counts: uint32), so
 # that an out-of-range value is a 400 naming the field, never protobuf's ValueError (500).
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -51,22 +52,27 @@ def _token_ids(ids: list[Any]) -> list[int]:
     return ids
 
 
-def one_prompt(value: Any) -> str | list[int]:
-    """OpenAI's ``prompt`` shapes -> the one prompt loraserve serves (a string or token ids); a ValueError
-    naming the shape, the number of prompts, or the first token id out of range."""
+def prompts_of(value: Any) -> list[str | list[int]]:
+    """OpenAI's ``prompt`` shapes -> the prompts, each a string or token ids (a string, a list of token ids,
+    or a list of either: one choice per prompt); a ValueError naming the shape, the number of prompts, or
+    the first token id out of range."""
     if isinstance(value, str):
-        return value
+        return [value]
     if not isinstance(value, list):
         raise ValueError(PROMPT_SHAPES)
-    if value and isinstance(value[0], str | list):  # a list of prompts
-        if len(value) != 1:
-            raise ValueError(f"prompt holds {len(value)} prompts; send one prompt per request")
-        value = value[0]
-        if isinstance(value, str):
-            return value
-        if not isinstance(value, list):
+    if not value or not isinstance(value[0], str | list):  # one prompt of token ids
+        return [_token_ids(value)]
+    if len(value) > MAX_SEQUENCES:
+        raise ValueError(f"prompt holds {len(value)} prompts; at most {MAX_SEQUENCES}")
+    out: list[str | list[int]] = []
+    for item in value:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list):
+            out.append(_token_ids(item))
+        else:
             raise ValueError(PROMPT_SHAPES)
-    return _token_ids(value)
+    return out
 
 
 class Strict(BaseModel):
@@ -91,7 +97,7 @@ class _Common(Strict):
     stop: str | list[str] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: Annotated[int, Field(ge=1, le=MAX_SEQUENCES)] = 1
     user: Annotated[str, Field(max_length=256)] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -122,8 +128,6 @@ class _Common(Strict):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.n != 1:
-            raise ValueError(f"n={self.n}: loraserve returns one choice per request (n must be 1)")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise ValueError(f"{name} is not supported (only 0)")
@@ -153,20 +157,53 @@ class _Common(Strict):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def candidates(self) -> int:
+        """Sequences generated per prompt (``best_of`` where the endpoint has it, else ``n``)."""
+        return self.n
+
+    def _sequences(self, base: pb.GenerateRequest, request_id: str) -> list[pb.GenerateRequest]:
+        """``base`` once per candidate: its own request id and, with a seed, seed + k (the candidates differ
+        and stay reproducible); usage of a greedy request's candidates is the same tokens each."""
+        if self.candidates == 1:
+            return [base]
+        out = []
+        for k in range(self.candidates):
+            req = pb.GenerateRequest()
+            req.CopyFrom(base)
+            req.request_id = f"{request_id}-{k}"
+            if base.sampling.HasField("seed"):
+                req.sampling.seed = (base.sampling.seed + k) % 2**64
+            out.append(req)
+        return out
+
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]  # OpenAI's shapes, see one_prompt
+    prompt: list[str | list[int]]  # OpenAI's shapes, see prompts_of
     echo: bool = False  # (before max_tokens: its check reads it)
     # OpenAI's default for completions; 0 (with echo): the prompt alone, scored (vLLM's form of lm-eval's)
     max_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_SEQUENCES)] | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, v: Any) -> str | list[int]:
-        return one_prompt(v)
+    def _prompt(cls, v: Any) -> list[str | list[int]]:
+        return prompts_of(v)
+
+    @property
+    def candidates(self) -> int:
+        return self.best_of or self.n
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def echoed_text(self, i: int) -> str | None:
+        """Prompt ``i`` as sent when it is text (echo shows it as is); None for token ids."""
+        prompt = self.prompt[i]
+        return prompt if isinstance(prompt, str) else None
 
     @field_validator("max_tokens")
     @classmethod
@@ -179,32 +216,42 @@ class CompletionRequest(_Common):
     def _completion_only(self):
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of is not supported (only 1)")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.best_of not in (None, self.n) and self.stream:
+            raise ValueError("best_of cannot be streamed (the best are known at the end)")
+        if len(self.prompt) * self.candidates > MAX_SEQUENCES:
+            raise ValueError(
+                f"{len(self.prompt)} prompts x {self.candidates} sequences each is"
+                f" {len(self.prompt) * self.candidates} sequences; at most {MAX_SEQUENCES}"
+            )
         return self
 
-    def single_prompt(self) -> str | list[int]:
-        if not self.prompt:
-            raise InvalidArgument("prompt is empty")
-        return self.prompt
-
-    def to_grpc(self, adapter: str, request_id: str) -> pb.GenerateRequest:
-        prompt = self.single_prompt()
-        req = pb.GenerateRequest(
-            request_id=request_id,
-            adapter=adapter,
-            sampling=self.sampling(self.max_tokens or None, self.logprobs),
-            routing_key=self.user or "",
-        )
-        if self.echo and (self.logprobs is not None or not isinstance(prompt, str)):
-            # the prompt's logprobs (and token strings: a prompt of token ids is echoed as their text)
-            req.sampling.prompt_logprobs = self.logprobs or 0
-        req.sampling.prompt_only = self.max_tokens == 0
-        if isinstance(prompt, str):
-            req.text = prompt
-        else:
-            req.tokens.ids.extend(prompt)
-        return req
+    def to_grpc(self, adapter: str, request_id: str) -> list[pb.GenerateRequest]:
+        """One request per sequence, prompt by prompt (``candidates`` of each)."""
+        out = []
+        for i, prompt in enumerate(self.prompt):
+            if not prompt:
+                raise InvalidArgument(f"prompt {i} is empty" if len(self.prompt) > 1 else "prompt is empty")
+            logprobs = self.logprobs
+            if logprobs is None and self.candidates > self.n:
+                logprobs = 0  # best_of ranks the candidates by their tokens' summed logprobs
+            req = pb.GenerateRequest(
+                request_id=request_id if len(self.prompt) == 1 else f"{request_id}-p{i}",
+                adapter=adapter,
+                sampling=self.sampling(self.max_tokens or None, logprobs),
+                routing_key=self.user or "",
+            )
+            if self.echo and (self.logprobs is not None or not isinstance(prompt, str)):
+                # the prompt's logprobs (and token strings: a prompt of token ids is echoed as their text)
+                req.sampling.prompt_logprobs = self.logprobs or 0
+            req.sampling.prompt_only = self.max_tokens == 0
+            if isinstance(prompt, str):
+                req.text = prompt
+            else:
+                req.tokens.ids.extend(prompt)
+            out.extend(self._sequences(req, req.request_id))
+        return out
 
 
 class TextPart(Strict):
@@ -266,7 +313,12 @@ class ChatCompletionRequest(_Common):
             raise ValueError("messages hold no text")
         return self
 
-    def to_grpc(self, adapter: str, request_id: str) -> pb.GenerateRequest:
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs
+
+    def to_grpc(self, adapter: str, request_id: str) -> list[pb.GenerateRequest]:
+        """One request per choice (``n``)."""
         limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         req = pb.GenerateRequest(
@@ -276,7 +328,7 @@ class ChatCompletionRequest(_Common):
             routing_key=self.user or "",  # a rollout keeps each end user on one version
         )
         req.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.text()) for m in self.messages)
-        return req
+        return self._sequences(req, request_id)
 
 
 def new_id(prefix: str) -> str:

@@ -64,6 +64,97 @@ def test_completion_from_token_ids_equals_grpc(served) -> None:
     assert out.choices[0].text == want
 
 
+OTHER = "A list of colours:"
+
+
+def _grpc_completion(served: Served, prompt: str, **sampling) -> tuple[str, pb.GenerateResponse, float]:
+    """gRPC's text, last message and summed generated-token logprob for one prompt on all-r4."""
+    req = pb.GenerateRequest(
+        adapter="all-r4", text=prompt, sampling=pb.SamplingParams(logprobs=0, **sampling)
+    )
+    msgs = served.grpc(req)
+    return "".join(m.text for m in msgs), msgs[-1], sum(e.chosen.logprob for m in msgs for e in m.logprobs)
+
+
+def test_several_prompts_and_n_choices_each_equal_grpc_with_usage_summed(served) -> None:
+    out = served.client.completions.create(
+        model="all-r4",
+        prompt=[PROMPT, OTHER],
+        n=2,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    want = [_grpc_completion(served, p, max_tokens=5, ignore_eos=True) for p in (PROMPT, OTHER)]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == [want[0][0], want[0][0], want[1][0], want[1][0]]  # greedy: alike
+    assert out.usage.prompt_tokens == want[0][1].usage.prompt_tokens + want[1][1].usage.prompt_tokens
+    assert out.usage.completion_tokens == 4 * 5
+
+    seeded = served.client.completions.create(
+        model="all-r4",
+        prompt=PROMPT,
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=7,
+        extra_body={"ignore_eos": True},
+    )
+    texts = [
+        _grpc_completion(served, PROMPT, max_tokens=6, temperature=1.0, seed=7 + k, ignore_eos=True)[0]
+        for k in range(3)
+    ]
+    assert [c.text for c in seeded.choices] == texts  # choice k is seed + k: distinct and reproducible
+    assert len(set(texts)) > 1
+
+    streamed = served.client.completions.create(
+        model="all-r4",
+        prompt=[PROMPT, OTHER],
+        n=2,
+        max_tokens=5,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    joined = ["", "", "", ""]
+    chunks = list(streamed)
+    for c in chunks:
+        for choice in c.choices:
+            joined[choice.index] += choice.text
+    assert joined == [c.text for c in out.choices]
+    assert (
+        chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
+    )
+
+
+def test_best_of_returns_the_candidates_with_the_highest_summed_logprob(served) -> None:
+    out = served.client.completions.create(
+        model="all-r4",
+        prompt=PROMPT,
+        n=1,
+        best_of=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=11,
+        extra_body={"ignore_eos": True},
+    )
+    candidates = [
+        _grpc_completion(served, PROMPT, max_tokens=6, temperature=1.0, seed=11 + k, ignore_eos=True)
+        for k in range(3)
+    ]
+    best = max(candidates, key=lambda c: c[2])
+    assert len(out.choices) == 1 and out.choices[0].text == best[0]
+    assert out.choices[0].logprobs is None  # ranked by logprobs the caller did not ask to see
+    assert out.usage.completion_tokens == 3 * 6  # every candidate was generated
+    two = served.client.chat.completions.create(
+        model="all-r4", messages=MESSAGES, n=2, max_tokens=4, temperature=1.0, seed=3
+    )
+    want = [_grpc_chat(served, "all-r4", max_tokens=4, temperature=1.0, seed=3 + k)[0] for k in range(2)]
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.message.content for c in two.choices] == want
+
+
 def test_streamed_completion_with_usage(served) -> None:
     want, _, last = _grpc_text(served, "all-r4", max_tokens=10, ignore_eos=True)
     stream = served.client.completions.create(
