@@ -25,7 +25,8 @@ from sqlalchemy.orm import sessionmaker
 from loraserve.adapters.errors import AdapterError
 from loraserve.adapters.refs import ALIAS_RE, parse_ref, pick_version
 from loraserve.common.errors import InvalidArgument, NotFound, Unavailable
-from loraserve.registry.db import AdapterRow, AdapterState, AliasChangeRow, AliasRow, utcnow
+from loraserve.registry.clock import SYSTEM_CLOCK, Clock
+from loraserve.registry.db import AdapterRow, AdapterState, AliasChangeRow, AliasRow
 
 MAX_TARGETS = 16
 MAX_RETRIES = 50
@@ -88,8 +89,11 @@ def check_targets(targets: Sequence[tuple[int, float]]) -> Targets:
 
 
 class Aliases:
-    def __init__(self, sessions: sessionmaker, reads: sessionmaker | None = None) -> None:
+    def __init__(
+        self, sessions: sessionmaker, reads: sessionmaker | None = None, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         self.sessions, self.reads = sessions, reads or sessions  # reads: autocommit, for of_names
+        self.clock = clock  # what a change's updated_at and history time read
 
     def set(self, name: str, alias: str, targets: Sequence[tuple[int, float]], actor: str) -> AliasView:
         check_alias_name(name, alias)
@@ -113,7 +117,7 @@ class Aliases:
                 row = s.scalars(
                     select(AliasRow).where(AliasRow.name == name, AliasRow.alias == alias).with_for_update()
                 ).first()
-                after, now = [[v, w] for v, w in clean], utcnow()
+                after, now = [[v, w] for v, w in clean], self.clock.now()
                 if row is None:
                     before = None
                     s.add(AliasRow(name=name, alias=alias, targets=after, updated_at=now, updated_by=actor))
@@ -158,7 +162,11 @@ class Aliases:
             )
             if gone.rowcount != 1:
                 raise Unavailable(f"alias {name}@{alias} moved while being deleted; try again")
-            s.add(AliasChangeRow(name=name, alias=alias, before=row.targets, after=None, actor=actor))
+            s.add(
+                AliasChangeRow(
+                    name=name, alias=alias, before=row.targets, after=None, actor=actor, at=self.clock.now()
+                )
+            )
             _retire(s, name, alias, row.targets, None)
             s.commit()
             return view

@@ -16,7 +16,6 @@ import binascii
 import json
 import re
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -38,6 +37,7 @@ from loraserve.common.errors import (
 )
 from loraserve.registry.aliases import Aliases
 from loraserve.registry.base_models import BaseModels
+from loraserve.registry.clock import SYSTEM_CLOCK, Clock
 from loraserve.registry.db import AdapterRow, AdapterState, BaseModelRow, PlacementRow, UnloadOrderRow
 from loraserve.registry.hot_reads import HotReads, ThreadReads
 from loraserve.registry.imports import ImportPolicy
@@ -137,11 +137,13 @@ class Catalog:
         imports: ImportPolicy | None = None,
         reads: sessionmaker | None = None,
         hot: HotReads | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """``reads``: sessions for single-statement reads on the hot paths (LocateAdapter, ListAdapters),
         in autocommit mode: no BEGIN/ROLLBACK round trips (docs/performance.md).
-        ``hot``: how :meth:`resolve_async` awaits its read (``registry.hot_reads``; default: on a thread)."""
-        self.sessions, self.store = sessions, store
+        ``hot``: how :meth:`resolve_async` awaits its read (``registry.hot_reads``; default: on a thread).
+        ``clock``: the registry's (``registry.clock``): times the resolve cache, stamps alias changes."""
+        self.sessions, self.store, self.clock = sessions, store, clock
         self.reads = reads or sessions
         self.hot = hot or ThreadReads(self.reads.kw["bind"])
         self._resolved: dict[str, tuple[float, tuple[str, str]]] = {}  # ref -> (expiry, resolve's answer)
@@ -149,7 +151,7 @@ class Catalog:
         self.max_upload_bytes, self.max_lora_rank = max_upload_bytes, max_lora_rank
         self.upload_slots = UploadSlots(max_concurrent_uploads)  # the servicer holds one per upload/import
         self.imports = imports or ImportPolicy((), store.root_url, max_upload_bytes)
-        self.aliases = Aliases(sessions, self.reads)
+        self.aliases = Aliases(sessions, self.reads, clock)
         self.base_models = BaseModels(sessions)
 
     # ------------------------------------------------------------------ upload
@@ -244,6 +246,7 @@ class Catalog:
                     description=h.description,
                     labels={**h.labels, **labels},
                     state=AdapterState.READY.value,
+                    created_at=self.clock.now(),
                 )
                 s.add(row)
                 try:
@@ -326,7 +329,7 @@ class Catalog:
 
     def _cached(self, ref: str) -> tuple[str, str] | None:
         hit = self._resolved.get(ref)
-        return hit[1] if hit is not None and hit[0] > time.monotonic() else None
+        return hit[1] if hit is not None and hit[0] > self.clock.monotonic() else None
 
     def _resolve_alias(self, ref: str, routing_key: str) -> tuple[str, str]:
         cols = select(AdapterRow.name, AdapterRow.version, AdapterRow.base_model)
@@ -342,7 +345,7 @@ class Catalog:
         if generation == self._generation:
             if len(self._resolved) >= RESOLVE_CACHE_SIZE:
                 self._resolved.clear()
-            self._resolved[ref] = (time.monotonic() + RESOLVE_TTL_S, out)
+            self._resolved[ref] = (self.clock.monotonic() + RESOLVE_TTL_S, out)
         return out
 
     def _changed(self) -> None:
@@ -431,7 +434,12 @@ class Catalog:
                 )
                 if exists is None:
                     s.add(
-                        UnloadOrderRow(worker_id=worker_id, adapter=key, reason=f"adapter {key} was deleted")
+                        UnloadOrderRow(
+                            worker_id=worker_id,
+                            adapter=key,
+                            reason=f"adapter {key} was deleted",
+                            created_at=self.clock.now(),
+                        )
                     )
                     orders += 1
             for r in rows:

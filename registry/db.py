@@ -34,6 +34,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship,
 
 
 def utcnow() -> datetime:
+    """The columns' default: the registry's own writes stamp its clock's time instead (``registry.clock``)."""
     return datetime.now(UTC)
 
 

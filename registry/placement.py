@@ -21,7 +21,6 @@ import bisect
 import hashlib
 import hmac
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -32,6 +31,7 @@ from sqlalchemy.orm import selectinload, sessionmaker
 from loraserve.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from loraserve.common.slots import SlotState, Tier
 from loraserve.registry.catalog import Catalog
+from loraserve.registry.clock import SYSTEM_CLOCK, Clock
 from loraserve.registry.db import (
     AdapterRow,
     AdapterState,
@@ -41,7 +41,6 @@ from loraserve.registry.db import (
     WorkerRow,
     WorkerState,
     as_utc,
-    utcnow,
 )
 
 MAX_CANDIDATES = 16
@@ -166,10 +165,12 @@ class Fleet:
 
     Indexed for :meth:`rank`, and kept indexed as each worker changes (a heartbeat moves one worker):
     per adapter, the workers holding or caching it with their tier; per model (and ``None``: every model),
-    the workers in cold order, as sorted lists of ``(_cold_key, id)``."""
+    the workers in cold order, as sorted lists of ``(_cold_key, id)``. ``clock.monotonic`` times the TTL."""
 
-    def __init__(self, sessions: sessionmaker, ttl_s: float = FLEET_TTL_S) -> None:
-        self.sessions, self.ttl_s = sessions, ttl_s
+    def __init__(
+        self, sessions: sessionmaker, ttl_s: float = FLEET_TTL_S, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        self.sessions, self.ttl_s, self.clock = sessions, ttl_s, clock
         self._lock = threading.Lock()
         self._workers: dict[str, LiveWorker] = {}
         self._tiers: dict[str, dict[str, int]] = {}  # adapter -> {worker id: tier index}
@@ -181,13 +182,13 @@ class Fleet:
         with self._lock:
             self._unindex(worker.id)
             self._index(worker)
-            self._written[worker.id] = time.monotonic()
+            self._written[worker.id] = self.clock.monotonic()
 
     def drop(self, *worker_ids: str) -> None:
         with self._lock:
             for wid in worker_ids:
                 self._unindex(wid)
-                self._written[wid] = time.monotonic()
+                self._written[wid] = self.clock.monotonic()
 
     def rank(self, key: str, model: str | None, limit: int, now: datetime) -> list[tuple[LiveWorker, str]]:
         """The ``limit`` best live workers of ``model`` (any model if None) for adapter ``key`` ("" = the base
@@ -242,14 +243,14 @@ class Fleet:
 
     def stale(self) -> bool:
         """Whether the next :meth:`rank` re-reads the fleet from the database first."""
-        return time.monotonic() - self._read_at > self.ttl_s
+        return self.clock.monotonic() - self._read_at > self.ttl_s
 
     def _refresh(self) -> None:
         if self.stale():
             self._reload()
 
     def _reload(self) -> None:
-        started = time.monotonic()
+        started = self.clock.monotonic()
         with self.sessions.kw["bind"].connect() as conn:  # plain rows: no ORM objects for a whole fleet
             rows = list(conn.execute(_FLEET_WORKERS))
             holds: dict[str, set[str]] = {}
@@ -477,10 +478,15 @@ def _collect_unload_orders(
 
 
 class Placement:
-    def __init__(self, sessions: sessionmaker, catalog: Catalog, lease_seconds: int) -> None:
+    def __init__(
+        self, sessions: sessionmaker, catalog: Catalog, lease_seconds: int, clock: Clock | None = None
+    ) -> None:
+        """``clock``: what leases, heartbeats and expiry read as now, and what times the fleet view's TTL
+        (default: the catalog's, the machine's unless a test passed its own)."""
         self.sessions, self.catalog, self.lease = sessions, catalog, timedelta(seconds=lease_seconds)
+        self.clock = clock or catalog.clock
         self.engine = sessions.kw["bind"]
-        self.fleet = Fleet(catalog.reads)
+        self.fleet = Fleet(catalog.reads, clock=self.clock)
 
     def register(
         self,
@@ -504,7 +510,7 @@ class Placement:
             raise InvalidArgument("address and model_id are required")
         if slots <= 0:
             raise InvalidArgument("slots must be positive")
-        now = utcnow()
+        now = self.clock.now()
         identity = worker_identity(instance_id)
         with self.sessions() as s:
             for held in s.scalars(select(WorkerRow).where(WorkerRow.address == address)):
@@ -546,6 +552,7 @@ class Placement:
                 state=WorkerState.READY.value,
                 lease_expires_at=now + self.lease,
                 last_heartbeat=now,
+                registered_at=now,
                 free_slots=slots,
             )
             s.add(row)
@@ -574,7 +581,7 @@ class Placement:
         out whether there is one), one read each for the reported names' versions, the worker's placement
         rows and its unload orders, and writes only for slots whose adapter or state changed (a steady
         worker's heartbeat writes its worker row only; docs/performance.md has the measurement)."""
-        now = utcnow()
+        now = self.clock.now()
         lease = now + self.lease
         cached = {a[:160]: t for a, t in (cached or {}).items() if t in CACHE_TIERS}
         usage_json = {a[:160]: u.to_json() for a, u in list((usage or {}).items())[:MAX_USAGE]}  # stored form
@@ -609,7 +616,7 @@ class Placement:
 
     def expire(self) -> list[str]:
         """Drop the placements of every worker whose lease ran out; returns their ids."""
-        now = utcnow()
+        now = self.clock.now()
         with self.sessions() as s:
             stale = list(
                 s.scalars(
@@ -656,7 +663,7 @@ class Placement:
         limit = min(max_candidates or 3, MAX_CANDIDATES)
         return [
             Candidate(w.id, w.address, tier == Tier.DEVICE, w.load, tier)
-            for w, tier in self.fleet.rank(key, model, limit, utcnow())
+            for w, tier in self.fleet.rank(key, model, limit, self.clock.now())
         ]
 
 

@@ -1,4 +1,7 @@
-"""Registry fixtures: a real registry (SQLite or PostgreSQL + a blob store) behind a real gRPC server."""
+"""Registry fixtures: a real registry (SQLite or PostgreSQL + a blob store) behind a real gRPC server.
+
+``reg``'s registry runs on a :class:`~loraserve.registry.clock.ManualClock` (``reg.clock``): its leases end and
+its caches' TTLs pass when a test advances that clock, never on their own."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import pytest
 
 from loraserve.client.registry_client import RegistryClient
 from loraserve.registry.app import Registry, open_registry
+from loraserve.registry.clock import SYSTEM_CLOCK, Clock, ManualClock
 from loraserve.registry.config import RegistryConfig
 from loraserve.registry.server import build_server, set_serving
 from tests.aio_thread import aio_server_thread
@@ -25,6 +29,12 @@ class RegistryEnv:
     channel: grpc.Channel
     client: RegistryClient
     store_root: str
+
+    @property
+    def clock(self) -> ManualClock:
+        """The registry's clock, when the test gave it a manual one (``reg`` does)."""
+        assert isinstance(self.registry.clock, ManualClock), "this registry runs on the real clock"
+        return self.registry.clock
 
     def adapter_rows(self) -> list[tuple[str, int, str]]:
         from sqlalchemy import select
@@ -47,13 +57,13 @@ def db_url(request, tmp_path) -> str:
     return request.getfixturevalue("postgres_url")
 
 
-def start_registry(config: RegistryConfig, store_root: str):
-    """Context manager: the registry of ``config`` served on a free loopback port."""
+def start_registry(config: RegistryConfig, store_root: str, clock: Clock = SYSTEM_CLOCK):
+    """Context manager: the registry of ``config`` served on a free loopback port, on ``clock``."""
     from contextlib import contextmanager
 
     @contextmanager
     def run() -> Iterator[RegistryEnv]:
-        registry = open_registry(config)
+        registry = open_registry(config, clock)
 
         async def build():
             server, port, health_servicer = build_server(registry.catalog, registry.placement, "127.0.0.1:0")
@@ -76,7 +86,7 @@ def reg(db_url: str, tmp_path: Path) -> Iterator[RegistryEnv]:
     config = RegistryConfig(
         db=db_url, storage=store, lease_seconds=2, max_lora_rank=16, max_upload_bytes=4 << 20
     )
-    with start_registry(config, store) as env:
+    with start_registry(config, store, ManualClock()) as env:
         yield env
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import shutil
 import threading
-import time
 from pathlib import Path
 
 import fsspec
@@ -15,6 +14,7 @@ import pytest
 from loraserve.common.errors import LoraserveError
 from loraserve.protos.v1 import placement_pb2, registry_pb2
 from tests.registry.conftest import TINY_MODEL
+from tests.waiting import wait_until
 
 CODE = grpc.StatusCode
 
@@ -203,12 +203,13 @@ def test_killed_upload_stream_leaves_nothing(reg, adapter_dirs) -> None:
         gate.wait(10)  # hang mid-upload until the client cancels
 
     future = reg.client.adapters.UploadAdapter.future(messages(), timeout=30)
-    time.sleep(0.3)
+    slots = reg.registry.catalog.upload_slots
+    wait_until(lambda: slots.active == 1, "the upload in flight on the registry")
     future.cancel()
     gate.set()
     with pytest.raises(grpc.FutureCancelledError):
         future.result()
-    time.sleep(0.3)
+    wait_until(lambda: slots.active == 0, "the registry done with the cancelled upload")
     assert reg.adapter_rows() == [] and reg.blobs() == []
     # a short stream (fewer bytes than promised) is refused too
     with pytest.raises(grpc.RpcError) as exc:

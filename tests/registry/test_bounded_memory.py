@@ -25,6 +25,7 @@ from loraserve.common.errors import LoraserveError
 from loraserve.protos.v1 import placement_pb2, registry_pb2
 from loraserve.registry.config import RegistryConfig
 from tests.registry.conftest import TINY_MODEL, start_registry
+from tests.waiting import settled, wait_until
 
 MiB = 1 << 20
 BIG_MODEL = "big-test-model"
@@ -188,13 +189,9 @@ def test_worker_download_assembles_the_blob_once(big_reg, big_adapter) -> None:
 
 
 def _await_active(reg, n: int) -> None:
-    """Until ``n`` uploads hold a slot (the registry counts them), for at most 5 s."""
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        slots = getattr(reg.registry.catalog, "upload_slots", None)
-        if slots is not None and slots.active >= n:
-            return
-        time.sleep(0.01)
+    """Until ``n`` uploads hold a slot (the registry counts them)."""
+    slots = reg.registry.catalog.upload_slots
+    wait_until(lambda: slots.active >= n, f"{n} upload(s) holding a slot", interval=0.01)
 
 
 def test_one_upload_over_the_limit_is_refused_at_once(reg, adapter_dirs, tmp_path, monkeypatch) -> None:
@@ -285,14 +282,15 @@ def test_a_refused_or_abandoned_upload_leaves_no_row_blob_or_temp_file(
         call = reg.client.adapters.UploadAdapter.future(messages(), timeout=60)
         assert sent.wait(10)
         _await_active(reg, 1)
-        time.sleep(0.2)
+        wait_until(lambda: any(spool.iterdir()), "the upload's staged file", interval=0.01)
         call.cancel()
         release.set()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and (
-            reg.registry.catalog.upload_slots.active or any(spool.iterdir())
-        ):
-            time.sleep(0.01)
+        settled(
+            lambda: (reg.registry.catalog.upload_slots.active, list(spool.iterdir())),
+            lambda state: state == (0, []),
+            timeout=5,
+            interval=0.01,
+        )  # the assertions below say what was left if the registry never cleaned up
     else:
         with pytest.raises(grpc.RpcError) as exc:
             reg.client.adapters.UploadAdapter(messages(), timeout=60)

@@ -21,6 +21,7 @@ from loraserve.adapters import patterns
 from loraserve.common.errors import LoraserveError
 from loraserve.protos.v1 import placement_pb2
 from tests.registry.conftest import TINY_MODEL
+from tests.waiting import settled
 
 
 def _with_config(src, dst, **changes):
@@ -56,9 +57,8 @@ class HealthProbe:
         return self
 
     def __exit__(self, *exc) -> None:
-        deadline = time.monotonic() + 3  # enough samples that one scheduling hiccup is not the p99
-        while len(self.latencies) < 200 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        # enough samples that one scheduling hiccup is not the p99 (at most 3 s more of them)
+        settled(lambda: len(self.latencies), lambda n: n >= 200, timeout=3, interval=0.01)
         self.stop.set()
         self.thread.join(35)
         self.channel.close()

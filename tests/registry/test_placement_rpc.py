@@ -82,10 +82,9 @@ def test_lease_expiry_drops_placements_and_requires_reregistration(reg, adapter_
     alive, dying = _register(reg, "10.0.1.1:1", tiny_shapes), _register(reg, "10.0.1.2:1", tiny_shapes)
     _beat(reg, alive, ["hot@1"])
     _beat(reg, dying, ["hot@1"])
-    deadline = time.time() + 3.5
-    while time.time() < deadline:  # keep one worker alive past the other's lease
+    for _ in range(3):  # keep one worker alive past the other's lease (2 s): 3.6 s of the registry's clock
+        reg.clock.advance(1.2)
         _beat(reg, alive, ["hot@1"])
-        time.sleep(0.3)
     assert reg.registry.placement.expire() == [dying]
     resp = reg.client.placement.LocateAdapter(pp.LocateAdapterRequest(adapter="hot", max_candidates=5))
     assert [c.worker_id for c in resp.candidates] == [alive]
@@ -117,14 +116,13 @@ def test_a_second_replica_sees_the_fleet_within_its_ttl(reg, adapter_dirs, tiny_
     """Locate ranks an in-memory view of the fleet: this replica's own writes show at once, another
     replica's (a second registry process on the same database) once its view is re-read (FLEET_TTL_S)."""
     from loraserve.registry.app import open_registry
-    from loraserve.registry.placement import ReportedLoad, SlotReport
+    from loraserve.registry.placement import FLEET_TTL_S, ReportedLoad, SlotReport
 
     reg.client.push(adapter_dirs["all-r4"], "hot", TINY_MODEL)
     first = _register(reg, "10.0.3.1:1", tiny_shapes)
-    view = reg.registry.placement.fleet
-    view.ttl_s = 3600.0
     reg.client.placement.LocateAdapter(pp.LocateAdapterRequest(adapter="hot"))  # reads the fleet
-    other = open_registry(reg.registry.config)  # the second replica: same database, its own view
+    # the second replica: same database, its own view, the same clock
+    other = open_registry(reg.registry.config, reg.clock)
     try:
         assert [c.worker_id for c in other.placement.locate("hot")[1]] == [first]
         second = other.placement.register("10.0.3.2:1", TINY_MODEL, {}, 4)
@@ -139,7 +137,7 @@ def test_a_second_replica_sees_the_fleet_within_its_ttl(reg, adapter_dirs, tiny_
         stale = reg.client.placement.LocateAdapter(pp.LocateAdapterRequest(adapter="hot"))
         assert second.id not in [c.worker_id for c in stale.candidates]
         # ... and sees the holder once it does
-        view.ttl_s = 0.0
+        reg.clock.advance(FLEET_TTL_S + 0.1)
         fresh = reg.client.placement.LocateAdapter(pp.LocateAdapterRequest(adapter="hot"))
         assert [(c.worker_id, c.holds_adapter, c.tier) for c in fresh.candidates] == [
             (second.id, True, pp.RESIDENCY_TIER_DEVICE),
@@ -149,7 +147,7 @@ def test_a_second_replica_sees_the_fleet_within_its_ttl(reg, adapter_dirs, tiny_
         other.placement.fleet.ttl_s = 3600.0
         other.placement.heartbeat(second.id, [SlotReport(0, "hot@1", "LOADED")], ReportedLoad(free_slots=3))
         assert [c.worker_id for c in other.placement.locate("hot")[1]] == [second.id, first]
-        time.sleep(2.2)
+        reg.clock.advance(2.2)
         assert other.placement.locate("hot")[1] == []
     finally:
         other.close()

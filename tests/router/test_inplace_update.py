@@ -76,7 +76,9 @@ def test_new_version_under_the_alias_loads_next_to_the_old_one_which_drains(
 
         async def worker():
             server, port, _ = build_worker(engine, None, TINY_MODEL, "127.0.0.1:0")
-            registration = Registration(engine, registry.address, f"127.0.0.1:{port}", TINY_MODEL)
+            registration = side["registration"] = Registration(
+                engine, registry.address, f"127.0.0.1:{port}", TINY_MODEL
+            )
             side["task"] = asyncio.get_running_loop().create_task(registration.run())
             return server, port
 
@@ -119,8 +121,9 @@ def test_new_version_under_the_alias_loads_next_to_the_old_one_which_drains(
         assert len(received) > before  # ... while the old request kept decoding
         wait_until(lambda: placed() == {"rl@1", "rl@2"}, "a heartbeat holding both")
         assert slots()["rl@1"].refcount == 1  # still in use: the drain order waits
-        time.sleep(2.5)  # heartbeats (every 1/3 s) repeat the drain order; the in-use slot stays
-        assert "rl@1" in slots()
+        beats = side["registration"].heartbeats  # every 1/3 s, each answered with the drain order
+        wait_until(lambda: side["registration"].heartbeats >= beats + 4, "four more heartbeats")
+        assert "rl@1" in slots()  # the in-use slot stays
 
         # The old request finishes on v1 (its tokens are v1's slot arithmetic to the end), then v1 goes.
         rest = list(long)

@@ -1,11 +1,11 @@
 """The worker-identity rule (docs/security.md): a RegisterWorker for an address held by a live lease is
 refused unless it carries the same instance_id, so a holder of a worker token cannot take over a live
-worker's address (and receive its users' prompts through the router). Real registry on loopback, tokens on."""
+worker's address (and receive its users' prompts through the router). Real registry on loopback, tokens on, on
+a manual clock: a lease ends when a test advances it past the lease."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -15,10 +15,12 @@ from loraserve.common.security import ServerSecurity, channel
 from loraserve.protos.v1 import placement_pb2 as pp
 from loraserve.protos.v1 import placement_pb2_grpc
 from loraserve.registry.app import open_registry
+from loraserve.registry.clock import ManualClock
 from loraserve.registry.config import RegistryConfig
 from loraserve.registry.db import WorkerRow
 from loraserve.registry.server import build_server as build_registry
 from tests.aio_thread import aio_server_thread
+from tests.waiting import wait_until
 
 ADMIN, WORKER, ROUTER = "admin-t", "worker-t", "router-t"
 MODEL, ADDRESS, LEASE = "identity-model", "10.0.0.5:50051", 2
@@ -27,7 +29,8 @@ MODEL, ADDRESS, LEASE = "identity-model", "10.0.0.5:50051", 2
 @pytest.fixture
 def registry(tmp_path):
     reg = open_registry(
-        RegistryConfig(db=f"sqlite:///{tmp_path / 'r.db'}", storage=str(tmp_path / "s"), lease_seconds=LEASE)
+        RegistryConfig(db=f"sqlite:///{tmp_path / 'r.db'}", storage=str(tmp_path / "s"), lease_seconds=LEASE),
+        ManualClock(),
     )
     security = ServerSecurity(admin_tokens=(ADMIN,), worker_tokens=(WORKER,), router_tokens=(ROUTER,))
 
@@ -87,7 +90,7 @@ def test_another_identity_registers_once_the_lease_has_expired(registry) -> None
     with pytest.raises(grpc.RpcError) as exc:
         _register(address, "restarted-process")
     assert exc.value.code() == grpc.StatusCode.ALREADY_EXISTS
-    time.sleep(LEASE + 0.3)  # no heartbeat: the first lease ends
+    reg.clock.advance(LEASE + 0.3)  # no heartbeat: the first lease ends
     second = _register(address, "restarted-process").worker_id
     assert second != first and [r[0] for r in _rows(reg)] == [second] and _locate(address) == [second]
     with pytest.raises(grpc.RpcError) as exc:  # and now the first process is the stranger
@@ -119,10 +122,21 @@ def test_a_restarted_worker_process_registers_when_its_old_lease_ends(registry) 
         old_task = asyncio.create_task(old.run())
         await asyncio.wait_for(old.registered.wait(), 10)
         new_task = asyncio.create_task(new.run())
-        await asyncio.sleep(LEASE + 0.5)  # the old one heartbeats: its lease stays live, the new one waits
+
+        async def next_heartbeat() -> None:  # the old process's, renewing its lease from the clock's now
+            seen = old.heartbeats
+            await asyncio.to_thread(wait_until, lambda: old.heartbeats > seen, "the old process's heartbeat")
+
+        # the old one heartbeats: its lease stays live past its first one (LEASE + 0.5 s of the registry's
+        # clock, less than a lease between two heartbeats), and the new one waits
+        for step in (0.75 * LEASE, 0.25 * LEASE + 0.5):
+            await next_heartbeat()
+            reg.clock.advance(step)
         assert not new.registered.is_set() and old.heartbeats >= 2
         assert [r[0] for r in _rows(reg)] == [old.worker_id]
         old_task.cancel()  # the old process dies
+        await asyncio.gather(old_task, return_exceptions=True)
+        reg.clock.advance(LEASE + 0.1)  # and its last lease ends
         await asyncio.wait_for(new.registered.wait(), LEASE + 8)
         assert [r[0] for r in _rows(reg)] == [new.worker_id] and _locate(address) == [new.worker_id]
         new_task.cancel()
