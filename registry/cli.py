@@ -21,8 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve = sub.add_parser("serve", help="serve AdapterRegistry and Placement over gRPC")
     add_config_flags(serve, RegistryConfig, ENV_PREFIX)
     add_logging_flags(serve)
+    serve.set_defaults(registry_action=_serve)
     migrate = sub.add_parser("migrate", help="create or upgrade the database schema (Alembic)")
     add_config_flags(migrate, RegistryConfig, ENV_PREFIX, only=("db",))
+    migrate.set_defaults(registry_action=_migrate)
     gc = sub.add_parser("gc", help="delete stored blobs that no adapter references")
     add_config_flags(gc, RegistryConfig, ENV_PREFIX, only=("db", "storage"))
     gc.add_argument(
@@ -31,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="keep blobs younger than this (an upload in flight writes its blob before its row)",
     )
+    gc.set_defaults(registry_action=_gc)
 
 
 async def serve(config: RegistryConfig, stop: asyncio.Event | None = None) -> None:
@@ -53,25 +56,33 @@ async def serve(config: RegistryConfig, stop: asyncio.Event | None = None) -> No
     )
 
 
+def _serve(config: RegistryConfig, args: argparse.Namespace) -> None:
+    from loraserve.common.config import setup_logging_from_args
+
+    setup_logging_from_args(args)
+    asyncio.run(serve(config))
+
+
+def _migrate(config: RegistryConfig, args: argparse.Namespace) -> None:
+    from loraserve.registry.migrate import current_revision, upgrade
+
+    upgrade(config.db)
+    print(f"database at revision {current_revision(config.db)}")
+
+
+def _gc(config: RegistryConfig, args: argparse.Namespace) -> None:
+    from loraserve.registry.app import open_registry
+
+    registry = open_registry(config)
+    removed = registry.catalog.gc(min_age_s=args.min_age_seconds)
+    registry.close()
+    print(f"removed {len(removed)} unreferenced blob(s)")
+    for digest in removed:
+        print(f"  {digest}")
+
+
 def run(args: argparse.Namespace) -> int:
-    config = config_from_args(RegistryConfig, ENV_PREFIX, args)
-    if args.registry_command == "serve":
-        from loraserve.common.config import setup_logging_from_args
-
-        setup_logging_from_args(args)
-        asyncio.run(serve(config))
-    elif args.registry_command == "migrate":
-        from loraserve.registry.migrate import current_revision, upgrade
-
-        upgrade(config.db)
-        print(f"database at revision {current_revision(config.db)}")
-    elif args.registry_command == "gc":
-        from loraserve.registry.app import open_registry
-
-        registry = open_registry(config)
-        removed = registry.catalog.gc(min_age_s=args.min_age_seconds)
-        registry.close()
-        print(f"removed {len(removed)} unreferenced blob(s)")
-        for digest in removed:
-            print(f"  {digest}")
+    """Run the action argparse chose (``set_defaults(registry_action=...)``) with the configuration its flags
+    and the environment give."""
+    args.registry_action(config_from_args(RegistryConfig, ENV_PREFIX, args), args)
     return 0
