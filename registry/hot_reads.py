@@ -1,16 +1,16 @@
 """LocateAdapter's one database read, awaited on the server's event loop instead of a thread hop.
 
 Every other RPC runs its blocking catalog work on a thread (``registry.server._call``). For LocateAdapter,
-the router's per-request question, that hop was most of the time above gRPC's own floor: with 200 workers
-heartbeating, a hand-off to a pool thread and back waits for the GIL behind heartbeat threads (measured
-on a 2-core VM: p50 2.3 ms against a 0.85 ms health check; the same RPC without the hop 1.4 ms). So a
-locate resolves its name with one of these, picked by the database the registry runs on:
+the router's per-request question, that hop was most of the time above gRPC's own floor: with many workers
+heartbeating, a hand-off to a pool thread and back waits for the GIL behind heartbeat threads
+(docs/performance.md has the numbers). So a locate resolves its name with one of these, picked by the
+database the registry runs on:
 
 * :class:`InlineReads` (SQLite): the prebuilt statement on a plain connection, on the event loop itself.
-  A read of a local WAL-mode file takes ~0.1 ms and never waits for a writer.
+  A read of a local WAL-mode file is quick and never waits for a writer.
 * :class:`PsycopgReads` (PostgreSQL through psycopg, the production choice): psycopg's asyncio
-  connections, a few kept open per event loop, in autocommit mode (one round trip a read, ~0.15 ms on
-  loopback). Nothing blocks the loop while the database answers.
+  connections, a few kept open per event loop, in autocommit mode (one round trip a read). Nothing blocks
+  the loop while the database answers.
 * :class:`ThreadReads` (any other database): the statement on a thread, as before.
 
 A failure raises the driver's own error (``OperationalError`` for an unreachable database), which the
