@@ -74,7 +74,9 @@ class UploadSlots:
     def acquire(self) -> None:
         with self._lock:
             if self.active >= self.limit:
-                raise ResourceExhausted(f"too many concurrent uploads ({self.limit}), retry later")
+                raise ResourceExhausted(
+                    f"too many concurrent uploads ({self.limit}), retry later", retry_after=1.0
+                )
             self.active += 1
 
     def release(self) -> None:

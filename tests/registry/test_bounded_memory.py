@@ -231,6 +231,7 @@ def test_one_upload_over_the_limit_is_refused_at_once(reg, adapter_dirs, tmp_pat
         assert time.monotonic() - start < 5  # refused at once, not queued behind the two
         assert exc.value.code_name == "RESOURCE_EXHAUSTED"
         assert exc.value.message == f"too many concurrent uploads ({limit}), retry later"
+        assert exc.value.retry_after == 1.0  # waiting cures it: the client is told how long
     finally:
         gate.set()
     rows = [call.result() for call in calls]
