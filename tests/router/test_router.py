@@ -298,6 +298,20 @@ def test_router_http_api(stack) -> None:
         assert models["all-r4"].model_dump()["root"] == "all-r4@1"
         resp = httpx.post(f"{url}/v1/completions", json={"model": "never-pushed", "prompt": "x"}, timeout=30)
         assert resp.status_code == 404 and resp.json()["error"]["code"] == "NOT_FOUND"
+        # lm-eval's log-likelihood request and several choices, through the router's HTTP port
+        echoed = http.completions.create(
+            model="qv-r8-rslora", prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1, echo=True
+        )
+        scored = client.complete(PROMPT, adapter="qv-r8-rslora", max_tokens=1, prompt_logprobs=1)
+        lp = echoed.choices[0].logprobs
+        assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(PROMPT) + 1
+        want = [e.chosen.logprob for e in scored.prompt_logprobs[1:]]
+        assert lp.token_logprobs[1 : len(PROMPT)] == pytest.approx(want, abs=1e-6)
+        many = http.completions.create(
+            model="qv-r8-rslora", prompt=[PROMPT, PROMPT[:3]], n=2, max_tokens=3, temperature=0
+        )
+        assert [c.index for c in many.choices] == [0, 1, 2, 3]
+        assert many.choices[0].text == many.choices[1].text and many.usage.prompt_tokens == len(PROMPT) + 3
 
 
 def test_rollout_split_and_rollback_through_the_router(stack, adapter_dirs) -> None:
