@@ -6,11 +6,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from loraserve.adapters.sources import LocalAdapterSource
-from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
 from loraserve.worker.requests import EngineRequest, Finished, Sampling
+from tests.engines import started_engine
 from tests.worker.fake_engine import Collector
 
 
@@ -22,12 +20,8 @@ def reference_tokens(
     max_tokens: int = 6,
 ) -> list[list[int]]:
     """Greedy tokens of each ``(adapter name or "", prompt)``, served one at a time; adapters as ``name@1``."""
-    source = LocalAdapterSource()
-    for name, path in adapters.items():
-        source.register(f"{name}@1", str(path))
-    engine = Engine(load_checkpoint(str(model_dir)), config, source=source)
-    engine.start()
-    try:
+    versioned = {f"{name}@1": path for name, path in adapters.items()}
+    with started_engine(model_dir, config, versioned) as engine:
         outs = []
         for adapter, prompt in requests:
             collected = Collector()
@@ -38,5 +32,3 @@ def reference_tokens(
             assert isinstance(collected.end, Finished), collected.end
             outs.append(collected.tokens)
         return outs
-    finally:
-        engine.stop()

@@ -26,7 +26,6 @@ from loraserve.protos.v1 import worker_admin_pb2 as wa
 from loraserve.registry.config import RegistryConfig
 from loraserve.router.routing import Locator, WorkerPool
 from loraserve.router.server import build_server as build_router
-from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.registration import Registration
@@ -35,6 +34,7 @@ from loraserve.worker.server import build_server as build_worker
 from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread
 from tests.e2e.procs import wait_for_workers
+from tests.engines import started_engine
 from tests.registry.conftest import TINY_MODEL, RegistryEnv, start_registry
 from tests.waiting import settled
 
@@ -67,13 +67,8 @@ def stack(llama_dir, adapter_dirs, tmp_path_factory) -> Iterator[RouterStack]:
         for name in ("all-r4", "qv-r8-rslora", "mlp-r16"):
             registry.client.push(adapter_dirs[name], name, TINY_MODEL)
         source = RegistryAdapterSource(registry.address, cache_dir=str(tmp / "cache"))
-        engine = Engine(
-            load_checkpoint(str(llama_dir)),
-            EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2),
-            source=source,
-        )
-        engine.start()
-        es.callback(engine.stop)
+        config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2)
+        engine = es.enter_context(started_engine(llama_dir, config, source=source))
         tokenizer = load_tokenizer(str(llama_dir))
         worker_side: dict[str, Any] = {}  # filled on the worker's event loop
 

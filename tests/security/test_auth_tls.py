@@ -25,11 +25,10 @@ from loraserve.protos.v1 import worker_admin_pb2 as wa
 from loraserve.registry.app import open_registry
 from loraserve.registry.config import RegistryConfig
 from loraserve.registry.server import build_server as build_registry
-from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
 from loraserve.worker.server import build_server as build_worker
 from tests.aio_thread import aio_server_thread
+from tests.engines import started_engine
 from tests.security.certs import make_pki
 
 ADMIN, INFER = "admin-secret", "inference-secret"
@@ -111,22 +110,19 @@ def test_every_registry_rpc_needs_the_admin_token(tmp_path) -> None:
 
 
 def test_worker_inference_and_admin_tokens(llama_dir) -> None:
-    engine = Engine(
-        load_checkpoint(str(llama_dir)), EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=1)
-    )
-    engine.start()
+    config = EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=1)
+    with started_engine(llama_dir, config) as engine:
 
-    async def build():
-        server, port, _ = build_worker(
-            engine,
-            None,
-            "tiny",
-            "127.0.0.1:0",
-            ServerSecurity(inference_tokens=(INFER,), admin_tokens=(ADMIN,)),
-        )
-        return server, port
+        async def build():
+            server, port, _ = build_worker(
+                engine,
+                None,
+                "tiny",
+                "127.0.0.1:0",
+                ServerSecurity(inference_tokens=(INFER,), admin_tokens=(ADMIN,)),
+            )
+            return server, port
 
-    try:
         with aio_server_thread(build) as port:
             address = f"127.0.0.1:{port}"
             gen = ipb.GenerateRequest(
@@ -160,8 +156,6 @@ def test_worker_inference_and_admin_tokens(llama_dir) -> None:
                             assert code == admin_code, token
             with Client(address, token=INFER) as client:
                 assert client.complete([5, 6], max_tokens=3).completion_tokens == 3
-    finally:
-        engine.stop()
 
 
 def test_tls_and_mtls_round_trips(tmp_path, pki) -> None:

@@ -32,6 +32,7 @@ from loraserve.worker.server import build_server as build_worker
 from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread
 from tests.e2e.procs import wait_for_workers
+from tests.engines import started_engine
 
 ADMIN, INFER, MODEL = "admin-t", "infer-t", "tiny-llama"
 PROMPT = [5, 17, 33, 100, 7]
@@ -70,13 +71,8 @@ def env(llama_dir, adapter_dirs, tmp_path_factory):
             e.admin.push(adapter_dirs[name], name, MODEL)
         e.cache_dir = tmp / "disk-cache"
         source = RegistryAdapterSource(e.registry_address, cache_dir=str(e.cache_dir), token=ADMIN)
-        e.engine = Engine(
-            load_checkpoint(str(llama_dir)),
-            EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=8),
-            source=source,
-        )
-        e.engine.start()
-        es.callback(e.engine.stop)
+        config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=8)
+        e.engine = es.enter_context(started_engine(llama_dir, config, source=source))
         tokenizer = load_tokenizer(str(llama_dir))
         both = ServerSecurity(inference_tokens=(INFER,), admin_tokens=(ADMIN,))
 

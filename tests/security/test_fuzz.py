@@ -11,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loraserve.adapters.sources import LocalAdapterSource
 from loraserve.protos.v1 import inference_pb2 as ipb
 from loraserve.protos.v1 import (
     inference_pb2_grpc,
@@ -25,12 +24,11 @@ from loraserve.protos.v1 import worker_admin_pb2 as wa
 from loraserve.registry.app import open_registry
 from loraserve.registry.config import RegistryConfig
 from loraserve.registry.server import build_server as build_registry
-from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
 from loraserve.worker.server import build_server as build_worker
 from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread
+from tests.engines import started_engine
 
 DOCUMENTED = {
     grpc.StatusCode.OK,
@@ -65,35 +63,29 @@ def _code(fn) -> grpc.StatusCode:
 @pytest.fixture(scope="module")
 def servers(llama_dir, adapter_dirs, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fuzz")
-    source = LocalAdapterSource()
-    source.register("all-r4", str(adapter_dirs["all-r4"]))
-    engine = Engine(
-        load_checkpoint(str(llama_dir)),
-        EngineConfig(max_batch_size=4, max_seq_len=32, max_loras=1),
-        source=source,
-    )
-    engine.start()
     tokenizer = load_tokenizer(str(llama_dir))
     registry = open_registry(
         RegistryConfig(db=f"sqlite:///{tmp / 'r.db'}", storage=str(tmp / "s"), max_upload_bytes=1 << 16)
     )
 
-    async def worker():
-        server, port, _ = build_worker(engine, tokenizer, "tiny", "127.0.0.1:0")
-        return server, port
+    config = EngineConfig(max_batch_size=4, max_seq_len=32, max_loras=1)
+    with started_engine(llama_dir, config, {"all-r4": adapter_dirs["all-r4"]}) as engine:
 
-    async def reg():
-        server, port, _ = build_registry(registry.catalog, registry.placement, "127.0.0.1:0")
-        return server, port
+        async def worker():
+            server, port, _ = build_worker(engine, tokenizer, "tiny", "127.0.0.1:0")
+            return server, port
 
-    with (
-        aio_server_thread(worker) as wport,
-        aio_server_thread(reg) as rport,
-        grpc.insecure_channel(f"127.0.0.1:{wport}") as wch,
-        grpc.insecure_channel(f"127.0.0.1:{rport}") as rch,
-    ):
-        yield {"engine": engine, "registry": registry, "worker": wch, "reg": rch}
-    engine.stop()
+        async def reg():
+            server, port, _ = build_registry(registry.catalog, registry.placement, "127.0.0.1:0")
+            return server, port
+
+        with (
+            aio_server_thread(worker) as wport,
+            aio_server_thread(reg) as rport,
+            grpc.insecure_channel(f"127.0.0.1:{wport}") as wch,
+            grpc.insecure_channel(f"127.0.0.1:{rport}") as rch,
+        ):
+            yield {"engine": engine, "registry": registry, "worker": wch, "reg": rch}
     registry.close()
 
 

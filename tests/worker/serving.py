@@ -9,13 +9,12 @@ from typing import Any
 
 import grpc
 
-from loraserve.adapters.sources import LocalAdapterSource
-from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.server import build_server, set_serving
 from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread
+from tests.engines import started_engine
 
 
 @dataclass
@@ -30,22 +29,15 @@ class RunningWorker:
 def running_worker(
     model_dir, config: EngineConfig, adapters: dict[str, Any] | None = None
 ) -> Iterator[RunningWorker]:
-    source = LocalAdapterSource()
-    for name, path in (adapters or {}).items():
-        source.register(name, str(path))
-    engine = Engine(load_checkpoint(str(model_dir)), config, source=source)
     tokenizer = load_tokenizer(str(model_dir))
-    engine.start()
+    with started_engine(model_dir, config, adapters) as engine:
 
-    async def build():
-        server, port, health_servicer = build_server(engine, tokenizer, "tiny-llama", "127.0.0.1:0")
-        await set_serving(health_servicer, True)
-        return server, port
+        async def build():
+            server, port, health_servicer = build_server(engine, tokenizer, "tiny-llama", "127.0.0.1:0")
+            await set_serving(health_servicer, True)
+            return server, port
 
-    try:
         with aio_server_thread(build) as port:
             address = f"127.0.0.1:{port}"
             with grpc.insecure_channel(address) as channel:
                 yield RunningWorker(address, engine, tokenizer, channel)
-    finally:
-        engine.stop()

@@ -36,21 +36,15 @@ def test_engine_serves_dora_and_bias_with_peft_s_greedy_tokens(model_dirs, dora_
     through 2 slots (so loads evict and reload), give PEFT's greedy tokens; nothing compiles after start."""
     import uuid
 
-    from loraserve.adapters.sources import LocalAdapterSource
     from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
     from loraserve.worker.requests import EngineRequest, Sampling
+    from tests.engines import started_engine
     from tests.worker.fake_engine import Collector
 
     model_dir, dirs = model_dirs["llama"], dora_dirs("llama")
-    source = LocalAdapterSource()
-    for name, path in dirs.items():
-        source.register(name, str(path))
     config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=RANK, max_cpu_loras=1)
-    engine = Engine(load_checkpoint(str(model_dir)), config, source=source)
-    engine.start()
     prompts = {name: [5, 17, 33 + i, 100, 7] for i, name in enumerate(["", *NAMES])}
-    try:
+    with started_engine(model_dir, config, dirs) as engine:
         with count_compilations() as count:
             collectors = {}
             for round_ in range(2):  # the second round reloads what the first evicted
@@ -64,8 +58,6 @@ def test_engine_serves_dora_and_bias_with_peft_s_greedy_tokens(model_dirs, dora_
             for c in collectors.values():
                 assert c.done.wait(120), "request did not finish"
         assert count.compilations == 0, count.names
-    finally:
-        engine.stop()
     for (name, _), c in collectors.items():
         want = _peft_greedy(model_dir, dirs[name] if name else None, prompts[name], 8)
         assert c.tokens == want, name

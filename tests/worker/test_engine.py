@@ -16,6 +16,7 @@ from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Started
+from tests.engines import local_source, started_engine
 from tests.worker.fake_engine import Collector
 
 PROMPT = [5, 17, 33, 100, 7]
@@ -34,22 +35,14 @@ def wait(*collectors: Collector, timeout: float = 60) -> None:
 
 @pytest.fixture(scope="module")
 def source(adapter_dirs) -> LocalAdapterSource:
-    src = LocalAdapterSource()
-    for name, path in adapter_dirs.items():
-        src.register(name, str(path))
-    return src
+    return local_source(adapter_dirs)
 
 
 @pytest.fixture(scope="module")
 def engine(llama_dir, source):
-    eng = Engine(
-        load_checkpoint(str(llama_dir)),
-        EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16, max_cpu_loras=1),
-        source=source,
-    )
-    eng.start()
-    yield eng
-    eng.stop()
+    config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16, max_cpu_loras=1)
+    with started_engine(llama_dir, config, source=source) as eng:
+        yield eng
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(engine) -> None:
@@ -76,19 +69,13 @@ def test_eos_ends_generation_unless_ignored(engine, llama_dir, source) -> None:
     wait(free)
     eos = free.tokens[4]  # an engine of its own whose EOS is the 5th greedy token
     checkpoint = load_checkpoint(str(llama_dir))
-    eng = Engine(
-        checkpoint,
-        engine.config,
-        source,
-        model_config=replace(checkpoint.config, eos_token_ids=(eos,)),
-    )
-    eng.start(warmup=False)
-    try:
+    eos_config = replace(checkpoint.config, eos_token_ids=(eos,))
+    with started_engine(
+        checkpoint, engine.config, source=source, model_config=eos_config, warmup=False
+    ) as eng:
         stopped = submit(eng, max_tokens=12)
         ignored = submit(eng, max_tokens=12, ignore_eos=True)
         wait(stopped, ignored)
-    finally:
-        eng.stop()
     first = free.tokens.index(eos)  # <= 4: the id may come earlier too
     assert stopped.tokens == free.tokens[: first + 1]
     assert stopped.end == Finished("eos", len(PROMPT), first + 1, token_id=eos)
@@ -136,15 +123,8 @@ def test_lru_eviction_pinning_and_host_tier(engine) -> None:
 
 
 def test_too_large_adapter_fails_precondition(llama_dir, adapter_dirs) -> None:
-    src = LocalAdapterSource()
-    src.register("big", str(adapter_dirs["mlp-r16"]))
-    eng = Engine(
-        load_checkpoint(str(llama_dir)),
-        EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=1, max_lora_rank=8),
-        source=src,
-    )
-    eng.start()
-    try:
+    config = EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=1, max_lora_rank=8)
+    with started_engine(llama_dir, config, {"big": adapter_dirs["mlp-r16"]}) as eng:
         c = submit(eng, "big", max_tokens=2)
         wait(c)
         assert c.end.code == grpc.StatusCode.FAILED_PRECONDITION
@@ -152,8 +132,6 @@ def test_too_large_adapter_fails_precondition(llama_dir, adapter_dirs) -> None:
         ok = submit(eng, max_tokens=2)
         wait(ok)
         assert isinstance(ok.end, Finished)
-    finally:
-        eng.stop()
 
 
 @pytest.mark.slow
@@ -165,26 +143,19 @@ def test_too_large_adapter_fails_precondition(llama_dir, adapter_dirs) -> None:
 def test_no_compilation_after_warmup_over_200_requests_20_adapters_4_slots(
     llama_dir, adapter_dirs, tmp_path, backend: str, lora_dtype: str
 ) -> None:
-    src = LocalAdapterSource()
     names = list(adapter_dirs)
-    for i in range(20):
-        src.register(f"a{i}", str(adapter_dirs[names[i % len(names)]]))
-    eng = Engine(
-        load_checkpoint(str(llama_dir)),
-        EngineConfig(
-            max_batch_size=8,
-            max_seq_len=64,
-            max_loras=4,
-            max_lora_rank=16,
-            max_cpu_loras=0,
-            kernel_backend=backend,
-            lora_dtype=lora_dtype,
-        ),
-        source=src,
+    adapters = {f"a{i}": adapter_dirs[names[i % len(names)]] for i in range(20)}
+    config = EngineConfig(
+        max_batch_size=8,
+        max_seq_len=64,
+        max_loras=4,
+        max_lora_rank=16,
+        max_cpu_loras=0,
+        kernel_backend=backend,
+        lora_dtype=lora_dtype,
     )
-    assert eng.backend == kernels.resolve_backend(backend)
-    eng.start()
-    try:
+    with started_engine(llama_dir, config, adapters) as eng:
+        assert eng.backend == kernels.resolve_backend(backend)
         with count_compilations() as count:
             collectors = []
             for i in range(200):
@@ -204,5 +175,3 @@ def test_no_compilation_after_warmup_over_200_requests_20_adapters_4_slots(
         assert all(isinstance(c.end, Finished) for c in collectors)
         assert eng.snapshot().adapter_loads >= 20  # 20 adapters through 4 slots: swaps really happened
         assert count.compilations == 0, count.names
-    finally:
-        eng.stop()

@@ -204,10 +204,9 @@ def test_engine_serves_gemma3_like_transformers_generates(model_dirs, family_ada
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from loraserve.adapters.sources import LocalAdapterSource
     from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
     from loraserve.worker.requests import EngineRequest, Sampling
+    from tests.engines import started_engine
     from tests.worker.fake_engine import Collector
 
     path, adapter = model_dirs["gemma3_text"], family_adapter_dirs("gemma3_text")["all-r4"]
@@ -222,15 +221,8 @@ def test_engine_serves_gemma3_like_transformers_generates(model_dirs, family_ada
             )
         want[name] = out[0, len(PROMPT) :].tolist()
     assert want[""] != want["all-r4"]
-    source = LocalAdapterSource()
-    source.register("all-r4", str(adapter))
-    engine = Engine(
-        load_checkpoint(str(path)),
-        EngineConfig(max_batch_size=2, max_seq_len=64, max_loras=1, max_lora_rank=16),
-        source=source,
-    )
-    engine.start()
-    try:
+    config = EngineConfig(max_batch_size=2, max_seq_len=64, max_loras=1, max_lora_rank=16)
+    with started_engine(path, config, {"all-r4": adapter}) as engine:
         got = {}
         for name in want:
             got[name] = Collector()
@@ -238,6 +230,4 @@ def test_engine_serves_gemma3_like_transformers_generates(model_dirs, family_ada
             engine.submit(EngineRequest(f"r{len(got)}", name, list(PROMPT), sampling, got[name]))
         for c in got.values():
             assert c.done.wait(120), "request did not finish"
-    finally:
-        engine.stop()
     assert {name: c.tokens for name, c in got.items()} == want

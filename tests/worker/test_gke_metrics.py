@@ -18,12 +18,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraserve.adapters.sources import LocalAdapterSource
-from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.metrics import EngineCollector
 from loraserve.worker.requests import EngineRequest, Sampling
+from tests.engines import started_engine
 from tests.worker.fake_engine import Collector
 
 ADAPTERS = ("all-r4", "qv-r8-rslora", "mlp-r16")  # three adapters for two slots: one waits for a slot
@@ -40,13 +39,8 @@ EPP_METRICS = {  # name -> (type, label names): what the EPP's flags point at
 @pytest.fixture(scope="module")
 def engine(llama_dir, adapter_dirs):
     """The suite's tiny Llama and PEFT adapters (tests/conftest.py), three of them for two slots."""
-    source = LocalAdapterSource()
-    for name in ADAPTERS:
-        source.register(name, str(adapter_dirs[name]))
-    eng = Engine(load_checkpoint(str(llama_dir)), CONFIG, source=source)
-    eng.start()
-    yield eng
-    eng.stop()
+    with started_engine(llama_dir, CONFIG, {name: adapter_dirs[name] for name in ADAPTERS}) as eng:
+        yield eng
 
 
 def scrape(registry: CollectorRegistry) -> dict:

@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from loraserve.adapters.sources import LocalAdapterSource
 from loraserve.kernels.testing import count_compilations
-from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.requests import EngineRequest, Finished, Sampling, Token, TokenLogprobs
+from tests.engines import started_engine
 from tests.worker.fake_engine import Collector
 
 ATOL = 1e-4
@@ -30,17 +29,10 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def engine(llama_dir, adapter_dirs):
-    source = LocalAdapterSource()
-    for name in ("all-r4", "mlp-r16"):
-        source.register(name, str(adapter_dirs[name]))
-    eng = Engine(
-        load_checkpoint(str(llama_dir)),
-        EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16),
-        source=source,
-    )
-    eng.start()
-    yield eng
-    eng.stop()
+    config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16)
+    adapters = {name: adapter_dirs[name] for name in ("all-r4", "mlp-r16")}
+    with started_engine(llama_dir, config, adapters) as eng:
+        yield eng
 
 
 def submit(engine: Engine, adapter: str = "", prompt=PROMPT, **sampling) -> Collector:

@@ -167,17 +167,12 @@ def test_mixes_single_adapters_and_base_rows_in_one_batch_match_peft(
 
 
 def _engine(llama_dir, adapter_dirs, **kw):
-    from loraserve.adapters.sources import LocalAdapterSource
+    """A started engine serving every adapter of ``adapter_dirs``, stopped when the ``with`` ends."""
     from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
+    from tests.engines import started_engine
 
-    source = LocalAdapterSource()
-    for name, path in adapter_dirs.items():
-        source.register(name, str(path))
     config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=RANK, **kw)
-    engine = Engine(load_checkpoint(str(llama_dir)), config, source=source)
-    engine.start()
-    return engine
+    return started_engine(llama_dir, config, adapter_dirs)
 
 
 def _request(adapter: str, prompt: list[int], collector, n: int = 8):
@@ -201,11 +196,10 @@ def test_engine_serves_mixes_next_to_single_adapters_with_peft_s_tokens(llama_di
     after start; ``Started`` names the mix's resolved parts."""
     from tests.worker.fake_engine import Collector
 
-    engine = _engine(llama_dir, adapter_dirs, max_cpu_loras=4)
     names = ["", "all-r4", "mix-a", "mix-b"]
     refs = {n: mix_ref([MixPart(a, w) for a, w in MIXES[n]]) if n in MIXES else n for n in names}
     prompts = {name: [5, 17, 40 + i, 100, 7] for i, name in enumerate(names)}
-    try:
+    with _engine(llama_dir, adapter_dirs, max_cpu_loras=4) as engine:
         with count_compilations() as count:
             collectors = {}
             for round_ in range(2):  # the second round reuses what the first left in slots and host memory
@@ -216,8 +210,6 @@ def test_engine_serves_mixes_next_to_single_adapters_with_peft_s_tokens(llama_di
             for c in collectors.values():
                 assert c.done.wait(120), "request did not finish"
         assert count.compilations == 0, count.names
-    finally:
-        engine.stop()
     for (name, _), c in collectors.items():
         assert c.tokens == _peft_greedy(llama_dir, adapter_dirs, name or None, prompts[name], 8), name
     started = [e.adapter for e in collectors["mix-a", 0].events if isinstance(e, Started)]
@@ -230,8 +222,7 @@ def test_engine_refuses_bad_mixes_and_keeps_serving(llama_dir, adapter_dirs) -> 
     from loraserve.common.errors import LoraserveError
     from tests.worker.fake_engine import Collector
 
-    engine = _engine(llama_dir, adapter_dirs, max_mix=2)
-    try:
+    with _engine(llama_dir, adapter_dirs, max_mix=2) as engine:
         for ref, words in (
             ("all-r4*0.5+mlp-r16*0.5+attn-pattern*1.0", "at most 2"),
             ("all-r4*nan", "finite"),
@@ -253,5 +244,3 @@ def test_engine_refuses_bad_mixes_and_keeps_serving(llama_dir, adapter_dirs) -> 
         c = Collector()
         engine.submit(_request("all-r4*0.5+qv-r8-rslora*0.5", [5, 6, 7], c, n=3))
         assert c.done.wait(60) and isinstance(c.end, Finished) and len(c.tokens) == 3
-    finally:
-        engine.stop()

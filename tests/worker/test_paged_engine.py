@@ -23,6 +23,7 @@ from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.requests import Finished
 from loraserve.worker.step import PrefillBatch
+from tests.engines import local_source, started_engine
 from tests.worker.model_steps import ModelSteps
 from tests.worker.test_engine import submit, wait
 
@@ -33,9 +34,7 @@ ADAPTERS = ["all-r4", "", "mlp-r16", "all-r4"]
 
 def _run(checkpoint, source, prompts, adapters, new: int, **config) -> tuple[list[list[int]], Engine]:
     """Serve every prompt at once (greedy, ignore_eos, ``new`` tokens); returns each one's tokens."""
-    engine = Engine(checkpoint, EngineConfig(**{**BASE, **config}), source=source)
-    engine.start()
-    try:
+    with started_engine(checkpoint, EngineConfig(**{**BASE, **config}), source=source) as engine:
         with count_compilations() as count:
             runs = [
                 submit(engine, a, p, max_tokens=new, ignore_eos=True)
@@ -44,9 +43,7 @@ def _run(checkpoint, source, prompts, adapters, new: int, **config) -> tuple[lis
             wait(*runs)
         assert count.compilations == 0, count.names  # page-table changes and preemptions compile nothing
         assert all(isinstance(r.end, Finished) for r in runs), [r.end for r in runs]
-        return [r.tokens for r in runs], engine
-    finally:
-        engine.stop()
+    return [r.tokens for r in runs], engine
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +53,7 @@ def checkpoint(llama_dir):
 
 @pytest.fixture(scope="module")
 def source(adapter_dirs):
-    from loraserve.adapters.sources import LocalAdapterSource
-
-    src = LocalAdapterSource()
-    for name, path in adapter_dirs.items():
-        src.register(name, str(path))
-    return src
+    return local_source(adapter_dirs)
 
 
 def test_preempted_requests_finish_with_the_tokens_of_an_uninterrupted_run(checkpoint, source) -> None:
@@ -86,17 +78,13 @@ def test_prefix_cache_hits_give_the_tokens_of_a_full_recompute_and_never_cross_a
     cold, off = _run(checkpoint, source, prompts, adapters, 6, enable_prefix_caching=False)
     assert off.snapshot().prefix_hit_tokens == 0
     # one at a time, so that every later request can find the first one's pages
-    engine = Engine(checkpoint, EngineConfig(**BASE), source=source)
-    engine.start()
-    try:
+    with started_engine(checkpoint, EngineConfig(**BASE), source=source) as engine:
         warm = []
         for p, a in zip(prompts, adapters, strict=True):
             run = submit(engine, a, p, max_tokens=6, ignore_eos=True)
             wait(run)
             warm.append(run.tokens)
         snap = engine.snapshot()
-    finally:
-        engine.stop()
     assert warm == cold
     # the three later all-r4 requests each reuse the 10 shared pages; the base and mlp-r16 requests
     # reuse nothing (their keys and values differ from all-r4's)
