@@ -12,8 +12,8 @@ for both adapters and the base model:
 * ``lsv_gen``, generate-until (``until: ["\\n"]``): the outputs are the router's greedy completions of the
   same token ids, cut at the first newline, and they differ between the adapters and the base.
 
-About 40 s on 2 cores, nearly all of it building the tiny models and compiling the engine's programs; the
-three lm-eval runs take about 3 s.
+25-40 s on a shared 2-core machine, nearly all of it building the tiny models and compiling the engine's
+programs; the three lm-eval runs take about 3 s.
 """
 
 from __future__ import annotations
@@ -30,15 +30,14 @@ import pytest
 
 from loraserve.registry.config import RegistryConfig
 from loraserve.router.routing import Locator, WorkerPool
-from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
 from loraserve.worker.registration import Registration
 from loraserve.worker.registry_source import RegistryAdapterSource
 from loraserve.worker.server import build_server as build_worker
 from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread, http_server_thread
 from tests.e2e.procs import wait_for_workers
+from tests.engines import started_engine
 from tests.registry.conftest import TINY_MODEL, start_registry
 
 pytestmark = pytest.mark.slow
@@ -116,10 +115,8 @@ def router_url(llama_dir, adapter_dirs, tmp_path_factory) -> Iterator[str]:
             registry.client.push(adapter_dirs[name], name, TINY_MODEL)
         source = RegistryAdapterSource(registry.address, cache_dir=str(tmp / "cache"))
         config = EngineConfig(max_batch_size=4, max_seq_len=128, max_loras=2, max_lora_rank=8)
-        engine = Engine(load_checkpoint(str(llama_dir)), config, source=source)
         # no warm-up: only the programs these requests use get compiled (about 15 s less than warming up all)
-        engine.start(warmup=False)
-        es.callback(engine.stop)
+        engine = es.enter_context(started_engine(llama_dir, config, source=source, warmup=False))
         tokenizer = load_tokenizer(str(llama_dir))
         tasks: list[asyncio.Task] = []
 
