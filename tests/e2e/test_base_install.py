@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import with_test_xla_flags
 from tests.e2e.procs import loraserve_process, wait_for_workers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -82,8 +83,8 @@ def test_client_commands_run_without_server_packages(
 
         worker_args = ["worker", "--model", str(llama_dir), "--model-id", MODEL_ID, "--port", "0"]
         worker_args += ["--registry", registry.address, "--max-loras", "2", "--max-lora-rank", "8"]
-        worker_args += ["--max-seq-len", "64", "--max-batch-size", "4"]
-        with loraserve_process(worker_args) as worker:
+        worker_args += ["--max-seq-len", "64"]  # docker-compose's shapes: programs shared through the cache
+        with loraserve_process(worker_args, env=with_test_xla_flags()) as worker:  # compile-bound
             from loraserve.client.registry_client import RegistryClient
 
             with RegistryClient(registry.address) as reg:

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
 from loraserve.common.errors import LoraserveError
+from tests.conftest import with_test_xla_flags
 from tests.e2e.compose_local import free_port
 from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
 from tests.waiting import settled
@@ -49,7 +50,8 @@ def test_worker_metrics_and_json_logs(llama_dir, adapter_dirs, tmp_path) -> None
         "--metrics-port",
         str(port),
     ]
-    with loraserve_process(args, env={"LORASERVE_LOG_FORMAT": "json"}) as proc:
+    # compile-bound (three requests of four tokens): the warm-up at the tests' XLA level
+    with loraserve_process(args, env=with_test_xla_flags({"LORASERVE_LOG_FORMAT": "json"})) as proc:
         wait_healthy(proc.address)
         with Client(proc.address) as client:
             for adapter in ("all-r4", "all-r4", ""):
@@ -135,6 +137,10 @@ def test_every_server_records_its_rpcs_with_status_codes(llama_dir, adapter_dirs
         registry_address,
         "--max-seq-len",
         "64",
+        "--max-loras",  # docker-compose's shapes, as most e2e workers: their programs come from the cache
+        "2",
+        "--max-lora-rank",
+        "8",
         "--metrics-port",
         str(metrics["worker"]),
     ]
@@ -142,7 +148,7 @@ def test_every_server_records_its_rpcs_with_status_codes(llama_dir, adapter_dirs
     router_args += ["--metrics-port", str(metrics["router"])]
     with (
         loraserve_process(registry_args),
-        loraserve_process(worker_args) as worker,
+        loraserve_process(worker_args, env=with_test_xla_flags()) as worker,
         loraserve_process(router_args) as router,
         RegistryClient(registry_address) as registry,
     ):

@@ -9,6 +9,7 @@ import pytest
 
 from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
+from tests.conftest import with_test_xla_flags
 from tests.e2e.compose_local import free_port
 from tests.e2e.procs import loraserve_process, wait_healthy
 
@@ -48,9 +49,11 @@ def test_worker_survives_a_registry_outage_and_registers_again(llama_dir, adapte
             "64",
             "--max-loras",
             "2",
+            "--max-lora-rank",
+            "8",  # docker-compose's shapes, as most e2e workers: their programs are shared through the cache
         ]
         with (
-            loraserve_process(worker_args) as worker,
+            loraserve_process(worker_args, env=with_test_xla_flags()) as worker,  # compile-bound
             loraserve_process(
                 ["router", "serve", "--port", "0", "--registry", registry_address, "--locate-ttl", "0.5"]
             ) as router,
