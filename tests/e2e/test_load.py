@@ -17,6 +17,7 @@ import pytest
 from loraserve.client.sdk import Client
 from loraserve.common.errors import LoraserveError
 from loraserve.registry.config import RegistryConfig
+from tests.conftest import with_test_xla_flags
 from tests.e2e.compose_local import free_port
 from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
 from tests.registry.conftest import start_registry
@@ -64,9 +65,10 @@ def test_64_streams_through_the_router(llama_dir, adapter_dirs, tmp_path) -> Non
             "--max-waiting",
             "512",
         ]
+        env = with_test_xla_flags()  # the warm-up at the tests' XLA level: the soak lasts SECONDS either way
         with (
-            loraserve_process([*worker, "--metrics-port", str(ports["w1"])]) as w1,
-            loraserve_process([*worker, "--metrics-port", str(ports["w2"])]) as w2,
+            loraserve_process([*worker, "--metrics-port", str(ports["w1"])], env=env) as w1,
+            loraserve_process([*worker, "--metrics-port", str(ports["w2"])], env=env) as w2,
             loraserve_process(
                 [
                     "router",
