@@ -29,7 +29,16 @@ def free_port() -> int:
 
 
 class LocalCompose:
-    def __init__(self, *, db_url: str, gcs_endpoint: str, model_dir: Path, workdir: Path) -> None:
+    def __init__(
+        self,
+        *,
+        db_url: str,
+        gcs_endpoint: str,
+        model_dir: Path,
+        workdir: Path,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        """``extra_env``: variables every service gets on top of compose's (the tests' XLA flags)."""
         self.ports = {name: free_port() for name in ("registry", "worker-1", "worker-2", "router")}
         self.replace = {
             "postgresql+psycopg://postgres:postgres@postgres:5432/loraserve": db_url,
@@ -46,6 +55,7 @@ class LocalCompose:
             },
         }
         self.workdir = workdir
+        self.extra_env = dict(extra_env or {})
         self.http_ports: dict[str, int] = {}  # services with an HTTP port -> this machine's
 
     def _value(self, service: str, value: str) -> str:
@@ -76,6 +86,7 @@ class LocalCompose:
 
     def env(self, service: str) -> dict[str, str]:
         env = {k: self._value(service, v) for k, v in (COMPOSE[service].get("environment") or {}).items()}
+        env.update(self.extra_env)
         for key in [k for k in env if k.endswith("_METRICS_PORT")]:
             env[key] = str(free_port())  # one host here, not one per container
         for key in [k for k in env if k.endswith("_HTTP_PORT")]:

@@ -19,6 +19,7 @@ from loraserve.common.security import channel
 from loraserve.protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.registry.gcs_emulator import start_gcs_emulator
 from loraserve.worker.config import EngineConfig
+from tests.conftest import with_test_xla_flags
 from tests.e2e.compose_local import TOKENS, LocalCompose
 from tests.e2e.procs import wait_for_workers, wait_healthy
 from tests.e2e.reference import reference_tokens
@@ -46,7 +47,11 @@ def six_adapters(adapter_dirs, llama_dir, tmp_path):
 def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tmp_path) -> None:
     gcs = start_gcs_emulator("loraserve")
     stack = LocalCompose(
-        db_url=postgres_url, gcs_endpoint=gcs.endpoint, model_dir=llama_dir, workdir=tmp_path
+        db_url=postgres_url,
+        gcs_endpoint=gcs.endpoint,
+        model_dir=llama_dir,
+        workdir=tmp_path,
+        extra_env=with_test_xla_flags(),  # compile-bound (72 requests of 6 tokens): the tests' XLA level
     )
     procs = {}
     try:
@@ -57,9 +62,13 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
         registry = RegistryClient(stack.address("registry"), token=TOKENS["admin"])  # as the seed job
         for name, path in six_adapters.items():
             assert registry.push(path, name, MODEL_ID).uri.startswith("gs://loraserve/adapters/")
-        for name in ("worker-1", "worker-2", "router"):
+        # worker-1 warms up first: worker-2 then reads its programs from the compilation cache instead of
+        # compiling the same ones beside it on the same cores
+        procs["worker-1"] = stack.start("worker-1")
+        wait_healthy(stack.address("worker-1"), timeout=180)
+        for name in ("worker-2", "router"):
             procs[name] = stack.start(name)
-        for name in ("worker-1", "worker-2", "router"):
+        for name in ("worker-2", "router"):
             wait_healthy(stack.address(name), timeout=180)
         wait_for_workers(registry, 2, timeout=30)
         assert sorted(w.address for w in registry.workers()) == sorted(
