@@ -11,6 +11,7 @@ from loraserve.client.sdk import Client
 from loraserve.protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.registry.config import RegistryConfig
 from loraserve.worker.config import EngineConfig
+from tests.conftest import with_test_xla_flags
 from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
 from tests.e2e.reference import reference_tokens
 from tests.registry.conftest import start_registry
@@ -30,6 +31,7 @@ def test_tp2_worker_behind_the_router(llama_dir, adapter_dirs, tmp_path) -> None
         for key, value in SHAPES.items():
             worker += [f"--{key.replace('_', '-')}", str(value)]
         env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+        env = with_test_xla_flags(env)  # compile-bound: 8 requests of 6 tokens
         router = ["router", "serve", "--port", "0", "--registry", reg.address]
         with loraserve_process(worker, env=env, timeout=240) as w, loraserve_process(router) as r:
             wait_healthy(w.address, timeout=180)
