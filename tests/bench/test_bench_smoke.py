@@ -76,7 +76,9 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
 
 @pytest.mark.slow
 def test_kernels_bench_prints_its_json_last() -> None:
-    result = _last_json(["bench/kernels.py"])
+    # --shape tiny: a 128-square projection and fewer timed runs, as the docstring of bench/kernels.py says
+    # the smoke test runs (the default 1024-square bench shape: 24 -> 6 s alone)
+    result = _last_json(["bench/kernels.py", "--shape", "tiny"])
     assert result["bench"] == "kernels"
     kinds = {row["kind"] for row in result["rows"]}
     assert kinds == {"decode", "prefill"}
@@ -133,11 +135,18 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+@pytest.fixture(scope="module")
+def serve_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The --workdir of both serve.py runs: the second reuses the model and adapters the first built and the
+    programs its workers compiled (serve.py keeps their compilation cache there)."""
+    return tmp_path_factory.mktemp("serve") / "work"
+
+
 @pytest.mark.slow
-def test_serve_bench_tiny_replays_one_trace_through_every_system(tmp_path) -> None:
+def test_serve_bench_tiny_replays_one_trace_through_every_system(tmp_path, serve_workdir) -> None:
     """One rate, every system (the stack, max_loras=1, no prefix cache, the peft loop): a JSON line per
     system with every request served, the summary last, the plot written, and no process left behind."""
-    work, png = tmp_path / "work", tmp_path / "serve.png"
+    work, png = serve_workdir, tmp_path / "serve.png"
     out = subprocess.run(
         [sys.executable, "bench/serve.py", "--tiny", "--rates", "4", "--workdir", str(work), "--plot", str(png)],
         cwd=ROOT, env=SMOKE_ENV, capture_output=True, text=True, timeout=480, check=True,
@@ -187,14 +196,14 @@ def _children(pid: int) -> set[int]:
 
 
 @pytest.mark.slow
-def test_serve_bench_leaves_no_process_behind_on_ctrl_c(tmp_path) -> None:
+def test_serve_bench_leaves_no_process_behind_on_ctrl_c(serve_workdir) -> None:
     """Ctrl-C while a rate is being driven: the registry, worker and router processes it started are gone."""
     import signal
     import time
 
     proc = subprocess.Popen(
         [sys.executable, "bench/serve.py", "--tiny", "--systems", "loraserve", "--rates", "1", "--duration", "60",
-         "--workdir", str(tmp_path / "work"), "--plot", ""],
+         "--workdir", str(serve_workdir), "--plot", ""],
         cwd=ROOT, env=SMOKE_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 300
