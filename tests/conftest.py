@@ -71,13 +71,13 @@ LONGEST_FILES = (
     "tests/worker/test_paged_engine.py",
     "tests/worker/test_embed_lora.py",
     "tests/worker/test_dora.py",
-    "tests/e2e/test_tensor_parallel.py",
-    "tests/e2e/test_faults.py",
+    "tests/e2e/test_system.py",
     "tests/e2e/test_load.py",
+    "tests/e2e/test_faults.py",
     "tests/worker/test_engine.py",
     "tests/worker/test_tensor_parallel_families.py",
     "tests/worker/test_model_parity.py",
-    "tests/e2e/test_system.py",
+    "tests/e2e/test_tensor_parallel.py",
     "tests/e2e/test_demo.py",
 )
 
