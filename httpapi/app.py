@@ -398,16 +398,18 @@ async def _events(
     frees the requests."""
     choices = [Choice() for _ in streams]
     offsets = [0] * len(streams)
-    queue: asyncio.Queue = asyncio.Queue()
+    # bounded: a client that reads slowly holds the streams back (gRPC flow control) instead of their
+    # tokens piling up here
+    queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(streams))
 
     async def pump(index: int) -> None:
         try:
             async for msg in streams[index]:
                 await queue.put((index, msg))
-        except Exception as exc:  # handed to the writer below
+        except Exception as exc:  # handed to the writer below, which ends every choice
             await queue.put((index, exc))
-        finally:
-            await queue.put((index, None))
+            return
+        await queue.put((index, None))  # (not when cancelled: nobody reads any more)
 
     for index, first in enumerate(firsts):
         await queue.put((index, first))
