@@ -22,6 +22,10 @@ per prompt token (the first one's logprob is None: nothing precedes it) and ``pr
 
     scored = c.complete(context + choice, adapter="geo-expert", prompt_logprobs=0, prompt_only=True)
     loglik = sum(lp.chosen.logprob for lp in scored.prompt_logprobs[len(context):])
+
+Logits controls, per request in the batched step (OpenAI's and vLLM's meanings): ``presence_penalty`` and
+``frequency_penalty`` (-2..2), ``repetition_penalty`` (transformers' rule, 0.01..100), ``min_tokens`` (no
+end-of-sequence or stop token before that many) and ``logit_bias={token_id: bias}`` (-100..100).
 """
 
 from __future__ import annotations
@@ -88,6 +92,11 @@ def build_request(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     prompt_only: bool = False,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    min_tokens: int = 0,
+    logit_bias: Mapping[int, float] | None = None,
     routing_key: str = "",
     mix: Mapping[str, float] | Sequence[tuple[str, float]] = (),
 ) -> pb.GenerateRequest:
@@ -100,7 +109,13 @@ def build_request(
         stop_token_ids=list(stop_token_ids),
         ignore_eos=ignore_eos,
         prompt_only=prompt_only,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        min_tokens=min_tokens,
+        logit_bias=dict(logit_bias or {}),
     )
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
     if prompt_logprobs is not None:
         sampling.prompt_logprobs = prompt_logprobs
     if seed is not None:

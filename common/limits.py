@@ -36,6 +36,10 @@ MAX_STOP = 16  # stop strings
 MAX_STOP_CHARS = 256  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # alternatives per token (the device computes this many)
+MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| (OpenAI's range: -100 to 100)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)  # repetition_penalty: positive, bounded so logits stay finite
 MAX_SEQUENCES = 64  # sequences one HTTP request may start: prompts x (best_of or n)
 MAX_ID_CHARS = 256  # request_id, and an HTTP x-request-id (it is echoed in every streamed chunk)
 MAX_ROUTING_KEY_CHARS = 1024
@@ -90,6 +94,8 @@ def check_generate_request(request: pb.GenerateRequest) -> None:
         raise InvalidArgument(f"logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}")
     if s.HasField("prompt_logprobs") and s.prompt_logprobs > MAX_LOGPROBS:
         raise InvalidArgument(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {s.prompt_logprobs}")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidArgument(f"logit_bias has {len(s.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
 
 
 # ------------------------------------------------------------------------------ bytes that are no request

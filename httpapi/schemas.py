@@ -3,7 +3,7 @@
 Fields follow OpenAI's API reference plus vLLM's extensions (``top_k``, ``ignore_eos``, ``stop_token_ids``).
 Unknown fields are refused, as OpenAI refuses them, so a typo never silently changes what is generated;
 fields OpenAI defines that loraserve does not implement are accepted only at their neutral value
-(``presence_penalty=0``, ``n=1``, ``echo=false``...) and refused with a message naming them otherwise.
+(no ``suffix``, no ``tools``...) and refused with a message naming them otherwise.
 """
 
 from __future__ import annotations
@@ -18,14 +18,17 @@ from loraserve.common.errors import InvalidArgument, LoraserveError, NotFound
 from loraserve.common.limits import (
     INT32_MAX,
     MAX_CONTENT_PARTS,
-    MAX_JSON_KEYS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
     MAX_LOGPROBS,
     MAX_MESSAGES,
+    MAX_PENALTY,
     MAX_PROMPT_TOKENS,
     MAX_SEQUENCES,
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
+    REPETITION_PENALTY_RANGE,
     UINT32_MAX,
     check_ref,
 )
@@ -39,6 +42,7 @@ PROMPT_SHAPES = "prompt must be a string, a list of token ids, or a list of eith
 # that an out-of-range value is a 400 naming the field, never protobuf's ValueError (500).
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 MaxTokens = Annotated[int, Field(ge=1, le=UINT32_MAX)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 
 
 def _token_ids(ids: list[Any]) -> list[int]:
@@ -99,9 +103,14 @@ class _Common(Strict):
     ignore_eos: bool = False
     n: Annotated[int, Field(ge=1, le=MAX_SEQUENCES)] = 1
     user: Annotated[str, Field(max_length=256)] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_JSON_KEYS)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: (
+        Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])] | None
+    ) = None  # vLLM's
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0  # vLLM's
+    # token id (a string, as JSON keys are) -> bias; the worker checks the ids against its vocabulary
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -126,13 +135,21 @@ class _Common(Strict):
             raise ValueError(f"a stop sequence is {long[0]} characters; at most {MAX_STOP_CHARS}")
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (v or {}).items():
+            if not (key.isascii() and key.isdigit() and int(key) <= INT32_MAX):
+                raise ValueError(f"logit_bias keys are token ids, got {key[:32]!r}")
+            if abs(value) > MAX_LOGIT_BIAS_VALUE:
+                raise ValueError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], "
+                    f"got {value}"
+                )
+        return v
+
     @model_validator(mode="after")
     def _unsupported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise ValueError(f"{name} is not supported (only 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
@@ -146,7 +163,15 @@ class _Common(Strict):
             stop=self.stop or [],
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            min_tokens=self.min_tokens,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
         )
+        if self.repetition_penalty is not None:
+            params.repetition_penalty = self.repetition_penalty
+        if max_tokens is not None and self.min_tokens > max_tokens:
+            raise InvalidArgument(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})")
         if self.seed is not None:
             params.seed = self.seed % 2**64  # negative seeds (allowed by OpenAI) wrap, deterministically
         if logprobs is not None:

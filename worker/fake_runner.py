@@ -3,7 +3,7 @@
 Rule: the prefill token and every decode token are ``(last + slot + 2) % vocab_size``, where ``last`` is
 the row's previous token (the prompt's last token for prefill) and ``slot`` is the row's adapter slot,
 -1 for the base model. So prompt ``[5]`` on the base model gives 6, 7, 8, ...; on slot 1 it gives
-8, 11, 14, .... Sampling parameters are ignored. Every call is recorded for assertions. A row whose
+8, 11, 14, .... Sampling parameters and logits controls are ignored (``seed_history`` calls are recorded). Every call is recorded for assertions. A row whose
 ``SamplingRow.logprobs`` is set gets ``fake_logprobs``: its token ranked first, then the next ids in order,
 the token at rank k with logprob ``-(k + 1) / 4``.
 
@@ -80,6 +80,10 @@ class FakeRunner:
     slot_contents: list[str] = field(default_factory=list)
     writes: list[tuple[int, str]] = field(default_factory=list)  # (slot, sha256) per write_slot
     zeroed: list[int] = field(default_factory=list)
+    # (row, prompt, generated, bias entries) per seed_history
+    histories: list[tuple[int, tuple[int, ...], tuple[int, ...], tuple[tuple[int, float, int], ...]]] = field(
+        default_factory=list
+    )
     # (start, slot, tokens, page table) per prefill; the table is a copy, trailing null entries dropped
     prefills: list[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     prefill_batches: list[int] = field(default_factory=list)  # sequences per prefill call (packing)
@@ -113,6 +117,11 @@ class FakeRunner:
     def zero_slot(self, index: int) -> None:
         self.zeroed.append(index)
         self.slot_contents[index] = ""
+
+    def seed_history(
+        self, row: int, prompt: list[int], generated: list[int], bias: list[tuple[int, float, int]]
+    ) -> None:
+        self.histories.append((row, tuple(prompt), tuple(generated), tuple(bias)))
 
     def prefill(self, batch: list[PrefillInput]) -> StepOutput:
         self.prefill_batches.append(len(batch))

@@ -29,11 +29,29 @@ from loraserve.worker import sharding
 from loraserve.worker.checkpoint import Checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.requests import SamplingRow, TokenLogprobs
+from loraserve.worker.requests import MAX_EOS_IDS, SamplingRow, TokenLogprobs
 from loraserve.worker.runner import PrefillInput, StepOutput
-from loraserve.worker.sampling import Sampled, SamplingArrays, sample
+from loraserve.worker.sampling import (
+    BIAS_ENTRIES,
+    HISTORY_CHUNK,
+    NO_ROW,
+    RowHistory,
+    Sampled,
+    SamplingArrays,
+    sample,
+    seed_row,
+)
 from loraserve.worker.slot_pools import SlotPools, SlotValues, base_weights, check_slot_values, slot_arrays
-from loraserve.worker.step import Array, Cache, DecodeBatch, DeviceState, LoraPools, Params, PrefillBatch
+from loraserve.worker.step import (
+    DONATED,
+    Array,
+    Cache,
+    DecodeBatch,
+    DeviceState,
+    LoraPools,
+    Params,
+    PrefillBatch,
+)
 
 log = logging.getLogger("loraserve.worker.runner")
 
@@ -48,6 +66,7 @@ def prefill_step(
     rope: Array,
     batch: PrefillBatch,
     sampling: SamplingArrays | None = None,
+    history: RowHistory | None = None,
 ):
     """Prefill ``batch`` and sample each sequence's next token: ``(Sampled [G], new cache)``; without
     ``sampling``, ``(logits [G, V], new cache)``. A batch with ``targets`` also scores its prompts
@@ -55,11 +74,11 @@ def prefill_step(
     state = DeviceState(params, pools, cache, rope)
     if batch.targets is None:
         logits, cache = M.prefill_packed(cfg, backend, state, batch)
-        return (logits if sampling is None else sample(logits, *sampling.as_tuple())), cache
+        return (logits if sampling is None else sample(logits, sampling, history)), cache
     logits, scores, cache = M.prefill_scored(cfg, backend, state, batch)
     if sampling is None:
         return (logits, scores), cache
-    return sample(logits, *sampling.as_tuple())._replace(prompt=scores), cache
+    return sample(logits, sampling, history)._replace(prompt=scores), cache
 
 
 def decode_step(
@@ -73,21 +92,24 @@ def decode_step(
     rope: Array,
     batch: DecodeBatch,
     sampling: SamplingArrays | None = None,
+    history: RowHistory | None = None,
 ):
     """One decode step of every row and its sampled token: ``(Sampled [B], new cache)``; without
     ``sampling``, ``(logits [B, V], new cache)``."""
     state = DeviceState(params, pools, cache, rope)
     logits, cache = M.decode(cfg, backend, state, batch, attention)
-    return (logits if sampling is None else sample(logits, *sampling.as_tuple())), cache
+    return (logits if sampling is None else sample(logits, sampling, history)), cache
 
 
 class Steps(NamedTuple):
     """The compiled steps of one model: call with keyword arguments only (``DeviceState.fields()``,
     ``batch=``, ``sampling=``); each returns ``(Sampled, new cache)`` (without ``sampling``: the logits),
-    the old cache donated."""
+    the old cache and history donated (the new history is ``Sampled.history``). ``seed``: the compiled
+    ``worker.sampling.seed_row``, the history donated."""
 
     prefill: Any
     decode: Any
+    seed: Any
 
 
 def jit_steps(
@@ -98,19 +120,23 @@ def jit_steps(
     out_shardings: Any = None,
 ) -> Steps:
     """Jit :func:`prefill_step` and :func:`decode_step` for ``cfg`` on ``backend``, each traced under the
-    ``linear`` backend of the base projections (``kernels.linear``), the KV cache donated by name.
-    ``out_shardings`` (tensor parallelism): ``(sampled, cache)`` shardings, pinned so the donated cache
-    keeps one layout."""
-    jit = partial(jax.jit, donate_argnames="cache")
+    ``linear`` backend of the base projections (``kernels.linear``), the KV cache and history donated by
+    name. ``out_shardings`` (tensor parallelism): ``(sampled, cache)`` shardings, pinned so the donated
+    cache keeps one layout."""
+    jit = partial(jax.jit, donate_argnames=DONATED)
     if out_shardings is not None:
         jit = partial(jit, out_shardings=out_shardings)
+    seed_shardings = None if out_shardings is None else out_shardings[0]
     return Steps(
         jit(traced_with(linear, partial(prefill_step, cfg, backend))),
         jit(traced_with(linear, partial(decode_step, cfg, backend, attention))),
+        jax.jit(seed_row, donate_argnames="history", out_shardings=seed_shardings),
     )
 
 
-def _sampling_arrays(rows: list[SamplingRow | None]) -> SamplingArrays:
+def _sampling_arrays(rows: list[SamplingRow | None], history_rows: list[int]) -> SamplingArrays:
+    """The batch's rows as device inputs; ``history_rows[i]``: the RowHistory row row ``i``'s controls
+    read (NO_ROW: none, also for a row that has controls but whose sample is dropped)."""
     arrays = SamplingArrays.empty(len(rows))
     for i, r in enumerate(rows):
         if r is None:
@@ -118,6 +144,9 @@ def _sampling_arrays(rows: list[SamplingRow | None]) -> SamplingArrays:
         arrays.temperature[i], arrays.top_k[i], arrays.top_p[i] = r.temperature, r.top_k, r.top_p
         arrays.seed_lo[i], arrays.seed_hi[i] = r.seed & 0xFFFFFFFF, r.seed >> 32
         arrays.step[i], arrays.logprobs[i] = r.step, r.logprobs
+        if r.controlled and history_rows[i] != NO_ROW:
+            arrays.presence[i], arrays.frequency[i] = r.presence, r.frequency
+            arrays.repetition[i], arrays.history_row[i] = r.repetition, history_rows[i]
     return arrays
 
 
@@ -157,6 +186,10 @@ class JaxRunner:
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
         self.config, self.checkpoint_config = config, checkpoint.config
         backend = kernels.resolve_backend(config.kernel_backend)
+        if len(checkpoint.config.eos_token_ids) > MAX_EOS_IDS:  # min_tokens bans them from a bias table
+            raise ValueError(
+                f"the model has {len(checkpoint.config.eos_token_ids)} EOS ids; at most {MAX_EOS_IDS}"
+            )
         n = config.tensor_parallel_size
         self.mesh = None
         if n == 1:
@@ -219,8 +252,10 @@ class JaxRunner:
             base=base_weights(self.params),  # DoRA scales are computed from them (prepare)
         )
         self.cache = M.init_cache(cfg, self.num_pages, self.page_size, jnp.dtype(config.dtype))
+        self.history = RowHistory.zeros(config.max_batch_size, cfg.vocab_size)
         if self.mesh is not None:
             self.cache = jax.device_put(self.cache, self._cache_shardings)
+            self.history = jax.device_put(self.history, NamedSharding(self.mesh, P()))
 
     def warmup(self) -> None:
         """Compile every prefill bucket and every (page width, LoRA plan) decode variant; the null page
@@ -240,12 +275,14 @@ class JaxRunner:
                     batch=DecodeBatch(zeros, zeros, tables, plan),
                     sampling=SamplingArrays.empty(b),
                 )
+                self.history = out.history
+        self.seed_history(0, [0], [], [])
         self.pools.zero(0)
-        jax.block_until_ready(out)
+        jax.block_until_ready((out.tokens, self.history))
 
     def state(self) -> DeviceState:
         """What the next step reads: the params, the slot pools as the latest write left them, the cache."""
-        return DeviceState(self.params, self.pools.pools, self.cache, self.rope)
+        return DeviceState(self.params, self.pools.pools, self.cache, self.rope, self.history)
 
     def prepare(self, weights: LoraWeights) -> SlotValues:
         values = slot_arrays(self.checkpoint_config, weights, self.config.max_lora_rank)
@@ -259,6 +296,32 @@ class JaxRunner:
 
     def zero_slot(self, index: int) -> None:
         self.pools.zero(index)
+
+    def seed_history(
+        self, row: int, prompt: list[int], generated: list[int], bias: list[tuple[int, float, int]]
+    ) -> None:
+        ids = np.full(BIAS_ENTRIES, -1, np.int32)
+        values, until = np.zeros(BIAS_ENTRIES, np.float32), np.zeros(BIAS_ENTRIES, np.int32)
+        for e, (token, value, steps) in enumerate(bias):
+            ids[e], values[e], until[e] = token, value, steps
+        tokens = np.asarray(prompt + generated, np.int32)
+        counted = np.arange(len(tokens)) >= len(prompt)
+        for k in range(0, max(len(tokens), 1), HISTORY_CHUNK):  # the first call resets the row
+            chunk = np.full(HISTORY_CHUNK, -1, np.int32)
+            part = tokens[k : k + HISTORY_CHUNK]
+            chunk[: len(part)] = part
+            flags = np.zeros(HISTORY_CHUNK, np.bool_)
+            flags[: len(part)] = counted[k : k + HISTORY_CHUNK]
+            self.history = self._steps.seed(
+                history=self.history,
+                row=np.int32(row),
+                tokens=chunk,
+                generated=flags,
+                bias_ids=ids,
+                bias_values=values,
+                bias_until=until,
+                reset=np.bool_(k == 0),
+            )
 
     def prefill(self, batch: list[PrefillInput]) -> StepOutput:
         """Pack ``batch`` into the fewest calls of the compiled (prompts, tokens) shapes, in order."""
@@ -297,11 +360,12 @@ class JaxRunner:
         tables = np.zeros((g, self.config.pages_per_row), np.int32)
         targets = np.full((g, t), -1, np.int32)
         rows: list[SamplingRow | None] = [None] * g
+        history_rows = [NO_ROW] * g
         for k, item in enumerate(items):
             tokens[k, : len(item.tokens)] = item.tokens
             lengths[k], starts[k], slots[k] = len(item.tokens), item.start, item.slot
             tables[k] = item.page_table
-            rows[k] = item.sampling
+            rows[k], history_rows[k] = item.sampling, item.row
             if item.targets is not None:
                 targets[k, : len(item.targets)] = item.targets
         context = int(np.max(starts + lengths))
@@ -309,8 +373,9 @@ class JaxRunner:
         out, self.cache = self._steps.prefill(
             **self.state().fields(),
             batch=PrefillBatch(tokens, lengths, starts, slots, tables, blocks, targets),
-            sampling=_sampling_arrays(rows),
+            sampling=_sampling_arrays(rows, history_rows),
         )
+        self.history = out.history
         return _to_host(out, any(item.sampling.logprobs for item in items), targets)
 
     def decode(
@@ -330,6 +395,9 @@ class JaxRunner:
             self.backend.plan(slots, self.config.max_loras),
         )
         out, self.cache = self._steps.decode(
-            **self.state().fields(), batch=batch, sampling=_sampling_arrays(sampling)
+            **self.state().fields(),
+            batch=batch,
+            sampling=_sampling_arrays(sampling, list(range(len(sampling)))),
         )
+        self.history = out.history
         return _to_host(out, any(r is not None and r.logprobs for r in sampling))

@@ -63,16 +63,23 @@ class Chunk:
 
 class StreamAssembler:
     """Feeds engine events, returns chunks to send. ``done`` turns True with the last chunk. ``echo``: the
-    first chunk carries the prompt's ids and, when the engine scored them, their logprobs."""
+    first chunk carries the prompt's ids and, when the engine scored them, their logprobs. Stop strings are
+    not matched while the completion is shorter than ``min_tokens`` (vLLM's rule)."""
 
     def __init__(
-        self, tokenizer: Any, prompt_ids: list[int], stop: tuple[str, ...] = (), echo: bool = False
+        self,
+        tokenizer: Any,
+        prompt_ids: list[int],
+        stop: tuple[str, ...] = (),
+        echo: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.echo: tuple[list[int], tuple[TokenLogprobs, ...]] | None = (
             (list(prompt_ids), ()) if echo else None
         )
         self.detok = Detokenizer(tokenizer, prompt_ids) if tokenizer is not None else None
         self.stop = tuple(s for s in stop if s)
+        self.min_tokens = min_tokens
         self.prompt_tokens = len(prompt_ids)
         self.adapter = ""
         self.text = ""  # all text produced so far
@@ -117,7 +124,7 @@ class StreamAssembler:
             self.completion_tokens += 1
             if self.detok is not None:
                 self.text += self.detok.add(token_id)
-            for s in self.stop:
+            for s in self.stop if self.completion_tokens >= self.min_tokens else ():
                 at = self.text.find(s, max(0, self.sent - len(s) + 1))
                 if at >= 0:
                     self.text = self.text[:at]

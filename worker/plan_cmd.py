@@ -45,6 +45,7 @@ def render(p: planner.Plan, compiled: dict | None = None) -> str:
         ("weights", p.weights),
         ("KV cache", p.kv_cache),
         ("LoRA slot pools", p.lora_pools),
+        ("sampling history", p.sampling_history),
         ("activations (peak)", p.activations),
         ("total", p.total),
         (f"{p.chip} HBM", p.hbm),
@@ -57,7 +58,7 @@ def render(p: planner.Plan, compiled: dict | None = None) -> str:
         held = compiled["argument_bytes"] - compiled["small_input_bytes"]
         lines.append(
             f"  compiled decode step (XLA memory analysis, per device): arguments {held / GiB:.2f} GiB"
-            f" (estimate: weights + KV + pools {(p.weights + p.kv_cache + p.lora_pools) / GiB:.2f} GiB),"
+            f" (estimate: weights + KV + pools + history {p.held / GiB:.2f} GiB),"
             f" temporaries {compiled['temp_bytes'] / GiB:.2f} GiB"
         )
         if p.dtype == "bfloat16":

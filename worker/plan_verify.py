@@ -70,7 +70,7 @@ def compiled_decode_memory(
     from loraserve.worker import sharding
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.jax_runner import jit_steps
-    from loraserve.worker.sampling import SamplingArrays
+    from loraserve.worker.sampling import RowHistory, SamplingArrays
     from loraserve.worker.step import DecodeBatch
 
     config = EngineConfig(
@@ -112,6 +112,7 @@ def compiled_decode_memory(
         rope=abstract(inv_freq),
         batch=DecodeBatch(rows, rows, tables, jax.tree.map(abstract, plan)),
         sampling=SamplingArrays(*samp),
+        history=jax.tree.map(abstract, RowHistory.zeros(batch, tcfg.vocab_size)),
     ).compile()
     mem = compiled.memory_analysis()
     return {

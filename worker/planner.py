@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraserve.common.errors import InvalidArgument
+from loraserve.worker.requests import history_bytes
 
 if TYPE_CHECKING:  # numpy and JAX stay out of `loraserve --help` (the CLI builds every subcommand's flags)
     from loraserve.worker.model_config import ModelConfig
@@ -63,12 +64,18 @@ class Plan:
     weights: int
     kv_cache: int
     lora_pools: int
+    sampling_history: int  # the decode rows' RowHistory (logits controls), replicated on every device
     activations: int
     hbm: int
 
     @property
+    def held(self) -> int:
+        """What the decode step's state holds between steps (everything but the activations)."""
+        return self.weights + self.kv_cache + self.lora_pools + self.sampling_history
+
+    @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.lora_pools + self.activations
+        return self.held + self.activations
 
     @property
     def fits(self) -> bool:
@@ -210,6 +217,7 @@ def plan(
         weights=weight_bytes(cfg, tp, dtype),
         kv_cache=kv_bytes(cfg, tp, batch, context, dtype),
         lora_pools=pool_bytes(cfg, tp, max_loras, max_lora_rank, lora_dtype or dtype),
+        sampling_history=history_bytes(batch, cfg.vocab_size),
         activations=activation_bytes(cfg, tp, batch, context, dtype),
         hbm=spec.hbm_bytes,
     )

@@ -13,9 +13,26 @@ import grpc
 from loraserve.common import limits
 from loraserve.common.errors import InvalidArgument
 from loraserve.common.finish_reasons import FinishReason
-from loraserve.common.limits import INT32_MAX, MAX_STOP_TOKEN_IDS, UINT32_MAX
+from loraserve.common.limits import (
+    INT32_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_VALUE,
+    MAX_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+    REPETITION_PENALTY_RANGE,
+    UINT32_MAX,
+)
 
 MAX_LOGPROBS = limits.MAX_LOGPROBS  # most alternatives a request may ask for (the device computes this many)
+MAX_EOS_IDS = 16  # end-of-sequence ids a model may have (min_tokens bans them on the device)
+# entries of a decode row's bias table: its logit_bias, and min_tokens' bans (stop token ids and EOS)
+BIAS_ENTRIES = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + MAX_EOS_IDS
+
+
+def history_bytes(rows: int, vocab: int) -> int:
+    """Device bytes of ``rows`` decode rows' history (``worker.sampling.RowHistory``): token counts (int32)
+    and seen flags (bool) over the vocabulary, and the bias table (id, value, until)."""
+    return rows * vocab * (4 + 1) + rows * BIAS_ENTRIES * (4 + 4 + 4)
 
 
 @dataclass(frozen=True)
@@ -30,6 +47,33 @@ class Sampling:
     logprobs: int | None = None  # None = no logprobs; N = the token's logprob and the N most likely
     prompt_logprobs: int | None = None  # None = none; N = each prompt token's (after the first) and N more
     prompt_only: bool = False  # generate nothing: score the prompt (with prompt_logprobs) and finish
+    # the logits controls (worker.sampling has their semantics)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # stop tokens (stop_token_ids, EOS unless ignore_eos) are banned until this many
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
+
+    @property
+    def controlled(self) -> bool:
+        """Whether any logits control is on: the row's history lives on the device (``RowHistory``)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.logit_bias
+        )
+
+    def bias_entries(self, eos_ids: tuple[int, ...] | frozenset[int]) -> list[tuple[int, float, int]]:
+        """The row's bias table: ``(token id, value, applies while step < this)``: logit_bias for every
+        step, then -inf on the stop tokens (``stop_token_ids``, EOS unless ``ignore_eos``) for the first
+        ``min_tokens`` steps."""
+        entries = [(t, v, INT32_MAX) for t, v in self.logit_bias]
+        if self.min_tokens:
+            stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
+            entries += [(t, -math.inf, self.min_tokens) for t in sorted(stops)]
+        return entries
 
     def validate(self, vocab_size: int) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -55,6 +99,39 @@ class Sampling:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidArgument(f"stop_token_ids {bad[:5]} are outside the vocabulary")
+        self._validate_controls(vocab_size)
+
+    def _validate_controls(self, vocab_size: int) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or abs(value) > MAX_PENALTY:
+                raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not (math.isfinite(self.repetition_penalty) and lo <= self.repetition_penalty <= hi):
+            raise InvalidArgument(
+                f"repetition_penalty must be in [{lo}, {hi}], got {self.repetition_penalty}"
+            )
+        if not 0 <= self.min_tokens <= UINT32_MAX:
+            raise InvalidArgument(f"min_tokens must be in [0, {UINT32_MAX}], got {self.min_tokens}")
+        if self.max_tokens and self.min_tokens > self.max_tokens:
+            raise InvalidArgument(
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        ids = [t for t, _ in self.logit_bias]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument(
+                f"logit_bias token ids {bad[:5]} are outside the vocabulary of {vocab_size}"
+            )
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument("logit_bias names a token id twice")
+        off = [v for _, v in self.logit_bias if not (math.isfinite(v) and abs(v) <= MAX_LOGIT_BIAS_VALUE)]
+        if off:
+            raise InvalidArgument(
+                f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], got {off[0]}"
+            )
 
     def resolved_seed(self) -> int:
         return self.seed if self.seed is not None else int.from_bytes(os.urandom(8), "little")
@@ -157,6 +234,10 @@ class SamplingRow:
     seed: int = 0
     step: int = 0
     logprobs: bool = False
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    controlled: bool = False  # the row's logits controls read its RowHistory row (the decode row)
 
     @classmethod
     def of(cls, req: EngineRequest) -> SamplingRow:
@@ -164,7 +245,18 @@ class SamplingRow:
         top_k = min(
             s.top_k, INT32_MAX
         )  # a uint32 on the wire, int32 on the device: past the vocabulary = off
-        return cls(s.temperature, top_k, s.top_p, req.seed, len(req.generated), s.logprobs is not None)
+        return cls(
+            s.temperature,
+            top_k,
+            s.top_p,
+            req.seed,
+            len(req.generated),
+            s.logprobs is not None,
+            s.presence_penalty,
+            s.frequency_penalty,
+            s.repetition_penalty,
+            s.controlled,
+        )
 
 
 def validate_prompt(prompt: list[int], vocab_size: int, max_seq_len: int) -> None:

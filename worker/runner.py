@@ -22,7 +22,9 @@ class PrefillInput:
     """One sequence of a packed prefill: its new ``tokens`` at positions ``start ..`` under adapter
     ``slot`` (-1 = base), its ``page_table`` (``[pages_per_row]`` int32) and sampling row. ``targets``
     (prompt log-probabilities): per new token, the prompt token after it, whose log-probability to report
-    (-1: none); None scores nothing."""
+    (-1: none); None scores nothing. ``row``: the decode row whose history the logits controls read and
+    the sampled token is recorded in (``Runner.seed_history``); -1 for a sequence without controls, or
+    whose sample is dropped (a chunk before the prompt's last)."""
 
     tokens: list[int]
     start: int
@@ -30,6 +32,7 @@ class PrefillInput:
     page_table: np.ndarray
     sampling: SamplingRow
     targets: list[int] | None = None
+    row: int = -1
 
 
 PromptLogprobs = tuple[TokenLogprobs, ...]  # one per scored target, in order, with all K alternatives
@@ -116,6 +119,13 @@ class Runner(Protocol):
 
     def zero_slot(self, index: int) -> None:
         """Make slot ``index`` add exactly nothing."""
+
+    def seed_history(
+        self, row: int, prompt: list[int], generated: list[int], bias: list[tuple[int, float, int]]
+    ) -> None:
+        """Decode row ``row`` now holds a request that uses logits controls (``Sampling.controlled``): its
+        history becomes ``prompt`` and ``generated`` (tokens seen; the generated ones counted) and its bias
+        table ``bias`` (``Sampling.bias_entries``). Between steps, before the row's first prefill chunk."""
 
     def prefill(self, batch: Sequence[PrefillInput]) -> StepOutput:
         """For every sequence of ``batch`` (packed into as few calls as the runner's shapes allow):

@@ -340,6 +340,10 @@ class Scheduler:
             self._dequeued()
             req.prompt_scores = [] if scoring else None
             row = self._place(i, req, self.kv.admit(key, seq, lookup))
+            if req.sampling.controlled:  # the row's history on the device: what its controls read
+                self.runner.seed_history(
+                    i, req.prompt, req.generated, req.sampling.bias_entries(self.eos_ids)
+                )
             self._take(plan, i, row, seq, lookup.hits * self.kv.page_size)
             admitted += 1
 
@@ -353,10 +357,13 @@ class Scheduler:
         if row.req.prompt_scores is not None:  # each position scores the prompt token after it
             n = len(row.req.prompt)
             targets = [seq[p + 1] if p + 1 < n else -1 for p in range(start, end)]
-        plan.inputs.append(
-            PrefillInput(seq[start:end], start, row.req.slot, table, SamplingRow.of(row.req), targets)
-        )
         final = end == len(seq)
+        history = i if final and row.req.sampling.controlled else -1  # an earlier chunk's sample is dropped
+        plan.inputs.append(
+            PrefillInput(
+                seq[start:end], start, row.req.slot, table, SamplingRow.of(row.req), targets, history
+            )
+        )
         row.prefilled = None if final else end
         plan.parts.append((i, row, final))
         # registered now, computed by the prefill below: a later prompt of this same batch may share

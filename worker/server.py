@@ -51,6 +51,11 @@ def sampling_from_proto(p: inference_pb2.SamplingParams) -> Sampling:
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         prompt_only=p.prompt_only,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        min_tokens=p.min_tokens,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
     )
 
 
@@ -170,7 +175,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.engine.submit(engine_req)  # refusals raise LoraserveError: the interceptor maps them
         sampling = engine_req.sampling
         echo = sampling.prompt_logprobs is not None or sampling.prompt_only
-        assembler = StreamAssembler(self.tokenizer, prompt, tuple(request.sampling.stop), echo)
+        assembler = StreamAssembler(
+            self.tokenizer, prompt, tuple(request.sampling.stop), echo, request.sampling.min_tokens
+        )
         timer = StreamTimer("worker")
         try:
             while not assembler.done:

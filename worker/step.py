@@ -4,13 +4,15 @@ Every step input is a registered pytree dataclass, so a step's signature names w
 
 * :class:`DeviceState` — what lives on the device between steps: the base model's ``params``, the adapter
   slot ``pools`` (:class:`LoraPools`: per-layer pools and the vocabulary pools apart), the paged KV
-  ``cache`` and the ``rope`` frequency table(s). A step reads all of it and returns a new ``cache``.
+  ``cache``, the ``rope`` frequency table(s) and the decode rows' sampling ``history``
+  (``worker.sampling.RowHistory``, for the logits controls). A step reads all of it and returns a new
+  ``cache`` (and, when it samples, a new ``history`` in ``Sampled.history``).
 * :class:`PrefillBatch` — G prompts (or prompt chunks) packed into one call, each with its adapter slot.
 * :class:`DecodeBatch` — one token for each of B rows, with the LoRA backend's plan for their slots.
 * ``worker.sampling.SamplingArrays`` — each row's sampling parameters.
 
-``worker.jax_runner.jit_steps`` compiles the two steps with the KV cache donated **by name**
-(``donate_argnames``): the cache's buffers are updated in place, nothing else is given up. The jitted
+``worker.jax_runner.jit_steps`` compiles the two steps with the KV cache and the history donated **by
+name** (``donate_argnames``): their buffers are updated in place, nothing else is given up. The jitted
 functions take keyword arguments only, so a caller cannot pass the cache where the pools belong::
 
     steps = jit_steps(cfg, backend, attention)
@@ -30,13 +32,15 @@ import jax
 import numpy as np
 
 from loraserve.kernels.backends import Plan
+from loraserve.worker.sampling import RowHistory
 
 Array = jax.Array
 Params = dict[str, Any]  # embed, final_norm, lm_head?, layers: list of per-layer dicts
 Cache = list[tuple[Array, Array]]  # per layer: k_pages, v_pages [kv_heads, pages, page_size, D]
 
-# the keyword names of a step's device state; "cache" is the donated one
-STATE_FIELDS = ("params", "pools", "cache", "rope")
+# the keyword names of a step's device state; "cache" and "history" are donated
+STATE_FIELDS = ("params", "pools", "cache", "rope", "history")
+DONATED = ("cache", "history")
 
 
 def _pytree(cls: type) -> type:
@@ -63,12 +67,14 @@ class LoraPools:
 @_pytree
 @dataclass(frozen=True)
 class DeviceState:
-    """What a step reads from the device; it returns a new ``cache`` (donated: updated in place)."""
+    """What a step reads from the device; it returns a new ``cache`` and ``history`` (donated: updated in
+    place). ``history`` None: a step whose rows use no logits controls (tests, ``plan --verify``)."""
 
     params: Params
     pools: LoraPools
     cache: Cache
     rope: Array  # [D/2] f32, or [2, D/2] (global, local): ModelConfig.inv_freq()
+    history: RowHistory | None = None  # [max_batch_size] rows (worker.sampling)
 
     def fields(self) -> dict[str, Any]:
         """The state as the jitted steps' keyword arguments (:data:`STATE_FIELDS`)."""

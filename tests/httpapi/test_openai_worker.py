@@ -263,6 +263,28 @@ def test_stop_string_and_stop_token(served) -> None:
     assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == ids.index(ids[4]) + 1
 
 
+def test_logits_controls_equal_grpc_and_change_the_tokens(served) -> None:
+    controls = dict(presence_penalty=1.2, frequency_penalty=0.7, min_tokens=4, logit_bias={5: 40.0})
+    want, ids, _ = _grpc_text(served, "all-r4", max_tokens=10, repetition_penalty=1.3, **controls)
+    _, plain_ids, _ = _grpc_text(served, "all-r4", max_tokens=10)
+    out = served.client.completions.create(
+        model="all-r4",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        presence_penalty=1.2,
+        frequency_penalty=0.7,
+        logit_bias={"5": 40.0},
+        extra_body={"repetition_penalty": 1.3, "min_tokens": 4},
+    )
+    assert out.choices[0].text == want and out.usage.completion_tokens == len(ids)
+    assert ids != plain_ids and 5 in ids  # the controls moved the tokens
+    chat = served.client.chat.completions.create(
+        model="all-r4", messages=MESSAGES, max_tokens=6, temperature=0, logit_bias={"5": 100.0}
+    )
+    assert chat.choices[0].message.content == served.worker.tokenizer.decode([5] * 6)  # nothing but token 5
+
+
 def test_logprobs_equal_grpc(served) -> None:
     req = pb.GenerateRequest(
         adapter="all-r4", text=PROMPT, sampling=pb.SamplingParams(max_tokens=5, logprobs=3)

@@ -100,7 +100,9 @@ def test_cli_prints_the_plan_and_exits_3_when_it_does_not_fit(capsys: pytest.Cap
     assert main([*args, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["tp"], out["hosts"], out["fits"]) == (4, 1, True)
-    assert out["total"] == out["weights"] + out["kv_cache"] + out["lora_pools"] + out["activations"]
+    assert out["total"] == sum(
+        out[k] for k in ("weights", "kv_cache", "lora_pools", "sampling_history", "activations")
+    )
     assert main(["plan", "--model", "llama-3-8b", "--chip", "v5e", "--context", "8192", "--batch", "64"]) == 3
     assert "does NOT fit" in capsys.readouterr().out
     assert main(["plan", "--model", "no-such-model"]) == 1
@@ -148,7 +150,11 @@ def test_verify_compiled_arguments_equal_the_estimate(tp: int, tmp_path, capsys)
     out = json.loads(capsys.readouterr().out)
     compiled = out["compiled"]
     assert compiled["argument_bytes"] == (
-        out["weights"] + out["kv_cache"] + out["lora_pools"] + compiled["small_input_bytes"]
+        out["weights"]
+        + out["kv_cache"]
+        + out["lora_pools"]
+        + out["sampling_history"]
+        + compiled["small_input_bytes"]
     )
-    assert compiled["alias_bytes"] == out["kv_cache"]
+    assert compiled["alias_bytes"] == out["kv_cache"] + out["sampling_history"]  # both donated
     assert 0 < compiled["temp_bytes"] <= out["activations"]

@@ -19,7 +19,7 @@ def _logits(rows: int) -> np.ndarray:
 
 
 def _draw(logits, samp: SamplingArrays) -> np.ndarray:
-    return np.asarray(_sample(jnp.asarray(logits), *samp.as_tuple()).tokens)
+    return np.asarray(_sample(jnp.asarray(logits), samp).tokens)
 
 
 def test_greedy_batch_is_argmax() -> None:
@@ -79,7 +79,7 @@ def test_logprobs_are_raw_log_softmax_of_the_drawn_token_and_the_top_k() -> None
     samp.temperature[2:] = [0.5, 3.0]  # sampled rows: their logprob is still the RAW one
     samp.top_k[3] = 5
     samp.seed_lo[:] = 11
-    out = _sample(jnp.asarray(logits), *samp.as_tuple())
+    out = _sample(jnp.asarray(logits), samp)
     want = _log_softmax(logits)
     tokens = np.asarray(out.tokens)
     np.testing.assert_allclose(np.asarray(out.logprob), want[np.arange(rows), tokens], atol=LP_ATOL)
@@ -97,11 +97,11 @@ def test_logprobs_are_raw_log_softmax_of_the_drawn_token_and_the_top_k() -> None
 def test_no_row_asks_no_logprobs_and_tokens_unchanged() -> None:
     logits = _logits(3)
     samp = SamplingArrays.empty(3)
-    off = _sample(jnp.asarray(logits), *samp.as_tuple())
+    off = _sample(jnp.asarray(logits), samp)
     assert not np.asarray(off.logprob).any() and not np.asarray(off.top_ids).any()
     assert not np.asarray(off.top_logprobs).any()
     samp.logprobs[1] = True
-    on = _sample(jnp.asarray(logits), *samp.as_tuple())
+    on = _sample(jnp.asarray(logits), samp)
     np.testing.assert_array_equal(np.asarray(on.tokens), np.asarray(off.tokens))
     np.testing.assert_allclose(float(on.logprob[1]), _log_softmax(logits)[1].max(), atol=LP_ATOL)
 

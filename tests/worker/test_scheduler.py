@@ -21,7 +21,7 @@ from loraserve.common.slots import SlotState
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.fake_runner import fake_logprobs
 from loraserve.worker.kv_cache import KVCache
-from loraserve.worker.requests import Failed, Finished, SamplingRow, Started, Token, TokenLogprobs
+from loraserve.worker.requests import Failed, Finished, Sampling, SamplingRow, Started, Token, TokenLogprobs
 from loraserve.worker.residency import Load, Unload
 from loraserve.worker.scheduler import Cancel
 from tests.worker.fake_engine import Collector, Harness, adapter_files, source_of
@@ -501,3 +501,27 @@ def test_step_outputs_concatenate_with_and_without_logprobs() -> None:
     assert joined.logprobs(2, 2) == TokenLogprobs(-0.5, (6, 1), (-0.5, -1.0))
     assert joined.logprobs(3, 1) == TokenLogprobs(0.0, (0,), (0.0,))
     assert StepOutput.concat([plain, plain]).logprob is None
+
+
+def test_a_request_with_logits_controls_has_its_row_history_written_at_admission_and_at_resume() -> None:
+    h = harness(paged(kv_pages=6))
+    old = h.submit(prompt=(1, 2, 3), max_tokens=12)  # no controls: its row's history is never written
+    new = h.submit("a", prompt=(10, 11, 12), max_tokens=12, presence_penalty=0.5, logit_bias=((7, -3.0),))
+    h.run(old, new)
+    assert h.scheduler.preemptions == 1
+    bias = ((7, -3.0, 2**31 - 1),)
+    # admitted to row 1 with its prompt; preempted after 6 tokens; resumed in row 0 (the old request's,
+    # finished meanwhile) with them counted
+    assert h.runner.histories == [
+        (1, (10, 11, 12), (), bias),
+        (0, (10, 11, 12), (14, 16, 18, 20, 22, 24), bias),
+    ]
+    assert new.tokens == list(range(14, 38, 2))  # the fake runner ignores the controls
+
+
+def test_min_tokens_bans_the_stop_tokens_and_eos_for_that_many_steps() -> None:
+    s = Sampling(min_tokens=3, stop_token_ids=(9, 4), logit_bias=((5, 1.5),))
+    inf, forever = float("-inf"), 2**31 - 1
+    assert s.bias_entries((2,)) == [(5, 1.5, forever), (2, inf, 3), (4, inf, 3), (9, inf, 3)]
+    assert Sampling(min_tokens=3, ignore_eos=True).bias_entries((2,)) == []
+    assert not Sampling(max_tokens=5, stop_token_ids=(1,)).controlled and s.controlled
