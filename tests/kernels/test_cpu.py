@@ -23,7 +23,7 @@ from loraserve.kernels import cpu
 from loraserve.kernels import reference as ref
 from tests.kernels.strategies import Problem, assert_matches_reference, problems, run_all_ops
 
-FAST = settings(max_examples=25, deadline=None)
+FAST = settings(max_examples=15, deadline=None)
 
 
 def test_the_kernels_build_here() -> None:

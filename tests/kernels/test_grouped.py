@@ -36,7 +36,7 @@ def _weights_first(A, Bs):
 _run = jax.jit(grouped.add_lora_slices_grouped)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     T=st.integers(1, 40),
     d_in=st.integers(1, 48),

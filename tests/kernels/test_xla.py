@@ -18,7 +18,7 @@ from loraserve.kernels.sgmv import segments_to_idx
 from loraserve.kernels.testing import tolerance
 from tests.kernels.strategies import Problem, assert_matches_reference, problems, run_all_ops
 
-FAST = settings(max_examples=25, deadline=None)
+FAST = settings(max_examples=15, deadline=None)
 
 
 @FAST

@@ -27,7 +27,7 @@ from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.sharding import param_shapes
 from loraserve.worker.step import DecodeBatch, DeviceState, PrefillBatch
 
-EXAMPLES = settings(max_examples=40, deadline=None)
+EXAMPLES = settings(max_examples=25, deadline=None)
 
 
 @st.composite
