@@ -26,6 +26,10 @@ per prompt token (the first one's logprob is None: nothing precedes it) and ``pr
 Logits controls, per request in the batched step (OpenAI's and vLLM's meanings): ``presence_penalty`` and
 ``frequency_penalty`` (-2..2), ``repetition_penalty`` (transformers' rule, 0.01..100), ``min_tokens`` (no
 end-of-sequence or stop token before that many) and ``logit_bias={token_id: bias}`` (-100..100).
+
+Structured outputs: ``structured=pb.StructuredOutput(json_schema=json.dumps(schema))`` (or ``json_object``,
+``regex``, ``choice=pb.Choices(choices=[...])``, ``grammar`` in Lark or GBNF) draws every token from those
+the constraint allows; the stream ends with finish reason ``stop`` when the constraint is complete.
 """
 
 from __future__ import annotations
@@ -97,6 +101,7 @@ def build_request(
     repetition_penalty: float | None = None,
     min_tokens: int = 0,
     logit_bias: Mapping[int, float] | None = None,
+    structured: pb.StructuredOutput | None = None,
     routing_key: str = "",
     mix: Mapping[str, float] | Sequence[tuple[str, float]] = (),
 ) -> pb.GenerateRequest:
@@ -116,6 +121,8 @@ def build_request(
     )
     if repetition_penalty is not None:
         sampling.repetition_penalty = repetition_penalty
+    if structured is not None:
+        sampling.structured.CopyFrom(structured)
     if prompt_logprobs is not None:
         sampling.prompt_logprobs = prompt_logprobs
     if seed is not None:

@@ -40,6 +40,8 @@ MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
 MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| (OpenAI's range: -100 to 100)
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # repetition_penalty: positive, bounded so logits stay finite
+MAX_CONSTRAINT_CHARS = 65536  # a structured output's schema, regex or grammar, and all its choices together
+MAX_CHOICES = 256  # strings of a structured output's choice
 MAX_SEQUENCES = 64  # sequences one HTTP request may start: prompts x (best_of or n)
 MAX_ID_CHARS = 256  # request_id, and an HTTP x-request-id (it is echoed in every streamed chunk)
 MAX_ROUTING_KEY_CHARS = 1024
@@ -96,6 +98,21 @@ def check_generate_request(request: pb.GenerateRequest) -> None:
         raise InvalidArgument(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {s.prompt_logprobs}")
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidArgument(f"logit_bias has {len(s.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+    if s.HasField("structured"):
+        check_structured(s.structured)
+
+
+def check_structured(spec: pb.StructuredOutput) -> None:
+    """A structured output's size: INVALID_ARGUMENT past MAX_CONSTRAINT_CHARS or MAX_CHOICES."""
+    kind = spec.WhichOneof("kind")
+    if kind == "choice":
+        if len(spec.choice.choices) > MAX_CHOICES:
+            raise InvalidArgument(f"choice has {len(spec.choice.choices)} strings; at most {MAX_CHOICES}")
+        size = sum(len(c) for c in spec.choice.choices)
+    else:
+        size = len(getattr(spec, kind)) if kind in ("json_schema", "regex", "grammar") else 0
+    if size > MAX_CONSTRAINT_CHARS:
+        raise InvalidArgument(f"the structured output is {size} characters; at most {MAX_CONSTRAINT_CHARS}")
 
 
 # ------------------------------------------------------------------------------ bytes that are no request

@@ -8,6 +8,7 @@ fields OpenAI defines that loraserve does not implement are accepted only at the
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -17,6 +18,7 @@ from loraserve.adapters.refs import parse_ref
 from loraserve.common.errors import InvalidArgument, LoraserveError, NotFound
 from loraserve.common.limits import (
     INT32_MAX,
+    MAX_CHOICES,
     MAX_CONTENT_PARTS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
@@ -111,6 +113,13 @@ class _Common(Strict):
     min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] = 0  # vLLM's
     # token id (a string, as JSON keys are) -> bias; the worker checks the ids against its vocabulary
     logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -148,6 +157,28 @@ class _Common(Strict):
                 )
         return v
 
+    def structured(self) -> pb.StructuredOutput | None:
+        """The request's constraint, from whichever of the fields names one (at most one may)."""
+        found: list[tuple[str, pb.StructuredOutput]] = []
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            found.append(("response_format", _response_format(rf)))
+        if self.guided_json is not None:
+            found.append(("guided_json", pb.StructuredOutput(json_schema=_schema_text(self.guided_json))))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", pb.StructuredOutput(regex=self.guided_regex)))
+        if self.guided_choice is not None:
+            found.append(
+                ("guided_choice", pb.StructuredOutput(choice=pb.Choices(choices=self.guided_choice)))
+            )
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", pb.StructuredOutput(grammar=self.guided_grammar)))
+        if self.structured_outputs is not None:
+            found.append(("structured_outputs", _structured_outputs(self.structured_outputs)))
+        if len(found) > 1:
+            raise InvalidArgument(f"{' and '.join(n for n, _ in found)} both constrain the output: send one")
+        return found[0][1] if found else None
+
     @model_validator(mode="after")
     def _unsupported(self):
         if self.stream_options is not None and not self.stream:
@@ -170,6 +201,9 @@ class _Common(Strict):
         )
         if self.repetition_penalty is not None:
             params.repetition_penalty = self.repetition_penalty
+        structured = self.structured()
+        if structured is not None:
+            params.structured.CopyFrom(structured)
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise InvalidArgument(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})")
         if self.seed is not None:
@@ -319,7 +353,6 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -328,8 +361,6 @@ class ChatCompletionRequest(_Common):
     def _chat_only(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        if self.response_format not in (None, {"type": "text"}):
-            raise ValueError("response_format other than text is not supported")
         if self.tools:
             raise ValueError("tools are not supported")
         if self.tool_choice not in (None, "none", "auto"):
@@ -354,6 +385,56 @@ class ChatCompletionRequest(_Common):
         )
         req.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.text()) for m in self.messages)
         return self._sequences(req, request_id)
+
+
+def _schema_text(schema: Any) -> str:
+    """A JSON schema given as an object or as JSON text -> JSON text."""
+    if isinstance(schema, str):
+        return schema
+    if not isinstance(schema, dict | bool):
+        raise InvalidArgument("a JSON schema must be an object")
+    return json.dumps(schema)
+
+
+def _response_format(rf: dict[str, Any]) -> pb.StructuredOutput:
+    """OpenAI's ``response_format``: ``json_object``, or ``json_schema`` with ``json_schema.schema``."""
+    kind = rf.get("type")
+    if kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise InvalidArgument("response_format json_schema needs json_schema.schema")
+        return pb.StructuredOutput(json_schema=_schema_text(spec["schema"]))
+    raise InvalidArgument(
+        f"response_format type must be text, json_object or json_schema, got {str(kind)[:32]!r}"
+    )
+
+
+def _structured_outputs(so: dict[str, Any]) -> pb.StructuredOutput:
+    """vLLM's ``structured_outputs``: one of ``json``, ``json_object``, ``regex``, ``choice``, ``grammar``."""
+    given = {k: v for k, v in so.items() if v is not None and v is not False}
+    unknown = set(given) - {"json", "json_object", "regex", "choice", "grammar"}
+    if unknown or len(given) != 1:
+        raise InvalidArgument(
+            "structured_outputs takes exactly one of json, json_object, regex, choice, grammar"
+        )
+    ((key, value),) = given.items()
+    if key == "json":
+        return pb.StructuredOutput(json_schema=_schema_text(value))
+    if key == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise InvalidArgument("structured_outputs.choice must be a non-empty list of strings")
+        if len(value) > MAX_CHOICES:
+            raise InvalidArgument(
+                f"structured_outputs.choice has {len(value)} strings; at most {MAX_CHOICES}"
+            )
+        return pb.StructuredOutput(choice=pb.Choices(choices=value))
+    if not isinstance(value, str):
+        raise InvalidArgument(f"structured_outputs.{key} must be a string")
+    return pb.StructuredOutput(**{key: value})
 
 
 def new_id(prefix: str) -> str:

@@ -134,10 +134,14 @@ def jit_steps(
     )
 
 
-def _sampling_arrays(rows: list[SamplingRow | None], history_rows: list[int]) -> SamplingArrays:
+def _sampling_arrays(
+    rows: list[SamplingRow | None], history_rows: list[int] | None = None, vocab: int = 0
+) -> SamplingArrays:
     """The batch's rows as device inputs; ``history_rows[i]``: the RowHistory row row ``i``'s controls
-    read (NO_ROW: none, also for a row that has controls but whose sample is dropped)."""
-    arrays = SamplingArrays.empty(len(rows))
+    read (NO_ROW, or no list: none, also for a row that has controls but whose sample is dropped); token
+    masks over ``vocab`` tokens."""
+    arrays = SamplingArrays.empty(len(rows), vocab)
+    history_rows = history_rows or [NO_ROW] * len(rows)
     for i, r in enumerate(rows):
         if r is None:
             continue
@@ -147,6 +151,8 @@ def _sampling_arrays(rows: list[SamplingRow | None], history_rows: list[int]) ->
         if r.controlled and history_rows[i] != NO_ROW:
             arrays.presence[i], arrays.frequency[i] = r.presence, r.frequency
             arrays.repetition[i], arrays.history_row[i] = r.repetition, history_rows[i]
+        if r.mask is not None:
+            arrays.masked[i], arrays.mask[i] = True, r.mask
     return arrays
 
 
@@ -219,6 +225,7 @@ class JaxRunner:
             config.linear_backend,
         )
         self.rope = jnp.asarray(self.model_config.inv_freq(), jnp.float32)
+        self.vocab_size = checkpoint.config.vocab_size  # token masks (structured outputs) cover it
         self.buckets = config.prefill_buckets()
         self.prefill_shapes = config.prefill_shapes()
         self.key_block = M.key_block_pages(config.kv_page_size, config.pages_per_row)
@@ -273,7 +280,7 @@ class JaxRunner:
                 out, self.cache = self._steps.decode(
                     **self.state().fields(),
                     batch=DecodeBatch(zeros, zeros, tables, plan),
-                    sampling=SamplingArrays.empty(b),
+                    sampling=SamplingArrays.empty(b, self.vocab_size),
                 )
                 self.history = out.history
         self.seed_history(0, [0], [], [])
@@ -373,7 +380,7 @@ class JaxRunner:
         out, self.cache = self._steps.prefill(
             **self.state().fields(),
             batch=PrefillBatch(tokens, lengths, starts, slots, tables, blocks, targets),
-            sampling=_sampling_arrays(rows, history_rows),
+            sampling=_sampling_arrays(rows, history_rows, self.vocab_size),
         )
         self.history = out.history
         return _to_host(out, any(item.sampling.logprobs for item in items), targets)
@@ -397,7 +404,7 @@ class JaxRunner:
         out, self.cache = self._steps.decode(
             **self.state().fields(),
             batch=batch,
-            sampling=_sampling_arrays(sampling, list(range(len(sampling)))),
+            sampling=_sampling_arrays(sampling, list(range(len(sampling))), self.vocab_size),
         )
         self.history = out.history
         return _to_host(out, any(r is not None and r.logprobs for r in sampling))

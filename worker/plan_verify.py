@@ -41,13 +41,13 @@ def verify_in_subprocess(settings: dict[str, Any], timeout: float = 900.0) -> di
 
 
 def small_input_bytes(
-    batch: int, inv_freq_shape: tuple[int, ...], plan_leaves: list[Any], pages_per_row: int
+    batch: int, inv_freq_shape: tuple[int, ...], plan_leaves: list[Any], pages_per_row: int, vocab: int
 ) -> int:
     """Bytes of the decode step's per-step inputs: tokens, positions, page tables, the LoRA plan,
-    sampling, RoPE table."""
+    sampling (token masks included), RoPE table."""
     from loraserve.worker.sampling import SamplingArrays
 
-    samp = sum(a.nbytes for a in SamplingArrays.empty(batch).as_tuple())
+    samp = sum(a.nbytes for a in SamplingArrays.empty(batch, vocab).as_tuple())
     plan = sum(int(getattr(leaf, "nbytes", 0)) for leaf in plan_leaves)
     rope = 4
     for d in inv_freq_shape:
@@ -95,7 +95,7 @@ def compiled_decode_memory(
     rows = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rep)
     plan = backend.warmup_plans(batch, max_loras)[-1]  # the variant with adapter rows
     inv_freq = np.asarray(tcfg.inv_freq(), np.float32)
-    samp = tuple(abstract(a) for a in SamplingArrays.empty(batch).as_tuple())
+    samp = tuple(abstract(a) for a in SamplingArrays.empty(batch, tcfg.vocab_size).as_tuple())
     attention = DecodeAttention.of(resolve_attention(config.attention_backend), backend)  # as the worker
     step = jit_steps(
         tcfg,
@@ -121,7 +121,7 @@ def compiled_decode_memory(
         "alias_bytes": int(mem.alias_size_in_bytes),
         "temp_bytes": int(mem.temp_size_in_bytes),
         "small_input_bytes": small_input_bytes(
-            batch, inv_freq.shape, jax.tree.leaves(plan), config.pages_per_row
+            batch, inv_freq.shape, jax.tree.leaves(plan), config.pages_per_row, tcfg.vocab_size
         ),
     }
 

@@ -7,6 +7,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -22,6 +23,11 @@ from loraserve.common.limits import (
     REPETITION_PENALTY_RANGE,
     UINT32_MAX,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from loraserve.worker.grammar import TokenMatcher
 
 MAX_LOGPROBS = limits.MAX_LOGPROBS  # most alternatives a request may ask for (the device computes this many)
 MAX_EOS_IDS = 16  # end-of-sequence ids a model may have (min_tokens bans them on the device)
@@ -208,6 +214,7 @@ class EngineRequest:
     max_new_tokens: int = 0
     generated: list[int] = field(default_factory=list)
     prompt_scores: list[TokenLogprobs] | None = None  # while its prompt is scored (Sampling.prompt_logprobs)
+    grammar: TokenMatcher | None = None  # structured outputs: what the next token may be (worker.grammar)
     done: bool = False
 
     def emit(self, event: Event) -> None:
@@ -238,6 +245,7 @@ class SamplingRow:
     frequency: float = 0.0
     repetition: float = 1.0
     controlled: bool = False  # the row's logits controls read its RowHistory row (the decode row)
+    mask: np.ndarray | None = None  # [ceil(V / 32)] int32: the tokens its grammar allows (structured outputs)
 
     @classmethod
     def of(cls, req: EngineRequest) -> SamplingRow:
@@ -256,6 +264,7 @@ class SamplingRow:
             s.frequency_penalty,
             s.repetition_penalty,
             s.controlled,
+            None if req.grammar is None else req.grammar.mask(),
         )
 
 

@@ -56,6 +56,8 @@ NO_ROW = -1  # SamplingArrays.history_row of a row that uses no control
         "frequency",
         "repetition",
         "history_row",
+        "masked",
+        "mask",
     ],
     meta_fields=[],
 )
@@ -75,9 +77,14 @@ class SamplingArrays:
     repetition: np.ndarray  # f32, repetition penalty (1 = off)
     # int32, the RowHistory row the controls read and the drawn token is added to; NO_ROW = no controls
     history_row: np.ndarray
+    masked: np.ndarray  # bool, the row's tokens are constrained by ``mask`` (structured outputs)
+    # [B, ceil(V / 32)] int32: bit j of word i allows token 32 i + j (llguidance's bitmask); [B, 0] in a
+    # program built without masks
+    mask: np.ndarray
 
     @classmethod
-    def empty(cls, rows: int) -> SamplingArrays:
+    def empty(cls, rows: int, vocab: int = 0) -> SamplingArrays:
+        """Neutral parameters for ``rows`` rows; with ``vocab``, room for token masks over it."""
         return cls(
             temperature=np.zeros(rows, np.float32),
             top_k=np.zeros(rows, np.int32),
@@ -90,6 +97,8 @@ class SamplingArrays:
             frequency=np.zeros(rows, np.float32),
             repetition=np.ones(rows, np.float32),
             history_row=np.full(rows, NO_ROW, np.int32),
+            masked=np.zeros(rows, np.bool_),
+            mask=np.zeros((rows, mask_words(vocab)), np.int32),
         )
 
     def as_tuple(self) -> tuple[np.ndarray, ...]:
@@ -178,6 +187,19 @@ def token_logprobs(logits: Array, tokens: Array) -> tuple[Array, Array, Array]:
     return chosen, top_ids.astype(jnp.int32), top_lp
 
 
+def mask_words(vocab: int) -> int:
+    """int32 words of a token bitmask over ``vocab`` tokens."""
+    return -(-vocab // 32)
+
+
+def apply_mask(logits: Array, s: SamplingArrays) -> Array:
+    """logits [B, V] -> -inf at the tokens a masked row's bitmask does not allow; other rows as they are."""
+    b, vocab = logits.shape
+    bits = (s.mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32], little-endian bits
+    allowed = bits.reshape(b, -1)[:, :vocab].astype(jnp.bool_)
+    return jnp.where(allowed | ~s.masked[:, None], logits, -jnp.inf)
+
+
 def apply_controls(logits: Array, s: SamplingArrays, history: RowHistory) -> Array:
     """logits [B, V] (raw) -> the same after each row's logit_bias / min_tokens bans, repetition, frequency
     and presence penalties (the module's semantics); rows whose ``history_row`` is NO_ROW come out as they
@@ -243,19 +265,18 @@ def seed_row(
 
 
 def sample(logits: Array, s: SamplingArrays, history: RowHistory | None = None) -> Sampled:
-    """Draw one token per row of ``logits`` [B, V] f32 by the rows' ``s``. Semantics: the controls of rows
-    with a ``history_row`` (when ``history`` is given), then argmax where temperature == 0, else a seeded
-    draw; plus ``token_logprobs`` of the raw logits at the drawn tokens when any row's ``logprobs`` is set
-    (zeros otherwise). With ``history``, ``Sampled.history`` is it with the drawn tokens recorded."""
+    """Draw one token per row of ``logits`` [B, V] f32 by the rows' ``s``. Semantics: the token mask of
+    masked rows, then the controls of rows with a ``history_row`` (when ``history`` is given), then argmax
+    where temperature == 0, else a seeded draw; plus ``token_logprobs`` of the raw logits at the drawn
+    tokens when any row's ``logprobs`` is set (zeros otherwise). With ``history``, ``Sampled.history`` is it
+    with the drawn tokens recorded."""
     temperature, top_k, top_p = s.temperature, s.top_k, s.top_p
 
     def draw(row_logits: Array, lo: Array, hi: Array, n: Array) -> Array:
         key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(0), lo), hi), n)
         return jax.random.categorical(key, row_logits).astype(jnp.int32)
 
-    def pick(x: Array) -> Array:
-        greedy = argmax_last(x)  # [B] int32, in the layout the lm_head matmul left the logits in
-
+    def pick(x: Array, greedy: Array) -> Array:
         def sampled() -> Array:
             safe_t = jnp.where(temperature > 0, temperature, 1.0)
             scaled = x / safe_t[:, None]
@@ -267,15 +288,25 @@ def sample(logits: Array, s: SamplingArrays, history: RowHistory | None = None) 
         # milliseconds per step on a CPU.
         return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
 
-    if history is None:
-        tokens = pick(logits)
-    else:  # the controls' gathers over [B, V] run only when some row uses one
-        tokens = jax.lax.cond(
-            jnp.any(s.history_row >= 0),
-            lambda: pick(apply_controls(logits, s, history)),
-            lambda: pick(logits),
-        )
-        history = record(history, s, tokens)
+    # [B] int32, in the layout the lm_head matmul left the logits in: computed outside every cond, so that
+    # XLA fuses it into the matmul (a cond's operand is materialised first)
+    greedy = argmax_last(logits)
+    masks = s.mask.shape[-1] * 32 >= logits.shape[-1]  # this program takes token masks
+    if history is None and not masks:
+        tokens = pick(logits, greedy)
+    else:  # the masks' and controls' work over [B, V] runs only when some row has one
+
+        def constrained() -> Array:
+            x = jax.lax.cond(jnp.any(s.masked), apply_mask, lambda y, _: y, logits, s) if masks else logits
+            if history is not None:
+                x = jax.lax.cond(jnp.any(s.history_row >= 0), apply_controls, lambda y, *_: y, x, s, history)
+            return pick(x, argmax_last(x))
+
+        special = jnp.any(s.history_row >= 0) if history is not None else False
+        special = (special | jnp.any(s.masked)) if masks else special
+        tokens = jax.lax.cond(special, constrained, lambda: pick(logits, greedy))
+        if history is not None:
+            history = record(history, s, tokens)
 
     def none(_logits: Array, _tokens: Array) -> tuple[Array, Array, Array]:
         b, k = logits.shape[0], min(TOP_LOGPROBS, logits.shape[-1])

@@ -511,8 +511,13 @@ class Scheduler:
         reason: FinishReason | None = None
         if token in self.eos_ids and not s.ignore_eos:
             reason = FinishReason.EOS
-        elif token in s.stop_token_ids:
-            reason = FinishReason.STOP
+        elif req.grammar is not None and not req.grammar.accept(token):  # drawn under its mask: never
+            self._finish(
+                row, Failed(grpc.StatusCode.INTERNAL, f"the structured output refused token {token}")
+            )
+            return
+        elif token in s.stop_token_ids or (req.grammar is not None and req.grammar.stopped):
+            reason = FinishReason.STOP  # a stop token, or the structured output is complete
         elif n >= req.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:  # the last token travels with the finish, in one message

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ import grpc
 from loraserve.adapters.errors import AdapterError
 from loraserve.adapters.mixes import MixPart, mix_ref
 from loraserve.adapters.sources import LocalAdapterSource
-from loraserve.common.errors import InvalidArgument, LoraserveError, Unavailable
+from loraserve.common.errors import FailedPrecondition, InvalidArgument, LoraserveError, Unavailable
 from loraserve.common.finish_reasons import FINISH_TO_PROTO
 from loraserve.common.limits import MAX_BODY_BYTES, add_servicer, check_generate_request, check_ref
 from loraserve.common.observability import StreamTimer
@@ -27,6 +28,7 @@ from loraserve.common.server import Services, set_health
 from loraserve.common.server import build_server as common_build_server
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.worker.engine import Engine
+from loraserve.worker.grammar import Grammars, TokenMatcher
 from loraserve.worker.outputs import Chunk, StreamAssembler
 from loraserve.worker.requests import EngineRequest, Sampling, TokenLogprobs
 from loraserve.worker.snapshot import slot_info
@@ -122,6 +124,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.token_strings = TokenStrings(tokenizer)  # logprobs' token strings, cached across requests
         # bytes of prompt text a context can hold at most (worker.tokenizer): longer text is never tokenised
         self.bound = PromptBound.of(tokenizer) if tokenizer is not None else None
+        self._grammars: Grammars | None = None  # structured outputs' compiler, built on first use (~1 s)
+        self._grammars_lock = threading.Lock()
 
     async def _prompt(self, request: inference_pb2.GenerateRequest) -> list[int]:
         """The prompt's token ids. Text and chat are tokenised off the event loop, after the checks that
@@ -153,6 +157,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             return await off_loop(encode, self.tokenizer, text, context, self.bound)
         raise InvalidArgument("prompt is empty: set text or tokens")
 
+    def _matcher(self, spec: inference_pb2.StructuredOutput) -> TokenMatcher:
+        """A matcher for ``spec`` (on a tokenizer thread: compiling a grammar may take a while)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                cfg = self.engine.model_config
+                self._grammars = Grammars(self.tokenizer, cfg.vocab_size, tuple(cfg.eos_token_ids))
+        return self._grammars.matcher(spec)
+
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
@@ -164,6 +176,11 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         prompt = await self._prompt(request)
+        grammar = None
+        if request.sampling.HasField("structured"):
+            if self.tokenizer is None:
+                raise FailedPrecondition("this model has no tokenizer: structured outputs need one")
+            grammar = await off_loop(self._matcher, request.sampling.structured)
         engine_req = EngineRequest(
             request_id=internal_id,
             adapter=adapter_of(request),
@@ -171,6 +188,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             sampling=sampling_from_proto(request.sampling),
             sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
             deadline=_deadline(context),
+            grammar=grammar,
         )
         self.engine.submit(engine_req)  # refusals raise LoraserveError: the interceptor maps them
         sampling = engine_req.sampling

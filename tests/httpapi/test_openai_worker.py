@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import socket
 import time
 
@@ -283,6 +284,48 @@ def test_logits_controls_equal_grpc_and_change_the_tokens(served) -> None:
         model="all-r4", messages=MESSAGES, max_tokens=6, temperature=0, logit_bias={"5": 100.0}
     )
     assert chat.choices[0].message.content == served.worker.tokenizer.decode([5] * 6)  # nothing but token 5
+
+
+def test_structured_outputs_through_the_openai_sdk(served) -> None:
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"enum": ["Ada", "Alan"]},
+            "age": {"type": "integer", "minimum": 1, "maximum": 99},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    chat = served.client.chat.completions.create(
+        model="all-r4",
+        messages=MESSAGES,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    )
+    person = json.loads(chat.choices[0].message.content)
+    assert person["name"] in ("Ada", "Alan") and 1 <= person["age"] <= 99 and set(person) == {"name", "age"}
+    assert chat.choices[0].finish_reason == "stop"
+    obj = served.client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    for extra, pattern in [
+        ({"guided_choice": ["alpha", "beta"]}, r"alpha|beta"),
+        ({"guided_regex": r"[0-9]{3}"}, r"[0-9]{3}"),
+        ({"guided_grammar": 'root ::= "x" [a-c]'}, r"x[a-c]"),
+        ({"structured_outputs": {"regex": r"[A-Z]{2}"}}, r"[A-Z]{2}"),
+        ({"guided_json": schema}, None),
+    ]:
+        out = served.client.completions.create(
+            model="mlp-r16", prompt=PROMPT, max_tokens=40, temperature=0, extra_body=extra
+        )
+        text = out.choices[0].text
+        if pattern is None:
+            assert set(json.loads(text)) == {"name", "age"}
+        else:
+            assert re.fullmatch(pattern, text), (extra, text)
+        assert out.choices[0].finish_reason == "stop", extra
 
 
 def test_logprobs_equal_grpc(served) -> None:
