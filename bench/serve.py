@@ -52,7 +52,7 @@ TINY = dict(
     model=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=384),
     adapters=6, ranks=(2, 4, 8), prompt=(4, 16), output=(2, 8), rates=(2.0, 8.0),
-    duration=2.0, max_loras=4, max_batch_size=8, max_seq_len=64, min_requests=0,
+    duration=2.0, max_loras=4, max_batch_size=8, max_seq_len=32, min_requests=0,
 )  # fmt: skip
 MODEL_ID = "bench-llama"
 SYSTEMS = ("loraserve", "max_loras_1", "no_prefix_cache", "peft")
