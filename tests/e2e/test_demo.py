@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from tests.conftest import with_test_xla_flags
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
@@ -16,6 +18,7 @@ def test_demo_runs_the_whole_stack_from_nothing(tmp_path) -> None:
         capture_output=True,
         text=True,
         timeout=480,
+        env=with_test_xla_flags(),  # compile-bound (a worker warming up, 3 short answers): the tests' XLA level
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     lines = out.stdout.splitlines()
