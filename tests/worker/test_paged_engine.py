@@ -144,7 +144,9 @@ def test_packed_prefill_of_mixed_adapters_matches_one_prompt_per_call(
     from loraserve.worker.requests import SamplingRow
     from loraserve.worker.runner import PrefillInput
 
-    config = EngineConfig(**{**BASE, "prefill_per_step": 4, "kernel_backend": backend})
+    # max_seq_len 16 (the prompts have 2-7 tokens): warm-up compiles the 16-token bucket at 1, 2 and 4 prompts,
+    # not also the 32- and 64-token ones no call here uses
+    config = EngineConfig(**{**BASE, "max_seq_len": 16, "prefill_per_step": 4, "kernel_backend": backend})
     runner = JaxRunner(checkpoint, config)
     runner.warmup()
     cfg = checkpoint.config
