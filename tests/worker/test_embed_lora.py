@@ -307,7 +307,8 @@ def test_engine_serves_embed_and_lm_head_lora_with_peft_s_greedy_tokens(model_di
     from tests.worker.test_dora_worker import _peft_greedy
 
     model_dir, dirs = model_dirs["qwen2"], embed_dirs("qwen2")  # tied embeddings
-    config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=RANK, max_cpu_loras=1)
+    # max_seq_len 16: 5-token prompts + 8 new fit, and the warm-up skips the 32/64-token prefill buckets
+    config = EngineConfig(max_batch_size=4, max_seq_len=16, max_loras=2, max_lora_rank=RANK, max_cpu_loras=1)
     prompts = {name: [5, 17, 33 + i, 100, 7] for i, name in enumerate(["", *NAMES])}
     with started_engine(model_dir, config, dirs) as engine:
         with count_compilations() as count:
