@@ -42,7 +42,7 @@ def test_worker_metrics_and_json_logs(llama_dir, adapter_dirs, tmp_path) -> None
         "--port",
         "0",
         "--max-seq-len",
-        "64",
+        "16",  # 3-token prompts + 4 new: warm-up compiles one prefill bucket, not 16/32/64
         "--max-loras",
         "2",
         "--kv-page-size",
@@ -83,9 +83,9 @@ def test_worker_metrics_and_json_logs(llama_dir, adapter_dirs, tmp_path) -> None
         )
         assert _metric(text, "loraserve_lora_slots_used") == 1 and _metric(text, "loraserve_lora_slots") == 2
         assert _metric(text, "loraserve_requests_running") == 0
-        # paged KV: 8 rows x 32 pages of 2 tokens; the second all-r4 request found the first one's full
+        # paged KV: 8 rows x 8 pages of 2 tokens; the second all-r4 request found the first one's full
         # first page [5, 17] (the last prompt token is always recomputed); the base request shares nothing
-        assert _metric(text, "loraserve_kv_cache_pages") == 256
+        assert _metric(text, "loraserve_kv_cache_pages") == 64
         assert _metric(text, "loraserve_kv_cache_utilisation") == 0.0
         assert _metric(text, "loraserve_prefix_cache_queries_total") == 9
         assert _metric(text, "loraserve_prefix_cache_hits_total") == 2
