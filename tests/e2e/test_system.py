@@ -44,6 +44,9 @@ def six_adapters(adapter_dirs, llama_dir, tmp_path):
     return out
 
 
+LEASE = 3  # seconds: the registry's worker lease in this test (docker-compose.yml: 6)
+
+
 def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tmp_path) -> None:
     gcs = start_gcs_emulator("loraserve")
     stack = LocalCompose(
@@ -51,7 +54,9 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
         gcs_endpoint=gcs.endpoint,
         model_dir=llama_dir,
         workdir=tmp_path,
-        extra_env=with_test_xla_flags(),  # compile-bound (72 requests of 6 tokens): the tests' XLA level
+        # compile-bound (72 requests of 6 tokens): the tests' XLA level; and a 3 s lease instead of compose's
+        # 6 s (the same heartbeat every lease / 3, the same expiry, half the waiting for them)
+        extra_env=with_test_xla_flags({"LORASERVE_REGISTRY_LEASE_SECONDS": str(LEASE)}),
     )
     procs = {}
     try:
@@ -107,7 +112,9 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
             assert out.choices[0].text == got.text and out.usage.completion_tokens == 6
         assert [m.id for m in http.models.list()] == [MODEL_ID, *sorted(names)]
 
-        time.sleep(2.5)  # one heartbeat (lease 6 s / 3): the database now mirrors every worker's slots
+        time.sleep(
+            LEASE / 3 + 0.5
+        )  # one heartbeat (lease / 3): the database now mirrors every worker's slots
         engine = create_engine(postgres_url)
         with engine.connect() as conn:
             rows = conn.execute(
@@ -150,7 +157,7 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
         with Client(stack.address("worker-2"), token=TOKENS["worker-admin"]) as direct:  # an operator
             assert direct.complete([5, 17], adapter=gone, max_tokens=1).adapter == gone
         registry.delete(gone)
-        time.sleep(2 * 6 / 3 + 0.5)  # two heartbeats (lease 6 s / 3): the order came with one of them
+        time.sleep(2 * LEASE / 3 + 0.5)  # two heartbeats (lease / 3): the order came with one of them
         for address, token in (
             (stack.address("worker-2"), "worker-admin"),
             (stack.address("router"), "inference"),
