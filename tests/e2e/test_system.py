@@ -112,9 +112,7 @@ def test_compose_topology_as_processes(postgres_url, llama_dir, six_adapters, tm
             assert out.choices[0].text == got.text and out.usage.completion_tokens == 6
         assert [m.id for m in http.models.list()] == [MODEL_ID, *sorted(names)]
 
-        time.sleep(
-            LEASE / 3 + 0.5
-        )  # one heartbeat (lease / 3): the database now mirrors every worker's slots
+        time.sleep(LEASE / 3 + 0.5)  # one heartbeat (lease / 3): the DB now mirrors every worker's slots
         engine = create_engine(postgres_url)
         with engine.connect() as conn:
             rows = conn.execute(
