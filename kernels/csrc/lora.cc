@@ -44,15 +44,18 @@ struct Problem {
   std::vector<Item> items;
 };
 
-// h[g, c:c+8NV] = x[row_g] @ A[:, c:c+8NV] for RB rows; A is one slot's [in, nR]. U interleaved
-// partial sums over k keep at least 8 independent FMA chains in flight.
+// h[g, c:c+8NV] = x[row_g] @ A[:, c:c+8NV] for RB rows; A is one slot's [in, nR]. Every output is summed
+// the same way whatever RB and NV are (kChains interleaved partial sums over k, the odd tail of k into the
+// first, then added in order), so a row's bits never depend on how many rows share its slot or where it
+// sits among them: batch invariance (tests/kernels/test_row_isolation.py).
+constexpr int kChains = 2;
+
 template <class W, int RB, int NV>
 void shrink_block(const W* A, int64_t in, int64_t nR, int64_t c, const float* const* xr, float* h) {
-  constexpr int U = RB * NV >= 8 ? 1 : (8 + RB * NV - 1) / (RB * NV);
-  v8f acc[U][RB][NV] = {};
+  v8f acc[kChains][RB][NV] = {};
   int64_t k = 0;
-  for (; k + U <= in; k += U)
-    for (int u = 0; u < U; ++u)
+  for (; k + kChains <= in; k += kChains)
+    for (int u = 0; u < kChains; ++u)
       for (int v = 0; v < NV; ++v) {
         const v8f a = load8(A + (k + u) * nR + c + 8 * v);
         for (int g = 0; g < RB; ++g) acc[u][g][v] += xr[g][k + u] * a;
@@ -65,29 +68,28 @@ void shrink_block(const W* A, int64_t in, int64_t nR, int64_t c, const float* co
   for (int g = 0; g < RB; ++g)
     for (int v = 0; v < NV; ++v) {
       v8f sum = acc[0][g][v];
-      for (int u = 1; u < U; ++u) sum += acc[u][g][v];
+      for (int u = 1; u < kChains; ++u) sum += acc[u][g][v];
       store8(h + g * nR + c + 8 * v, sum);
     }
 }
 
+// The last `blocks` (< NV + 1) blocks of 8 columns as one pass over A.
+template <class W, int RB, int NV>
+void shrink_rest(const Problem<W>& p, const W* A, int64_t c, int64_t blocks, const float* const* xr, float* h) {
+  if constexpr (NV >= 1) {
+    if (blocks == NV) return shrink_block<W, RB, NV>(A, p.in, p.nR, c, xr, h);
+    shrink_rest<W, RB, NV - 1>(p, A, c, blocks, xr, h);
+  }
+}
+
 template <class W, int RB>
 void shrink_rows(const Problem<W>& p, const W* A, const float* const* xr, float* h) {
-  if (RB <= 2 && p.nR % 8 == 0 && p.nR <= 64) {  // one pass over A, every column at once
-    switch (p.nR / 8) {
-      case 1: return shrink_block<W, RB, 1>(A, p.in, p.nR, 0, xr, h);
-      case 2: return shrink_block<W, RB, 2>(A, p.in, p.nR, 0, xr, h);
-      case 3: return shrink_block<W, RB, 3>(A, p.in, p.nR, 0, xr, h);
-      case 4: return shrink_block<W, RB, 4>(A, p.in, p.nR, 0, xr, h);
-      case 5: return shrink_block<W, RB, 5>(A, p.in, p.nR, 0, xr, h);
-      case 6: return shrink_block<W, RB, 6>(A, p.in, p.nR, 0, xr, h);
-      case 7: return shrink_block<W, RB, 7>(A, p.in, p.nR, 0, xr, h);
-      case 8: return shrink_block<W, RB, 8>(A, p.in, p.nR, 0, xr, h);
-    }
-  }
-  int64_t c = 0;  // column blocks of 16 (then 8, then 1); later passes over A hit the cache
-  for (; c + 16 <= p.nR; c += 16) shrink_block<W, RB, 2>(A, p.in, p.nR, c, xr, h);
-  for (; c + 8 <= p.nR; c += 8) shrink_block<W, RB, 1>(A, p.in, p.nR, c, xr, h);
-  for (; c < p.nR; ++c)
+  constexpr int NV = 8 / RB;  // kChains * RB * NV = 16 accumulators: one pass over A for nR <= 64 / RB
+  int64_t c = 0;
+  for (; c + 8 * NV <= p.nR; c += 8 * NV) shrink_block<W, RB, NV>(A, p.in, p.nR, c, xr, h);
+  const int64_t blocks = (p.nR - c) / 8;
+  shrink_rest<W, RB, NV - 1>(p, A, c, blocks, xr, h);
+  for (c += 8 * blocks; c < p.nR; ++c)  // the last nR % 8 columns: one chain each, for any RB
     for (int g = 0; g < RB; ++g) {
       float s = 0;
       for (int64_t k = 0; k < p.in; ++k) s += xr[g][k] * widen(A[k * p.nR + c]);

@@ -159,3 +159,61 @@ def test_sharded_backends_keep_rows_isolated() -> None:
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert sorted(report) == sorted(f"{n}/{kind}" for n in NAMES for kind in ("column", "row")), report
     assert all(v == "isolated" for v in report.values()), report
+
+
+# The watched row (slot 1, row 0's x and y) at several positions, beside batches that put 0..5 more rows on
+# its slot (so its slot group is 1, 2, 3, 4 or 6 rows long and it sits first, inside or last in it) and the
+# other rows on other slots or none.
+WATCHED = 1
+COMPANIONS = [
+    ([1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1], 0),
+    ([0, 2, 3, 1, 4, -1, 0, 2, 3, 4, -1, 0], 3),
+    ([1, 1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1], 1),
+    ([1, 1, 1, 0, 0, 0, 2, 2, 2, 3, 4, -1], 2),
+    ([1, 1, 1, 1, 1, 1, 0, 2, -1, 3, 4, 0], 4),
+    ([1, 1, 1, 1, -1, -1, -1, -1, -1, -1, -1, 1], 11),
+    ([4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 1], 11),
+]
+# (in, rank, outs): this file's small projection (n*R = 12: one 8-column block and 4 single columns), and
+# a rank-16 one (n*R = 48: blocks of 8, 16 or 48 columns by rows at a time) with an odd `in`
+SHAPES = [(D_IN, R, OUTS), (67, 16, (64, 16, 16))]
+# xla-grouped serves a row in place (batched over slots) or in its slot's loop by the plan the batch
+# gets: two XLA products whose roundings differ by an ulp or two (absolute, on values of order 1;
+# docs/kernels.md); every other backend is batch-invariant to the bit
+BATCH_VARIANT = {"xla-grouped": 1e-6}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=["r4", "r16"])
+@pytest.mark.parametrize(("name", "dtype"), CASES, ids=[f"{n}-{jnp.dtype(d).name}" for n, d in CASES])
+def test_a_rows_result_does_not_depend_on_its_batch(name: str, dtype, shape) -> None:
+    """Batch invariance: one row's delta is the same bits whatever the rest of the batch is (how many rows
+    share its slot, where it sits in that group, what the other rows hold), so a tenant's output never
+    depends on who else is being served, and a greedy run is reproducible under any traffic."""
+    backend = kernels.get_backend(name)
+    backend.check()
+    d_in, r, outs = shape
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((S, d_in, len(outs) * r)) / np.sqrt(d_in)
+    bs = [rng.standard_normal((S, r, out)) / np.sqrt(r) for out in outs]
+
+    def pool(v):
+        return jnp.stack(
+            [backend.to_pool_layout(jnp.asarray(v[s], jnp.float32).astype(dtype)) for s in range(S)]
+        )
+
+    a_pool, b_pools = pool(a), [pool(b) for b in bs]
+    x = jnp.asarray(rng.standard_normal((T, d_in)), jnp.float32).astype(dtype)
+    y = jnp.asarray(rng.standard_normal((T, sum(outs))), jnp.float32).astype(dtype)
+    step = jax.jit(lambda a, bs, x, y, plan: backend.add_decode(y, x, a, bs, plan))
+    got = {}
+    for idx, at in COMPANIONS:
+        idx = np.asarray(idx, np.int32)
+        assert idx[at] == WATCHED
+        out = step(a_pool, b_pools, x.at[at].set(x[0]), y.at[at].set(y[0]), backend.plan(idx, S))
+        got[(tuple(idx.tolist()), at)] = np.asarray(out, np.float32)[at]
+    first = next(iter(got.values()))
+    assert not np.array_equal(first, np.asarray(y[0], np.float32))  # the adapter does move the row
+    for key, row in got.items():
+        np.testing.assert_allclose(
+            row, first, rtol=0, atol=BATCH_VARIANT.get(name, 0), err_msg=f"{name}: {key}"
+        )

@@ -306,10 +306,7 @@ def test_rows_without_controls_are_bit_for_bit_unharmed_by_rows_with_them(engine
             finished(c)
         return [finished(c) for c in watched], [logprobs(c) for c in watched]
 
+    batch(with_controls=False)  # both compared batches then find the prompt in the prefix cache alike
     (tokens_on, lps_on), (tokens_off, lps_off) = batch(with_controls=True), batch(with_controls=False)
     assert tokens_on == tokens_off
-    # logprobs within 1e-6, not bit for bit: the cpu LoRA backend's rounding moves with which rows share a
-    # slot group (a known batch-variance, independent of the controls: xla-grouped is bit-identical)
-    for on, off in zip(lps_on, lps_off, strict=True):
-        for a, b in zip(on, off, strict=True):
-            assert a.top_ids == b.top_ids and abs(a.logprob - b.logprob) <= 1e-6
+    assert lps_on == lps_off  # every LoRA backend is batch-invariant (tests/kernels/test_row_isolation.py)
