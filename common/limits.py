@@ -42,6 +42,9 @@ MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # repetition_penalty: positive, bounded so logits stay finite
 MAX_CONSTRAINT_CHARS = 65536  # a structured output's schema, regex or grammar, and all its choices together
 MAX_CHOICES = 256  # strings of a structured output's choice
+MAX_TOOLS = 128  # tools one chat request offers (OpenAI's limit), and tool calls of one assistant turn
+MAX_TOOLS_CHARS = 32768  # the tools' names, descriptions and parameter schemas together (a forced call's
+# schema wraps them in at most ~17K more: it stays under MAX_CONSTRAINT_CHARS)
 MAX_SEQUENCES = 64  # sequences one HTTP request may start: prompts x (best_of or n)
 MAX_ID_CHARS = 256  # request_id, and an HTTP x-request-id (it is echoed in every streamed chunk)
 MAX_ROUTING_KEY_CHARS = 1024
@@ -82,8 +85,8 @@ def check_generate_request(request: pb.GenerateRequest) -> None:
             f"prompt has {len(request.tokens.ids)} token ids; at most {MAX_PROMPT_TOKENS} (and under the "
             "worker's context)"
         )
-    if kind == "chat" and len(request.chat.messages) > MAX_MESSAGES:
-        raise InvalidArgument(f"chat has {len(request.chat.messages)} messages; at most {MAX_MESSAGES}")
+    if kind == "chat":
+        check_chat(request.chat)
     s = request.sampling
     if len(s.stop) > MAX_STOP:
         raise InvalidArgument(f"stop has {len(s.stop)} strings; at most {MAX_STOP}")
@@ -100,6 +103,39 @@ def check_generate_request(request: pb.GenerateRequest) -> None:
         raise InvalidArgument(f"logit_bias has {len(s.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
     if s.HasField("structured"):
         check_structured(s.structured)
+
+
+def check_chat(chat: pb.ChatMessages) -> None:
+    """A conversation's counts and its tools' sizes and names (their JSON is parsed where it is used,
+    ``common.tools``)."""
+    if len(chat.messages) > MAX_MESSAGES:
+        raise InvalidArgument(f"chat has {len(chat.messages)} messages; at most {MAX_MESSAGES}")
+    if len(chat.tools) > MAX_TOOLS:
+        raise InvalidArgument(f"chat offers {len(chat.tools)} tools; at most {MAX_TOOLS}")
+    size = sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
+    if size > MAX_TOOLS_CHARS:
+        raise InvalidArgument(f"the tools are {size} characters; at most {MAX_TOOLS_CHARS}")
+    names = [t.name for t in chat.tools]
+    for name in names:
+        check_tool_name(name, "tool")
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise InvalidArgument(f"tool {dup!r} is offered twice")
+    for i, m in enumerate(chat.messages):
+        if len(m.tool_calls) > MAX_TOOLS:
+            raise InvalidArgument(f"message {i} has {len(m.tool_calls)} tool calls; at most {MAX_TOOLS}")
+        for call in m.tool_calls:
+            check_tool_name(call.name, f"message {i}'s tool call")
+            if len(call.id) > MAX_ID_CHARS:
+                raise InvalidArgument(f"a tool call id is {len(call.id)} characters; at most {MAX_ID_CHARS}")
+        if len(m.tool_call_id) > MAX_ID_CHARS or len(m.name) > MAX_ID_CHARS:
+            raise InvalidArgument(f"message {i}'s tool_call_id or name is over {MAX_ID_CHARS} characters")
+
+
+def check_tool_name(name: str, what: str) -> None:
+    """OpenAI's rule for a function name: 1-64 characters of ASCII letters, digits, ``_`` and ``-``."""
+    if not (0 < len(name) <= 64 and name.isascii() and all(c.isalnum() or c in "_-" for c in name)):
+        raise InvalidArgument(f"{what} name {name[:70]!r} must be 1-64 characters of A-Z, a-z, 0-9, _ and -")
 
 
 def check_structured(spec: pb.StructuredOutput) -> None:

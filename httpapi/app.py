@@ -294,7 +294,16 @@ async def _serve(
     per_prompt = body.candidates
     echo = not chat and body.echo
     texts = tuple(body.echoed_text(i) for i in range(len(body.prompt))) if echo else ()
-    shape = Shape(request_id, body.model, chat, body.wants_logprobs, echo, texts)
+    tools = body.tool_use() if chat else None  # (checked by to_grpc above)
+    shape = Shape(
+        request_id,
+        body.model,
+        chat,
+        body.wants_logprobs,
+        echo,
+        texts,
+        tools if tools and tools.mode != "none" else None,
+    )
     log.info(
         "http request",
         extra={"request_id": request_id, "model": body.model, "user": body.user or "", "stream": body.stream},
@@ -398,6 +407,7 @@ async def _events(
     frees the requests."""
     choices = [Choice() for _ in streams]
     offsets = [0] * len(streams)
+    calls = [shape.call_stream() for _ in streams]
     # bounded: a client that reads slowly holds the streams back (gRPC flow control) instead of their
     # tokens piling up here
     queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(streams))
@@ -430,7 +440,7 @@ async def _events(
             choices[index].add(item)
             first = not first_sent[index]
             prompt = index // per_prompt
-            yield sse(shape.chunk(item, offsets[index], first, index, prompt))
+            yield sse(shape.chunk(item, offsets[index], first, index, prompt, calls[index]))
             offsets[index] += len(item.text) + (shape.text_before(item, prompt) if first else 0)
             first_sent[index] = True
     finally:

@@ -10,10 +10,14 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraserve.common.finish_reasons import FinishReason
+from loraserve.common.tools import CallStream, parse_calls
 from loraserve.protos.v1 import inference_pb2 as pb
+
+if TYPE_CHECKING:
+    from loraserve.httpapi.schemas import ToolUse
 
 # EOS and stop strings/ids are both "stop" to OpenAI clients.
 FINISH = {
@@ -92,6 +96,7 @@ class Shape:
     logprobs: bool
     echo: bool = False  # completions: the prompt comes first in the text (and logprobs)
     prompt_texts: tuple[str | None, ...] = ()
+    tools: ToolUse | None = None  # chat with tools that may be called: replies are read for calls
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -102,12 +107,23 @@ class Shape:
         out = []
         for index, (prompt, c) in enumerate(choices):
             if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                finish: str | None = c.finish_reason
+                if self.tools is not None:
+                    content, calls = parse_calls(c.text, self.tools.names, self.tools.mode, self.tools.named)
+                    if calls:
+                        message = {
+                            "role": "assistant",
+                            "content": content,
+                            "tool_calls": [call.openai() for call in calls],
+                        }
+                        finish = _calls_finish(c.finish_reason)
                 out.append(
                     {
                         "index": index,
-                        "message": {"role": "assistant", "content": c.text},
+                        "message": message,
                         "logprobs": {"content": chat_logprobs(c.logprobs)} if self.logprobs else None,
-                        "finish_reason": c.finish_reason,
+                        "finish_reason": finish,
                     }
                 )
                 continue
@@ -125,16 +141,38 @@ class Shape:
         head = self._head("chat.completion" if self.chat else "text_completion")
         return {**head, "choices": out, "usage": usage_json(*usage)}
 
+    def call_stream(self) -> CallStream | None:
+        """What reads one streamed choice for tool calls (None without tools that may be called)."""
+        t = self.tools
+        return None if t is None else CallStream(t.names, t.mode, t.named)
+
     def chunk(
-        self, msg: pb.GenerateResponse, offset: int, first: bool, index: int = 0, prompt: int = 0
+        self,
+        msg: pb.GenerateResponse,
+        offset: int,
+        first: bool,
+        index: int = 0,
+        prompt: int = 0,
+        calls: CallStream | None = None,
     ) -> dict[str, Any]:
         """One SSE chunk for ``msg`` of choice ``index`` (of prompt ``prompt``); ``offset`` is the text length
-        that choice streamed before it (completions logprobs)."""
-        finish = FINISH.get(msg.finish_reason) if msg.finish_reason else None
+        that choice streamed before it (completions logprobs); ``calls`` reads a chat choice for tool calls
+        (its content goes out as it can, the calls with the last chunk)."""
+        finish: str | None = FINISH.get(msg.finish_reason) if msg.finish_reason else None
         if self.chat:
+            content, found = msg.text, []
+            if calls is not None:
+                content = calls.feed(msg.text)
+                if msg.finish_reason:
+                    rest, found = calls.finish()
+                    content += rest
             delta: dict[str, Any] = (
-                {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
+                {"role": "assistant", "content": content} if first else {"content": content}
             )
+            if found:
+                delta["content"] = content or None
+                delta["tool_calls"] = [call.openai(i) for i, call in enumerate(found)]
+                finish = _calls_finish(finish)
             logprobs = {"content": chat_logprobs(list(msg.logprobs))} if self.logprobs else None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             head = self._head("chat.completion.chunk")
@@ -179,6 +217,11 @@ class Shape:
     def text_before(self, msg: pb.GenerateResponse, prompt: int = 0) -> int:
         """How much text the first chunk of a choice (``msg``) puts before its generated text."""
         return len(self._echo(prompt, list(msg.prompt_logprobs))[0])
+
+
+def _calls_finish(finish: str | None) -> str | None:
+    """A reply that made tool calls ends with "tool_calls", unless it was cut short ("length")."""
+    return finish if finish == FinishReason.LENGTH else "tool_calls"
 
 
 def cumulative_logprob(c: Choice) -> float:

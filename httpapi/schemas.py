@@ -3,16 +3,25 @@
 Fields follow OpenAI's API reference plus vLLM's extensions (``top_k``, ``ignore_eos``, ``stop_token_ids``).
 Unknown fields are refused, as OpenAI refuses them, so a typo never silently changes what is generated;
 fields OpenAI defines that loraserve does not implement are accepted only at their neutral value
-(no ``suffix``, no ``tools``...) and refused with a message naming them otherwise.
+(no ``suffix``...) and refused with a message naming them otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from loraserve.adapters.refs import parse_ref
 from loraserve.common.errors import InvalidArgument, LoraserveError, NotFound
@@ -30,10 +39,13 @@ from loraserve.common.limits import (
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
     REPETITION_PENALTY_RANGE,
     UINT32_MAX,
+    check_chat,
     check_ref,
 )
+from loraserve.common.tools import call_schema, check_parameters
 from loraserve.protos.v1 import inference_pb2 as pb
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -347,31 +359,55 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+@dataclass(frozen=True)
+class ToolUse:
+    """A chat request's tools and what it asked of them: ``mode`` is ``none``, ``auto``, ``required`` or
+    ``named`` (``named`` is then the function)."""
+
+    tools: tuple[pb.Tool, ...]
+    mode: str
+    named: str | None = None
+    parallel: bool = True
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t.name for t in self.tools)
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "named")
+
+
 class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    _tool_use: ToolUse | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _chat_only(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice is not supported")
-        if all(not m.text() for m in self.messages):
+        if all(not m.text() and not m.model_extra.get("tool_calls") for m in self.messages):
             raise ValueError("messages hold no text")
         return self
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs
+
+    def tool_use(self) -> ToolUse:
+        """The tools and the tool choice, checked (INVALID_ARGUMENT naming the field)."""
+        if self._tool_use is None:
+            tools = tuple(_tool(i, t) for i, t in enumerate(self.tools or []))
+            mode, named = _tool_choice(self.tool_choice, {t.name for t in tools})
+            self._tool_use = ToolUse(tools, mode, named, self.parallel_tool_calls is not False)
+        return self._tool_use
 
     def to_grpc(self, adapter: str, request_id: str) -> list[pb.GenerateRequest]:
         """One request per choice (``n``)."""
@@ -383,8 +419,81 @@ class ChatCompletionRequest(_Common):
             sampling=self.sampling(limit, logprobs),
             routing_key=self.user or "",  # a rollout keeps each end user on one version
         )
-        req.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.text()) for m in self.messages)
+        req.chat.messages.extend(_message(i, m) for i, m in enumerate(self.messages))
+        use = self.tool_use()
+        req.chat.tools.extend(use.tools)
+        check_chat(req.chat)
+        if use.forced:
+            if req.sampling.HasField("structured"):
+                raise InvalidArgument(
+                    f"tool_choice {use.mode!r} and a structured output both constrain the output"
+                )
+            schema = call_schema(use.tools, use.named, use.parallel)
+            req.sampling.structured.CopyFrom(pb.StructuredOutput(json_schema=schema))
         return self._sequences(req, request_id)
+
+
+def _tool(i: int, tool: dict[str, Any]) -> pb.Tool:
+    """OpenAI's ``{"type": "function", "function": {name, description, parameters, strict}}`` -> a Tool."""
+    where = f"tools[{i}]"
+    function = tool.get("function")
+    if tool.get("type") != "function" or not isinstance(function, dict):
+        raise InvalidArgument(f'{where} must be {{"type": "function", "function": {{...}}}}')
+    unknown = set(function) - {"name", "description", "parameters", "strict"}
+    if unknown:
+        raise InvalidArgument(f"{where}.function has unknown fields: {', '.join(sorted(unknown))[:200]}")
+    name, description = function.get("name"), function.get("description") or ""
+    if not isinstance(name, str) or not isinstance(description, str):
+        raise InvalidArgument(f"{where}.function.name and description must be strings")
+    parameters = check_parameters(function.get("parameters"), f"{where}.function.parameters")
+    return pb.Tool(name=name, description=description, parameters=json.dumps(parameters))
+
+
+def _tool_choice(choice: Any, names: set[str]) -> tuple[str, str | None]:
+    """OpenAI's ``tool_choice`` -> (mode, named function); its default is ``auto`` with tools, else ``none``."""
+    if choice is None:
+        return ("auto" if names else "none"), None
+    if choice in ("none", "auto", "required"):
+        if choice != "none" and not names:
+            raise InvalidArgument(f"tool_choice {choice!r} needs tools")
+        return choice, None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
+        raise InvalidArgument(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
+    if name not in names:
+        raise InvalidArgument(f"tool_choice names {name[:64]!r}, which is not among the tools")
+    return "named", name
+
+
+def _message(i: int, m: ChatMessage) -> pb.ChatMessage:
+    """One message -> its proto, with an assistant turn's tool calls and a tool turn's call id."""
+    extra = m.model_extra or {}
+    out = pb.ChatMessage(role=m.role, content=m.text())
+    for key in ("tool_call_id", "name"):
+        value = extra.get(key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise InvalidArgument(f"messages[{i}].{key} must be a string")
+            setattr(out, key, value)
+    calls = extra.get("tool_calls") or []
+    if not isinstance(calls, list) or len(calls) > MAX_TOOLS:
+        raise InvalidArgument(f"messages[{i}].tool_calls must be a list of at most {MAX_TOOLS} calls")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidArgument(
+                f'messages[{i}].tool_calls[{j}] must be {{"id", "type": "function", "function": {{name, arguments}}}}'
+            )
+        args = function.get("arguments", "{}")
+        if isinstance(args, dict):
+            args = json.dumps(args)
+        if not isinstance(args, str):
+            raise InvalidArgument(f"messages[{i}].tool_calls[{j}].function.arguments must be JSON text")
+        out.tool_calls.add(id=str(call.get("id") or ""), name=function["name"], arguments=args)
+    return out
 
 
 def _schema_text(schema: Any) -> str:

@@ -89,8 +89,16 @@ GEMMA_NORMS = ("gemma2", "gemma3_text")  # RMSNorm weight w scales by (1 + w)
 
 
 # A small chat template in the style of instruction-tuned checkpoints (saved in tokenizer_config.json).
+# Tools render as Qwen's and Hermes' templates do: the functions' JSON in a system turn, an assistant's calls
+# as <tool_call>{"name": ..., "arguments": ...}</tool_call> (compact JSON: the tiny test contexts are short); a
+# conversation without them renders as before.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{{ bos_token }}"
+    "{% if tools %}tools:"
+    "{% for t in tools %} {{ t['function'] | tojson(separators=(',', ':')) }}{% endfor %}{{ '\n' }}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] if m['content'] is not none else '' }}"
+    "{% for c in m['tool_calls'] or [] %}<tool_call>{\"name\": {{ c['function']['name'] | tojson }}, "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}</tool_call>{% endfor %}{{ '\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 

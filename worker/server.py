@@ -26,6 +26,7 @@ from loraserve.common.observability import StreamTimer
 from loraserve.common.security import ServerSecurity
 from loraserve.common.server import Services, set_health
 from loraserve.common.server import build_server as common_build_server
+from loraserve.common.tools import template_messages, template_tools
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.worker.engine import Engine
 from loraserve.worker.grammar import Grammars, TokenMatcher
@@ -108,8 +109,9 @@ def adapter_of(request: inference_pb2.GenerateRequest) -> str:
 
 
 def _chat_ids(tokenizer: Any, chat: inference_pb2.ChatMessages, context: int, bound: Any) -> list[int]:
-    """``apply_chat`` of a request's messages, copied out of the message here (off the loop) too."""
-    return apply_chat(tokenizer, [(m.role, m.content) for m in chat.messages], context, bound)
+    """``apply_chat`` of a request's messages and tools, copied out of the message here (off the loop) too."""
+    tools = template_tools(chat.tools) if chat.tools else None
+    return apply_chat(tokenizer, template_messages(chat.messages), context, bound, tools)
 
 
 def _deadline(context: grpc.aio.ServicerContext) -> float | None:

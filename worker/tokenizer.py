@@ -217,11 +217,17 @@ def encode(tokenizer: Any, text: str, context: int = 0, bound: PromptBound | Non
 
 
 def apply_chat(
-    tokenizer: Any, messages: list[tuple[str, str]], context: int = 0, bound: PromptBound | None = None
+    tokenizer: Any,
+    messages: list[tuple[str, str]] | list[dict[str, Any]],
+    context: int = 0,
+    bound: PromptBound | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """A conversation -> prompt token ids through the model's chat template, with the generation prompt;
-    with a ``bound``, a rendered conversation that cannot fit in ``context`` tokens is refused before
-    tokenising (rendering first: a template may drop text, e.g. earlier turns' reasoning).
+    ``messages`` are (role, content) pairs or Hugging Face's message dicts (tool calls included), ``tools``
+    the template's ``tools`` (``common.tools.template_tools``). With a ``bound``, a rendered conversation
+    that cannot fit in ``context`` tokens is refused before tokenising (rendering first: a template may drop
+    text, e.g. earlier turns' reasoning).
 
     FAILED_PRECONDITION when the tokenizer ships no chat template (a base model: use completions).
     """
@@ -231,9 +237,11 @@ def apply_chat(
         raise FailedPrecondition("this model has no chat template: use /v1/completions (a text prompt)")
     if not messages:
         raise InvalidArgument("chat has no messages")
-    conversation = [{"role": role, "content": content} for role, content in messages]
+    conversation = [m if isinstance(m, dict) else {"role": m[0], "content": m[1]} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            conversation, tools=tools or None, add_generation_prompt=True, tokenize=False
+        )
     except Exception as exc:  # jinja2 TemplateError, raise_exception() in the template: the input's fault
         raise InvalidArgument(f"the chat template refused these messages: {exc}") from exc
     if bound is not None and context:

@@ -1,0 +1,118 @@
+"""Reading tool calls out of a reply (``common.tools``): every format ``auto`` understands, what stays
+content, and a streamed reply whose content goes out as soon as it cannot be part of a call."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loraserve.common.errors import InvalidArgument
+from loraserve.common.tools import CallStream, call_schema, json_object, parse_calls
+from loraserve.protos.v1 import inference_pb2 as pb
+
+NAMES = frozenset({"get_weather", "get_time"})
+HERMES = 'Let me check. <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+
+def _calls(text: str, mode: str = "auto") -> tuple[str | None, list[tuple[str, dict]]]:
+    content, calls = parse_calls(text, NAMES, mode, "get_time" if mode == "named" else None)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_hermes_blocks_and_the_content_before_them() -> None:
+    assert _calls(HERMES) == ("Let me check.", [("get_weather", {"city": "Oslo"})])
+    two = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>{"name": "get_weather", "parameters": {"city": "Rome"}}</tool_call>'
+    assert _calls(two) == (None, [("get_time", {}), ("get_weather", {"city": "Rome"})])
+
+
+def test_a_whole_json_reply_is_a_call_of_an_offered_tool() -> None:
+    assert _calls('{"name": "get_time", "parameters": {"zone": "utc"}}') == (
+        None,
+        [("get_time", {"zone": "utc"})],
+    )
+    assert _calls('[{"name": "get_time", "arguments": "{\\"zone\\": \\"cet\\"}"}]') == (
+        None,
+        [("get_time", {"zone": "cet"})],
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Just text.",
+        '{"name": "rm_rf", "arguments": {}}',  # not an offered tool
+        '{"city": "Oslo"}',  # JSON, but no call
+        'Sure <tool_call>{"name": "get_time", "arguments": {"zone": ',  # cut off by max_tokens
+        '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',  # arguments not an object
+    ],
+)
+def test_what_is_not_a_call_stays_content(text: str) -> None:
+    assert _calls(text) == (text, [])
+
+
+def test_forced_modes() -> None:
+    assert _calls('{"zone": "utc"}', "named") == (None, [("get_time", {"zone": "utc"})])
+    assert _calls('[{"name": "get_weather", "arguments": {"city": "Nice"}}]', "required") == (
+        None,
+        [("get_weather", {"city": "Nice"})],
+    )
+    assert _calls(HERMES, "none") == (HERMES, [])
+
+
+def _stream(mode: str, pieces: list[str]) -> tuple[list[str], str, list[str]]:
+    s = CallStream(NAMES, mode, "get_time" if mode == "named" else None)
+    sent = [s.feed(p) for p in pieces]
+    rest, calls = s.finish()
+    return sent, rest, [c.name for c in calls]
+
+
+def test_streamed_content_goes_out_until_a_call_may_begin() -> None:
+    pieces = [
+        "Let me",
+        " check. <tool",
+        '_call>{"name": "get_weather", ',
+        '"arguments": {"city": "Oslo"}}</tool_call>',
+    ]
+    sent, rest, calls = _stream("auto", pieces)
+    assert sent == ["Let me", " check. ", "", ""] and rest == "" and calls == ["get_weather"]
+    # a "<" that turns out not to open a call is sent once it cannot any more
+    sent, rest, calls = _stream("auto", ["a <", "b", " c"])
+    assert "".join(sent) + rest == "a <b c" and sent[0] == "a " and calls == []
+    # a reply that opens with a brace is held to the end: a call, or content after all
+    assert _stream("auto", [' {"name": "get_time", ', '"arguments": {}}']) == (["", ""], "", ["get_time"])
+    assert _stream("auto", ["{not", " json"]) == (["", ""], "{not json", [])
+    assert _stream("none", ["<tool_call>", "x"]) == (["<tool_call>", "x"], "", [])
+    assert _stream("named", ['{"zone"', ': "utc"}']) == (["", ""], "", ["get_time"])
+
+
+def test_the_forced_call_schema() -> None:
+    tools = [
+        pb.Tool(
+            name="get_time",
+            parameters=json.dumps({"type": "object", "properties": {"zone": {"type": "string"}}}),
+        ),
+        pb.Tool(name="ping"),
+    ]
+    assert json.loads(call_schema(tools, "get_time"))["properties"] == {"zone": {"type": "string"}}
+    required = json.loads(call_schema(tools, None, parallel=False))
+    assert required["minItems"] == 1 and required["maxItems"] == 1
+    names = [c["properties"]["name"]["const"] for c in required["items"]["anyOf"]]
+    assert names == ["get_time", "ping"]
+    no_args = {"type": "object", "properties": {}, "additionalProperties": False}
+    assert required["items"]["anyOf"][1]["properties"]["arguments"] == no_args
+    loose = pb.Tool(name="loose", parameters=json.dumps({"type": "object", "additionalProperties": True}))
+    assert json.loads(call_schema([loose], "loose"))["additionalProperties"] is True
+
+
+def test_json_object_bounds_what_it_parses() -> None:
+    assert json_object('{"a": [1]}', "x") == {"a": [1]}
+    for text, says in [
+        ("[1]", "must be a JSON object"),
+        ("{", "not JSON"),
+        ('{"a":' + "[" * 70 + "]" * 70 + "}", "deeper"),
+    ]:
+        with pytest.raises(InvalidArgument, match=says):
+            json_object(text, "x")
+    with pytest.raises(InvalidArgument, match="not JSON"):
+        json_object("[" * 100_000, "x")  # the parser's own recursion limit
