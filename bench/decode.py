@@ -4,8 +4,10 @@ Workload (docs/design.md §7): random Llama (hidden 1024, 8 layers, intermediate
 ~140M parameters, f32), prompts of 64 tokens, 32 new tokens, batch 16, adapters of rank 16 on all seven
 modules. The default engine also serves 16 distinct DoRA adapters (rank 16) and 16 distinct two-adapter
 weighted mixes (``GenerateRequest.mix``) of rank-8 adapters (a mix's rank is its parts' sum: 16, the same
-slot work as one rank-16 adapter), each ÷ base (#16's ≥ 0.85). Prints human-readable lines, then ONE JSON
-object as the last line.
+slot work as one rank-16 adapter), each ÷ base (#16's ≥ 0.85), and the 16 distinct adapters with every row
+held to a JSON schema (structured outputs: llguidance's bitmask per row and step over a 32000-token BPE
+vocabulary trained here) ÷ the same rows unconstrained (target ≥ 0.90; skipped without llguidance).
+Prints human-readable lines, then ONE JSON object as the last line.
 
     python bench/decode.py            # the full workload (a few minutes on 2 cores)
     python bench/decode.py --tiny     # a seconds-long smoke run (used by the tests)
@@ -228,6 +230,47 @@ def build_extra(workdir: Path, base: Path, w: dict) -> dict[str, Path]:
     return out
 
 
+# The constrained rows' schema: a list of strings, which a random model keeps writing (no row completes it
+# within a round), so every step of every row is masked.
+JSON_ROW_SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"type": "string"}}},
+    "required": ["items"],
+    "additionalProperties": False,
+}
+
+
+def build_grammars(vocab_size: int):
+    """A structured-output compiler over a byte-level BPE of ``vocab_size`` tokens trained here on random
+    words (the bench model has no tokenizer; a real one's size and token lengths are what the mask costs),
+    or None without llguidance (e.g. the accelerator image)."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        print("llguidance is not installed: no JSON rows", flush=True)
+        return None
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from loraserve.worker.grammar import Grammars
+
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"))
+    words = ["".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(60_000)]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([" ".join(words[i : i + 50]) for i in range(0, len(words), 50)], trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return Grammars(fast, vocab_size, (fast.eos_token_id,))
+
+
 def adapter_rows(w: dict, n_adapters: int, extra: bool) -> dict[str, list[str]]:
     """Row name -> the adapter ref of each request of a round ("" = base; a mix ref for a mix)."""
     from loraserve.adapters.mixes import MixPart, mix_ref
@@ -322,14 +365,17 @@ def run_engine(
     checkpoint=None,
     dtype: str = "float32",
     lazy: bool = False,
+    grammars=None,
 ) -> dict[str, dict[str, float]]:
     """loraserve's engine for base-only, 1 adapter and len(adapters) distinct adapters (+ TTFTs); with
-    ``extra`` (:func:`build_extra`) also distinct DoRA adapters and distinct two-adapter mixes.
+    ``extra`` (:func:`build_extra`) also distinct DoRA adapters and distinct two-adapter mixes; with
+    ``grammars`` (:func:`build_grammars`) the distinct adapters again, every row held to JSON_ROW_SCHEMA.
 
     ``checkpoint``: ``base`` already loaded (in ``dtype``), shared by several engines. ``lazy``: no
     warm-up; each shape compiles when first run, and one untimed round of every row comes first.
     """
     from loraserve.adapters.sources import LocalAdapterSource
+    from loraserve.protos.v1 import inference_pb2 as pb
     from loraserve.worker.checkpoint import load_checkpoint
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.engine import Engine
@@ -360,7 +406,9 @@ def run_engine(
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, w["vocab_size"], w["prompt"]).tolist() for _ in range(w["batch"])]
 
-    def one_round(names: list[str], new: int) -> tuple[float, float, list[float]]:
+    spec = pb.StructuredOutput(json_schema=json.dumps(JSON_ROW_SCHEMA))
+
+    def one_round(names: list[str], new: int, constrained: bool = False) -> tuple[float, float, list[float]]:
         """Serve one request per name; -> (seconds in all, seconds of the decode phase, the gaps between
         a row's consecutive tokens: one per decode step and row).
 
@@ -391,6 +439,7 @@ def run_engine(
                     prompt,
                     Sampling(max_tokens=new, ignore_eos=True),
                     lambda e, i=i: sink(e, i),
+                    grammar=grammars.matcher(spec) if constrained else None,
                 )
             )
         for ev in done:
@@ -401,14 +450,16 @@ def run_engine(
         return max(last) - start, max(last) - max(first), gaps
 
     rows = adapter_rows(w, len(adapters), extra is not None)
+    if grammars is not None:
+        rows["distinct_adapters_json"] = rows["distinct_adapters"]
     runs: dict[str, list[tuple[float, float, list[float]]]] = {name: [] for name in rows}
     out: dict[str, dict[str, float]] = {}
-    for refs in rows.values() if lazy else ():
-        one_round(refs, w["new"])  # compiles what the row runs
+    for name, refs in rows.items() if lazy else ():
+        one_round(refs, w["new"], name.endswith("_json"))  # compiles what the row runs
     for _ in range(rounds):  # interleaved: the VM's drift over minutes hits every row alike
         for name, refs in rows.items():
             one_round(refs, 2)  # loads the adapters (and writes the mixes) before timing
-            runs[name].append(one_round(refs, w["new"]))
+            runs[name].append(one_round(refs, w["new"], name.endswith("_json")))
     for name in rows:
         out[name] = engine_rates(runs[name], w)
         _report(f"{label} {name}", out[name])
@@ -669,6 +720,10 @@ def summarize(
         ratios["base_vs_base_xla_linear"] = round(dec["base"] / dec["base_xla_linear"], 3)
     if "" in ran:
         ratios["one_adapter_vs_base"] = round(dec["one_adapter"] / dec["base"], 3)
+    if "distinct_adapters_json" in dec:  # structured outputs: masked rows ÷ the same rows unmasked
+        ratios["distinct_adapters_json_vs_distinct_adapters"] = round(
+            dec["distinct_adapters_json"] / dec["distinct_adapters"], 3
+        )
     for s in ran:
         if "distinct_dora" + s in dec:
             ratios[f"distinct_dora{s}_vs_base"] = round(dec["distinct_dora" + s] / dec["base" + s], 3)
@@ -722,6 +777,7 @@ def main() -> None:
         f" (default {DEFAULT_ENGINES})",
     )
     parser.add_argument("--no-extra", action="store_true", help="skip the DoRA and mix rows")
+    parser.add_argument("--no-json", action="store_true", help="skip the JSON-constrained rows")
     parser.add_argument("--skip-ttft", action="store_true", help="skip the cold vs warm TTFT")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers/peft peers")
     parser.add_argument("--workdir", help="build the model and adapters here, reuse them when there")
@@ -771,6 +827,7 @@ def main() -> None:
         from loraserve.worker.checkpoint import load_checkpoint
 
         checkpoint = load_checkpoint(str(base), dtype=args.dtype)  # shared by every engine below
+        grammars = None if args.no_json else build_grammars(workloads[0]["vocab_size"])
         ours: list[dict[str, dict[str, float]]] = [{} for _ in workloads]
         for w, mine in zip(workloads, ours, strict=True):
             for suffix, (backend, lora_dtype, linear_backend) in engines.items():
@@ -789,6 +846,7 @@ def main() -> None:
                     checkpoint=checkpoint,
                     dtype=args.dtype,
                     lazy=args.lazy_compile,
+                    grammars=grammars if not suffix else None,  # the default engine's rows
                 )
                 mine.update({name + suffix: r for name, r in runs.items()})
         del checkpoint

@@ -51,6 +51,7 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
         "distinct_mixes",
         "distinct_dora_bf16_pools",
         "distinct_mixes_bf16_pools",
+        "distinct_adapters_json",
     }
     assert all(v > 0 for v in result["decode_tok_s"].values())
     ratios = {
@@ -67,6 +68,7 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
         "distinct_adapters_bf16_pools_vs_base_serial_bound",
         "distinct_adapters_xla_vs_base",
         "distinct_adapters_bf16_pools_vs_peft_mixed",
+        "distinct_adapters_json_vs_distinct_adapters",
     }
     assert ratios <= set(result["ratios"])
     assert 0 < result["ratios"]["distinct_adapters_vs_base_serial_bound"] < 1
