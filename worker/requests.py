@@ -248,7 +248,9 @@ class SamplingRow:
     mask: np.ndarray | None = None  # [ceil(V / 32)] int32: the tokens its grammar allows (structured outputs)
 
     @classmethod
-    def of(cls, req: EngineRequest) -> SamplingRow:
+    def of(cls, req: EngineRequest, drawn: bool = True) -> SamplingRow:
+        """``req``'s row; ``drawn`` False for a prefill chunk whose sample is dropped (not its prompt's
+        last): no grammar mask is computed for it."""
         s = req.sampling
         top_k = min(
             s.top_k, INT32_MAX
@@ -264,7 +266,7 @@ class SamplingRow:
             s.frequency_penalty,
             s.repetition_penalty,
             s.controlled,
-            None if req.grammar is None else req.grammar.mask(),
+            None if req.grammar is None or not drawn else req.grammar.mask(),
         )
 
 

@@ -361,7 +361,7 @@ class Scheduler:
         history = i if final and row.req.sampling.controlled else -1  # an earlier chunk's sample is dropped
         plan.inputs.append(
             PrefillInput(
-                seq[start:end], start, row.req.slot, table, SamplingRow.of(row.req), targets, history
+                seq[start:end], start, row.req.slot, table, SamplingRow.of(row.req, final), targets, history
             )
         )
         row.prefilled = None if final else end
