@@ -84,8 +84,45 @@ TINY = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
         },
     ),
+    # mixture of experts: 8 experts top-3 renormalised, q/k norm
+    "qwen3_moe": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+    # 4 experts top-2 (always renormalised)
+    "mixtral": dict(
+        hidden_size=64,
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    ),
+    # 6 experts top-2, not renormalised, and a shared expert behind a sigmoid gate; qkv bias
+    "qwen2_moe": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=6,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
 }
-GEMMA_NORMS = ("gemma2", "gemma3_text")  # RMSNorm weight w scales by (1 + w)
+GEMMA_NORMS = ("gemma2", "gemma3_text")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")  # RMSNorm weight w scales by (1 + w)
 
 
 # A small chat template in the style of instruction-tuned checkpoints (saved in tokenizer_config.json).
@@ -142,6 +179,8 @@ def build_model(model_type: str = "llama", seed: int = 0, vocab_size: int = 384,
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_((0.0 if model_type in GEMMA_NORMS else 1.0) + 0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # a MoE router: decisive choices (no near-ties in top-k)
+                p.normal_(0.0, 0.5)
             else:
                 p.normal_(0.0, 0.08 if p.dim() > 1 else 0.02)
     return model.eval()

@@ -1,4 +1,5 @@
-"""Load a Hugging Face Llama-family (Llama, Mistral, Qwen2/3, Gemma 2/3 text) checkpoint folder (local path or fsspec URL) into stacked JAX arrays.
+"""Load a Hugging Face Llama-family (Llama, Mistral, Qwen2/3, Gemma 2/3 text, and the mixture-of-experts
+Qwen3-MoE, Mixtral, Qwen2-MoE) checkpoint folder (local path or fsspec URL) into stacked JAX arrays.
 
 The folder holds ``config.json`` and one or many ``*.safetensors`` (sharded checkpoints carry a
 ``model.safetensors.index.json``). Matrices stay in Hugging Face's ``[out, in]`` layout, one dict per layer
@@ -130,6 +131,10 @@ def convert_hf_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
         add("wo", _take(tensors, p + "self_attn.o_proj.weight", (h, q)))
         if cfg.o_bias:
             add("bo", _take(tensors, p + "self_attn.o_proj.bias", (h,)))
+        if cfg.is_moe:
+            for key, value in _experts(cfg, tensors, p).items():
+                add(key, value)
+            continue
         wg = _take(tensors, p + "mlp.gate_proj.weight", (i, h))
         wu = _take(tensors, p + "mlp.up_proj.weight", (i, h))
         add("w_gate_up", np.concatenate([wg, wu], axis=0))
@@ -146,6 +151,52 @@ def convert_hf_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict
             )
             add("b_down", _take(tensors, p + "mlp.down_proj.bias", (h,)))
     out["layers"] = [{k: v[n] for k, v in layers.items()} for n in range(cfg.num_layers)]
+    return out
+
+
+def _experts(cfg: ModelConfig, tensors: dict[str, np.ndarray], p: str) -> dict[str, np.ndarray]:
+    """One sparse layer's router and experts (and shared expert): ``router [E, H]``, ``experts_gate_up
+    [E, H, 2I]`` and ``experts_down [E, I, H]`` (input-major per expert: the grouped matmul's right-hand
+    side), ``shared_gate_up``/``shared_down``/``shared_gate [1, H]`` for Qwen2-MoE's shared expert.
+
+    Both layouts: transformers 5.x's fused ``mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]``,
+    and the per-expert modules before it (``mlp.experts.<e>.{gate,up,down}_proj``; Mixtral's
+    ``block_sparse_moe.experts.<e>.{w1,w3,w2}`` and ``block_sparse_moe.gate``).
+    """
+    h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    out: dict[str, np.ndarray] = {}
+    block = p + ("mlp." if p + "mlp.gate.weight" in tensors else "block_sparse_moe.")
+    out["router"] = _take(tensors, block + "gate.weight", (e, h))
+    if block + "experts.gate_up_proj" in tensors:
+        gate_up = _take(tensors, block + "experts.gate_up_proj", (e, 2 * i, h))
+        down = _take(tensors, block + "experts.down_proj", (e, h, i))
+    else:
+        names = (
+            ("w1", "w3", "w2")
+            if block.endswith("block_sparse_moe.")
+            else ("gate_proj", "up_proj", "down_proj")
+        )
+        per = [block + f"experts.{x}." for x in range(e)]
+        gate_up = np.stack(
+            [
+                np.concatenate(
+                    [
+                        _take(tensors, q + f"{names[0]}.weight", (i, h)),
+                        _take(tensors, q + f"{names[1]}.weight", (i, h)),
+                    ]
+                )
+                for q in per
+            ]
+        )
+        down = np.stack([_take(tensors, q + f"{names[2]}.weight", (h, i)) for q in per])
+    out["experts_gate_up"] = np.ascontiguousarray(gate_up.transpose(0, 2, 1))
+    out["experts_down"] = np.ascontiguousarray(down.transpose(0, 2, 1))
+    if cfg.shared_expert_size:
+        s, q = cfg.shared_expert_size, block + "shared_expert."
+        wg, wu = _take(tensors, q + "gate_proj.weight", (s, h)), _take(tensors, q + "up_proj.weight", (s, h))
+        out["shared_gate_up"] = np.concatenate([wg, wu], axis=0)
+        out["shared_down"] = _take(tensors, q + "down_proj.weight", (h, s))
+        out["shared_gate"] = _take(tensors, block + "shared_expert_gate.weight", (1, h))
     return out
 
 

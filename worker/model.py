@@ -37,7 +37,8 @@ from loraserve.kernels.backends import COLUMN, ROW, LoraBackend
 from loraserve.kernels.linear import linear
 from loraserve.worker.dora import apply_vectors, init_vector_pools
 from loraserve.worker.embed_lora import apply_embed, apply_lm_head, init_vocab_pools
-from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.model_config import LORA_GROUPS, ModelConfig
+from loraserve.worker.moe import moe_mlp
 from loraserve.worker.sampling import TOP_LOGPROBS, PromptScores, token_logprobs
 from loraserve.worker.step import Cache, DecodeBatch, DeviceState, LoraPools, Params, PrefillBatch
 
@@ -47,14 +48,6 @@ Lora = list[dict[str, Array]]  # per layer: A_qkv, B_q, ... (LoraPools.layers)
 # each row's slot (worker.dora): the strategy differs between decode (per-row slots) and prefill (per
 # segment); ``parallel`` (kernels.backends.COLUMN / ROW) says how tensor parallelism splits the layer.
 LoraFn = Callable[[Array, Array, dict[str, Array], str, str, Array | None], Array]
-
-# LoRA pool names: one A per fused matmul (ranks side by side), one B per module.
-LORA_GROUPS: dict[str, tuple[str, ...]] = {
-    "qkv": ("q_proj", "k_proj", "v_proj"),
-    "o": ("o_proj",),
-    "gate_up": ("gate_proj", "up_proj"),
-    "down": ("down_proj",),
-}
 
 
 def rms_norm(x: Array, w: Array, eps: float, offset: bool = False) -> Array:
@@ -145,6 +138,8 @@ def _layer_mlp(
     cfg: ModelConfig, lp: dict[str, Array], ll: Lora, h: Array, lora_fn: LoraFn, shards: int = 1
 ) -> Array:
     x = _norm(cfg, h, lp["mlp_norm"])
+    if cfg.is_moe:  # experts (and a shared expert) instead of one MLP; dense LoRA adapts attention only
+        return h + moe_mlp(cfg, lp, x)
     gu = _matmul(x, lp["w_gate_up"], lp.get("b_gate_up"))
     gu = lora_fn(gu, x, ll, "gate_up", COLUMN, lp.get("b_gate_up"))
     gate, up = split_fused(gu, (cfg.intermediate_size,) * 2, shards)
@@ -484,7 +479,7 @@ def lora_slot_shapes(cfg: ModelConfig, max_rank: int) -> dict[str, tuple[int, in
     """
     shapes = cfg.module_shapes()
     out: dict[str, tuple[int, int]] = {}
-    for group, modules in LORA_GROUPS.items():
+    for group, modules in cfg.lora_groups.items():
         out[f"A_{group}"] = (shapes[modules[0]][0], len(modules) * max_rank)
         out.update({b_name(m): (max_rank, shapes[m][1]) for m in modules})
     return out
@@ -504,7 +499,7 @@ def empty_lora(
 def lora_vector_sizes(cfg: ModelConfig) -> dict[str, int]:
     """LoRA group -> its fused output size: the length of one slot's DoRA-scale and LoRA-bias vectors."""
     shapes = cfg.module_shapes()
-    return {group: sum(shapes[m][1] for m in modules) for group, modules in LORA_GROUPS.items()}
+    return {group: sum(shapes[m][1] for m in modules) for group, modules in cfg.lora_groups.items()}
 
 
 def b_name(module: str) -> str:

@@ -5,7 +5,9 @@ Covers Llama 2/3 (incl. llama3 and linear RoPE scaling), Mistral (sliding window
 norms per layer, scaled embeddings, GELU-tanh MLP, ``query_pre_attn_scalar``, logit soft-capping,
 sliding-window layers, Gemma 3's q/k norm and separate local RoPE table); both the transformers 4.x
 layout (``rope_theta`` / ``rope_scaling`` / ``sliding_window_pattern``) and the 5.x one
-(``rope_parameters`` / ``layer_types``). Every new field defaults to the Llama behaviour.
+(``rope_parameters`` / ``layer_types``). Mixture-of-experts families: Qwen3-MoE (q/k norm, top-k routing
+with ``norm_topk_prob``), Mixtral (top-2, renormalised) and Qwen2-MoE (a shared expert behind a sigmoid
+gate, qkv bias), every layer sparse. Every new field defaults to the Llama behaviour.
 """
 
 from __future__ import annotations
@@ -18,11 +20,22 @@ import numpy as np
 
 from loraserve.common.errors import FailedPrecondition
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", *MOE)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 GEMMA = ("gemma2", "gemma3_text")
 SLIDING, FULL = "sliding_attention", "full_attention"
+
+# LoRA pool names: one A per fused matmul (ranks side by side), one B per module.
+LORA_GROUPS: dict[str, tuple[str, ...]] = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
+# A mixture-of-experts model's dense LoRA targets: attention (its experts' LoRA is separate)
+ATTENTION_GROUPS = {g: LORA_GROUPS[g] for g in ("qkv", "o")}
 
 
 class UnsupportedModelError(FailedPrecondition, ValueError):
@@ -63,6 +76,13 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL; empty = all FULL
     local_rope_theta: float | None = None  # a separate RoPE table for sliding layers (Gemma 3)
     local_rope_scaling: dict[str, Any] | None = None
+    # mixture of experts (every layer): router -> softmax (f32) -> top-k -> optional renormalisation
+    num_experts: int = 0  # 0 = a dense model
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0  # one expert's MLP width
+    norm_topk_prob: bool = False  # the k weights divided by their sum (Mixtral always)
+    routing_in_f32: bool = False  # the routing weights stay f32 when scaling expert outputs (Mixtral)
+    shared_expert_size: int = 0  # Qwen2-MoE: a dense MLP every token takes, times sigmoid(its gate)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -97,6 +117,7 @@ class ModelConfig:
         attention_bias = bool(cfg.get("attention_bias", False))
         window, types = _sliding(model_type, cfg, layers)
         hidden = int(cfg["hidden_size"])
+        moe = _moe(model_type, cfg, layers) if model_type in MOE else {}
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -111,15 +132,17 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=attention_bias and model_type != "qwen2",
+            qkv_bias=model_type == "qwen2"
+            or attention_bias
+            or (model_type == "qwen2_moe" and cfg.get("qkv_bias", True)),
+            o_bias=attention_bias and model_type not in ("qwen2", "qwen2_moe"),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             hidden_act=act,
             gemma_norm=gemma,
             sandwich_norms=gemma,
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
             embed_scale=math.sqrt(hidden) if gemma else None,
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
             attn_logit_softcap=_opt_float(cfg.get("attn_logit_softcapping")) if gemma else None,
@@ -128,7 +151,17 @@ class ModelConfig:
             layer_types=types,
             local_rope_theta=None if local is None else local[0],
             local_rope_scaling=None if local is None else local[1],
+            **moe,
         )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def lora_groups(self) -> dict[str, tuple[str, ...]]:
+        """The fused matmuls dense LoRA pools adapt: all four, or attention's on a mixture of experts."""
+        return ATTENTION_GROUPS if self.is_moe else LORA_GROUPS
 
     @property
     def q_size(self) -> int:
@@ -152,7 +185,7 @@ class ModelConfig:
     def module_shapes(self) -> dict[str, tuple[int, int]]:
         """``module -> (in_features, out_features)`` of every adaptable projection."""
         h, i = self.hidden_size, self.intermediate_size
-        return {
+        shapes = {
             "q_proj": (h, self.q_size),
             "k_proj": (h, self.kv_size),
             "v_proj": (h, self.kv_size),
@@ -161,6 +194,16 @@ class ModelConfig:
             "up_proj": (h, i),
             "down_proj": (i, h),
         }
+        return {m: shapes[m] for modules in self.lora_groups.values() for m in modules}
+
+    def expert_bytes(self, itemsize: int) -> int:
+        """One layer's mixture-of-experts weights: the router, every expert's gate/up/down and the shared
+        expert with its gate (0 for a dense model)."""
+        if not self.is_moe:
+            return 0
+        h, e = self.hidden_size, self.num_experts
+        mlp = 3 * h * (e * self.moe_intermediate_size + self.shared_expert_size)
+        return itemsize * (e * h + mlp + (h if self.shared_expert_size else 0))
 
     def adapter_shapes(self) -> dict[str, tuple[int, int]]:
         """``module_shapes`` plus the vocabulary-sized LoRA targets: ``embed_tokens (vocab, hidden)`` and
@@ -178,6 +221,31 @@ class ModelConfig:
         if self.local_rope_theta is None:
             return glob
         return np.stack([glob, _inv_freq(self.head_dim, self.local_rope_theta, self.local_rope_scaling)])
+
+
+def _moe(model_type: str, cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a MoE family's config (every layer sparse)."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    k = int(cfg.get("num_experts_per_tok") or 0)
+    if experts <= 0 or not 0 < k <= experts:
+        raise UnsupportedModelError(
+            f"{model_type}: num_experts {experts} and num_experts_per_tok {k} do not make a MoE"
+        )
+    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
+        raise UnsupportedModelError(
+            f"{model_type} with dense layers among the sparse ones (mlp_only_layers, decoder_sparse_step) is not served"
+        )
+    mixtral = model_type == "mixtral"
+    return dict(
+        num_experts=experts,
+        experts_per_token=k,
+        moe_intermediate_size=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
+        norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+        routing_in_f32=mixtral,
+        shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if model_type == "qwen2_moe"
+        else 0,
+    )
 
 
 def _opt_float(v: Any) -> float | None:
@@ -201,7 +269,9 @@ def _rope(
 def _sliding(model_type: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, tuple[str, ...]]:
     """(sliding_window, layer_types) as transformers derives them for each family."""
     window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get(
+        "use_sliding_window", False
+    ):
         window = None
     if window is None:
         return None, ()
@@ -212,7 +282,7 @@ def _sliding(model_type: str, cfg: dict[str, Any], layers: int) -> tuple[int | N
         elif model_type == "gemma3_text":
             pattern = int(cfg.get("sliding_window_pattern", 6))
             types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
-        elif model_type in ("qwen2", "qwen3"):
+        elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             first = int(cfg.get("max_window_layers", layers))
             types = [SLIDING if i >= first else FULL for i in range(layers)]
         else:  # mistral: the window applies to every layer

@@ -144,7 +144,14 @@ def vocab_rows_per_device(cfg: ModelConfig, tp: int) -> int:
 def weight_bytes(cfg: ModelConfig, tp: int, dtype: str) -> int:
     size = DTYPE_BYTES[dtype]
     per_layer = sum(i * o for i, o in _module_shapes_per_device(cfg, tp).values())
+    per_layer += cfg.expert_bytes(1)  # a mixture of experts: router, experts, shared expert (one device)
+    shapes = _module_shapes_per_device(cfg, tp)
+    if cfg.qkv_bias:
+        per_layer += shapes["q_proj"][1] + 2 * shapes["k_proj"][1]
+    if cfg.o_bias:
+        per_layer += cfg.hidden_size
     norms = cfg.hidden_size * (4 if cfg.model_type.startswith("gemma") else 2)  # replicated
+    norms += 2 * cfg.head_dim if cfg.qk_norm else 0
     vocab = vocab_rows_per_device(cfg, tp) * cfg.hidden_size
     embeddings = vocab * (1 if cfg.tie_word_embeddings else 2)
     return size * (cfg.num_layers * (per_layer + norms) + embeddings + cfg.hidden_size)

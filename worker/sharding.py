@@ -32,7 +32,6 @@ from loraserve.kernels.sharded import AXIS, ShardedBackend
 from loraserve.worker.dora import VECTOR_DTYPE, bias_name, scale_name
 from loraserve.worker.embed_lora import VOCAB_POOLS, vocab_slot_shapes
 from loraserve.worker.model import (
-    LORA_GROUPS,
     b_name,
     kv_page_bytes,
     kv_storage_dtype,
@@ -62,6 +61,11 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, devices: int) -> None:
     if n > devices:
         raise FailedPrecondition(
             f"tensor_parallel_size {n} is larger than the {devices} visible {jax.default_backend()} devices"
+        )
+    if cfg.is_moe and n > 1:
+        raise FailedPrecondition(
+            f"tensor_parallel_size {n}: a mixture-of-experts model ({cfg.model_type}) is served on one device"
+            " for now (expert parallelism is not built yet)"
         )
     if cfg.num_heads % n:
         raise InvalidArgument(f"tensor_parallel_size {n} does not divide the model's {cfg.num_heads} heads")
@@ -164,7 +168,7 @@ def shard_params(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh) -> dict[s
 def pool_specs(cfg: ModelConfig, backend: ShardedBackend) -> dict[str, P]:
     """Pool name -> PartitionSpec: each pool split like the layer it adapts (``ShardedBackend.pool_spec``)."""
     out: dict[str, P] = {}
-    for group, modules in LORA_GROUPS.items():
+    for group, modules in cfg.lora_groups.items():
         out[f"A_{group}"] = backend.pool_spec("A", GROUP_PARALLEL[group])
         out.update({b_name(m): backend.pool_spec("B", GROUP_PARALLEL[group]) for m in modules})
         # worker.dora's [S, out] vectors: split by output like a column-parallel layer's output, whole

@@ -45,7 +45,7 @@ def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotVa
     out: SlotValues = []
     for layer in range(cfg.num_layers):
         values: dict[str, np.ndarray] = {}
-        for group, modules in LORA_GROUPS.items():
+        for group, modules in cfg.lora_groups.items():
             fan_in = shapes[modules[0]][0]
             a_cat = np.zeros((fan_in, len(modules) * R), np.float32)
             vectors: dict[str, list[np.ndarray]] = {"m": [], "mask": [], "bias": []}
@@ -85,7 +85,7 @@ def check_slot_values(values: SlotValues) -> None:
 def base_weights(params: dict[str, Any]) -> BaseWeights:
     """Per layer, LoRA group -> its fused base weight ``[out, in]`` (what DoRA's norm is taken of)."""
     keys = {"qkv": "wqkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}
-    return [{group: layer[key] for group, key in keys.items()} for layer in params["layers"]]
+    return [{group: layer[key] for group, key in keys.items() if key in layer} for layer in params["layers"]]
 
 
 def _dora_scales(values: Lora, base: BaseWeights, shards: int) -> list[dict[str, jax.Array]]:
@@ -93,8 +93,8 @@ def _dora_scales(values: Lora, base: BaseWeights, shards: int) -> list[dict[str,
     out = []
     for n, vals in enumerate(values):
         scales = {}
-        for group, modules in LORA_GROUPS.items():
-            bs = tuple(vals[b_name(m)] for m in modules)
+        for group in base[n]:  # the groups the model has (a mixture of experts: attention's)
+            bs = tuple(vals[b_name(m)] for m in LORA_GROUPS[group])
             scales[scale_name(group)] = dora_scale(
                 base[n][group],
                 vals[f"A_{group}"],
@@ -185,17 +185,17 @@ class SlotPools:
         """
         if is_scaled(values):
             return values
-        dora = any(np.any(v[mask_name(g)]) for v in values for g in LORA_GROUPS)
+        groups = [g for g in LORA_GROUPS if mask_name(g) in values[0]]  # the model's (see lora_groups)
+        dora = any(np.any(v[mask_name(g)]) for v in values for g in groups)
         if dora and self.base is None:
             raise ValueError("a DoRA slot needs the base weights: SlotPools(..., base=base_weights(params))")
         if (dora or on_device) and self.base is not None:
             scales = jax.tree.map(np.asarray, _dora_scales_jit(values, self.base, shards=self.backend.shards))
         else:
             scales = [
-                {scale_name(g): np.ones(v[mask_name(g)].shape, np.float32) for g in LORA_GROUPS}
-                for v in values
+                {scale_name(g): np.ones(v[mask_name(g)].shape, np.float32) for g in groups} for v in values
             ]
-        drop = {f(g) for g in LORA_GROUPS for f in (magnitude_name, mask_name)}
+        drop = {f(g) for g in groups for f in (magnitude_name, mask_name)}
         return [
             {**{k: v for k, v in vals.items() if k not in drop}, **sc}
             for vals, sc in zip(values, scales, strict=True)
