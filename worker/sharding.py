@@ -237,6 +237,12 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
         layer["bo"] = (h,)
     if cfg.mlp_bias:
         layer.update(b_gate_up=(2 * i,), b_down=(h,))
+    if cfg.is_moe:  # worker.checkpoint._experts: router and experts instead of the dense MLP
+        e, m, shared = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_size
+        del layer["w_gate_up"], layer["w_down"]
+        layer.update(router=(e, h), experts_gate_up=(e, h, 2 * m), experts_down=(e, m, h))
+        if shared:
+            layer.update(shared_gate_up=(2 * shared, h), shared_down=(h, shared), shared_gate=(1, h))
     # the families' extra norms (Gemma's sandwich norms, Qwen3/Gemma 3's q/k norms), where the config has them
     if getattr(cfg, "sandwich_norms", False):
         layer.update(post_attn_norm=(h,), post_mlp_norm=(h,))

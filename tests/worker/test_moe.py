@@ -263,3 +263,39 @@ def test_the_planner_counts_the_weights_it_loads(moe_dirs, tmp_path, family) -> 
     ck = load_checkpoint(str(path))
     loaded = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(ck.params))
     assert weight_bytes(ck.config, 1, "float32") == loaded
+
+
+@pytest.mark.parametrize(("preset", "params"), [("qwen3-30b-a3b", 30.5e9), ("mixtral-8x7b", 46.7e9)])
+def test_the_moe_presets_plan_their_experts(preset, params) -> None:
+    """``loraserve plan --model qwen3-30b-a3b|mixtral-8x7b``: the weights are the published parameter
+    counts (30.5B, 46.7B: every expert, not the active ones), and a tensor-parallel plan is refused by name."""
+    from loraserve.worker import planner
+
+    _, cfg = planner.load_model_config(preset)
+    assert cfg.is_moe
+    assert abs(planner.weight_bytes(cfg, 1, "bfloat16") / 2 - params) < 0.01 * params
+    with pytest.raises(FailedPrecondition, match="mixture-of-experts"):
+        planner.plan(preset, cfg, "v6e", 2, max_loras=4, max_lora_rank=16, batch=8, context=1024)
+
+
+def test_verify_compiles_a_moe_decode_step_to_the_byte(tmp_path, capsys) -> None:
+    """``plan --verify`` on a small Qwen2-MoE (shared expert, qkv bias): the compiled decode step's
+    arguments are exactly the estimate's weights + KV + pools + history + the step's small inputs."""
+    from loraserve.cli import main
+
+    small = {
+        "model_type": "qwen2_moe", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+        "moe_intermediate_size": 128, "shared_expert_intermediate_size": 256, "num_experts": 8,
+        "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(small))
+    args = ["plan", "--model", str(path), "--chip", "v5e", "--batch", "8", "--context", "256"]
+    assert (
+        main([*args, "--max-loras", "4", "--max-lora-rank", "8", "--dtype", "float32", "--json", "--verify"])
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    compiled = out["compiled"]
+    estimate = out["weights"] + out["kv_cache"] + out["lora_pools"] + out["sampling_history"]
+    assert compiled["argument_bytes"] == estimate + compiled["small_input_bytes"]
