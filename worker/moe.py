@@ -10,7 +10,7 @@ experts adds them in). Qwen2-MoE adds a shared expert every token takes, times `
 Only the chosen experts are computed; no capacity, no dropped tokens, and a token's result depends on its
 own hidden state only, not on the other tokens of the batch or the experts they chose (batch-invariant
 for a given number of tokens, as the model's other matmuls are). Two ways, picked by platform at trace time (both compute the same
-thing; tests run both):
+thing; tests run both; ``jax.lax.platform_dependent`` picks one when the step is lowered):
 
 * ``gather`` (CPU): each (token, choice) multiplies the weights of its expert, gathered in chunks of a
   few tokens, so a decode step reads the experts its rows chose and nothing else. XLA:CPU lowers
@@ -22,6 +22,7 @@ thing; tests run both):
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -101,9 +102,13 @@ def moe_mlp(cfg: ModelConfig, lp: dict[str, Array], x: Array, path: str = "auto"
     """The block's output for the normed hidden states ``x [T, H]`` (module doc). ``path``: ``auto``,
     ``gather`` or ``ragged``."""
     experts, weights = route(cfg, lp["router"], x)
-    if path == "auto":
-        path = "gather" if jax.default_backend() == "cpu" else "ragged"
-    out = (_gathered if path == "gather" else _ragged)(cfg, lp, x, experts, weights)
+    paths = {"gather": _gathered, "ragged": _ragged}
+    if path == "auto":  # chosen where the step is lowered: a TPU program exported on a CPU host is TPU's
+        out = jax.lax.platform_dependent(
+            lp, x, experts, weights, cpu=partial(_gathered, cfg), default=partial(_ragged, cfg)
+        )
+    else:
+        out = paths[path](cfg, lp, x, experts, weights)
     if cfg.shared_expert_size:
         shared = linear(_act(cfg, linear(x, lp["shared_gate_up"]), x.dtype), lp["shared_down"]).astype(
             x.dtype
