@@ -59,7 +59,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
     if config.metrics_port or config.http_port:  # the HTTP API serves /metrics too
         from loraserve.worker.metrics import register_engine_metrics
 
-        register_engine_metrics(engine, config.metrics_top_adapters)
+        model_id = config.model_id or config.model
+        register_engine_metrics(engine, config.metrics_top_adapters, config.metrics_compat, model_id)
     model_id = config.model_id or config.model
     services = worker_services(engine, tokenizer, model_id)
     background = []

@@ -361,6 +361,13 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
     metrics_top_adapters: int = opt(
         20, "adapters with per-adapter metric series of their own (the rest are summed as 'other')", SERVING
     )
+    metrics_compat: Literal["", "vllm"] = opt(
+        "",
+        "also export the model-server protocol under vLLM's metric names (vllm:num_requests_waiting,"
+        " vllm:kv_cache_usage_perc, vllm:lora_requests_info, ...): what the llm-d / Gateway API Inference"
+        " Extension router scrapes without a custom mapping",
+        SERVING,
+    )
     registry_token: str = opt("", "bearer token presented to the registry", SECURITY)
     registry_tls_ca: str = opt("", "PEM CA of the registry's certificate (TLS to the registry)", SECURITY)
     compilation_cache_dir: str = opt(

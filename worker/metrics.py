@@ -71,9 +71,59 @@ class EngineCollector:
         yield info
 
 
-def register_engine_metrics(engine: Engine, top_adapters: int = 20) -> None:
-    """The engine's gauges and counters, and per-adapter series for at most ``top_adapters`` adapters."""
+class VllmCollector:
+    """The model-server protocol under vLLM's names (``--metrics-compat vllm``), read from the same snapshot:
+    what llm-d's router (the Gateway API Inference Extension's endpoint picker) scrapes to pick a server —
+    queue depth, KV-cache usage, and which LoRA adapters run, wait and fit (``max_lora``)."""
+
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        snap = self.engine.snapshot()
+        labels, values = ["model_name", "engine"], [self.model_name, "0"]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in model execution batches", snap.running),
+            ("vllm:num_requests_waiting", "Requests waiting to be processed", snap.waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage, 1 means 100 percent", snap.kv_utilisation),
+            (
+                "vllm:gpu_cache_usage_perc",
+                "KV-cache usage, 1 means 100 percent (vLLM's older name)",
+                snap.kv_utilisation,
+            ),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric(values, value)
+            yield gauge
+        # the value is a timestamp (the router keeps the newest series), as vLLM sets it
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        info.add_metric(
+            [str(len(snap.slots)), ",".join(snap.running_adapters), ",".join(snap.waiting_adapters)],
+            time.time(),
+        )
+        yield info
+        cache = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the KV cache config",
+            labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        prefix = str(bool(self.engine.config.enable_prefix_caching))
+        cache.add_metric([str(snap.kv_page_size), str(snap.kv_pages_total), prefix], 1.0)
+        yield cache
+
+
+def register_engine_metrics(
+    engine: Engine, top_adapters: int = 20, compat: str = "", model_name: str = ""
+) -> None:
+    """The engine's gauges and counters, and per-adapter series for at most ``top_adapters`` adapters; with
+    ``compat="vllm"`` also vLLM's names (:class:`VllmCollector`)."""
     REGISTRY.register(EngineCollector(engine))
+    if compat == "vllm":
+        REGISTRY.register(VllmCollector(engine, model_name))
     engine.accounting.top_n = top_adapters
     REGISTRY.register(AccountingCollector(engine.accounting))
     engine.load_observer = ADAPTER_LOAD_SECONDS.observe

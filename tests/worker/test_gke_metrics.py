@@ -6,7 +6,8 @@ running requests, KV-cache utilisation (0-1), and a LoRA info gauge in vLLM's fo
 time of the update, the EPP keeps the newest series). This test runs a real engine on a tiny model under a
 mixed-adapter load (more requests than decode rows, more adapters than slots, so some requests wait), scrapes
 the Prometheus text exposition while it runs, and checks each series against the engine snapshot of the
-same moment.
+same moment. With ``--metrics-compat vllm`` the same series also go out under vLLM's names (what llm-d's
+router scrapes with no custom mapping), equal to loraserve's in every scrape.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
-from loraserve.worker.metrics import EngineCollector
+from loraserve.worker.metrics import EngineCollector, VllmCollector
 from loraserve.worker.requests import EngineRequest, Sampling
 from tests.engines import started_engine
 from tests.worker.fake_engine import Collector
@@ -28,6 +29,7 @@ from tests.worker.fake_engine import Collector
 ADAPTERS = ("all-r4", "qv-r8-rslora", "mlp-r16")  # three adapters for two slots: one waits for a slot
 # test_engine.py's engine shapes, so that a test run compiles these programs once for both (JAX cache)
 CONFIG = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16, max_cpu_loras=1)
+MODEL_NAME = "tiny-llama"
 EPP_METRICS = {  # name -> (type, label names): what the EPP's flags point at
     "loraserve_requests_waiting": ("gauge", set()),
     "loraserve_requests_running": ("gauge", set()),
@@ -77,11 +79,34 @@ def check(snap, families, now: float) -> None:
     assert split(info.labels["waiting_lora_adapters"]) == snap.waiting_adapters
     assert int(info.labels["max_lora"]) == len(snap.slots) == CONFIG.max_loras
     assert abs(info.value - now) < 5.0  # the update time; the EPP keeps the newest series
+    check_vllm(snap, families)
+
+
+VLLM_SAME = {  # vLLM's name -> loraserve's series it repeats
+    "vllm:num_requests_waiting": "loraserve_requests_waiting",
+    "vllm:num_requests_running": "loraserve_requests_running",
+    "vllm:kv_cache_usage_perc": "loraserve_kv_cache_utilisation",
+    "vllm:gpu_cache_usage_perc": "loraserve_kv_cache_utilisation",
+}
+
+
+def check_vllm(snap, families) -> None:
+    """vLLM's names carry the same values, with vLLM's labels."""
+    for name, ours in VLLM_SAME.items():
+        (sample,) = families[name].samples
+        assert families[name].type == "gauge" and sample.labels == {"model_name": MODEL_NAME, "engine": "0"}
+        assert sample.value == families[ours].samples[0].value, name
+    (info,) = families["vllm:lora_requests_info"].samples
+    assert info.labels == families["loraserve_lora_requests_info"].samples[0].labels
+    (cache,) = families["vllm:cache_config_info"].samples
+    want = {"block_size": str(snap.kv_page_size), "num_gpu_blocks": str(snap.kv_pages_total)}
+    assert cache.labels == {**want, "enable_prefix_caching": "True"} and snap.kv_pages_total > 0
 
 
 def test_the_four_epp_series_match_the_engine_under_a_mixed_adapter_load(engine) -> None:
     registry = CollectorRegistry()  # the worker registers the same collector on the default registry
     registry.register(EngineCollector(engine))
+    registry.register(VllmCollector(engine, MODEL_NAME))
 
     idle, families = consistent_scrape(engine, registry)
     check(idle, families, time.time())
