@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API as an ASGI app, shared by the router and the workers.
 
     POST /v1/completions        POST /v1/chat/completions        GET /v1/models[/{model}]
+    POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter (a worker's; vLLM's runtime LoRA API)
     GET  /health  (200 while serving)            GET /metrics (Prometheus, no token; only without --metrics-port)
 
 A ``Backend`` (router or worker) turns a ``GenerateRequest`` into the same ``GenerateResponse`` stream its
@@ -15,29 +16,40 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import REGISTRY, Counter, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from loraserve.common.errors import InvalidArgument, LoraserveError, retry_after_seconds
-from loraserve.common.limits import MAX_BODY_BYTES, MAX_ID_CHARS
+from loraserve.common.limits import MAX_BODY_BYTES, MAX_ID_CHARS, MAX_REF_CHARS
 from loraserve.common.security import GENERATE, ServerSecurity
 from loraserve.httpapi.body import load_json, off_loop
 from loraserve.httpapi.responses import Choice, Shape, cumulative_logprob, sse
-from loraserve.httpapi.schemas import ChatCompletionRequest, CompletionRequest, new_id
+from loraserve.httpapi.schemas import ChatCompletionRequest, CompletionRequest, Strict, new_id
 from loraserve.protos.v1 import inference_pb2 as pb
 
 log = logging.getLogger("loraserve.http")
 
 TIMEOUT_HEADER = "x-loraserve-timeout"
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models")  # counted by route
+ROUTES = (  # counted by route
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+)
+# /v1 routes that take the worker admin RPCs' scopes instead of Generate's
+ADMIN_ROUTES = {
+    "/v1/load_lora_adapter": "/loraserve.v1.WorkerAdmin/LoadAdapter",
+    "/v1/unload_lora_adapter": "/loraserve.v1.WorkerAdmin/UnloadAdapter",
+}
 HTTP_REQUESTS = Counter(
     "loraserve_http_requests",
     "OpenAI-compatible HTTP requests by route and status",
@@ -136,7 +148,7 @@ class Edge:
             if path.startswith("/v1/") and self.security.auth_on:
                 header = headers.get(b"authorization", b"").decode("latin-1")
                 token = header[7:] if header[:7].lower() == "bearer " else ""
-                refused = self.security.refusal(token, GENERATE)
+                refused = self.security.refusal(token, ADMIN_ROUTES.get(path, GENERATE))
                 if refused is not None:
                     code, why = refused
                     status = HTTP_STATUS[code]
@@ -174,6 +186,29 @@ class _TooLarge(Exception):
 
 def too_large_body(limit: int) -> dict[str, Any]:
     return error_body(413, f"request body is over the limit of {limit} bytes", "RESOURCE_EXHAUSTED")
+
+
+@runtime_checkable
+class AdapterAdmin(Protocol):
+    """A backend that loads and unloads adapters (a worker's): ``/v1/load_lora_adapter`` and
+    ``/v1/unload_lora_adapter`` (vLLM's runtime LoRA API, what llm-d's adapter rollouts call)."""
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Make ``name`` resident (from ``path`` when given): NOT_FOUND, PERMISSION_DENIED, ..."""
+
+    async def unload_lora(self, name: str) -> None:
+        """Free ``name``'s slot once the requests using it have finished: NOT_FOUND when not resident."""
+
+
+class LoadLoraRequest(Strict):
+    lora_name: Annotated[str, Field(min_length=1, max_length=MAX_REF_CHARS)]
+    lora_path: Annotated[str, Field(max_length=4096)] | None = None
+    load_inplace: bool = False  # vLLM's: reload a name already loaded (a new version is a new ref here)
+
+
+class UnloadLoraRequest(Strict):
+    lora_name: Annotated[str, Field(min_length=1, max_length=MAX_REF_CHARS)]
+    lora_int_id: int | None = None  # vLLM's; names identify adapters here
 
 
 def build_app(
@@ -235,6 +270,20 @@ def build_app(
             if card["id"] == model:
                 return card
         raise LoraserveError(f"model {model!r} does not exist", grpc.StatusCode.NOT_FOUND)
+
+    if isinstance(backend, AdapterAdmin):  # a worker: vLLM's runtime LoRA API, with the admin RPCs' tokens
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            body = await _parse(LoadLoraRequest, request)
+            await backend.load_lora(body.lora_name, body.lora_path or "")
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            body = await _parse(UnloadLoraRequest, request)
+            await backend.unload_lora(body.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

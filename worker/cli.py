@@ -68,7 +68,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
         from loraserve.httpapi import http_server
         from loraserve.worker.http_backend import WorkerHttpBackend
 
-        backend = WorkerHttpBackend(services.inference, model_id, config.model)
+        prefixes = [p for p in config.lora_import_prefixes.split(",") if p]
+        backend = WorkerHttpBackend(services.inference, model_id, config.model, import_prefixes=prefixes)
         # /metrics leave through the metrics port when there is one (docs/security.md)
         http = http_server(
             backend, config.host, config.http_port, config.security(), metrics=not config.metrics_port

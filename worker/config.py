@@ -337,6 +337,12 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
         "folder (or fsspec URL) of PEFT adapter folders served by name (when no registry is set)",
         ADAPTERS,
     )
+    lora_import_prefixes: str = opt(
+        "",
+        "comma-separated folders or fsspec URL prefixes that POST /v1/load_lora_adapter may load a lora_path"
+        " from (vLLM's runtime LoRA API; a worker without a registry only; empty: no path is accepted)",
+        ADAPTERS,
+    )
     registry: str = opt(
         "",
         "registry host:port: adapters come from it, and the worker registers and heartbeats (empty: no"
