@@ -31,7 +31,7 @@ class Served:
 def served(llama_dir, adapter_dirs):
     cfg = EngineConfig(max_batch_size=4, max_seq_len=512, max_loras=2, max_lora_rank=16)
     adapters = {"all-r4": adapter_dirs["all-r4"], "mlp-r16": adapter_dirs["mlp-r16"]}
-    with running_worker(llama_dir, cfg, adapters) as w:
+    with running_worker(llama_dir, cfg, adapters, warmup=False) as w:  # 512 tokens: 6 prefill buckets
 
         def app():
             return build_app(WorkerHttpBackend(InferenceServicer(w.engine, w.tokenizer), MODEL))

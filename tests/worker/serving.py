@@ -27,10 +27,12 @@ class RunningWorker:
 
 @contextmanager
 def running_worker(
-    model_dir, config: EngineConfig, adapters: dict[str, Any] | None = None
+    model_dir, config: EngineConfig, adapters: dict[str, Any] | None = None, warmup: bool = True
 ) -> Iterator[RunningWorker]:
+    """A worker's gRPC server on loopback over a started engine; ``warmup=False`` compiles each shape when
+    first run instead of every bucket at start (a fixture whose tests use a few shapes of a long context)."""
     tokenizer = load_tokenizer(str(model_dir))
-    with started_engine(model_dir, config, adapters) as engine:
+    with started_engine(model_dir, config, adapters, warmup=warmup) as engine:
 
         async def build():
             server, port, health_servicer = build_server(engine, tokenizer, "tiny-llama", "127.0.0.1:0")
