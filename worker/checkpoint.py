@@ -37,6 +37,7 @@ class Checkpoint:
     params: Params
     source: str
     dtype: str
+    quantization: str = "none"  # worker.quant: "int8" = the projections are Int8Weights
 
 
 def _open_folder(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -200,13 +201,24 @@ def _experts(cfg: ModelConfig, tensors: dict[str, np.ndarray], p: str) -> dict[s
     return out
 
 
-def load_checkpoint(url: str, dtype: str = "float32") -> Checkpoint:
-    """Read ``config.json`` + safetensors from ``url`` and place the stacked weights on the device.
+def load_checkpoint(url: str, dtype: str = "float32", quantization: str = "none") -> Checkpoint:
+    """Read ``config.json`` + safetensors from ``url`` and place the stacked weights on the device;
+    ``quantization="int8"`` stores the layers' projections as int8 with per-channel scales (worker.quant).
 
-    Semantics: the returned params compute exactly what transformers' ``*ForCausalLM`` of the family computes.
+    Semantics: the returned params compute exactly what transformers' ``*ForCausalLM`` of the family computes
+    (with int8: what it computes with those weights dequantized).
     """
+    from loraserve.worker.quant import QUANTIZATIONS, QUANTIZED, quantize_layers
+
+    if quantization not in QUANTIZATIONS:
+        raise InvalidArgument(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     cfg = ModelConfig.from_hf(read_config(url))
     host = convert_hf_weights(cfg, dict(_iter_tensors(url)))
     jdtype = jnp.dtype(dtype)
-    params = jax.tree.map(lambda v: jax.device_put(v.astype(jdtype)), host)
-    return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name)
+    skip = set(QUANTIZED) if quantization == "int8" else set()
+    floats = {k: v for k, v in host.items() if k != "layers"}
+    floats["layers"] = [{k: v for k, v in layer.items() if k not in skip} for layer in host["layers"]]
+    params = jax.tree.map(lambda v: jax.device_put(v.astype(jdtype)), floats)
+    if skip:
+        params["layers"] = quantize_layers(params["layers"], host["layers"])
+    return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name, quantization=quantization)

@@ -42,7 +42,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
         enable_compilation_cache(config.compilation_cache_dir)
     hf_config = read_config(config.model)
     engine_config = resolve_engine_config(config.engine_config(), hf_config)  # auto dtype and context
-    checkpoint = load_checkpoint(config.model, dtype=engine_config.dtype)
+    checkpoint = load_checkpoint(config.model, dtype=engine_config.dtype, quantization=config.quantization)
     tokenizer = load_tokenizer(config.model)
     if config.registry:
         from loraserve.worker.registry_source import RegistryAdapterSource

@@ -330,6 +330,13 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
     prefill_chunk: int = _engine_field("prefill_chunk", WORKER_PREFILL_CHUNK)
     model: str = opt("", "Hugging Face checkpoint folder or fsspec URL (config.json + *.safetensors)", MODEL)
     model_id: str = opt("", "model id reported to clients and the registry (empty: the model path)", MODEL)
+    quantization: Literal["none", "int8"] = opt(
+        "none",
+        "weight-only quantization of the base model's linear projections at load: int8 = symmetric"
+        " per-output-channel int8 (activations, KV cache, embeddings, head and adapters keep the model dtype; one"
+        " device only for now)",
+        MODEL,
+    )
     host: str = opt("127.0.0.1", "address to bind", SERVING)
     port: int = opt(50061, "gRPC port to bind (0 picks a free one)", SERVING)
     adapter_dir: str = opt(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from loraserve.common.errors import FailedPrecondition
 from loraserve.worker import planner
 
 GiB = planner.GiB
@@ -31,6 +32,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, default=4096, help="context length (prompt + new tokens)")
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(planner.DTYPE_BYTES))
     parser.add_argument("--lora-dtype", default="", help="dtype of the slot pools (default: --dtype)")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "int8"),
+        help="the worker's --quantization: int8 projections with per-channel scales",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--verify",
@@ -85,8 +92,11 @@ def run(args: argparse.Namespace) -> int:
         context=args.context,
         dtype=args.dtype,
         lora_dtype=args.lora_dtype,
+        quantization=args.quantization,
     )
     out = result.as_dict()
+    if args.verify and args.quantization != "none":
+        raise FailedPrecondition("--verify with --quantization int8 is not built yet (the estimate is)")
     if args.verify:
         from loraserve.worker.plan_verify import verify_in_subprocess
 

@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraserve.common.errors import InvalidArgument
+from loraserve.common.errors import FailedPrecondition, InvalidArgument
 from loraserve.worker.requests import history_bytes
 
 if TYPE_CHECKING:  # numpy and JAX stay out of `loraserve --help` (the CLI builds every subcommand's flags)
@@ -141,9 +141,12 @@ def vocab_rows_per_device(cfg: ModelConfig, tp: int) -> int:
     return cfg.vocab_size // tp if cfg.vocab_size % tp == 0 else cfg.vocab_size
 
 
-def weight_bytes(cfg: ModelConfig, tp: int, dtype: str) -> int:
+def weight_bytes(cfg: ModelConfig, tp: int, dtype: str, quantization: str = "none") -> int:
+    """One device's base weights; with ``quantization="int8"`` the layers' projections at one byte an
+    element plus an f32 scale per output channel (worker.quant), the rest in ``dtype``."""
     size = DTYPE_BYTES[dtype]
-    per_layer = sum(i * o for i, o in _module_shapes_per_device(cfg, tp).values())
+    projections = sum(i * o for i, o in _module_shapes_per_device(cfg, tp).values())
+    per_layer = 0 if quantization == "int8" else projections
     per_layer += cfg.expert_bytes(1)  # a mixture of experts: router, experts, shared expert (one device)
     shapes = _module_shapes_per_device(cfg, tp)
     if cfg.qkv_bias:
@@ -154,7 +157,11 @@ def weight_bytes(cfg: ModelConfig, tp: int, dtype: str) -> int:
     norms += 2 * cfg.head_dim if cfg.qk_norm else 0
     vocab = vocab_rows_per_device(cfg, tp) * cfg.hidden_size
     embeddings = vocab * (1 if cfg.tie_word_embeddings else 2)
-    return size * (cfg.num_layers * (per_layer + norms) + embeddings + cfg.hidden_size)
+    floats = size * (cfg.num_layers * (per_layer + norms) + embeddings + cfg.hidden_size)
+    if quantization != "int8":
+        return floats
+    channels = sum(o for _, o in _module_shapes_per_device(cfg, tp).values())
+    return floats + cfg.num_layers * (projections + 4 * channels)
 
 
 def kv_bytes(cfg: ModelConfig, tp: int, batch: int, context: int, dtype: str, page_size: int = 16) -> int:
@@ -208,12 +215,17 @@ def plan(
     context: int,
     dtype: str = "bfloat16",
     lora_dtype: str = "",
+    quantization: str = "none",
 ) -> Plan:
     if chip not in CHIPS:
         raise InvalidArgument(f"unknown chip {chip!r}; known: {', '.join(CHIPS)}")
     if dtype not in DTYPE_BYTES or (lora_dtype or dtype) not in DTYPE_BYTES:
         raise InvalidArgument(f"dtypes must be one of {', '.join(DTYPE_BYTES)}")
     check_layout(cfg, tp)
+    if quantization not in ("none", "int8"):
+        raise InvalidArgument(f"quantization must be none or int8, got {quantization!r}")
+    if quantization != "none" and tp > 1:
+        raise FailedPrecondition(f"--quantization {quantization} runs on one device for now: --tp {tp}")
     spec = CHIPS[chip]
     return Plan(
         model=model,
@@ -221,7 +233,7 @@ def plan(
         tp=tp,
         hosts=spec.hosts(tp),
         dtype=dtype,
-        weights=weight_bytes(cfg, tp, dtype),
+        weights=weight_bytes(cfg, tp, dtype, quantization),
         kv_cache=kv_bytes(cfg, tp, batch, context, dtype),
         lora_pools=pool_bytes(cfg, tp, max_loras, max_lora_rank, lora_dtype or dtype),
         sampling_history=history_bytes(batch, cfg.vocab_size),

@@ -24,6 +24,7 @@ from loraserve.worker.dora import bias_name, dora_scale, is_vector_pool, magnitu
 from loraserve.worker.embed_lora import is_vocab_pool, vocab_slot_shapes, vocab_slot_values
 from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, lora_slot_shapes, lora_vector_sizes
 from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.quant import Int8Weight
 from loraserve.worker.step import LoraPools
 
 # per layer, pool name -> one slot's array; layer 0 also holds the vocabulary pools' (LoraPools.vocab)
@@ -85,7 +86,13 @@ def check_slot_values(values: SlotValues) -> None:
 def base_weights(params: dict[str, Any]) -> BaseWeights:
     """Per layer, LoRA group -> its fused base weight ``[out, in]`` (what DoRA's norm is taken of)."""
     keys = {"qkv": "wqkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}
-    return [{group: layer[key] for group, key in keys.items() if key in layer} for layer in params["layers"]]
+
+    def base(w: Any) -> Any:  # an int8 base (worker.quant) dequantized: DoRA's norm is of the weight used
+        return w.dequantize(params["embed"].dtype) if isinstance(w, Int8Weight) else w
+
+    return [
+        {group: base(layer[key]) for group, key in keys.items() if key in layer} for layer in params["layers"]
+    ]
 
 
 def _dora_scales(values: Lora, base: BaseWeights, shards: int) -> list[dict[str, jax.Array]]:

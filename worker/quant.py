@@ -1,0 +1,73 @@
+"""Weight-only int8 quantization of a base model's linear projections (``--quantization int8``).
+
+Each of a layer's fused projections (``wqkv``, ``wo``, ``w_gate_up``, ``w_down``, ``[out, in]``) becomes an
+:class:`Int8Weight`: symmetric per-output-channel int8 values ``q = round(w / s)`` in [-127, 127] with
+``s = max|w_row| / 127`` (f32), quantized once when the checkpoint is loaded. Activations, the KV cache,
+norms, embeddings, the head and every adapter pool stay in the model's dtype; a mixture of experts keeps its
+experts and router unquantized (attention is quantized).
+
+*Semantics:* ``qlinear(x, w) = (x @ q.T) * s`` with f32 accumulation: "dequantize, then the same-dtype
+matmul" up to the rounding of ``q * s`` (``q`` converts to the activation dtype exactly: |q| <= 127). A LoRA
+delta is computed from ``x``, never from the weight, so adapters compute on a quantized base exactly what
+they compute on the float one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+QUANTIZATIONS = ("none", "int8")
+QUANTIZED = ("wqkv", "wo", "w_gate_up", "w_down")  # a layer's projections that int8 covers
+_CONTRACT_MINOR = (((1,), (1,)), ((), ()))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Int8Weight:
+    """An ``[out, in]`` weight as int8 values and one f32 scale per output row."""
+
+    q: Array  # [out, in] int8
+    scale: Array  # [out] float32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype: Any = jnp.float32) -> Array:
+        return (self.q.astype(jnp.float32) * self.scale[:, None]).astype(dtype)
+
+
+def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``w [out, in]`` -> (q int8, scale f32 [out]); a row of zeros gets scale 1 (and q 0)."""
+    w = np.asarray(w, np.float32)
+    amax = np.abs(w).max(axis=1)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
+    return q, scale
+
+
+def qlinear(x: Array, w: Int8Weight) -> Array:  # [..., out] f32
+    """``x [..., in]`` times the int8 weight (module doc), f32 out."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    y = jax.lax.dot_general(x2, w.q.astype(x.dtype), _CONTRACT_MINOR, preferred_element_type=jnp.float32)
+    return (y * w.scale).reshape(*lead, w.q.shape[0])
+
+
+def quantize_layers(layers: list[dict[str, Any]], host: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:
+    """Each layer with its QUANTIZED projections replaced by Int8Weights made from the f32 ``host`` arrays."""
+    out = []
+    for layer, values in zip(layers, host, strict=True):
+        layer = dict(layer)
+        for key in QUANTIZED:
+            if key in values:
+                q, s = quantize_int8(values[key])
+                layer[key] = Int8Weight(jax.device_put(q), jax.device_put(s))
+        out.append(layer)
+    return out
