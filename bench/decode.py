@@ -724,6 +724,12 @@ def summarize(
         ratios["base_vs_base_xla_linear"] = round(dec["base"] / dec["base_xla_linear"], 3)
     if "" in ran:
         ratios["one_adapter_vs_base"] = round(dec["one_adapter"] / dec["base"], 3)
+    for q in ("int8",):  # a quantized base ÷ the same rows on the unquantized one
+        if "base_" + q in dec and "base" in dec:
+            ratios[f"base_{q}_vs_base"] = round(dec["base_" + q] / dec["base"], 3)
+            ratios[f"distinct_adapters_{q}_vs_base_{q}"] = round(
+                dec["distinct_adapters_" + q] / dec["base_" + q], 3
+            )
     if "distinct_adapters_json" in dec:  # structured outputs: masked rows ÷ the same rows unmasked
         ratios["distinct_adapters_json_vs_distinct_adapters"] = round(
             dec["distinct_adapters_json"] / dec["distinct_adapters"], 3
@@ -782,6 +788,12 @@ def main() -> None:
     )
     parser.add_argument("--no-extra", action="store_true", help="skip the DoRA and mix rows")
     parser.add_argument("--no-json", action="store_true", help="skip the JSON-constrained rows")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=("none", "int8"),
+        help="also run the default engine over the base quantized so (rows <name>_int8)",
+    )
     parser.add_argument("--skip-ttft", action="store_true", help="skip the cold vs warm TTFT")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers/peft peers")
     parser.add_argument("--workdir", help="build the model and adapters here, reuse them when there")
@@ -853,6 +865,14 @@ def main() -> None:
                     grammars=grammars if not suffix else None,  # the default engine's rows
                 )
                 mine.update({name + suffix: r for name, r in runs.items()})
+            if args.quantization != "none":  # the default engine again over the quantized base, same rows
+                quantized = load_checkpoint(str(base), dtype=args.dtype, quantization=args.quantization)
+                runs = run_engine(
+                    base, adapters[: w["adapters"]], w, args.rounds, ttft=False, checkpoint=quantized,
+                    dtype=args.dtype, lazy=args.lazy_compile,
+                )  # fmt: skip
+                mine.update({f"{name}_{args.quantization}": r for name, r in runs.items()})
+                del quantized
         del checkpoint
         about = {}
         if args.shape != "bench" or args.dtype != "float32":

@@ -51,6 +51,7 @@ TARGETS = {
     "loraserve_lora_expand": "LoraExpand",
     "loraserve_paged_attention": "PagedAttention",
     "loraserve_linear_bf16": "LinearBf16",
+    "loraserve_linear_int8": "LinearInt8",
 }
 POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -232,3 +233,20 @@ def linear_bf16(x, w):  # [N, M] f32
     ensure_registered()
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), ACC_DTYPE)
     return jax.ffi.ffi_call("loraserve_linear_bf16", out)(x, w)
+
+
+def linear_int8(x, w, scale):  # [N, M] f32
+    """``(w [N, K] int8 @ x [M, K].T) * scale[:, None]`` in f32 for f32 or bf16 ``x`` (weights first, as
+    :func:`linear_bf16`): a weight-only int8 base's few-row projection (``worker.quant``), the weights
+    streamed at a byte an element and widened in registers."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or scale.shape != (w.shape[0],):
+        raise ValueError(
+            f"linear_int8: x [M, K], w [N, K], scale [N]; got {x.shape}, {w.shape}, {scale.shape}"
+        )
+    if x.dtype not in POOL_DTYPES or w.dtype != jnp.int8 or scale.dtype != jnp.float32:
+        raise ValueError(
+            f"linear_int8: f32|bf16 x, int8 w, f32 scale; got {x.dtype}, {w.dtype}, {scale.dtype}"
+        )
+    ensure_registered()
+    out = jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), ACC_DTYPE)
+    return jax.ffi.ffi_call("loraserve_linear_int8", out)(x, w, scale)

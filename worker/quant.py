@@ -6,7 +6,8 @@ Each of a layer's fused projections (``wqkv``, ``wo``, ``w_gate_up``, ``w_down``
 norms, embeddings, the head and every adapter pool stay in the model's dtype; a mixture of experts keeps its
 experts and router unquantized (attention is quantized).
 
-*Semantics:* ``qlinear(x, w) = (x @ q.T) * s`` with f32 accumulation: "dequantize, then the same-dtype
+*Semantics:* ``qlinear(x, w) = (x @ q.T) * s`` with f32 accumulation (XLA's dot, or on a CPU for a
+decode step's rows the C++ kernel ``kernels.cpu.linear_int8``, which reads the weights as bytes): "dequantize, then the same-dtype
 matmul" up to the rounding of ``q * s`` (``q`` converts to the activation dtype exactly: |q| <= 127). A LoRA
 delta is computed from ``x``, never from the weight, so adapters compute on a quantized base exactly what
 they compute on the float one.
@@ -53,11 +54,36 @@ def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def qlinear(x: Array, w: Int8Weight) -> Array:  # [..., out] f32
-    """``x [..., in]`` times the int8 weight (module doc), f32 out."""
+    """``x [..., in]`` times the int8 weight (module doc), f32 out. A decode step's few rows on a CPU go to
+    the C++ kernel (``kernels.cpu.linear_int8``: the weights read as bytes, widened in registers), where
+    XLA:CPU would first convert the whole matrix; a longer prefill, and other platforms, use XLA's dot."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    y = jax.lax.dot_general(x2, w.q.astype(x.dtype), _CONTRACT_MINOR, preferred_element_type=jnp.float32)
-    return (y * w.scale).reshape(*lead, w.q.shape[0])
+    if x2.shape[0] <= KERNEL_ROWS and x.dtype in (jnp.float32, jnp.bfloat16) and _kernel_available():
+        y = jax.lax.platform_dependent(x2, w.q, w.scale, cpu=_kernel, default=_xla)
+    else:
+        y = _xla(x2, w.q, w.scale)
+    return y.reshape(*lead, w.q.shape[0])
+
+
+KERNEL_ROWS = 64  # rows up to which the CPU kernel runs (decode batches; measured faster than XLA's int8)
+
+
+def _xla(x2: Array, q: Array, scale: Array) -> Array:
+    y = jax.lax.dot_general(x2, q.astype(x2.dtype), _CONTRACT_MINOR, preferred_element_type=jnp.float32)
+    return y * scale
+
+
+def _kernel(x2: Array, q: Array, scale: Array) -> Array:
+    from loraserve.kernels import cpu
+
+    return cpu.linear_int8(x2, q, scale).T
+
+
+def _kernel_available() -> bool:
+    from loraserve.kernels import cpu
+
+    return cpu.available()
 
 
 def quantize_layers(layers: list[dict[str, Any]], host: list[dict[str, np.ndarray]]) -> list[dict[str, Any]]:

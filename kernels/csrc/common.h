@@ -49,6 +49,17 @@ inline v8f load8(const uint16_t* p) {
   return reinterpret_cast<v8f>(__builtin_convertvector(h, v8u) << 16);
 #endif
 }
+inline v8f load8(const int8_t* p) {  // 8 int8 -> 8 f32 (exact)
+#ifdef __AVX2__
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<v8f>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+#else
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+inline float widen(int8_t v) { return static_cast<float>(v); }
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof v); }
 
 inline float hsum(v8f v) {

@@ -137,6 +137,111 @@ ffi::Error LinearBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// ------------------------------------------------------------------------------------------- int8 weights
+// y [N, M] = (w [N, K] int8 . x [M, K]^T) * scale [N], f32 sums, for the few rows of a decode step over a
+// weight-only int8 base (worker.quant): the weights stream at a byte an element (a quarter of f32's), are
+// widened to f32 in registers (vpmovsxbd + vcvtdq2ps) and multiplied with x (f32, or bf16 widened). Each
+// output is one chain of 8-lane partial sums over K in order, whatever the tile: batch-invariant.
+//   loraserve_linear_int8 (x [M, K] f32|bf16, w [N, K] s8, scale [N] f32) -> [N, M] f32
+template <class X>
+struct Int8Problem {
+  int64_t M = 0, K = 0, N = 0;
+  const X* x = nullptr;
+  const int8_t* w = nullptr;
+  const float* scale = nullptr;
+  float* y = nullptr;
+};
+
+// One TO x TC tile: w holds TO rows of K weights (int8 straight from the matrix, or those rows widened to
+// f32 once for many tiles), x TC rows; y = sums * scale.
+template <class W, class X, int TO, int TC>
+void int8_tile(const Int8Problem<X>& p, const W* w, int64_t o0, int64_t r0) {
+  v8f acc[TO][TC] = {};
+  const X* x = p.x + r0 * p.K;
+  const int64_t K8 = p.K / 8 * 8;
+  for (int64_t k = 0; k < K8; k += 8) {
+    v8f wv[TO];
+    for (int a = 0; a < TO; ++a) wv[a] = load8(w + a * p.K + k);
+    for (int b = 0; b < TC; ++b) {
+      const v8f xv = load8(x + b * p.K + k);
+      for (int a = 0; a < TO; ++a) acc[a][b] += wv[a] * xv;
+    }
+  }
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) {
+      float s = hsum(acc[a][b]);
+      for (int64_t k = K8; k < p.K; ++k) s += widen(w[a * p.K + k]) * widen(x[b * p.K + k]);
+      p.y[(o0 + a) * p.M + r0 + b] = s * p.scale[o0 + a];
+    }
+}
+
+template <class W, class X, int TO>
+void int8_cols(const Int8Problem<X>& p, const W* w, int64_t o0) {
+  int64_t r = 0;
+  for (; r + kLinTileCols <= p.M; r += kLinTileCols) int8_tile<W, X, TO, kLinTileCols>(p, w, o0, r);
+  switch (p.M - r) {
+    case 3: int8_tile<W, X, TO, 3>(p, w, o0, r); break;
+    case 2: int8_tile<W, X, TO, 2>(p, w, o0, r); break;
+    case 1: int8_tile<W, X, TO, 1>(p, w, o0, r); break;
+    default: break;
+  }
+}
+
+// TO weight rows against every x row: read as int8 when one tile covers the rows (decode's few), else
+// widened once into ``scratch`` (f32, L1/L2-resident) and shared by the tiles. Exact either way (an int8
+// is an f32 exactly), so the sums are the same bits.
+template <class X, int TO>
+void int8_block(const Int8Problem<X>& p, int64_t o0, std::vector<float>& scratch) {
+  const int8_t* w = p.w + o0 * p.K;
+  __builtin_prefetch(w + 2 * TO * p.K, 0, 1);
+  if (p.M <= kLinTileCols) return int8_cols<int8_t, X, TO>(p, w, o0);
+  scratch.resize(static_cast<size_t>(TO) * p.K);
+  for (int64_t i = 0; i < TO * p.K; ++i) scratch[i] = static_cast<float>(w[i]);
+  int8_cols<float, X, TO>(p, scratch.data(), o0);
+}
+
+template <class X>
+ffi::Error RunInt8(ffi::ThreadPool& pool, std::shared_ptr<Int8Problem<X>> p) {
+  const int64_t items = (p->N + kLinItemRows - 1) / kLinItemRows;
+  parallel_items(pool, items, [p](int64_t k, std::vector<float>& scratch) {
+    const int64_t lo = k * kLinItemRows, hi = std::min(p->N, (k + 1) * kLinItemRows);
+    int64_t o = lo;
+    for (; o + kLinTileRows <= hi; o += kLinTileRows) int8_block<X, kLinTileRows>(*p, o, scratch);
+    for (; o < hi; ++o) int8_block<X, 1>(*p, o, scratch);
+  });
+  return ffi::Error::Success();
+}
+
+template <class X>
+ffi::Error Int8With(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                    const ffi::AnyBuffer& scale, ffi::Result<ffi::AnyBuffer>& y) {
+  auto p = std::make_shared<Int8Problem<X>>();
+  p->M = x.dimensions()[0], p->K = x.dimensions()[1], p->N = w.dimensions()[0];
+  p->x = static_cast<const X*>(x.untyped_data());
+  p->w = static_cast<const int8_t*>(w.untyped_data());
+  p->scale = static_cast<const float*>(scale.untyped_data());
+  p->y = static_cast<float*>(y->untyped_data());
+  if (p->M == 0 || p->N == 0) return ffi::Error::Success();
+  return RunInt8(pool, p);
+}
+
+ffi::Error LinearInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                          ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  const bool x_ok = x.element_type() == ffi::DataType::F32 || x.element_type() == ffi::DataType::BF16;
+  if (!x_ok || w.element_type() != ffi::DataType::S8 || !is_f32(scale) || xd.size() != 2 || wd.size() != 2 ||
+      xd[1] != wd[1] || sd.size() != 1 || sd[0] != wd[0] || yd.size() != 2 || yd[0] != wd[0] ||
+      yd[1] != xd[0] || !is_f32(*y))
+    return ffi::Error::InvalidArgument(
+        "linear_int8: x [M, K] f32|bf16, w [N, K] s8, scale [N] f32 -> [N, M] f32");
+  if (xd[1] == 0) {
+    std::memset(y->untyped_data(), 0, sizeof(float) * yd[0] * yd[1]);
+    return ffi::Error::Success();
+  }
+  if (is_f32(x)) return Int8With<float>(pool, x, w, scale, y);
+  return Int8With<uint16_t>(pool, x, w, scale, y);
+}
+
 }  // namespace
 
 // What -march=native found (kernels/cpu.py): 1 when this build multiplies bf16 with AVX-512 BF16 dot
@@ -153,4 +258,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearBf16, LinearBf16Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // w
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearInt8, LinearInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // w (int8)
+                                  .Arg<ffi::AnyBuffer>()  // scale
                                   .Ret<ffi::AnyBuffer>());

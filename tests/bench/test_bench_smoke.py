@@ -37,7 +37,9 @@ def _last_json(args: list[str]) -> dict:
 def test_decode_bench_tiny_prints_its_json_last() -> None:
     # --lazy-compile: each engine compiles the shapes its rows run, not every bucket (55 -> 33 s alone;
     # the warm-up path itself is tests/worker's)
-    result = _last_json(["bench/decode.py", "--tiny", "--rounds", "1", "--lazy-compile"])
+    result = _last_json(
+        ["bench/decode.py", "--tiny", "--rounds", "1", "--lazy-compile", "--quantization", "int8"]
+    )
     assert result["bench"] == "decode"
     engines = {
         f"{mix}{suffix}"
@@ -52,6 +54,9 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
         "distinct_dora_bf16_pools",
         "distinct_mixes_bf16_pools",
         "distinct_adapters_json",
+        "base_int8",
+        "one_adapter_int8",
+        "distinct_adapters_int8",
     }
     assert all(v > 0 for v in result["decode_tok_s"].values())
     ratios = {
@@ -69,6 +74,8 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
         "distinct_adapters_xla_vs_base",
         "distinct_adapters_bf16_pools_vs_peft_mixed",
         "distinct_adapters_json_vs_distinct_adapters",
+        "base_int8_vs_base",
+        "distinct_adapters_int8_vs_base_int8",
     }
     assert ratios <= set(result["ratios"])
     assert 0 < result["ratios"]["distinct_adapters_vs_base_serial_bound"] < 1

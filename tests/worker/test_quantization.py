@@ -159,3 +159,27 @@ def test_the_planner_counts_int8_weights_as_loaded(tiny) -> None:
         planner.plan(
             "x", cfg, "v5e", 2, max_loras=4, max_lora_rank=8, batch=4, context=256, quantization="int8"
         )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_cpu_int8_kernel_equals_xla_and_is_batch_invariant(dtype) -> None:
+    """``kernels.cpu.linear_int8`` (a decode step's rows on a CPU) against XLA's int8 dot, over odd sizes that
+    reach every tile and tail; a row's result is the same bits in a batch of 1, 3, 5 or 16 rows."""
+    from loraserve.kernels import cpu
+    from loraserve.worker import quant
+
+    if not cpu.available():
+        pytest.skip("the C++ kernels do not build here")
+    rng = np.random.default_rng(3)
+    for n, k in ((517, 1027), (8, 64), (3, 9)):
+        q, s = quantize_int8(rng.standard_normal((n, k)).astype(np.float32))
+        q, s = jnp.asarray(q), jnp.asarray(s)
+        x = jnp.asarray(rng.standard_normal((16, k)), jnp.float32).astype(dtype)
+        rows = {}
+        for m in (1, 3, 5, 16):
+            got = np.asarray(jax.jit(quant._kernel)(x[:m], q, s))
+            want = np.asarray(quant._xla(x[:m], q, s))
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
+            rows[m] = got[0]
+        for m in (3, 5, 16):
+            np.testing.assert_array_equal(rows[m], rows[1])
