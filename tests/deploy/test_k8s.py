@@ -260,6 +260,16 @@ def test_labels_are_consistent(objects) -> None:
         assert w["metadata"]["labels"]["app.kubernetes.io/component"] == role
 
 
+def test_workers_carry_llm_d_s_engine_type_and_export_its_metric_names(objects) -> None:
+    """llm-d's routers read a pod's metrics by the names its ``llm-d.ai/engine-type`` label says: every worker
+    pod says vllm and its configuration turns on vLLM's names (``--metrics-compat vllm``)."""
+    workers = [(w, t, c) for w, t, c, role in loraserve_containers(objects) if role == "worker"]
+    assert workers
+    for _, template, container in workers:
+        assert template["metadata"]["labels"]["llm-d.ai/engine-type"] == "vllm"
+        assert container_env(objects, container)["LORASERVE_WORKER_METRICS_COMPAT"] == "vllm"
+
+
 def test_every_server_role_runs_from_its_image_with_our_cli(objects) -> None:
     found = {role for _, _, _, role in loraserve_containers(objects)}
     assert found == set(ROLES)
