@@ -358,7 +358,14 @@ async def _serve(
         extra={"request_id": request_id, "model": body.model, "user": body.user or "", "stream": body.stream},
     )
     streams = [backend.generate(proto, _timeout(request)) for proto in protos]
-    firsts = await _firsts(streams)  # errors before the first token (unknown adapter, queue full...)
+    try:
+        firsts = await _firsts(streams)  # errors before the first token (unknown adapter, queue full...)
+    except LoraserveError as exc:
+        bad = exc.code == grpc.StatusCode.INVALID_ARGUMENT and "structured output" in exc.message
+        if bad and tools is not None and tools.forced:
+            # the constraint was made from the tools: say so (the field to fix is theirs)
+            raise InvalidArgument(f"tools: a function's parameters do not compile: {exc.message}") from None
+        raise
     headers = {"x-request-id": request_id}
     if firsts[0].adapter:
         headers["x-loraserve-adapter"] = firsts[0].adapter  # the resolved name@version

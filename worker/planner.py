@@ -195,9 +195,11 @@ def activation_bytes(cfg: ModelConfig, tp: int, batch: int, prefill_tokens: int,
     outputs, f32 attention scores) or a decode step (f32 logits over this device's vocab share)."""
     t, h = prefill_tokens, cfg.hidden_size
     heads = cfg.num_heads // tp
-    fused = (
-        cfg.q_size // tp + 2 * kv_heads_per_device(cfg, tp) * cfg.head_dim
-    ) + 2 * cfg.intermediate_size // tp
+    mlp = 2 * cfg.intermediate_size // tp
+    if cfg.is_moe:  # per token: k experts' gate|up and down outputs (sorted pairs), and the shared expert's
+        mlp = cfg.experts_per_token * (2 * cfg.moe_intermediate_size + cfg.hidden_size)
+        mlp += 2 * cfg.shared_expert_size
+    fused = (cfg.q_size // tp + 2 * kv_heads_per_device(cfg, tp) * cfg.head_dim) + mlp
     prefill = DTYPE_BYTES[dtype] * t * (3 * h + fused) + 4 * heads * t * t
     decode = 4 * batch * (vocab_rows_per_device(cfg, tp) + 3 * h + fused)
     return max(prefill, decode)

@@ -197,6 +197,24 @@ def _refused(served, body: dict) -> str:
         ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)]}, "at most 128"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
         ({"tool_choice": "required"}, "needs tools"),
+        (  # an object schema the grammar compiler refuses (a bad regex): the 400 names the tools
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"a": {"type": "string", "pattern": "(("}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools: a function's parameters do not compile",
+        ),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice must be"),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "both"),
         (
