@@ -56,7 +56,16 @@ def small_input_bytes(
 
 
 def compiled_decode_memory(
-    cfg: Any, *, tp: int, batch: int, context: int, max_loras: int, rank: int, dtype: str, lora_dtype: str
+    cfg: Any,
+    *,
+    tp: int,
+    batch: int,
+    context: int,
+    max_loras: int,
+    rank: int,
+    dtype: str,
+    lora_dtype: str,
+    quantization: str = "none",
 ) -> dict[str, int]:
     """Per-device bytes of the compiled decode step (``Compiled.memory_analysis``), nothing allocated."""
     import jax
@@ -85,7 +94,7 @@ def compiled_decode_memory(
     )
     sharding.check_tensor_parallel(cfg, tp, len(jax.devices()))
     mesh = sharding.make_mesh(tp)
-    st = sharding.abstract_state(cfg, config, mesh, XlaOneHotBackend())
+    st = sharding.abstract_state(cfg, config, mesh, XlaOneHotBackend(), quantization=quantization)
     tcfg, backend = st["model_config"], st["backend"]
     rep = NamedSharding(mesh, P())
 
@@ -141,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         rank=settings["max_lora_rank"],
         dtype=settings["dtype"],
         lora_dtype=settings["lora_dtype"],
+        quantization=settings.get("quantization", "none"),
     )
     print(json.dumps(result))
     return 0

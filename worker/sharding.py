@@ -262,6 +262,7 @@ def abstract_state(
     backend: LoraBackend,
     params: dict[str, Any] | None = None,
     platform: str | None = None,
+    quantization: str = "none",
 ) -> dict[str, Any]:
     """Abstract params, KV cache and slot pools (``jax.ShapeDtypeStruct`` carrying their shardings) of the
     model ``cfg`` served with ``config`` (an ``EngineConfig``) over ``mesh``, for lowering the jitted
@@ -293,6 +294,14 @@ def abstract_state(
         {k: sds(tp_shape(k, v), dtype, ls[k]) for k, v in layer.items()}
         for layer, ls in zip(shapes["layers"], specs["layers"], strict=True)
     ]
+    if quantization == "int8":  # worker.quant: int8 projections and an f32 scale per row (one device)
+        from loraserve.worker.quant import QUANTIZED, Int8Weight
+
+        for layer in aparams["layers"]:
+            for k in QUANTIZED:
+                if k in layer:
+                    shape = layer[k].shape
+                    layer[k] = Int8Weight(sds(shape, jnp.int8, P()), sds(shape[:1], jnp.float32, P()))
     pages = config.num_kv_pages(kv_page_bytes(cfg, config.kv_page_size, dtype))
     page_shape = (tcfg.num_kv_heads, pages, config.kv_page_size, tcfg.head_dim)
     stored = kv_storage_dtype(dtype, platform)

@@ -183,3 +183,24 @@ def test_the_cpu_int8_kernel_equals_xla_and_is_batch_invariant(dtype) -> None:
             rows[m] = got[0]
         for m in (3, 5, 16):
             np.testing.assert_array_equal(rows[m], rows[1])
+
+
+def test_plan_verify_compiles_an_int8_decode_step_to_the_byte(tmp_path, capsys) -> None:
+    """``plan --quantization int8 --verify``: the compiled decode step's arguments are the estimate's int8
+    weights (and scales) + KV + pools + history + the step's small inputs, exactly."""
+    import json
+
+    from loraserve.cli import main
+
+    small = {
+        "model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(small))
+    args = ["plan", "--model", str(path), "--chip", "v5e", "--batch", "8", "--context", "256"]
+    args += ["--max-loras", "4", "--max-lora-rank", "8", "--dtype", "float32", "--quantization", "int8"]
+    assert main([*args, "--json", "--verify"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    estimate = out["weights"] + out["kv_cache"] + out["lora_pools"] + out["sampling_history"]
+    assert out["compiled"]["argument_bytes"] == estimate + out["compiled"]["small_input_bytes"]
