@@ -250,25 +250,13 @@ def build_grammars(vocab_size: int):
     except ImportError:
         print("llguidance is not installed: no JSON rows", flush=True)
         return None
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
+    from loraserve.testing import train_bpe
     from loraserve.worker.grammar import Grammars
 
     rng = np.random.default_rng(0)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"))
     words = ["".join(rng.choice(letters, rng.integers(2, 9))) for _ in range(60_000)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([" ".join(words[i : i + 50]) for i in range(0, len(words), 50)], trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast = train_bpe([" ".join(words[i : i + 50]) for i in range(0, len(words), 50)], vocab_size)
     return Grammars(fast, vocab_size, (fast.eos_token_id,))
 
 

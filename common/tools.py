@@ -220,37 +220,54 @@ def parse_calls(
 
 class CallStream:
     """A streamed reply's content as it may be sent: everything while it cannot be part of a call, the rest
-    at :meth:`finish` with the calls. ``named``/``required`` replies are calls from their first token."""
+    at :meth:`finish` with the calls. ``named``/``required`` replies are calls from their first token.
+
+    Each chunk costs its own length: what is not sent yet is at most a marker's prefix (or, once a call may
+    have begun, the held chunks, joined once at the end), never the whole reply scanned again."""
 
     def __init__(self, names: frozenset[str], mode: str, named: str | None = None) -> None:
         self.names, self.mode, self.named = names, mode, named
-        self.text, self.sent, self.holding = "", 0, mode in ("named", "required")
+        self.sent: list[str] = []  # content already sent, in order
+        self.unsent: list[str] = []  # the rest, in order
+        self.holding = mode in ("named", "required")
+        self.started = False  # a non-whitespace character has come (the reply's opening is decided)
 
     def feed(self, delta: str) -> str:
         """Content that can go out now, after ``delta``."""
-        self.text += delta
-        if self.holding or self.mode == "none":
-            return self._send(len(self.text)) if not self.holding else ""
-        lead = self.text.lstrip()
-        if not lead:
-            return ""  # only whitespace yet: it may open a JSON call
-        if self.sent == 0 and lead[0] in "{[":
-            self.holding = True  # a whole-reply JSON call, or content that starts with a brace
+        if self.mode == "none":
+            self.sent.append(delta)
+            return delta
+        self.unsent.append(delta)
+        if self.holding:
             return ""
-        at = self.text.find(CALL_OPEN, self.sent)
+        if not self.started:
+            lead = delta.lstrip()  # (everything before this delta was whitespace)
+            if not lead:
+                return ""  # only whitespace yet: it may open a JSON call
+            self.started = True
+            if lead[0] in "{[":
+                self.holding = True  # a whole-reply JSON call, or content that starts with a brace
+                return ""
+        pending = "".join(self.unsent)  # a marker's prefix at most, plus this delta
+        at = pending.find(CALL_OPEN)
         if at >= 0:
             self.holding = True
-            return self._send(at)
-        keep = next((k for k in range(len(CALL_OPEN) - 1, 0, -1) if self.text.endswith(CALL_OPEN[:k])), 0)
-        return self._send(len(self.text) - keep)
+            self.unsent = [pending[at:]]
+            return self._send(pending[:at])
+        keep = next((k for k in range(len(CALL_OPEN) - 1, 0, -1) if pending.endswith(CALL_OPEN[:k])), 0)
+        self.unsent = [pending[len(pending) - keep :]] if keep else []
+        return self._send(pending[: len(pending) - keep])
 
-    def _send(self, upto: int) -> str:
-        out, self.sent = self.text[self.sent : upto], max(self.sent, upto)
-        return out
+    def _send(self, text: str) -> str:
+        if text:
+            self.sent.append(text)
+        return text
 
     def finish(self) -> tuple[str, list[Call]]:
         """(content not sent yet, the calls) once the reply is complete."""
-        _, calls = parse_calls(self.text, self.names, self.mode, self.named)
+        rest = "".join(self.unsent)
+        _, calls = parse_calls("".join(self.sent) + rest, self.names, self.mode, self.named)
         if calls:
             return "", calls  # content before a Hermes block went out before the block began
-        return self._send(len(self.text)), []
+        self.unsent = []
+        return self._send(rest), []

@@ -121,8 +121,8 @@ TINY = {
         num_key_value_heads=2,
     ),
 }
-GEMMA_NORMS = ("gemma2", "gemma3_text")
-MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")  # RMSNorm weight w scales by (1 + w)
+GEMMA_NORMS = ("gemma2", "gemma3_text")  # RMSNorm weight w scales by (1 + w)
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
 
 
 # A small chat template in the style of instruction-tuned checkpoints (saved in tokenizer_config.json).
@@ -140,11 +140,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(
-    path: str | Path, vocab_size: int = 384, chat_template: str | None = CHAT_TEMPLATE
-) -> Any:
-    """Train a byte-level BPE on ``CORPUS`` and save it (tokenizer.json + config, with ``chat_template``
-    unless None: a base model without one) under ``path``."""
+def train_bpe(corpus: list[str], vocab_size: int) -> Any:
+    """A byte-level BPE of ``vocab_size`` tokens (``<unk>``, ``<s>``, ``</s>`` first) trained on ``corpus``, as
+    a ``transformers`` fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -157,8 +155,16 @@ def build_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def build_tokenizer(
+    path: str | Path, vocab_size: int = 384, chat_template: str | None = CHAT_TEMPLATE
+) -> Any:
+    """Train a byte-level BPE on ``CORPUS`` and save it (tokenizer.json + config, with ``chat_template``
+    unless None: a base model without one) under ``path``."""
+    fast = train_bpe(CORPUS * 4, vocab_size)
     fast.chat_template = chat_template
     fast.save_pretrained(str(path))
     return fast

@@ -29,7 +29,7 @@ from loraserve.worker.step import LoraPools
 
 # per layer, pool name -> one slot's array; layer 0 also holds the vocabulary pools' (LoraPools.vocab)
 SlotValues = list[dict[str, np.ndarray]]
-BaseWeights = list[dict[str, jax.Array]]  # per layer, LoRA group -> fused base weight [out, in]
+BaseWeights = list[dict[str, Any]]  # per layer, LoRA group -> fused base weight [out, in] (or an Int8Weight)
 
 
 def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotValues:
@@ -87,12 +87,8 @@ def base_weights(params: dict[str, Any]) -> BaseWeights:
     """Per layer, LoRA group -> its fused base weight ``[out, in]`` (what DoRA's norm is taken of)."""
     keys = {"qkv": "wqkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}
 
-    def base(w: Any) -> Any:  # an int8 base (worker.quant) dequantized: DoRA's norm is of the weight used
-        return w.dequantize(params["embed"].dtype) if isinstance(w, Int8Weight) else w
-
-    return [
-        {group: base(layer[key]) for group, key in keys.items() if key in layer} for layer in params["layers"]
-    ]
+    # an int8 projection (worker.quant) stays int8 here: _dora_scales dequantizes it only while it runs
+    return [{group: layer[key] for group, key in keys.items() if key in layer} for layer in params["layers"]]
 
 
 def _dora_scales(values: Lora, base: BaseWeights, shards: int) -> list[dict[str, jax.Array]]:
@@ -102,8 +98,9 @@ def _dora_scales(values: Lora, base: BaseWeights, shards: int) -> list[dict[str,
         scales = {}
         for group in base[n]:  # the groups the model has (a mixture of experts: attention's)
             bs = tuple(vals[b_name(m)] for m in LORA_GROUPS[group])
+            w = base[n][group]  # int8 (worker.quant): dequantized in f32 inside this jitted call only
             scales[scale_name(group)] = dora_scale(
-                base[n][group],
+                w.dequantize() if isinstance(w, Int8Weight) else w,
                 vals[f"A_{group}"],
                 bs,
                 vals[magnitude_name(group)],

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from loraserve.common.errors import InvalidArgument
-from loraserve.common.tools import CallStream, call_schema, json_object, parse_calls
+from loraserve.common.tools import CALL_OPEN, CallStream, call_schema, json_object, parse_calls
 from loraserve.protos.v1 import inference_pb2 as pb
 
 NAMES = frozenset({"get_weather", "get_time"})
@@ -116,3 +116,12 @@ def test_json_object_bounds_what_it_parses() -> None:
             json_object(text, "x")
     with pytest.raises(InvalidArgument, match="not JSON"):
         json_object("[" * 100_000, "x")  # the parser's own recursion limit
+
+
+def test_a_long_stream_costs_each_chunk_its_own_length() -> None:
+    """What a stream keeps unsent stays a marker's prefix long, however long the reply (no rescans)."""
+    s = CallStream(NAMES, "auto")
+    assert s.feed("   ") == "" and s.feed("\n") == ""  # whitespace only: undecided
+    sent = [s.feed("word <tool") for _ in range(2000)]
+    assert sum(len(u) for u in s.unsent) <= len(CALL_OPEN)
+    assert "".join(sent) + s.finish()[0] == "   \n" + "word <tool" * 2000

@@ -204,3 +204,30 @@ def test_plan_verify_compiles_an_int8_decode_step_to_the_byte(tmp_path, capsys) 
     out = json.loads(capsys.readouterr().out)
     estimate = out["weights"] + out["kv_cache"] + out["lora_pools"] + out["sampling_history"]
     assert out["compiled"]["argument_bytes"] == estimate + out["compiled"]["small_input_bytes"]
+
+
+def test_dora_scales_on_an_int8_base_use_its_dequantized_weight(tiny) -> None:
+    """DoRA's norm is of the weight the model multiplies: on an int8 base, ``q * s`` (dequantized inside the
+    scale computation only: the base weights kept for DoRA stay int8, so int8 still saves their memory)."""
+    from loraserve.worker.dora import magnitude_name, mask_name, scale_name
+    from loraserve.worker.slot_pools import _dora_scales_jit, base_weights
+
+    ck = load_checkpoint(str(tiny["llama"]), quantization="int8")
+    base = base_weights(ck.params)
+    assert isinstance(base[0]["qkv"], Int8Weight)  # no float copy held
+    cfg, r = ck.config, 4
+    rng = np.random.default_rng(5)
+    out = cfg.q_size + 2 * cfg.kv_size
+    vals = {
+        "A_qkv": rng.standard_normal((cfg.hidden_size, 3 * r)).astype(np.float32) * 0.1,
+        "B_q": rng.standard_normal((r, cfg.q_size)).astype(np.float32) * 0.1,
+        "B_k": rng.standard_normal((r, cfg.kv_size)).astype(np.float32) * 0.1,
+        "B_v": rng.standard_normal((r, cfg.kv_size)).astype(np.float32) * 0.1,
+        magnitude_name("qkv"): rng.uniform(0.5, 2.0, out).astype(np.float32),
+        mask_name("qkv"): np.ones(out, np.float32),
+    }
+    got = _dora_scales_jit([vals], [{"qkv": base[0]["qkv"]}], shards=1)[0][scale_name("qkv")]
+    dense = [{"qkv": base[0]["qkv"].dequantize()}]
+    want = _dora_scales_jit([vals], dense, shards=1)[0][scale_name("qkv")]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.allclose(np.asarray(got), 1.0)  # a real scale
