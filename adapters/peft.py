@@ -27,6 +27,18 @@ import numpy as np
 from loraserve.adapters.errors import AdapterError, AdapterMismatchError, AdapterRankError, UnknownModuleError
 from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE
 from loraserve.adapters.patterns import check_patterns, pattern_key
+from loraserve.adapters.peft_experts import (
+    EXPERT_KEY,
+    EXPERT_MODULES,
+    Site,
+    check_expert_pair,
+    check_target_parameters,
+    expert_site,
+    fold_expert,
+    name_sites,
+    path_of,
+    stack_experts,
+)
 from loraserve.adapters.peft_vocab import (
     VOCAB_KEY,
     VOCAB_MODULES,
@@ -79,6 +91,10 @@ class LoraWeights:
     # folded into B: ``embed_tokens`` ``A [vocab, r]`` (rows gathered per token), ``B [r, hidden]``;
     # ``lm_head`` ``A [hidden, r]``, ``B [r, vocab]``
     vocab: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # LoRA on a mixture of experts (``adapters.peft_experts``), scaling folded into B:
+    # ``experts.gate_up_proj`` / ``experts.down_proj`` -> ``(A [L, E, in, r], B [L, E, r, out])``,
+    # ``router`` -> ``(A [L, hidden, r], B [L, r, E])``
+    experts: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     @property
     def use_dora(self) -> bool:
@@ -143,6 +159,7 @@ def parse_config(data: bytes) -> dict[str, Any]:
                 f"ensure_weight_tying with target_modules {vocab} is not supported (the worker adapts the input "
                 "embedding and the output projection separately, PEFT's default)"
             )
+    check_target_parameters(cfg)
     return cfg
 
 
@@ -345,22 +362,59 @@ def _group_tensors(
     dora: bool,
     lora_bias: bool,
     module_shapes: dict[str, tuple[int, int]] | None,
-) -> tuple[dict[tuple[str, int], _Pair], dict[str, _Pair]]:
+) -> tuple[dict[tuple[str, int], _Pair], dict[str, _Pair], dict[Site, _Pair]]:
     """Every tensor by what it is: ``(module, layer) -> {which: tensor}`` for the projections, ``module ->
-    {which: tensor}`` for embed_tokens / lm_head (``adapters.peft_vocab.vocab_tensor``). Refuses a name
-    that is neither, a wrong rank or dtype, NaN or inf."""
+    {which: tensor}`` for embed_tokens / lm_head (``adapters.peft_vocab.vocab_tensor``), ``site -> {which:
+    tensor}`` for a mixture of experts' (``adapters.peft_experts``). Refuses a name that is none of these,
+    a wrong rank or dtype, NaN or inf."""
     found: dict[tuple[str, int], _Pair] = {}
     vocab_found: dict[str, _Pair] = {}
+    expert_found: dict[Site, _Pair] = {}
     for key, value in tensors.items():
         vmatch = VOCAB_KEY.search(key)
         if vmatch is not None:
             vocab_tensor(key, value, vmatch, vocab_found, module_shapes)
             continue
-        layer, module, which = layer_kind(key, value.shape, dora, lora_bias)
+        ematch = EXPERT_KEY.search(key)
+        if ematch is not None:
+            site, which = expert_site(key, ematch, value.shape)
+            pair = expert_found.setdefault(site, {})
+        else:
+            layer, module, which = layer_kind(key, value.shape, dora, lora_bias)
+            pair = found.setdefault((module, layer), {})
         if not np.isfinite(value).all():
             raise AdapterError(f"tensor {key} contains NaN or inf")
-        found.setdefault((module, layer), {})[which] = value
-    return found, vocab_found
+        pair[which] = value
+    return found, vocab_found, expert_found
+
+
+def _fold_experts(
+    expert_found: dict[Site, _Pair],
+    cfg: dict[str, Any],
+    scaling: _Scaling,
+    max_rank: int | None,
+    module_shapes: dict[str, tuple[int, int]] | None,
+    num_layers: int | None,
+) -> tuple[dict[str, dict[int, tuple[np.ndarray, np.ndarray]]], int]:
+    """The mixture of experts' pairs named, checked and folded (``adapters.peft_experts``): name -> layer
+    -> ``(A [E, in, r], B [E, r, out])``, and their largest rank."""
+    shapes = {site: {k: v.shape for k, v in pair.items()} for site, pair in expert_found.items()}
+    names = name_sites(shapes, check_target_parameters(cfg), module_shapes)
+    out: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    top = 0
+    for site, name in sorted(names.items()):
+        pair, path = expert_found[site], path_of(site, name)
+        for need in ("A", "B"):
+            if need not in pair:
+                raise AdapterError(f"{path}: lora_{need} is missing")
+        r = scaling.rank(path)
+        a, b = pair["A"], pair["B"]
+        check_expert_pair(path, name, r, a.shape, b.shape, max_rank, module_shapes, num_layers, site[0])
+        if site[0] in out.get(name, {}):
+            raise AdapterError(f"{path}: two LoRA pairs adapt it")
+        out.setdefault(name, {})[site[0]] = fold_expert(a, b, r, scaling.factor(scaling.alpha(path), r))
+        top = max(top, r)
+    return out, top
 
 
 @dataclass
@@ -478,15 +532,18 @@ def parse_adapter(
     if not tensors:
         raise AdapterError(f"{WEIGHTS_FILE} holds no tensors")
     dora, lora_bias = bool(cfg.get("use_dora")), bool(cfg.get("lora_bias"))
-    found, vocab_found = _group_tensors(tensors, dora, lora_bias, module_shapes)
+    found, vocab_found, expert_found = _group_tensors(tensors, dora, lora_bias, module_shapes)
     scaling = _Scaling.of(cfg)
     folded = _fold_modules(found, scaling, dora, max_rank, module_shapes, num_layers)
     vocab = _vocab_pairs(vocab_found, scaling, max_rank, module_shapes)
-    max_seen = max([folded.max_rank, *(a.shape[1] for a, _ in vocab.values())])
-    if not found and not vocab:
+    by_expert, expert_rank = _fold_experts(expert_found, cfg, scaling, max_rank, module_shapes, num_layers)
+    max_seen = max([folded.max_rank, expert_rank, *(a.shape[1] for a, _ in vocab.values())])
+    if not found and not vocab and not expert_found:
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA matrices")
-    layers = num_layers if num_layers is not None else 1 + max((layer for _, layer in found), default=-1)
+    seen_layers = [layer for _, layer in found] + [site[0] for site in expert_found]
+    layers = num_layers if num_layers is not None else 1 + max(seen_layers, default=-1)
     modules = _stack_modules(folded.per_module, layers)
+    experts = stack_experts(by_expert, layers)
     stacked = {
         which: {m: _stack(v, layers) for m, v in by_module.items()}
         for which, by_module in folded.vectors.items()
@@ -495,7 +552,9 @@ def parse_adapter(
         rank=max_seen,
         alpha=scaling.default_alpha,
         use_rslora=scaling.rslora,
-        target_modules=tuple(m for m in LORA_MODULES if m in modules) + tuple(vocab),
+        target_modules=tuple(m for m in LORA_MODULES if m in modules)
+        + tuple(vocab)
+        + tuple(m for m in EXPERT_MODULES if m in experts),
         modules=modules,
         sha256=hashlib.sha256(weights_bytes).hexdigest(),
         size_bytes=len(weights_bytes),
@@ -504,6 +563,7 @@ def parse_adapter(
         magnitudes=stacked["m"],
         biases={m: v for m, (v, _) in stacked["bias"].items()},
         vocab=vocab,
+        experts=experts,
     )
     check_weights(weights)
     return weights
@@ -546,6 +606,11 @@ def check_weights(weights: LoraWeights) -> None:
     for module, (a, b) in weights.vocab.items():
         check_slot_value(f"{vocab_path(module)}: lora_A", a)
         check_slot_value(f"{vocab_path(module)}: lora_B x scaling", b)
+    for name, (a, b) in weights.experts.items():
+        for layer in range(a.shape[0]):
+            path = path_of((layer, "", 0), name)
+            check_slot_value(f"{path}: lora_A", a[layer])
+            check_slot_value(f"{path}: lora_B x scaling", b[layer])
 
 
 def check_layer_fans(module: str, layer: int, fan_in: int, fan_out: int, want_in: int, want_out: int) -> None:

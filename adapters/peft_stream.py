@@ -40,6 +40,16 @@ from loraserve.adapters.peft import (
     layer_kind,
     parse_config,
 )
+from loraserve.adapters.peft_experts import (
+    EXPERT_KEY,
+    EXPERT_MODULES,
+    Site,
+    check_expert_pair,
+    check_target_parameters,
+    expert_site,
+    name_sites,
+    path_of,
+)
 from loraserve.adapters.peft_vocab import VOCAB_KEY, fold_scaling, vocab_kind, vocab_path
 
 CHUNK_BYTES = 1 << 20  # bytes of one tensor read at a time; the float32 work of a chunk is a few times this
@@ -176,10 +186,20 @@ def _validate(
         alpha = float(_pattern_value(alpha_pattern, path, default_alpha))
         return r, alpha / math.sqrt(r) if rslora else alpha / r
 
+    # the mixture of experts' pairs are named from the header's shapes (adapters.peft_experts.name_sites)
+    sites: dict[Site, dict[str, tuple[int, ...]]] = {}
+    for key, info in infos.items():
+        ematch = EXPERT_KEY.search(key)
+        if ematch is not None:
+            site, which = expert_site(key, ematch, tuple(info["shape"]))
+            sites.setdefault(site, {})[which] = tuple(info["shape"])
+    names = name_sites(sites, check_target_parameters(cfg), module_shapes)
+
     # the first pass: parse_adapter's loop over the tensors (adapters.peft_vocab.vocab_tensor for the
     # vocabulary-sized ones), each tensor read once
     found: dict[tuple[str, int], dict[str, _Tensor]] = {}
     vocab_found: dict[str, dict[str, _Tensor]] = {}
+    expert_found: dict[Site, dict[str, _Tensor]] = {}
     for key, info in sorted(infos.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         shape = tuple(info["shape"])
         vmatch = VOCAB_KEY.search(key)
@@ -187,6 +207,12 @@ def _validate(
             module, which = vocab_kind(key, vmatch, shape, module_shapes)
             scaling = rank_and_scaling(vocab_path(module))[1] if which == "B" else None
             vocab_found.setdefault(module, {})[which] = _scan(f, data_start, info, key, scaling, chunk)
+            continue
+        ematch = EXPERT_KEY.search(key)
+        if ematch is not None:
+            site, which = expert_site(key, ematch, shape)
+            scaling = rank_and_scaling(path_of(site, names[site]))[1] if which == "B" else None
+            expert_found.setdefault(site, {})[which] = _scan(f, data_start, info, key, scaling, chunk)
             continue
         layer, module, which = layer_kind(key, shape, dora, lora_bias)
         scaling = rank_and_scaling(_module_path(module, layer))[1] if which in ("B", "bias") else None
@@ -245,7 +271,21 @@ def _validate(
                     "the adapter was built for another base model (vocabulary or hidden size)"
                 )
     max_seen = max([max_seen, *(a.shape[0] for a, _ in vocab.values())])
-    if not found and not vocab:
+    # adapters.peft._fold_experts, on the shapes
+    experts: dict[str, dict[int, tuple[_Tensor, _Tensor]]] = {}
+    for site, name in sorted(names.items()):
+        pair, path = expert_found[site], path_of(site, names[site])
+        for need in ("A", "B"):
+            if need not in pair:
+                raise AdapterError(f"{path}: lora_{need} is missing")
+        r = int(_pattern_value(rank_pattern, path, default_r))
+        a, b = pair["A"].shape, pair["B"].shape
+        check_expert_pair(path, name, r, a, b, max_rank, module_shapes, num_layers, site[0])
+        if site[0] in experts.get(name, {}):
+            raise AdapterError(f"{path}: two LoRA pairs adapt it")
+        experts.setdefault(name, {})[site[0]] = (pair["A"], pair["B"])
+        max_seen = max(max_seen, r)
+    if not found and not vocab and not expert_found:
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA matrices")
     for module, by_layer in per_module.items():  # parse_adapter's stacks: one in/out per module
         first_a, first_b = next(iter(by_layer.values()))
@@ -271,11 +311,17 @@ def _validate(
     for module, (a, b) in vocab.items():
         check(f"{vocab_path(module)}: lora_A", a.peak)
         check(f"{vocab_path(module)}: lora_B x scaling", b.scaled)
+    for name, by_layer in experts.items():
+        for layer in sorted(by_layer):
+            check(f"{path_of((layer, '', 0), name)}: lora_A", by_layer[layer][0].peak)
+            check(f"{path_of((layer, '', 0), name)}: lora_B x scaling", by_layer[layer][1].scaled)
     return AdapterSummary(
         rank=max_seen,
         alpha=default_alpha,
         use_rslora=rslora,
-        target_modules=tuple(m for m in LORA_MODULES if m in per_module) + tuple(vocab),
+        target_modules=tuple(m for m in LORA_MODULES if m in per_module)
+        + tuple(vocab)
+        + tuple(m for m in EXPERT_MODULES if m in experts),
         size_bytes=os.fstat(f.fileno()).st_size,
         config=cfg,
     )

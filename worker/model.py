@@ -38,7 +38,7 @@ from loraserve.kernels.linear import linear
 from loraserve.worker.dora import apply_vectors, init_vector_pools
 from loraserve.worker.embed_lora import apply_embed, apply_lm_head, init_vocab_pools
 from loraserve.worker.model_config import LORA_GROUPS, ModelConfig
-from loraserve.worker.moe import moe_mlp
+from loraserve.worker.moe import init_expert_pools, moe_mlp
 from loraserve.worker.quant import Int8Weight, qlinear
 from loraserve.worker.sampling import TOP_LOGPROBS, PromptScores, token_logprobs
 from loraserve.worker.step import Cache, DecodeBatch, DeviceState, LoraPools, Params, PrefillBatch
@@ -136,11 +136,19 @@ def _matmul(x: Array, w: Array | Int8Weight, b: Array | None) -> Array:
 
 
 def _layer_mlp(
-    cfg: ModelConfig, lp: dict[str, Array], ll: Lora, h: Array, lora_fn: LoraFn, shards: int = 1
+    cfg: ModelConfig,
+    lp: dict[str, Array],
+    ll: Lora,
+    h: Array,
+    lora_fn: LoraFn,
+    shards: int = 1,
+    slots: Array | None = None,
 ) -> Array:
+    """The MLP block; ``slots`` (each token's adapter slot, or None: no adapter anywhere) reaches a mixture
+    of experts, whose LoRA on experts and router is computed beside them (``worker.moe``)."""
     x = _norm(cfg, h, lp["mlp_norm"])
     if cfg.is_moe:  # experts (and a shared expert) instead of one MLP; dense LoRA adapts attention only
-        return h + moe_mlp(cfg, lp, x)
+        return h + moe_mlp(cfg, lp, x, ll=ll, slots=slots)
     gu = _matmul(x, lp["w_gate_up"], lp.get("b_gate_up"))
     gu = lora_fn(gu, x, ll, "gate_up", COLUMN, lp.get("b_gate_up"))
     gate, up = split_fused(gu, (cfg.intermediate_size,) * 2, shards)
@@ -379,6 +387,7 @@ def _prefill_hidden(
         return apply_vectors(y, ll, group, slots, bias)
 
     flat_pos = positions.reshape(g * t)
+    token_slots = jnp.repeat(slots, t)  # [G*L]
     kv_dtype = _kv_dtype(params, cache[0][0])
     h = _embed(cfg, params, tokens.reshape(g * t), state.pools.vocab, slots)
     new_cache: Cache = []
@@ -401,7 +410,7 @@ def _prefill_hidden(
             cfg.is_sliding(n),
         ).reshape(g * t, cfg.q_size)
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
-        h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
+        h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards, token_slots)
         new_cache.append((k_pages, v_pages))
     return h, new_cache
 
@@ -467,7 +476,7 @@ def decode(
             scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, window=window,
         ).reshape(b, cfg.q_size)  # fmt: skip
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
-        h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards)
+        h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards, rows)
         new_cache.append((k_pages, v_pages))
     return logits_from_hidden(cfg, params, h, state.pools.vocab, rows), new_cache
 
@@ -491,9 +500,16 @@ def empty_lora(
 ) -> LoraPools:
     """Zeroed slot pools, in ``backend``'s layout, for ``max_loras`` adapters of rank up to ``max_rank``
     on all seven modules, plus the DoRA-scale (ones) and LoRA-bias (zeros) vector pools of ``worker.dora``
-    per layer, and the embed_tokens / lm_head pools of ``worker.embed_lora`` (``LoraPools.vocab``)."""
+    per layer, a mixture of experts' expert and router pools (``worker.moe.expert_slot_shapes``), and the embed_tokens / lm_head pools of ``worker.embed_lora`` (``LoraPools.vocab``)."""
     pools = backend.init_pools(lora_slot_shapes(cfg, max_rank), cfg.num_layers, max_loras, dtype)
-    layers = [{**layer, **init_vector_pools(lora_vector_sizes(cfg), max_loras)} for layer in pools]
+    layers = [
+        {
+            **layer,
+            **init_vector_pools(lora_vector_sizes(cfg), max_loras),
+            **init_expert_pools(cfg, max_loras, max_rank, dtype),
+        }
+        for layer in pools
+    ]
     return LoraPools(layers, init_vocab_pools(cfg, max_loras, max_rank, dtype))
 
 

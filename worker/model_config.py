@@ -205,11 +205,25 @@ class ModelConfig:
         mlp = 3 * h * (e * self.moe_intermediate_size + self.shared_expert_size)
         return itemsize * (e * h + mlp + (h if self.shared_expert_size else 0))
 
+    def expert_shapes(self) -> dict[str, tuple[int, int]]:
+        """A mixture of experts' LoRA targets (``adapters.peft_experts``), ``(in, out)`` of one expert:
+        ``experts.gate_up_proj (hidden, 2 * moe_intermediate)``, ``experts.down_proj (moe_intermediate,
+        hidden)``, and ``router (hidden, experts)``; empty for a dense model."""
+        if not self.is_moe:
+            return {}
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return {
+            "experts.gate_up_proj": (h, 2 * i),
+            "experts.down_proj": (i, h),
+            "router": (h, self.num_experts),
+        }
+
     def adapter_shapes(self) -> dict[str, tuple[int, int]]:
         """``module_shapes`` plus the vocabulary-sized LoRA targets: ``embed_tokens (vocab, hidden)`` and
-        ``lm_head (hidden, vocab)`` (``adapters.peft.VOCAB_MODULES``): what an adapter is validated against."""
+        ``lm_head (hidden, vocab)`` (``adapters.peft.VOCAB_MODULES``), and a mixture of experts' targets
+        (``expert_shapes``): what an adapter is validated against."""
         v, h = self.vocab_size, self.hidden_size
-        return {**self.module_shapes(), "embed_tokens": (v, h), "lm_head": (h, v)}
+        return {**self.module_shapes(), "embed_tokens": (v, h), "lm_head": (h, v), **self.expert_shapes()}
 
     def inv_freq(self) -> np.ndarray:
         """RoPE inverse frequencies (float64): ``[head_dim // 2]``, or ``[2, head_dim // 2]`` (global, local)

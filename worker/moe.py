@@ -18,6 +18,18 @@ thing; tests run both; ``jax.lax.platform_dependent`` picks one when the step is
   product), which is what this avoids.
 * ``ragged`` (TPU, GPU): the (token, choice) pairs sorted by expert, one ``jax.lax.ragged_dot`` per
   matmul over the groups (the grouped matmul XLA lowers to the MXU), then unsorted.
+
+LoRA on the experts and the router (``adapters.peft_experts``; pools of ``expert_slot_shapes``, present on
+every mixture-of-experts model): a token with adapter slot s that chose expert e adds ``(x A[e, s]) B[e, s]``
+to that expert's gate/up output, and ``(act A'[e, s]) B'[e, s]`` to its down output, before the weighting;
+its router logits gain ``(x RA[s]) RB[s]``. The expert pools are expert-major, ``[E, S, …]``: the gathered
+path reads ``A[e, s]`` per (token, choice); the grouped path sorts the pairs by ``e * S + s`` (an order also
+sorted by expert, so the base's groups stay the same) and runs the shrink and expand as grouped matmuls over
+the ``E * S`` (expert, slot) groups: a step reads only the experts and slots its tokens chose. Dtypes as
+the dense backends': the shrink accumulates in f32 and rounds to the model's dtype, the expand accumulates
+in f32 into the expert's f32 output. A token without an adapter (slot -1) computes slot 0's delta times an
+exact zero, so its rows are its own whatever the others hold; the router's delta is a one-hot sum over
+slots, each other slot's term exactly zero.
 """
 
 from __future__ import annotations
@@ -34,11 +46,86 @@ from loraserve.worker.model_config import ModelConfig
 Array = jax.Array
 # (token, choice) pairs per gathered chunk: bounds the gathered expert weights (chunk × one expert's)
 GATHER_PAIRS = 64
+# LoRA pools of a mixture of experts (per layer; ``expert_slot_shapes``): expert-major ``[E, S, …]``
+# ``EA/EB_gate_up``, ``EA/EB_down``, slot-major ``RA [S, hidden, R]``, ``RB [S, R, E]`` for the router
+EXPERT_POOLS = ("EA_gate_up", "EB_gate_up", "EA_down", "EB_down")
+ROUTER_POOLS = ("RA", "RB")
 
 
-def route(cfg: ModelConfig, router: Array, x: Array) -> tuple[Array, Array]:
-    """``x [T, H]`` -> (the experts ``[T, k]`` int32 in ascending order per token, their weights ``[T, k]``)."""
-    logits = linear(x, router).astype(x.dtype)  # [T, E], as the router's Linear computes it
+def expert_slot_shapes(cfg: ModelConfig, max_rank: int) -> dict[str, tuple[int, ...]]:
+    """Pool name -> one slot's value (the slot axis left out): ``EA_gate_up [E, H, R]``, ``EB_gate_up
+    [E, R, 2I]``, ``EA_down [E, I, R]``, ``EB_down [E, R, H]``, ``RA [H, R]``, ``RB [R, E]``; none for a
+    dense model."""
+    if not cfg.is_moe:
+        return {}
+    e, h, i, r = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, max_rank
+    return {
+        "EA_gate_up": (e, h, r),
+        "EB_gate_up": (e, r, 2 * i),
+        "EA_down": (e, i, r),
+        "EB_down": (e, r, h),
+        "RA": (h, r),
+        "RB": (r, e),
+    }
+
+
+def is_expert_pool(name: str) -> bool:
+    """Whether ``name`` is an expert-major pool (``[E, S, …]``: a slot is ``pool[:, s]``)."""
+    return name in EXPERT_POOLS
+
+
+def is_moe_pool(name: str) -> bool:
+    """Whether ``name`` is one of ``expert_slot_shapes``' pools (canonical layout on every backend)."""
+    return name in EXPERT_POOLS or name in ROUTER_POOLS
+
+
+def init_expert_pools(cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any) -> dict[str, Array]:
+    """One layer's zeroed pools of ``expert_slot_shapes`` with the slot axis in place."""
+    out = {}
+    for name, shape in expert_slot_shapes(cfg, max_rank).items():
+        full = (shape[0], max_loras, *shape[1:]) if is_expert_pool(name) else (max_loras, *shape)
+        out[name] = jnp.zeros(full, dtype)
+    return out
+
+
+def expert_slot_values(cfg: ModelConfig, experts: dict[str, tuple[Any, Any]], max_rank: int) -> list[dict]:
+    """Per layer, one slot's host arrays of ``expert_slot_shapes`` from ``LoraWeights.experts``, rank
+    zero-padded to ``max_rank`` (targets the adapter leaves out: zeros)."""
+    import numpy as np
+
+    shapes = expert_slot_shapes(cfg, max_rank)
+    names = {"experts.gate_up_proj": "gate_up", "experts.down_proj": "down", "router": None}
+    out = []
+    for layer in range(cfg.num_layers):
+        values = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+        for target, (a, b) in experts.items():
+            group = names[target]
+            a_name, b_name = ("RA", "RB") if group is None else (f"EA_{group}", f"EB_{group}")
+            r = a.shape[-1]
+            values[a_name][..., :r] = a[layer]
+            values[b_name][..., :r, :] = b[layer]
+        out.append(values)
+    return out
+
+
+def _router_delta(ll: dict[str, Array], x: Array, slots: Array) -> Array:
+    """``[T, E]`` f32: each token's router LoRA, ``(x RA[s]) RB[s]``, as a one-hot sum over the slots."""
+    a, b = ll["RA"], ll["RB"]  # [S, H, R], [S, R, E]
+    onehot = (slots[:, None] == jnp.arange(a.shape[0])[None, :]).astype(jnp.float32)  # [T, S]
+    t = jnp.einsum("th,shr->tsr", x, a.astype(x.dtype), preferred_element_type=jnp.float32)
+    t = t.astype(x.dtype).astype(jnp.float32) * onehot[:, :, None]
+    return jnp.einsum("tsr,sre->te", t, b.astype(jnp.float32))
+
+
+def route(
+    cfg: ModelConfig, router: Array, x: Array, ll: dict[str, Array] | None = None, slots: Array | None = None
+) -> tuple[Array, Array]:
+    """``x [T, H]`` -> (the experts ``[T, k]`` int32 in ascending order per token, their weights ``[T, k]``);
+    with ``ll``'s router pools and per-token ``slots`` the router's LoRA joins the logits."""
+    logits = linear(x, router)  # [T, E] f32, as the router's Linear computes it
+    if ll is not None and slots is not None:
+        logits = logits + _router_delta(ll, x, slots)
+    logits = logits.astype(x.dtype)
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     weights, experts = jax.lax.top_k(probs, cfg.experts_per_token)
     if cfg.norm_topk_prob:
@@ -65,50 +152,125 @@ def _combine(down: Array, weights: Array, dtype: Any) -> Array:
     return out
 
 
-def _gathered(cfg: ModelConfig, lp: dict[str, Array], x: Array, experts: Array, weights: Array) -> Array:
+Pools = dict[str, Array]  # one layer's expert LoRA pools (EXPERT_POOLS), or empty: no LoRA on experts
+
+
+def _gathered_delta(pools: Pools, group: str, x: Array, ec: Array, sc: Array) -> Array:
+    """``[C, k, out]`` f32: each (token, choice)'s LoRA of expert ``ec`` with the token's slot ``sc``
+    (``-1``: an exact zero)."""
+    s = jnp.maximum(sc, 0)[:, None]  # [C, 1]
+    a, b = pools[f"EA_{group}"][ec, s], pools[f"EB_{group}"][ec, s]  # [C, k, in, R], [C, k, R, out]
+    eq = "ch,ckhr->ckr" if x.ndim == 2 else "ckh,ckhr->ckr"
+    t = jnp.einsum(eq, x, a.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    d = jnp.einsum("ckr,ckro->cko", t.astype(jnp.float32), b.astype(jnp.float32))
+    return d * (sc >= 0).astype(jnp.float32)[:, None, None]
+
+
+def _gathered(
+    cfg: ModelConfig,
+    lp: dict[str, Array],
+    pools: Pools,
+    x: Array,
+    experts: Array,
+    weights: Array,
+    slots: Array,
+) -> Array:
     t, k = experts.shape
     chunk = max(1, GATHER_PAIRS // k)
 
-    def one(args: tuple[Array, Array, Array]) -> Array:
-        xc, ec, wc = args  # [C, H], [C, k], [C, k]
+    def one(args: tuple[Array, Array, Array, Array]) -> Array:
+        xc, ec, wc, sc = args  # [C, H], [C, k], [C, k], [C]
         gu = jnp.einsum("ch,ckhn->ckn", xc, lp["experts_gate_up"][ec], preferred_element_type=jnp.float32)
+        if pools:
+            gu = gu + _gathered_delta(pools, "gate_up", xc, ec, sc)
         act = _act(cfg, gu, x.dtype)
         down = jnp.einsum("ckn,cknh->ckh", act, lp["experts_down"][ec], preferred_element_type=jnp.float32)
+        if pools:
+            down = down + _gathered_delta(pools, "down", act, ec, sc)
         return _combine(down.astype(x.dtype), wc, x.dtype)
 
     if t <= chunk:
-        return one((x, experts, weights))
+        return one((x, experts, weights, slots))
     pad = -t % chunk
     xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, chunk, x.shape[1])
     es = jnp.pad(experts, ((0, pad), (0, 0))).reshape(-1, chunk, k)
     ws = jnp.pad(weights, ((0, pad), (0, 0))).reshape(-1, chunk, k)
-    return jax.lax.map(one, (xs, es, ws)).reshape(-1, x.shape[1])[:t]
+    ss = jnp.pad(slots, (0, pad), constant_values=-1).reshape(-1, chunk)
+    return jax.lax.map(one, (xs, es, ws, ss)).reshape(-1, x.shape[1])[:t]
 
 
-def _ragged(cfg: ModelConfig, lp: dict[str, Array], x: Array, experts: Array, weights: Array) -> Array:
+def _ragged_delta(pools: Pools, group: str, xs: Array, sizes: Array, on: Array) -> Array:
+    """``[P, out]`` f32: the sorted pairs' LoRA as grouped matmuls over the ``E * S`` (expert, slot) groups."""
+    a, b = pools[f"EA_{group}"], pools[f"EB_{group}"]  # [E, S, in, R], [E, S, R, out]
+    a = a.reshape(-1, *a.shape[2:]).astype(xs.dtype)
+    t = jax.lax.ragged_dot(xs, a, sizes, preferred_element_type=jnp.float32).astype(xs.dtype)
+    d = jax.lax.ragged_dot(
+        t, b.reshape(-1, *b.shape[2:]).astype(xs.dtype), sizes, preferred_element_type=jnp.float32
+    )
+    return d * on[:, None]
+
+
+def _ragged(
+    cfg: ModelConfig,
+    lp: dict[str, Array],
+    pools: Pools,
+    x: Array,
+    experts: Array,
+    weights: Array,
+    slots: Array,
+) -> Array:
     t, k = experts.shape
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
+    slot_of = jnp.repeat(slots, k)  # [T*k] each pair's slot
+    if pools:  # sorted by (expert, slot): still sorted by expert
+        n_slots = pools["EA_gate_up"].shape[1]
+        group = flat * n_slots + jnp.maximum(slot_of, 0)
+        order = jnp.argsort(group, stable=True)
+        lora_sizes = jnp.bincount(group, length=cfg.num_experts * n_slots).astype(jnp.int32)
+        on = (slot_of >= 0).astype(jnp.float32)[order]
+    else:
+        order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     xs = x[order // k]
     gu = jax.lax.ragged_dot(xs, lp["experts_gate_up"], sizes, preferred_element_type=jnp.float32)
+    if pools:
+        gu = gu + _ragged_delta(pools, "gate_up", xs, lora_sizes, on)
     act = _act(cfg, gu, x.dtype)
     down = jax.lax.ragged_dot(act, lp["experts_down"], sizes, preferred_element_type=jnp.float32)
+    if pools:
+        down = down + _ragged_delta(pools, "down", act, lora_sizes, on)
     unsorted = down.astype(x.dtype)[jnp.argsort(order)].reshape(t, k, -1)
     return _combine(unsorted, weights, x.dtype)
 
 
-def moe_mlp(cfg: ModelConfig, lp: dict[str, Array], x: Array, path: str = "auto") -> Array:
+def moe_mlp(
+    cfg: ModelConfig,
+    lp: dict[str, Array],
+    x: Array,
+    path: str = "auto",
+    ll: dict[str, Array] | None = None,
+    slots: Array | None = None,
+) -> Array:
     """The block's output for the normed hidden states ``x [T, H]`` (module doc). ``path``: ``auto``,
-    ``gather`` or ``ragged``."""
-    experts, weights = route(cfg, lp["router"], x)
-    paths = {"gather": _gathered, "ragged": _ragged}
+    ``gather`` or ``ragged``. ``ll``: the layer's LoRA pools; ``slots [T]``: each token's adapter slot
+    (-1: none); without them (or without expert pools in ``ll``) no LoRA is computed."""
+    lora = slots is not None and ll is not None and "EA_gate_up" in ll
+    pools: Pools = {k: ll[k] for k in EXPERT_POOLS} if lora and ll is not None else {}
+    token_slots = slots if slots is not None and lora else jnp.full(x.shape[:1], -1, jnp.int32)
+    experts, weights = route(cfg, lp["router"], x, ll if lora else None, token_slots if lora else None)
     if path == "auto":  # chosen where the step is lowered: a TPU program exported on a CPU host is TPU's
         out = jax.lax.platform_dependent(
-            lp, x, experts, weights, cpu=partial(_gathered, cfg), default=partial(_ragged, cfg)
+            lp,
+            pools,
+            x,
+            experts,
+            weights,
+            token_slots,
+            cpu=partial(_gathered, cfg),
+            default=partial(_ragged, cfg),
         )
     else:
-        out = paths[path](cfg, lp, x, experts, weights)
+        out = {"gather": _gathered, "ragged": _ragged}[path](cfg, lp, pools, x, experts, weights, token_slots)
     if cfg.shared_expert_size:
         shared = linear(_act(cfg, linear(x, lp["shared_gate_up"]), x.dtype), lp["shared_down"]).astype(
             x.dtype

@@ -175,7 +175,8 @@ def pool_bytes(cfg: ModelConfig, tp: int, max_loras: int, rank: int, dtype: str)
     plus the f32 DoRA-scale and LoRA-bias vectors (``worker.dora``), split like their layer's output; plus
     once per model the embed_tokens / lm_head pools (``worker.embed_lora``): ``A_embed [V, R]`` and
     ``B_lm_head [R, V]`` split by vocab like the embedding (whole when N does not divide V), ``B_embed
-    [R, H]`` and ``A_lm_head [H, R]`` whole."""
+    [R, H]`` and ``A_lm_head [H, R]`` whole; and on a mixture of experts every expert's gate/up and down
+    LoRA and the router's (``ModelConfig.expert_shapes``)."""
     full = cfg.module_shapes()
     per_layer, vectors = 0, 0
     for module, (fan_in, fan_out) in _module_shapes_per_device(cfg, tp).items():
@@ -185,6 +186,8 @@ def pool_bytes(cfg: ModelConfig, tp: int, max_loras: int, rank: int, dtype: str)
         else:
             per_layer += rank * (full[module][0] + fan_out)
             vectors += 2 * fan_out
+    for target, (fan_in, fan_out) in cfg.expert_shapes().items():  # a mixture of experts' (worker.moe)
+        per_layer += rank * (fan_in + fan_out) * (1 if target == "router" else cfg.num_experts)
     vocab = rank * (2 * vocab_rows_per_device(cfg, tp) + 2 * cfg.hidden_size)
     layers = cfg.num_layers * (DTYPE_BYTES[dtype] * per_layer + DTYPE_BYTES["float32"] * vectors)
     return max_loras * (layers + DTYPE_BYTES[dtype] * vocab)

@@ -39,6 +39,7 @@ from loraserve.worker.model import (
     lora_vector_sizes,
 )
 from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.moe import init_expert_pools
 from loraserve.worker.step import LoraPools
 
 # Which way each LoRA group's layer is split (Megatron): by output (column) or by input (row).
@@ -323,6 +324,12 @@ def abstract_state(
                 for k, s in slot.items()
             },
             **vectors,
+            **{  # a mixture of experts' LoRA pools (worker.moe; one device: TP refuses such models)
+                k: sds(v.shape, pool_dtype, P())
+                for k, v in jax.eval_shape(
+                    lambda: init_expert_pools(cfg, config.max_loras, config.max_lora_rank, pool_dtype)
+                ).items()
+            },
         }
         for _ in range(cfg.num_layers)
     ]

@@ -24,6 +24,7 @@ from loraserve.worker.dora import bias_name, dora_scale, is_vector_pool, magnitu
 from loraserve.worker.embed_lora import is_vocab_pool, vocab_slot_shapes, vocab_slot_values
 from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, lora_slot_shapes, lora_vector_sizes
 from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.moe import expert_slot_shapes, expert_slot_values, is_expert_pool, is_moe_pool
 from loraserve.worker.quant import Int8Weight
 from loraserve.worker.step import LoraPools
 
@@ -70,6 +71,8 @@ def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotVa
             values[mask_name(group)] = np.concatenate(vectors["mask"])
             values[bias_name(group)] = np.concatenate(vectors["bias"])
         out.append(values)
+    for values, experts in zip(out, expert_slot_values(cfg, weights.experts, max_rank), strict=True):
+        values.update(experts)  # a mixture of experts' expert and router LoRA (worker.moe)
     out[0].update(vocab_slot_values(cfg, weights, max_rank))  # embed_tokens / lm_head: layer 0 holds them
     return out
 
@@ -117,7 +120,9 @@ _dora_scales_jit = jax.jit(_dora_scales, static_argnames="shards")
 def _write_slot(pools: LoraPools, slot: jax.Array, values: Lora, backend: LoraBackend) -> LoraPools:
     def put(name: str, pool: jax.Array, value: jax.Array) -> jax.Array:
         value = value.astype(pool.dtype)  # the worker.dora vectors have one layout for every backend
-        canonical = is_vector_pool(name) or is_vocab_pool(name)
+        if is_expert_pool(name):  # expert-major [E, S, ...]
+            return pool.at[:, slot].set(value)
+        canonical = is_vector_pool(name) or is_vocab_pool(name) or is_moe_pool(name)
         return pool.at[slot].set(value if canonical else backend.to_pool_layout(value))
 
     layers = [
@@ -167,6 +172,7 @@ class SlotPools:
                 _write_slot, donate_argnames="pools", static_argnames="backend", out_shardings=layered
             )
         zeros = {k: np.zeros(s, np.float32) for k, s in lora_slot_shapes(cfg, max_rank).items()}
+        zeros.update({k: np.zeros(s, np.float32) for k, s in expert_slot_shapes(cfg, max_rank).items()})
         for group, size in lora_vector_sizes(cfg).items():
             zeros.update(
                 {f(group): np.zeros(size, np.float32) for f in (magnitude_name, mask_name, bias_name)}
@@ -217,7 +223,9 @@ class SlotPools:
         pools' in layer 0, as ``slot_arrays`` gives them."""
 
         def value(k: str, pool: jax.Array) -> np.ndarray:
-            canonical = is_vector_pool(k) or is_vocab_pool(k)
+            if is_expert_pool(k):
+                return np.asarray(pool[:, slot])
+            canonical = is_vector_pool(k) or is_vocab_pool(k) or is_moe_pool(k)
             return np.asarray(pool[slot] if canonical else self.backend.from_pool_layout(pool[slot]))
 
         out = [{k: value(k, pool) for k, pool in layer.items()} for layer in self.pools.layers]
