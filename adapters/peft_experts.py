@@ -101,14 +101,14 @@ def name_sites(
     the one whose ``(in, out)`` the pair's shapes fit when the base is known, else the config's only expert
     target, else the shapes' relation between the two. Refuses expert tensors on a base without experts."""
     if module_shapes is not None and sites and ROUTER not in module_shapes:
-        key = next(iter(sites))
+        key = min(sites)  # the same site whatever order the tensors were read in
         raise AdapterMismatchError(
             f"{path_of(key, 'experts' if key[1] == 'experts' else ROUTER)}: the adapter targets a mixture of "
             "experts, and this base model has none (a dense model)"
         )
     out: dict[Site, str] = {}
     by_layer: dict[int, list[Site]] = {}
-    for site, pair in sites.items():
+    for site, pair in sorted(sites.items()):
         if site[1] == "gate":
             out[site] = ROUTER
             continue

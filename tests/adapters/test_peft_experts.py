@@ -17,13 +17,13 @@ from loraserve.adapters.errors import AdapterError
 from loraserve.adapters.peft import parse_adapter
 from tests.adapters.test_peft_stream import assert_same
 
-H, I, E, LAYERS, R = 8, 6, 4, 2, 2
+H, INTER, E, LAYERS, R = 8, 6, 4, 2, 2
 MOE_SHAPES = {
     **{m: (H, H) for m in ("q_proj", "k_proj", "v_proj", "o_proj")},
     "embed_tokens": (16, H),
     "lm_head": (H, 16),
-    "experts.gate_up_proj": (H, 2 * I),
-    "experts.down_proj": (I, H),
+    "experts.gate_up_proj": (H, 2 * INTER),
+    "experts.down_proj": (INTER, H),
     "router": (H, E),
 }
 DENSE_SHAPES = {k: v for k, v in MOE_SHAPES.items() if "experts" not in k and k != "router"}
@@ -36,7 +36,7 @@ def _tensors(r: int = R, experts: int = E) -> dict[str, np.ndarray]:
     t = {}
     for layer in range(LAYERS):
         # PEFT nests the two expert parameters: gate_up_proj (wrapped first) under base_layer
-        for nest, (fan_in, fan_out) in (("base_layer.", (H, 2 * I)), ("", (I, H))):
+        for nest, (fan_in, fan_out) in (("base_layer.", (H, 2 * INTER)), ("", (INTER, H))):
             t[f"{P}.{layer}.mlp.experts.{nest}lora_A.weight"] = rng.normal(0, 0.1, (experts * r, fan_in))
             t[f"{P}.{layer}.mlp.experts.{nest}lora_B.weight"] = rng.normal(0, 0.1, (fan_out, r * experts))
         t[f"{P}.{layer}.mlp.gate.lora_A.weight"] = rng.normal(0, 0.1, (r, H))
@@ -71,9 +71,11 @@ def test_the_saved_layout_folds_into_each_experts_a_and_b(tmp_path) -> None:
     a_raw = t[f"{P}.1.mlp.experts.base_layer.lora_A.weight"]
     b_raw = t[f"{P}.1.mlp.experts.base_layer.lora_B.weight"]
     a, b = w.experts["experts.gate_up_proj"]
-    assert a.shape == (LAYERS, E, H, R) and b.shape == (LAYERS, E, R, 2 * I)
+    assert a.shape == (LAYERS, E, H, R) and b.shape == (LAYERS, E, R, 2 * INTER)
     for e in range(E):
-        peft_delta = b_raw.reshape(2 * I, R, E)[:, :, e] @ a_raw.reshape(E, R, H)[e] * (4 / R)  # [out, in]
+        peft_delta = (
+            b_raw.reshape(2 * INTER, R, E)[:, :, e] @ a_raw.reshape(E, R, H)[e] * (4 / R)
+        )  # [out, in]
         np.testing.assert_allclose((a[1, e] @ b[1, e]).T, peft_delta, rtol=1e-6, atol=1e-7)
     ra, rb = w.experts["router"]
     np.testing.assert_allclose(ra[0], t[f"{P}.0.mlp.gate.lora_A.weight"].T)
@@ -104,7 +106,7 @@ BAD = {
         grpc.StatusCode.INVALID_ARGUMENT, "a LoRA bias on experts is not supported",
     ),
     "another-bases-intermediate-size": (
-        {k: (v if "base_layer.lora_B" not in k else np.zeros((2 * I + 2, v.shape[1]), np.float32)) for k, v in _tensors().items()},
+        {k: (v if "base_layer.lora_B" not in k else np.zeros((2 * INTER + 2, v.shape[1]), np.float32)) for k, v in _tensors().items()},
         {}, MOE_SHAPES, grpc.StatusCode.FAILED_PRECONDITION, "fit neither gate_up_proj",
     ),
     "an-infinite-expert-b": (
@@ -170,6 +172,6 @@ def test_one_expert_target_on_an_unknown_base_is_named_by_the_config(tmp_path) -
     assert w.target_modules == ("experts.down_proj",) and w.experts["experts.down_proj"][0].shape == (
         2,
         E,
-        I,
+        INTER,
         R,
     )
