@@ -5,6 +5,7 @@ After each rejection the database and the store hold nothing new.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -264,3 +265,64 @@ def test_embed_tokens_and_lm_head_adapters_are_accepted_and_checked(
     assert reg.client.push(tmp_path / "a", "embed-head", TINY_MODEL).version == 1
     rows = reg.adapter_rows()
     assert len(rows) == 1
+
+
+def test_expert_adapters_are_checked_against_the_registered_experts(reg, tmp_path) -> None:
+    """A Qwen3-MoE worker registers its experts' shapes (``experts.gate_up_proj``, ``experts.down_proj``,
+    ``router``): a peft adapter on its experts is stored; one made on a Qwen3-MoE with more experts is
+    FAILED_PRECONDITION naming the tensor's layer and both counts; expert targets for a dense base whose
+    shapes are registered are FAILED_PRECONDITION too; nothing of either is stored."""
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.testing import make_adapter, save_model
+    from loraserve.worker.checkpoint import read_config
+    from loraserve.worker.model_config import ModelConfig
+
+    def register(model_id: str, cfg: ModelConfig, address: str) -> None:
+        shapes = [
+            placement_pb2.ModuleShape(module=m, in_features=i, out_features=o, num_layers=cfg.num_layers)
+            for m, (i, o) in cfg.adapter_shapes().items()
+        ]
+        reg.client.placement.RegisterWorker(
+            placement_pb2.RegisterWorkerRequest(
+                address=address, model_id=model_id, module_shapes=shapes, slots=1
+            )
+        )
+
+    base = save_model(tmp_path / "moe", "qwen3_moe", seed=3)
+    cfg = ModelConfig.from_hf(read_config(str(base)))
+    register("tiny-moe", cfg, "127.0.0.1:9")
+    targets = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "mlp.gate.weight"]
+    make_adapter(
+        AutoModelForCausalLM.from_pretrained(str(base)),
+        tmp_path / "ok",
+        r=4,
+        targets=(),
+        target_parameters=targets,
+    )
+    assert reg.client.push(tmp_path / "ok", "experts", "tiny-moe").version == 1
+    pushed = reg.adapter_rows()
+    assert len(pushed) == 1 and len(reg.blobs()) > 0
+    blobs = reg.blobs()
+
+    from transformers import AutoConfig
+
+    more = tmp_path / "more"
+    wide_config = AutoConfig.from_pretrained(str(base))
+    wide_config.num_experts = 2 * cfg.num_experts
+    wide = AutoModelForCausalLM.from_config(wide_config)
+    make_adapter(wide, more, r=4, targets=(), target_parameters=targets)
+    with pytest.raises(LoraserveError) as exc:
+        reg.client.push(more, "more-experts", "tiny-moe")
+    assert exc.value.code_name == "FAILED_PRECONDITION", exc.value.message
+    assert (
+        f"holds {2 * cfg.num_experts} experts' LoRA at rank 4; the base model has {cfg.num_experts}"
+        in exc.value.message
+    )
+    assert "model.layers.0.mlp.experts" in exc.value.message
+
+    register("tiny-dense", dataclasses.replace(cfg, num_experts=0), "127.0.0.1:10")
+    with pytest.raises(LoraserveError) as exc:
+        reg.client.push(tmp_path / "ok", "on-dense", "tiny-dense")
+    assert exc.value.code_name == "FAILED_PRECONDITION" and "has none (a dense model)" in exc.value.message
+    assert reg.adapter_rows() == pushed and reg.blobs() == blobs

@@ -201,24 +201,29 @@ def test_attention_adapters_serve_on_a_moe_base_as_peft_computes_them(moe_dirs, 
         assert np.abs(by_slot[slot] - by_slot[-1]).max() > 0.05
 
 
-def test_adapters_on_the_experts_are_refused_for_now(moe_dirs, tmp_path) -> None:
-    """LoRA on experts (or on a dense MLP name the MoE model lacks) is refused when the adapter is parsed:
-    the model's adaptable modules are attention's."""
+def test_expert_adapters_are_refused_on_a_dense_base(moe_dirs, tmp_path) -> None:
+    """An adapter made by peft on a MoE model's experts, validated against a dense model of the same
+    attention shapes: FAILED_PRECONDITION naming the tensor's layer (tests/worker/test_moe_lora.py serves
+    them on their own base)."""
+    from transformers import AutoModelForCausalLM
+
     from loraserve.adapters.files import read_adapter_files
-    from loraserve.adapters.peft import UnknownModuleError, parse_adapter
+    from loraserve.adapters.peft import AdapterMismatchError, parse_adapter
 
     cfg = load_checkpoint(str(moe_dirs["qwen3_moe"])).config
     assert set(cfg.module_shapes()) == {"q_proj", "k_proj", "v_proj", "o_proj"}
-    from transformers import AutoModelForCausalLM
-
+    assert set(cfg.adapter_shapes()) >= {"experts.gate_up_proj", "experts.down_proj", "router"}
     hf = AutoModelForCausalLM.from_pretrained(str(moe_dirs["qwen3_moe"]))
     make_adapter(
         hf, tmp_path / "experts", r=4, targets=(), target_parameters=["mlp.experts.gate_up_proj"], seed=0
     )
-    with pytest.raises(UnknownModuleError, match="targets 'experts', which this model does not adapt") as err:
+    dense = dataclasses.replace(cfg, num_experts=0)
+    with pytest.raises(
+        AdapterMismatchError, match=r"model.layers.0.mlp.experts: .* has none \(a dense model\)"
+    ) as err:
         parse_adapter(
             *read_adapter_files(str(tmp_path / "experts")),
-            module_shapes=cfg.module_shapes(),
+            module_shapes=dense.adapter_shapes(),
             num_layers=cfg.num_layers,
         )
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
