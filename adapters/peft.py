@@ -29,14 +29,20 @@ from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE
 from loraserve.adapters.patterns import check_patterns, pattern_key
 from loraserve.adapters.peft_experts import (
     EXPERT_KEY,
+    EXPERT_MODULE_NAMES,
     EXPERT_MODULES,
+    PER_EXPERT_KEY,
+    PerExpert,
     Site,
     check_expert_pair,
+    check_per_expert,
     check_target_parameters,
     expert_site,
     fold_expert,
+    fold_per_expert,
     name_sites,
     path_of,
+    per_expert_site,
     stack_experts,
 )
 from loraserve.adapters.peft_vocab import (
@@ -139,11 +145,11 @@ def parse_config(data: bytes) -> dict[str, Any]:
                 raise AdapterError(f"{key}[{name[:64]!r}] must be {what}, got {value!r}")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
-        unknown = sorted(set(targets) - set(LORA_MODULES) - set(VOCAB_MODULES))
+        known = LORA_MODULES + VOCAB_MODULES + EXPERT_MODULE_NAMES
+        unknown = sorted(set(targets) - set(known))
         if unknown:
             raise UnknownModuleError(
-                f"target_modules {unknown} are not adaptable modules of this model "
-                f"({', '.join(LORA_MODULES + VOCAB_MODULES)})"
+                f"target_modules {unknown} are not adaptable modules of this model ({', '.join(known)})"
             )
         vocab = sorted(set(targets) & set(VOCAB_MODULES))
         if vocab and cfg.get("use_dora"):
@@ -362,30 +368,35 @@ def _group_tensors(
     dora: bool,
     lora_bias: bool,
     module_shapes: dict[str, tuple[int, int]] | None,
-) -> tuple[dict[tuple[str, int], _Pair], dict[str, _Pair], dict[Site, _Pair]]:
+) -> tuple[dict[tuple[str, int], _Pair], dict[str, _Pair], dict[Site, _Pair], PerExpert]:
     """Every tensor by what it is: ``(module, layer) -> {which: tensor}`` for the projections, ``module ->
     {which: tensor}`` for embed_tokens / lm_head (``adapters.peft_vocab.vocab_tensor``), ``site -> {which:
-    tensor}`` for a mixture of experts' (``adapters.peft_experts``). Refuses a name that is none of these,
+    tensor}`` for a mixture of experts' fused layout and ``(layer, kind) -> expert -> {which: tensor}`` for its
+    per-expert module layout (``adapters.peft_experts``). Refuses a name that is none of these,
     a wrong rank or dtype, NaN or inf."""
     found: dict[tuple[str, int], _Pair] = {}
     vocab_found: dict[str, _Pair] = {}
     expert_found: dict[Site, _Pair] = {}
+    per_expert: PerExpert = {}
     for key, value in tensors.items():
         vmatch = VOCAB_KEY.search(key)
         if vmatch is not None:
             vocab_tensor(key, value, vmatch, vocab_found, module_shapes)
             continue
-        ematch = EXPERT_KEY.search(key)
+        ematch, pmatch = EXPERT_KEY.search(key), PER_EXPERT_KEY.search(key)
         if ematch is not None:
             site, which = expert_site(key, ematch, value.shape)
             pair = expert_found.setdefault(site, {})
+        elif pmatch is not None:
+            group, expert, which = per_expert_site(key, pmatch, value.shape)
+            pair = per_expert.setdefault(group, {}).setdefault(expert, {})
         else:
             layer, module, which = layer_kind(key, value.shape, dora, lora_bias)
             pair = found.setdefault((module, layer), {})
         if not np.isfinite(value).all():
             raise AdapterError(f"tensor {key} contains NaN or inf")
         pair[which] = value
-    return found, vocab_found, expert_found
+    return found, vocab_found, expert_found, per_expert
 
 
 def _fold_experts(
@@ -532,15 +543,32 @@ def parse_adapter(
     if not tensors:
         raise AdapterError(f"{WEIGHTS_FILE} holds no tensors")
     dora, lora_bias = bool(cfg.get("use_dora")), bool(cfg.get("lora_bias"))
-    found, vocab_found, expert_found = _group_tensors(tensors, dora, lora_bias, module_shapes)
+    found, vocab_found, expert_found, per_expert = _group_tensors(tensors, dora, lora_bias, module_shapes)
     scaling = _Scaling.of(cfg)
     folded = _fold_modules(found, scaling, dora, max_rank, module_shapes, num_layers)
     vocab = _vocab_pairs(vocab_found, scaling, max_rank, module_shapes)
     by_expert, expert_rank = _fold_experts(expert_found, cfg, scaling, max_rank, module_shapes, num_layers)
+    if per_expert:  # the per-expert module layout (adapters.peft_experts.check_per_expert)
+        shapes = {
+            g: {e: {k: v.shape for k, v in p.items()} for e, p in es.items()} for g, es in per_expert.items()
+        }
+        ranks = check_per_expert(shapes, scaling.rank, max_rank, module_shapes, num_layers)
+
+        def factor(path: str, r: int) -> float:
+            return scaling.factor(scaling.alpha(path), r)
+
+        for name, by_layer in fold_per_expert(per_expert, ranks, factor).items():
+            for layer, pair in by_layer.items():
+                if layer in by_expert.get(name, {}):
+                    raise AdapterError(f"{path_of((layer, '', 0), name)}: adapted both fused and per expert")
+                by_expert.setdefault(name, {})[layer] = pair
+                expert_rank = max(expert_rank, pair[0].shape[2])
     max_seen = max([folded.max_rank, expert_rank, *(a.shape[1] for a, _ in vocab.values())])
-    if not found and not vocab and not expert_found:
+    if not found and not vocab and not expert_found and not per_expert:
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA matrices")
-    seen_layers = [layer for _, layer in found] + [site[0] for site in expert_found]
+    seen_layers = (
+        [layer for _, layer in found] + [site[0] for site in expert_found] + [g[0] for g in per_expert]
+    )
     layers = num_layers if num_layers is not None else 1 + max(seen_layers, default=-1)
     modules = _stack_modules(folded.per_module, layers)
     experts = stack_experts(by_expert, layers)

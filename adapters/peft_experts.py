@@ -28,7 +28,7 @@ from loraserve.adapters.errors import AdapterError, AdapterMismatchError, Adapte
 
 # ``…layers.N.mlp.experts[.base_layer…].lora_A.weight`` / ``…mlp.gate.lora_B.weight`` (adapter name optional)
 EXPERT_KEY = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.mlp\.(experts|gate)((?:\.base_layer)*)\.lora_(A|B)(?:\.[\w-]+)?\.(weight|bias)$"
+    r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.(experts|gate)((?:\.base_layer)*)\.lora_(A|B)(?:\.[\w-]+)?\.(weight|bias)$"
 )
 GATE_UP, DOWN, ROUTER = "experts.gate_up_proj", "experts.down_proj", "router"
 EXPERT_MODULES = (GATE_UP, DOWN, ROUTER)
@@ -232,4 +232,148 @@ def stack_experts(
             a_all[layer, :, :, : a.shape[2]] = a
             b_all[layer, :, : b.shape[1]] = b
         out[name] = (a_all[:, 0], b_all[:, 0]) if name == ROUTER else (a_all, b_all)
+    return out
+
+
+# The per-expert module layout before transformers 5 (``mlp.experts.<e>.gate_proj`` / ``up_proj`` /
+# ``down_proj``; Mixtral's ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2``): PEFT's ``target_modules``
+# adapters, one ordinary LoRA per expert module. Expert e's gate and up LoRA join its fused gate/up pair
+# side by side on the rank axis (``A = [A_gate | A_up]``, ``B`` block-diagonal: gate's rows to the first
+# ``I`` outputs, up's to the last), so the slot's rank must hold both (``r_gate + r_up``); down is its own.
+PER_EXPERT_KEY = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+    r"\.lora_(A|B)(?:\.[\w-]+)?\.(weight|bias)$"
+)
+# target_modules names of the per-expert layout beyond the dense ones: Mixtral's expert modules, a router
+EXPERT_MODULE_NAMES = ("w1", "w2", "w3", "gate")
+_KIND = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+# (layer, "gate" | "up" | "down") -> expert -> {"A" | "B": shape or tensor}
+PerExpert = dict[tuple[int, str], dict[int, dict[str, Any]]]
+
+
+def per_expert_site(
+    key: str, match: re.Match[str], shape: tuple[int, ...]
+) -> tuple[tuple[int, str], int, str]:
+    """A tensor ``PER_EXPERT_KEY`` matched -> ``((layer, kind), expert, "A" | "B")``."""
+    layer, expert, module, which, part = match.groups()
+    if part == "bias":
+        raise AdapterError(
+            f"tensor {key} is a lora_B bias on an expert; a LoRA bias on experts is not supported"
+        )
+    if len(shape) != 2:
+        raise AdapterError(f"tensor {key} has shape {list(shape)}; LoRA matrices are 2-D")
+    return (int(layer), _KIND[module]), int(expert), which
+
+
+def per_expert_path(layer: int, kind: str, expert: int) -> str:
+    """PEFT's module path of one expert module (what rank_pattern / alpha_pattern keys match)."""
+    return f"model.layers.{layer}.mlp.experts.{expert}.{kind}_proj"
+
+
+def check_per_expert(
+    found: PerExpert,
+    rank_of: Any,
+    max_rank: int | None,
+    module_shapes: dict[str, tuple[int, int]] | None,
+    num_layers: int | None,
+) -> dict[tuple[int, str], int]:
+    """Shapes of the per-expert layout: every expert of a (layer, module) adapted once it has any (an
+    expert missing from the middle or the end is refused by name: the base's count, or the largest index
+    seen when the base is unknown), ``A [r, in]`` / ``B [out, r]`` at the rank ``rank_of(path)`` gives,
+    fitting the base's experts, a slot rank holding gate + up. Returns each (layer, kind)'s largest rank."""
+    if module_shapes is not None and found and ROUTER not in module_shapes:
+        (layer, kind), experts = min(found.items())
+        raise AdapterMismatchError(
+            f"{per_expert_path(layer, kind, min(experts))}: the adapter targets a mixture of experts, and this "
+            "base model has none (a dense model)"
+        )
+    count = module_shapes[ROUTER][1] if module_shapes is not None else None
+    ranks: dict[tuple[int, str], int] = {}
+    for (layer, kind), experts in sorted(found.items()):
+        want = count if count is not None else 1 + max(experts)
+        if max(experts) >= want:
+            raise AdapterMismatchError(
+                f"{per_expert_path(layer, kind, max(experts))}: expert {max(experts)} does not exist "
+                f"(the base model has {want} experts)"
+            )
+        missing = sorted(set(range(want)) - set(experts))
+        if missing:
+            raise AdapterError(
+                f"{per_expert_path(layer, kind, missing[0])}: missing, while the adapter adapts {kind}_proj of "
+                f"other experts of layer {layer} (experts {', '.join(map(str, missing[:8]))} have no LoRA)"
+            )
+        if num_layers is not None and layer >= num_layers:
+            raise AdapterMismatchError(
+                f"{per_expert_path(layer, kind, 0)}: layer {layer} does not exist (the model has {num_layers} layers)"
+            )
+        top = 0
+        for expert, pair in sorted(experts.items()):
+            path = per_expert_path(layer, kind, expert)
+            for need in ("A", "B"):
+                if need not in pair:
+                    raise AdapterError(f"{path}: lora_{need} is missing")
+            r, a, b = rank_of(path), tuple(pair["A"]), tuple(pair["B"])
+            if a[0] != r or b[1] != r:
+                raise AdapterError(
+                    f"{path}: lora_A {list(a)} / lora_B {list(b)} do not match rank {r} (lora_A [r, in], lora_B [out, r])"
+                )
+            if module_shapes is not None:
+                h, two_i = module_shapes[GATE_UP]
+                want_in, want_out = (two_i // 2, h) if kind == "down" else (h, two_i // 2)
+                if (a[1], b[0]) != (want_in, want_out):
+                    raise AdapterMismatchError(
+                        f"{path}: lora_A {list(a)} / lora_B {list(b)} expect in={want_in}, out={want_out}; "
+                        "the adapter was built for another base model"
+                    )
+            top = max(top, r)
+        ranks[(layer, kind)] = top
+    for layer in sorted({layer for layer, _ in ranks}):
+        fused = ranks.get((layer, "gate"), 0) + ranks.get((layer, "up"), 0)
+        for kind, total in (("gate", fused), ("down", ranks.get((layer, "down"), 0))):
+            if max_rank is not None and total > max_rank:
+                what = (
+                    "its gate_proj + up_proj ranks (they share the fused gate/up slot)"
+                    if kind == "gate"
+                    else "rank"
+                )
+                raise AdapterRankError(
+                    f"{per_expert_path(layer, kind, 0)}: {what} {total} above the largest slot rank {max_rank}"
+                )
+    return ranks
+
+
+def fold_per_expert(
+    found: PerExpert, ranks: dict[tuple[int, str], int], factor_of: Any
+) -> dict[str, dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """The checked per-expert pairs -> ``GATE_UP`` / ``DOWN`` -> layer -> ``(A [E, in, r], B [E, r, out])``
+    with each module's scaling (``factor_of(path, r)``) folded into B; gate and up side by side (module
+    doc), a module the layer leaves out is zeros."""
+    from loraserve.adapters.peft_vocab import fold_scaling
+
+    out: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    for layer in sorted({layer for layer, _ in found}):
+        rg, ru, rd = (ranks.get((layer, k), 0) for k in ("gate", "up", "down"))
+        if rg or ru:
+            some = found.get((layer, "gate")) or found[(layer, "up")]
+            h = some[0]["A"].shape[1]
+            inter = some[0]["B"].shape[0]
+            a_all = np.zeros((len(some), h, rg + ru), np.float32)
+            b_all = np.zeros((len(some), rg + ru, 2 * inter), np.float32)
+            for kind, offset, cols in (("gate", 0, slice(0, inter)), ("up", rg, slice(inter, 2 * inter))):
+                for e, pair in found.get((layer, kind), {}).items():
+                    r = pair["A"].shape[0]
+                    a_all[e, :, offset : offset + r] = pair["A"].T
+                    factor = factor_of(per_expert_path(layer, kind, e), r)
+                    b_all[e, offset : offset + r, cols] = fold_scaling(pair["B"].T, factor)
+            out.setdefault(GATE_UP, {})[layer] = (a_all, b_all)
+        if rd:
+            experts = found[(layer, "down")]
+            inter, h = experts[0]["A"].shape[1], experts[0]["B"].shape[0]
+            a_all = np.zeros((len(experts), inter, rd), np.float32)
+            b_all = np.zeros((len(experts), rd, h), np.float32)
+            for e, pair in experts.items():
+                r = pair["A"].shape[0]
+                a_all[e, :, :r] = pair["A"].T
+                b_all[e, :r] = fold_scaling(pair["B"].T, factor_of(per_expert_path(layer, "down", e), r))
+            out.setdefault(DOWN, {})[layer] = (a_all, b_all)
     return out

@@ -43,12 +43,17 @@ from loraserve.adapters.peft import (
 from loraserve.adapters.peft_experts import (
     EXPERT_KEY,
     EXPERT_MODULES,
+    GATE_UP,
+    PER_EXPERT_KEY,
     Site,
     check_expert_pair,
+    check_per_expert,
     check_target_parameters,
     expert_site,
     name_sites,
     path_of,
+    per_expert_path,
+    per_expert_site,
 )
 from loraserve.adapters.peft_vocab import VOCAB_KEY, fold_scaling, vocab_kind, vocab_path
 
@@ -200,6 +205,7 @@ def _validate(
     found: dict[tuple[str, int], dict[str, _Tensor]] = {}
     vocab_found: dict[str, dict[str, _Tensor]] = {}
     expert_found: dict[Site, dict[str, _Tensor]] = {}
+    per_expert: dict[tuple[int, str], dict[int, dict[str, _Tensor]]] = {}
     for key, info in sorted(infos.items(), key=lambda kv: kv[1]["data_offsets"][0]):
         shape = tuple(info["shape"])
         vmatch = VOCAB_KEY.search(key)
@@ -213,6 +219,14 @@ def _validate(
             site, which = expert_site(key, ematch, shape)
             scaling = rank_and_scaling(path_of(site, names[site]))[1] if which == "B" else None
             expert_found.setdefault(site, {})[which] = _scan(f, data_start, info, key, scaling, chunk)
+            continue
+        pmatch = PER_EXPERT_KEY.search(key)
+        if pmatch is not None:
+            group, expert, which = per_expert_site(key, pmatch, shape)
+            path = per_expert_path(group[0], group[1], expert)
+            scaling = rank_and_scaling(path)[1] if which == "B" else None
+            scanned = _scan(f, data_start, info, key, scaling, chunk)
+            per_expert.setdefault(group, {}).setdefault(expert, {})[which] = scanned
             continue
         layer, module, which = layer_kind(key, shape, dora, lora_bias)
         scaling = rank_and_scaling(_module_path(module, layer))[1] if which in ("B", "bias") else None
@@ -285,7 +299,31 @@ def _validate(
             raise AdapterError(f"{path}: two LoRA pairs adapt it")
         experts.setdefault(name, {})[site[0]] = (pair["A"], pair["B"])
         max_seen = max(max_seen, r)
-    if not found and not vocab and not expert_found:
+    if per_expert:  # the per-expert module layout: peaks per fused target and layer, as parse_adapter folds
+        shapes = {
+            g: {e: {k: v.shape for k, v in p.items()} for e, p in es.items()} for g, es in per_expert.items()
+        }
+        ranks = check_per_expert(
+            shapes, lambda path: rank_and_scaling(path)[0], max_rank, module_shapes, num_layers
+        )
+        fused = {name: set(by_layer) for name, by_layer in experts.items()}
+        order = {"gate": 0, "up": 1, "down": 2}
+        for (layer, kind), by_expert in sorted(
+            per_expert.items(), key=lambda kv: (kv[0][0], order[kv[0][1]])
+        ):
+            name = EXPERT_MODULES[1] if kind == "down" else GATE_UP
+            if layer in fused.get(name, ()):
+                raise AdapterError(f"{path_of((layer, '', 0), name)}: adapted both fused and per expert")
+            a_peak = max(p["A"].peak or 0.0 for p in by_expert.values())
+            b_peak = max(p["B"].scaled or 0.0 for p in by_expert.values())
+            have = experts.setdefault(name, {}).get(layer)
+            if have is not None:  # gate's, then up's: one fused pair
+                a_peak, b_peak = max(have[0].peak or 0.0, a_peak), max(have[1].scaled or 0.0, b_peak)
+            experts[name][layer] = (_Tensor((), a_peak, None), _Tensor((), None, b_peak))
+        for layer in {layer for layer, _ in ranks}:
+            gate_up = ranks.get((layer, "gate"), 0) + ranks.get((layer, "up"), 0)
+            max_seen = max(max_seen, gate_up, ranks.get((layer, "down"), 0))
+    if not found and not vocab and not expert_found and not per_expert:
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA matrices")
     for module, by_layer in per_module.items():  # parse_adapter's stacks: one in/out per module
         first_a, first_b = next(iter(by_layer.values()))

@@ -11,6 +11,7 @@ Prints human-readable lines, then ONE JSON object as the last line.
 
     python bench/decode.py            # the full workload (a few minutes on 2 cores)
     python bench/decode.py --tiny     # a seconds-long smoke run (used by the tests)
+    python bench/decode.py --shape moe --engines default   # a mixture of experts, expert adapters (#33)
 
 On an accelerator (``bench/device.sh`` runs this): ``--shape 8b --dtype bfloat16`` builds an 8B-shaped
 random Llama (hidden 4096, 32 layers, intermediate 14336, 32/8 heads, vocab 128256) in bf16 on the
@@ -86,7 +87,20 @@ EIGHT_B = dict(
     rank=16,
     adapters=16,
 )
-SHAPES = {"bench": FULL, "tiny": TINY, "8b": EIGHT_B}
+# A mixture of experts (Qwen3-MoE, random): 8 layers, 32 experts top-4 of intermediate 512, hidden 1024;
+# adapters of rank 16 on attention's four projections and on every expert's gate/up and down
+# (peft's target_parameters). peft cannot batch such adapters ("lora.ParamWrapper does not support mixed
+# adapter batches"): its peer row runs one generate per adapter, as a peft user must.
+MOE = dict(
+    FULL,
+    family="qwen3_moe",
+    intermediate_size=2816,
+    moe_intermediate_size=512,
+    num_experts=32,
+    num_experts_per_tok=4,
+)
+MOE_EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+SHAPES = {"bench": FULL, "tiny": TINY, "8b": EIGHT_B, "moe": MOE}
 MODEL_KEYS = (
     "hidden_size",
     "intermediate_size",
@@ -165,7 +179,8 @@ def build_or_reuse(workdir: Path, w: dict, dtype: str, direct: bool) -> tuple[Pa
     """:func:`build` / :func:`build_direct` into ``workdir``, unless ``workdir/built.json`` says it holds
     the same model and at least ``w['adapters']`` adapters already (then those are returned)."""
     marker = workdir / "built.json"
-    want = {"model": {k: w[k] for k in (*MODEL_KEYS, "rank")}, "dtype": dtype, "direct": direct}
+    keys = (*MODEL_KEYS, "rank", "family", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    want = {"model": {k: w.get(k) for k in keys}, "dtype": dtype, "direct": direct}
     if marker.exists():
         have = json.loads(marker.read_text())
         if have.get("key") == want and have.get("adapters", 0) >= w["adapters"]:
@@ -184,29 +199,40 @@ def build(workdir: Path, w: dict, context: int = 256) -> tuple[Path, list[Path]]
 
     from loraserve.testing import build_model, make_adapter
 
+    moe = "num_experts" in w
+    keys = [
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+    ]
+    if moe:
+        keys += ["moe_intermediate_size", "num_experts", "num_experts_per_tok"]
     model = build_model(
-        "llama",
+        w.get("family", "llama"),
         seed=0,
         vocab_size=w["vocab_size"],
         max_position_embeddings=context,
-        **{
-            k: w[k]
-            for k in (
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-            )
-        },
+        **({"head_dim": w["hidden_size"] // w["num_attention_heads"]} if moe else {}),
+        **{k: w[k] for k in keys},
     )
     base = workdir / "base"
     model.save_pretrained(str(base), safe_serialization=True)
     adapters = []
+    targets = MODULES[:4] if moe else MODULES  # a MoE's MLP is its experts
+    extra = {"target_parameters": MOE_EXPERT_TARGETS} if moe else {}
     for i in range(w["adapters"]):
         fresh = AutoModelForCausalLM.from_pretrained(str(base))
         make_adapter(
-            fresh, workdir / f"a{i}", r=w["rank"], alpha=2.0 * w["rank"], targets=MODULES, seed=i, scale=0.01
+            fresh,
+            workdir / f"a{i}",
+            r=w["rank"],
+            alpha=2.0 * w["rank"],
+            targets=targets,
+            seed=i,
+            scale=0.01,
+            **extra,
         )
         adapters.append(workdir / f"a{i}")
     return base, adapters
@@ -566,13 +592,36 @@ def run_hf(
     pm.eval()
     for k, (w, ids) in enumerate(zip(ws, prompts, strict=True)):
         names = [f"a{i % w['adapters']}" for i in range(w["batch"])]
-        rates = decode_rates(
-            timer(lambda x, names=names, **kw: pm.generate(input_ids=x, adapter_names=names, **kw), ids),
-            w,
-            rounds,
-        )
+        if "num_experts" in w:  # peft cannot batch expert adapters: one generate per adapter, in turn
+            generate = _per_adapter_generate(pm, names)
+        else:
+
+            def generate(x, names=names, **kw):
+                return pm.generate(input_ids=x, adapter_names=names, **kw)
+
+        rates = decode_rates(timer(generate, ids), w, rounds)
+        if "num_experts" in w:  # a batch step is every group's step: the median gap is one group's
+            groups = len(set(names))
+            rates.update(decode_tok_s=rates["decode_tok_s"] / groups, step_ms=rates["step_ms"] * groups)
         _report(f"peft mixed-adapter generate, batch {w['batch']}", rates)
         yield k, {"hf_base": base_rates[k], "peft_mixed": rates}
+
+
+def _per_adapter_generate(pm, names: list[str]):
+    """``generate`` over a batch whose rows name adapters peft cannot mix: each adapter's rows in their own
+    generate call, one after another. The stopping criteria see every call's tokens; a round's gaps then
+    hold each call's own steps (the median is one group's step, the round time the sum): ``run_hf``
+    multiplies the step by the number of groups (equal groups: rows ÷ the sum of the groups' steps)."""
+
+    def generate(x, stopping_criteria=None, **kw):
+        groups: dict[str, list[int]] = {}
+        for row, name in enumerate(names):
+            groups.setdefault(name, []).append(row)
+        for name, rows in groups.items():
+            pm.set_adapter(name)
+            pm.generate(input_ids=x[rows], stopping_criteria=stopping_criteria, **kw)
+
+    return generate
 
 
 def machine_peaks(repeats: int = 10, dtype: str = "float32") -> dict[str, float]:
@@ -662,6 +711,9 @@ ENGINE_NAMES = {"default": "", "bf16_pools": "_bf16_pools", "xla": "_xla", "xla_
 DEFAULT_ENGINES = "default,bf16_pools,xla"
 
 
+WORKLOAD_KEYS = ("batch", "prompt", "new", "rank", "adapters", "hidden_size", "num_hidden_layers")
+
+
 def summarize(
     w: dict,
     ours: dict[str, dict[str, float]],
@@ -682,7 +734,8 @@ def summarize(
         "bench": "decode",
         "workload": {
             k: w[k]
-            for k in ("batch", "prompt", "new", "rank", "adapters", "hidden_size", "num_hidden_layers")
+            for k in (*WORKLOAD_KEYS, "family", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+            if k in w
         },
         "decode_tok_s": {k: round(v, 1) for k, v in dec.items()},
         "e2e_tok_s": {k: round(v["e2e_tok_s"], 1) for k, v in allruns.items()},
@@ -690,11 +743,12 @@ def summarize(
     }
     if ttft:
         result["ttft_ms"] = {"warm": round(ttft["warm_ms"], 1), "cold": round(ttft["cold_ms"], 1)}
-    if "" in ran:
+    dense = "num_experts" not in w  # the roofline and serial bound count a dense model's bytes
+    if "" in ran and dense:
         roof = roofline_ms(w, peaks, pool[""], size)
         result["roofline_step_ms"] = round(roof, 2)
         result["roofline_fraction"] = round(roof / ours["distinct_adapters"]["step_ms"], 3)
-    if "_bf16_pools" in ran:
+    if "_bf16_pools" in ran and dense:
         roof_bf16 = roofline_ms(w, peaks, 2, size)
         result["roofline_fraction_bf16_pools"] = round(
             roof_bf16 / ours["distinct_adapters_bf16_pools"]["step_ms"], 3
@@ -703,9 +757,10 @@ def summarize(
     for s in ran:
         if s not in ("_xla", "_xla_linear"):
             ratios[f"distinct_adapters{s}_vs_base"] = round(dec["distinct_adapters" + s] / dec["base" + s], 3)
-            ratios[f"distinct_adapters{s}_vs_base_serial_bound"] = round(
-                adapter_ratio_bound(ours["base" + s]["step_ms"], w, peaks, pool[s]), 3
-            )
+            if dense:
+                ratios[f"distinct_adapters{s}_vs_base_serial_bound"] = round(
+                    adapter_ratio_bound(ours["base" + s]["step_ms"], w, peaks, pool[s]), 3
+                )
     if "_xla" in ran:
         ratios["distinct_adapters_xla_vs_base"] = round(dec["distinct_adapters_xla"] / dec["base_xla"], 3)
     if "_xla_linear" in ran and "" in ran:  # what the C++ base projections bring (bf16 model)
@@ -821,7 +876,9 @@ def main() -> None:
                               "base_bytes": sum(f.stat().st_size for f in base.iterdir())}))  # fmt: skip
             return
         extra = (
-            None if args.no_extra else build_extra(Path(tmp), base, {**workloads[0], "adapters": n_adapters})
+            None
+            if args.no_extra or shape == "moe"
+            else build_extra(Path(tmp), base, {**workloads[0], "adapters": n_adapters})
         )
         peaks = machine_peaks(dtype=args.dtype)
         if args.compilation_cache:
@@ -831,7 +888,7 @@ def main() -> None:
         from loraserve.worker.checkpoint import load_checkpoint
 
         checkpoint = load_checkpoint(str(base), dtype=args.dtype)  # shared by every engine below
-        grammars = None if args.no_json else build_grammars(workloads[0]["vocab_size"])
+        grammars = None if args.no_json or shape == "moe" else build_grammars(workloads[0]["vocab_size"])
         ours: list[dict[str, dict[str, float]]] = [{} for _ in workloads]
         for w, mine in zip(workloads, ours, strict=True):
             for suffix, (backend, lora_dtype, linear_backend) in engines.items():

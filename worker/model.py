@@ -143,12 +143,14 @@ def _layer_mlp(
     lora_fn: LoraFn,
     shards: int = 1,
     slots: Array | None = None,
+    mesh: Any = None,
 ) -> Array:
     """The MLP block; ``slots`` (each token's adapter slot, or None: no adapter anywhere) reaches a mixture
-    of experts, whose LoRA on experts and router is computed beside them (``worker.moe``)."""
+    of experts, whose LoRA on experts and router is computed beside them (``worker.moe``; split over
+    ``mesh``'s devices by expert when it has several)."""
     x = _norm(cfg, h, lp["mlp_norm"])
     if cfg.is_moe:  # experts (and a shared expert) instead of one MLP; dense LoRA adapts attention only
-        return h + moe_mlp(cfg, lp, x, ll=ll, slots=slots)
+        return h + moe_mlp(cfg, lp, x, ll=ll, slots=slots, mesh=mesh)
     gu = _matmul(x, lp["w_gate_up"], lp.get("b_gate_up"))
     gu = lora_fn(gu, x, ll, "gate_up", COLUMN, lp.get("b_gate_up"))
     gate, up = split_fused(gu, (cfg.intermediate_size,) * 2, shards)
@@ -410,7 +412,7 @@ def _prefill_hidden(
             cfg.is_sliding(n),
         ).reshape(g * t, cfg.q_size)
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
-        h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards, token_slots)
+        h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards, token_slots, getattr(backend, "mesh", None))
         new_cache.append((k_pages, v_pages))
     return h, new_cache
 
@@ -476,7 +478,7 @@ def decode(
             scale=cfg.attn_scale, softcap=cfg.attn_logit_softcap, window=window,
         ).reshape(b, cfg.q_size)  # fmt: skip
         h = _out_proj(lp, ll, h, attn, lora_fn, cfg)
-        h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards, rows)
+        h = _layer_mlp(cfg, lp, ll, h, lora_fn, backend.shards, rows, getattr(backend, "mesh", None))
         new_cache.append((k_pages, v_pages))
     return logits_from_hidden(cfg, params, h, state.pools.vocab, rows), new_cache
 

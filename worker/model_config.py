@@ -196,14 +196,15 @@ class ModelConfig:
         }
         return {m: shapes[m] for modules in self.lora_groups.values() for m in modules}
 
-    def expert_bytes(self, itemsize: int) -> int:
-        """One layer's mixture-of-experts weights: the router, every expert's gate/up/down and the shared
-        expert with its gate (0 for a dense model)."""
+    def expert_bytes(self, itemsize: int, devices: int = 1) -> int:
+        """One layer's mixture-of-experts weights on one of ``devices`` (expert parallelism: the experts
+        split, the router and the shared expert with its gate whole); 0 for a dense model."""
         if not self.is_moe:
             return 0
         h, e = self.hidden_size, self.num_experts
-        mlp = 3 * h * (e * self.moe_intermediate_size + self.shared_expert_size)
-        return itemsize * (e * h + mlp + (h if self.shared_expert_size else 0))
+        experts = 3 * h * (e // devices) * self.moe_intermediate_size
+        shared = 3 * h * self.shared_expert_size + (h if self.shared_expert_size else 0)
+        return itemsize * (e * h + experts + shared)
 
     def expert_shapes(self) -> dict[str, tuple[int, int]]:
         """A mixture of experts' LoRA targets (``adapters.peft_experts``), ``(in, out)`` of one expert:

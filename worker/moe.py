@@ -34,6 +34,7 @@ slots, each other slot's term exactly zero.
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import Any
 
@@ -46,6 +47,8 @@ from loraserve.worker.model_config import ModelConfig
 Array = jax.Array
 # (token, choice) pairs per gathered chunk: bounds the gathered expert weights (chunk × one expert's)
 GATHER_PAIRS = 64
+# the most rows a tile of the CPU's tiled path holds (rows of one expert and slot)
+TILE_ROWS = 64
 # LoRA pools of a mixture of experts (per layer; ``expert_slot_shapes``): expert-major ``[E, S, …]``
 # ``EA/EB_gate_up``, ``EA/EB_down``, slot-major ``RA [S, hidden, R]``, ``RB [S, R, E]`` for the router
 EXPERT_POOLS = ("EA_gate_up", "EB_gate_up", "EA_down", "EB_down")
@@ -199,6 +202,75 @@ def _gathered(
     return jax.lax.map(one, (xs, es, ws, ss)).reshape(-1, x.shape[1])[:t]
 
 
+def _tiled(
+    cfg: ModelConfig,
+    lp: dict[str, Array],
+    pools: Pools,
+    x: Array,
+    experts: Array,
+    weights: Array,
+    slots: Array,
+) -> Array:
+    """Prefill-sized token counts on CPU: the pairs sorted by (expert, slot) and cut into tiles of at most
+    ``TILE_ROWS`` rows of one (expert, slot) group (a tile starts at every ``TILE_ROWS``-th sorted pair and at
+    every group's first), each tile one ``[rows, H] @ [H, 2I]`` and ``@ [I, H]`` with its expert's weights
+    (and its slot's LoRA), empty tiles skipped. An expert's weights are read once per tile of it instead of
+    once per pair (the gathered path's), at most ``ceil(pairs / TILE_ROWS) + groups`` tiles; each sorted row
+    is written by exactly one tile, into zeros."""
+    t, k = experts.shape
+    pairs = t * k
+    # rows a tile holds: about a group's share of the pairs (decode: a few), a power of two in [8, TILE_ROWS]
+    rows = min(TILE_ROWS, max(8, 1 << max(0, -(-pairs // cfg.num_experts) - 1).bit_length()))
+    flat, slot_of = experts.reshape(-1), jnp.repeat(slots, k)
+    n_slots = pools["EA_gate_up"].shape[1] if pools else 1
+    key = flat * n_slots + (jnp.maximum(slot_of, 0) if pools else 0)
+    groups = cfg.num_experts * n_slots
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    sizes = jnp.bincount(key, length=groups)
+    firsts = jnp.where(sizes > 0, jnp.cumsum(sizes) - sizes, pairs)  # a group's first sorted pair (or none)
+    blocks = -(-pairs // rows)
+    starts = jnp.sort(jnp.concatenate([jnp.arange(blocks, dtype=firsts.dtype) * rows, firsts]))
+    ends = jnp.minimum(jnp.concatenate([starts[1:], jnp.full((1,), pairs, starts.dtype)]), pairs)
+    xs = jnp.pad(x[order // k], ((0, rows), (0, 0)))  # a tile's slice never runs past the end
+    on = jnp.pad((slot_of[order] >= 0).astype(jnp.float32), (0, rows))
+
+    def tile(i: Array) -> Array:
+        start, count = starts[i], jnp.maximum(ends[i] - starts[i], 0)
+        group = sorted_key[jnp.minimum(start, pairs - 1)]
+        e, s = group // n_slots, group % n_slots
+
+        def compute() -> Array:
+            xt = jax.lax.dynamic_slice_in_dim(xs, start, rows)
+            gu = jnp.einsum("rh,hn->rn", xt, lp["experts_gate_up"][e], preferred_element_type=jnp.float32)
+            lora_on = jax.lax.dynamic_slice_in_dim(on, start, rows)[:, None]
+            if pools:
+                gu = gu + _tile_delta(pools, "gate_up", xt, e, s) * lora_on
+            act = _act(cfg, gu, x.dtype)
+            down = jnp.einsum("rn,nh->rh", act, lp["experts_down"][e], preferred_element_type=jnp.float32)
+            if pools:
+                down = down + _tile_delta(pools, "down", act, e, s) * lora_on
+            return jnp.where((jnp.arange(rows) < count)[:, None], down.astype(x.dtype), 0)
+
+        return jax.lax.cond(count > 0, compute, lambda: jnp.zeros((rows, x.shape[1]), x.dtype))
+
+    outs = jax.lax.map(tile, jnp.arange(starts.shape[0]))  # [tiles, rows, H]
+    at = starts[:, None] + jnp.arange(rows)[None, :]
+    at = jnp.where(jnp.arange(rows)[None, :] < (ends - starts)[:, None], at, pairs)  # padding -> a spare row
+    down_sorted = (
+        jnp.zeros((pairs + 1, x.shape[1]), x.dtype).at[at.reshape(-1)].add(outs.reshape(-1, x.shape[1]))
+    )
+    unsorted = down_sorted[:pairs][jnp.argsort(order)].reshape(t, k, -1)
+    return _combine(unsorted, weights, x.dtype)
+
+
+def _tile_delta(pools: Pools, group: str, x: Array, e: Array, s: Array) -> Array:
+    """``[rows, out]`` f32: one tile's LoRA, ``(x A[e, s]) B[e, s]`` (the dtypes as the gathered path's)."""
+    a, b = pools[f"EA_{group}"][e, s], pools[f"EB_{group}"][e, s]
+    t = jnp.einsum("rh,hk->rk", x, a.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.einsum("rk,ko->ro", t.astype(jnp.float32), b.astype(jnp.float32))
+
+
 def _ragged_delta(pools: Pools, group: str, xs: Array, sizes: Array, on: Array) -> Array:
     """``[P, out]`` f32: the sorted pairs' LoRA as grouped matmuls over the ``E * S`` (expert, slot) groups."""
     a, b = pools[f"EA_{group}"], pools[f"EB_{group}"]  # [E, S, in, R], [E, S, R, out]
@@ -243,6 +315,52 @@ def _ragged(
     return _combine(unsorted, weights, x.dtype)
 
 
+def _experts(
+    cfg: ModelConfig, path: str, lp: dict[str, Array], pools: Pools, x: Array, e: Array, w: Array, s: Array
+) -> Array:
+    """The routed experts' weighted sum by ``path`` (``auto``: by the platform the step is lowered for, so a
+    TPU program exported on a CPU host is TPU's)."""
+    if path == "auto":
+        return jax.lax.platform_dependent(
+            lp, pools, x, e, w, s, cpu=partial(_tiled, cfg), default=partial(_ragged, cfg)
+        )
+    return {"gather": _gathered, "tiled": _tiled, "ragged": _ragged}[path](cfg, lp, pools, x, e, w, s)
+
+
+def _expert_parallel(
+    cfg: ModelConfig,
+    path: str,
+    mesh: Any,
+    lp: dict[str, Array],
+    pools: Pools,
+    x: Array,
+    e: Array,
+    w: Array,
+    s: Array,
+) -> Array:
+    """Expert parallelism: device d of the ``model`` axis holds experts ``d*E/N .. (d+1)*E/N - 1`` (and their
+    LoRA pools); every device routes every token (replicated), computes the pairs whose expert it holds
+    (the others' weights set to an exact zero), and one all-reduce of ``[T, H]`` adds the devices' parts."""
+    from loraserve.kernels.sharded import AXIS
+
+    n = mesh.shape[AXIS]
+    local_cfg = dataclasses.replace(cfg, num_experts=cfg.num_experts // n)
+    held = {"experts_gate_up": lp["experts_gate_up"], "experts_down": lp["experts_down"]}
+
+    def local(held: dict[str, Array], pools: Pools, x: Array, e: Array, w: Array, s: Array) -> Array:
+        first = jax.lax.axis_index(AXIS) * local_cfg.num_experts
+        mine = (e >= first) & (e < first + local_cfg.num_experts)
+        e_local = jnp.clip(e - first, 0, local_cfg.num_experts - 1)
+        part = _experts(local_cfg, path, held, pools, x, e_local, jnp.where(mine, w, 0).astype(w.dtype), s)
+        return jax.lax.psum(part, AXIS)
+
+    split = jax.sharding.PartitionSpec(AXIS)
+    whole = jax.sharding.PartitionSpec()
+    specs = ({k: split for k in held}, {k: split for k in pools}, whole, whole, whole, whole)
+    run = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=whole, check_vma=False)
+    return run(held, pools, x, e, w, s)
+
+
 def moe_mlp(
     cfg: ModelConfig,
     lp: dict[str, Array],
@@ -250,27 +368,20 @@ def moe_mlp(
     path: str = "auto",
     ll: dict[str, Array] | None = None,
     slots: Array | None = None,
+    mesh: Any = None,
 ) -> Array:
     """The block's output for the normed hidden states ``x [T, H]`` (module doc). ``path``: ``auto``,
     ``gather`` or ``ragged``. ``ll``: the layer's LoRA pools; ``slots [T]``: each token's adapter slot
-    (-1: none); without them (or without expert pools in ``ll``) no LoRA is computed."""
+    (-1: none); without them (or without expert pools in ``ll``) no LoRA is computed. ``mesh``: a
+    ``model`` mesh of N > 1 devices to split the experts over (:func:`_expert_parallel`)."""
     lora = slots is not None and ll is not None and "EA_gate_up" in ll
     pools: Pools = {k: ll[k] for k in EXPERT_POOLS} if lora and ll is not None else {}
     token_slots = slots if slots is not None and lora else jnp.full(x.shape[:1], -1, jnp.int32)
     experts, weights = route(cfg, lp["router"], x, ll if lora else None, token_slots if lora else None)
-    if path == "auto":  # chosen where the step is lowered: a TPU program exported on a CPU host is TPU's
-        out = jax.lax.platform_dependent(
-            lp,
-            pools,
-            x,
-            experts,
-            weights,
-            token_slots,
-            cpu=partial(_gathered, cfg),
-            default=partial(_ragged, cfg),
-        )
+    if mesh is not None and mesh.size > 1:
+        out = _expert_parallel(cfg, path, mesh, lp, pools, x, experts, weights, token_slots)
     else:
-        out = {"gather": _gathered, "ragged": _ragged}[path](cfg, lp, pools, x, experts, weights, token_slots)
+        out = _experts(cfg, path, lp, pools, x, experts, weights, token_slots)
     if cfg.shared_expert_size:
         shared = linear(_act(cfg, linear(x, lp["shared_gate_up"]), x.dtype), lp["shared_down"]).astype(
             x.dtype

@@ -147,7 +147,7 @@ def weight_bytes(cfg: ModelConfig, tp: int, dtype: str, quantization: str = "non
     size = DTYPE_BYTES[dtype]
     projections = sum(i * o for i, o in _module_shapes_per_device(cfg, tp).values())
     per_layer = 0 if quantization == "int8" else projections
-    per_layer += cfg.expert_bytes(1)  # a mixture of experts: router, experts, shared expert (one device)
+    per_layer += cfg.expert_bytes(1, tp)  # a mixture of experts: router, its share of experts, shared expert
     shapes = _module_shapes_per_device(cfg, tp)
     if cfg.qkv_bias:
         per_layer += shapes["q_proj"][1] + 2 * shapes["k_proj"][1]
@@ -187,7 +187,7 @@ def pool_bytes(cfg: ModelConfig, tp: int, max_loras: int, rank: int, dtype: str)
             per_layer += rank * (full[module][0] + fan_out)
             vectors += 2 * fan_out
     for target, (fan_in, fan_out) in cfg.expert_shapes().items():  # a mixture of experts' (worker.moe)
-        per_layer += rank * (fan_in + fan_out) * (1 if target == "router" else cfg.num_experts)
+        per_layer += rank * (fan_in + fan_out) * (1 if target == "router" else cfg.num_experts // tp)
     vocab = rank * (2 * vocab_rows_per_device(cfg, tp) + 2 * cfg.hidden_size)
     layers = cfg.num_layers * (DTYPE_BYTES[dtype] * per_layer + DTYPE_BYTES["float32"] * vectors)
     return max_loras * (layers + DTYPE_BYTES[dtype] * vocab)

@@ -10,7 +10,9 @@ Layout over a 1-D mesh of N devices, axis ``model`` (``docs/worker.md``):
 * the KV cache split by KV head; with ``kv_heads < N`` every KV head is repeated ``N / kv_heads``
   times in the weights, the k/v LoRA B matrices and the cache (vLLM does the same), so each device
   holds the one its q heads read;
-* slot pools split like the layer they adapt (``kernels.sharded``); norms and the rest replicated.
+* slot pools split like the layer they adapt (``kernels.sharded``); norms and the rest replicated;
+* a mixture of experts' experts (and their LoRA pools) split by expert, N dividing the expert count
+  (expert parallelism, ``worker.moe``); its router and shared expert replicated.
 
 N = 1 uses none of this: the runner keeps its single-device path.
 """
@@ -39,13 +41,15 @@ from loraserve.worker.model import (
     lora_vector_sizes,
 )
 from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.moe import init_expert_pools
+from loraserve.worker.moe import EXPERT_POOLS, ROUTER_POOLS, init_expert_pools
 from loraserve.worker.step import LoraPools
 
 # Which way each LoRA group's layer is split (Megatron): by output (column) or by input (row).
 GROUP_PARALLEL: dict[str, str] = {"qkv": COLUMN, "o": ROW, "gate_up": COLUMN, "down": ROW}
 # Per-layer parameter -> the dimension split over ``model`` (absent: replicated).
 LAYER_SPLIT_DIM: dict[str, int] = {"wqkv": 0, "bqkv": 0, "w_gate_up": 0, "b_gate_up": 0, "wo": 1, "w_down": 1}
+# a mixture of experts: split by expert (expert parallelism, worker.moe); router and shared expert whole
+LAYER_SPLIT_DIM |= {"experts_gate_up": 0, "experts_down": 0}
 # Slot values that are fused [out] vectors (worker.dora: magnitude_<g>, dora_<g>, lora_bias_<g>).
 VECTOR_VALUES = ("magnitude_", "dora_", "lora_bias_")
 CACHE_SPEC = P(AXIS, None, None, None)  # k and v pages [kv_heads, pages, page_size, D]: by KV head
@@ -63,14 +67,14 @@ def check_tensor_parallel(cfg: ModelConfig, n: int, devices: int) -> None:
         raise FailedPrecondition(
             f"tensor_parallel_size {n} is larger than the {devices} visible {jax.default_backend()} devices"
         )
-    if cfg.is_moe and n > 1:
-        raise FailedPrecondition(
-            f"tensor_parallel_size {n}: a mixture-of-experts model ({cfg.model_type}) is served on one device"
-            " for now (expert parallelism is not built yet)"
+    if cfg.is_moe and cfg.num_experts % n:
+        raise InvalidArgument(
+            f"tensor_parallel_size {n} does not divide the model's {cfg.num_experts} experts (a mixture of "
+            "experts splits them over the devices)"
         )
     if cfg.num_heads % n:
         raise InvalidArgument(f"tensor_parallel_size {n} does not divide the model's {cfg.num_heads} heads")
-    if cfg.intermediate_size % n:
+    if not cfg.is_moe and cfg.intermediate_size % n:
         raise InvalidArgument(
             f"tensor_parallel_size {n} does not divide the model's intermediate size {cfg.intermediate_size}"
         )
@@ -179,6 +183,10 @@ def pool_specs(cfg: ModelConfig, backend: ShardedBackend) -> dict[str, P]:
     # worker.embed_lora's vocabulary-sized pools (LoraPools.vocab): A_embed [S, V, R] split by vocab like the
     # embedding, B_lm_head [S, R, V] like lm_head (when N divides the vocabulary, else replicated, as the
     # weights are); B_embed and A_lm_head whole
+    # a mixture of experts' pools (worker.moe): expert-major [E, S, ...] split by expert like the experts;
+    # the router's whole
+    out.update({name: P(AXIS) for name in EXPERT_POOLS})
+    out.update({name: P() for name in ROUTER_POOLS})
     split = cfg.vocab_size % backend.shards == 0
     out.update({name: P() for name in VOCAB_POOLS})
     if split:
@@ -324,8 +332,8 @@ def abstract_state(
                 for k, s in slot.items()
             },
             **vectors,
-            **{  # a mixture of experts' LoRA pools (worker.moe; one device: TP refuses such models)
-                k: sds(v.shape, pool_dtype, P())
+            **{  # a mixture of experts' LoRA pools (worker.moe), split by expert
+                k: sds(v.shape, pool_dtype, pspecs[k])
                 for k, v in jax.eval_shape(
                     lambda: init_expert_pools(cfg, config.max_loras, config.max_lora_rank, pool_dtype)
                 ).items()

@@ -6,6 +6,7 @@ in PEFT's layout (the peft-made ones are in tests/worker/test_moe_lora.py)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import grpc
@@ -175,3 +176,87 @@ def test_one_expert_target_on_an_unknown_base_is_named_by_the_config(tmp_path) -
         INTER,
         R,
     )
+
+
+def _per_expert(r: int = R, experts: int = E, mixtral: bool = False) -> dict[str, np.ndarray]:
+    """The per-expert module layout (transformers 4.x): one LoRA per expert module."""
+    rng = np.random.default_rng(2)
+    names = (
+        {"gate": "w1", "up": "w3", "down": "w2"}
+        if mixtral
+        else {k: f"{k}_proj" for k in ("gate", "up", "down")}
+    )
+    block = "block_sparse_moe" if mixtral else "mlp"
+    t = {}
+    for layer in range(LAYERS):
+        for e in range(experts):
+            for kind, (fan_in, fan_out) in (("gate", (H, INTER)), ("up", (H, INTER)), ("down", (INTER, H))):
+                key = f"{P}.{layer}.{block}.experts.{e}.{names[kind]}"
+                t[f"{key}.lora_A.weight"] = rng.normal(0, 0.1, (r, fan_in)).astype(np.float32)
+                t[f"{key}.lora_B.weight"] = rng.normal(0, 0.1, (fan_out, r)).astype(np.float32)
+    return t
+
+
+@pytest.mark.parametrize("mixtral", [False, True], ids=["qwen", "mixtral-w1-w3-w2"])
+def test_the_per_expert_layout_folds_gate_and_up_side_by_side(tmp_path, mixtral) -> None:
+    """Expert e's gate and up LoRA become one fused gate/up pair of rank r_gate + r_up (A side by side, B
+    block-diagonal), so x·A·B equals gate's delta on the first I outputs and up's on the last."""
+    t = _per_expert(mixtral=mixtral)
+    folder = make(
+        tmp_path / "m", t, target_parameters=None, target_modules=["gate_proj", "up_proj", "down_proj"]
+    )
+    w = _parse(folder)
+    assert w.target_modules == ("experts.gate_up_proj", "experts.down_proj") and w.rank == 2 * R
+    a, b = w.experts["experts.gate_up_proj"]
+    assert a.shape == (LAYERS, E, H, 2 * R) and b.shape == (LAYERS, E, 2 * R, 2 * INTER)
+    block, (g, u) = ("block_sparse_moe", ("w1", "w3")) if mixtral else ("mlp", ("gate_proj", "up_proj"))
+    x = np.random.default_rng(3).normal(size=H).astype(np.float32)
+    for e in (0, E - 1):
+        key = f"{P}.1.{block}.experts.{e}"
+        gate = t[f"{key}.{g}.lora_B.weight"] @ t[f"{key}.{g}.lora_A.weight"] @ x * (4 / R)
+        up = t[f"{key}.{u}.lora_B.weight"] @ t[f"{key}.{u}.lora_A.weight"] @ x * (4 / R)
+        np.testing.assert_allclose(x @ a[1, e] @ b[1, e], np.concatenate([gate, up]), rtol=1e-5, atol=1e-6)
+    want = assert_same_as_stream(folder)
+    assert want[0] == 2 * R
+
+
+def assert_same_as_stream(folder: Path, shapes=MOE_SHAPES, max_rank: int = 8):
+    from tests.adapters import test_peft_stream
+
+    saved, test_peft_stream.SHAPES = test_peft_stream.SHAPES, shapes
+    try:
+        return assert_same(folder, True, max_rank)
+    finally:
+        test_peft_stream.SHAPES = saved
+
+
+def _without(t, needle):
+    return {k: v for k, v in t.items() if needle not in k}
+
+
+PER_EXPERT_BAD = {
+    "a-missing-expert": (_without(_per_expert(), "layers.1.mlp.experts.2.up_proj"), "experts.2.up_proj: missing"),
+    "an-expert-beyond-the-base": (_per_expert(experts=E + 1), "expert 4 does not exist (the base model has 4 experts)"),
+    "gate-and-up-over-the-slot-rank": (_per_expert(r=5), "gate_proj + up_proj ranks (they share the fused gate/up slot) 10 above the largest slot rank 8"),
+    "a-missing-lora-a": (_without(_per_expert(), "layers.0.mlp.experts.1.down_proj.lora_A"), "experts.1.down_proj: lora_A is missing"),
+    "both-layouts-in-one-layer": ({**_per_expert(), **_tensors()}, "adapted both fused and per expert"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PER_EXPERT_BAD))
+def test_a_bad_per_expert_adapter_is_refused_alike(tmp_path, name) -> None:
+    tensors, message = PER_EXPERT_BAD[name]
+    r = 5 if name.startswith("gate-and-up") else R
+    folder = make(tmp_path / name, tensors, r=r, target_modules=["gate_proj", "up_proj", "down_proj"])
+    with pytest.raises(AdapterError, match=re.escape(message)):
+        _parse(folder)
+    want = assert_same_as_stream(folder)
+    assert message in want[1]
+
+
+def test_per_expert_adapters_on_a_dense_base_fail_precondition(tmp_path) -> None:
+    folder = make(tmp_path / "d", _per_expert(), target_parameters=None, target_modules=["gate_proj"])
+    with pytest.raises(AdapterError, match="this base model has none") as err:
+        _parse(folder, DENSE_SHAPES)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert assert_same_as_stream(folder, DENSE_SHAPES)[0] == "AdapterMismatchError"

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from loraserve.common.errors import FailedPrecondition
+from loraserve.common.errors import InvalidArgument
 from loraserve.kernels import get_backend
 from loraserve.testing import MOE_FAMILIES, make_adapter, save_model
 from loraserve.worker import moe, sharding
@@ -237,8 +237,9 @@ def test_unserved_moe_variants_are_refused_by_name() -> None:
         ModelConfig.from_hf({**base, "mlp_only_layers": [0]})
     with pytest.raises(UnsupportedModelError, match="num_experts_per_tok"):
         ModelConfig.from_hf({**base, "num_experts_per_tok": 5})
-    with pytest.raises(FailedPrecondition, match="mixture-of-experts"):
-        sharding.check_tensor_parallel(ModelConfig.from_hf(base), 2, 2)
+    with pytest.raises(InvalidArgument, match="does not divide the model's 4 experts"):
+        sharding.check_tensor_parallel(ModelConfig.from_hf(base), 8, 8)
+    sharding.check_tensor_parallel(ModelConfig.from_hf(base), 2, 2)  # expert parallelism
     assert json.dumps(ModelConfig.from_hf(base).expert_bytes(2)) == str(2 * (4 * 16 + 3 * 16 * 4 * 8))
 
 
@@ -273,14 +274,24 @@ def test_the_planner_counts_the_weights_it_loads(moe_dirs, tmp_path, family) -> 
 @pytest.mark.parametrize(("preset", "params"), [("qwen3-30b-a3b", 30.5e9), ("mixtral-8x7b", 46.7e9)])
 def test_the_moe_presets_plan_their_experts(preset, params) -> None:
     """``loraserve plan --model qwen3-30b-a3b|mixtral-8x7b``: the weights are the published parameter
-    counts (30.5B, 46.7B: every expert, not the active ones), and a tensor-parallel plan is refused by name."""
+    counts (30.5B, 46.7B: every expert, not the active ones); over N devices (expert parallelism) each holds
+    1/N of the experts and of their LoRA pools, the router and attention's share as for a dense model."""
     from loraserve.worker import planner
 
     _, cfg = planner.load_model_config(preset)
     assert cfg.is_moe
     assert abs(planner.weight_bytes(cfg, 1, "bfloat16") / 2 - params) < 0.01 * params
-    with pytest.raises(FailedPrecondition, match="mixture-of-experts"):
-        planner.plan(preset, cfg, "v6e", 2, max_loras=4, max_lora_rank=16, batch=8, context=1024)
+    one, four = (
+        planner.plan(preset, cfg, "v6e", n, max_loras=4, max_lora_rank=16, batch=8, context=1024)
+        for n in (1, 4)
+    )
+    experts = cfg.num_layers * 2 * 3 * cfg.hidden_size * cfg.num_experts * cfg.moe_intermediate_size
+    assert one.weights - four.weights > 0.75 * experts  # 3/4 of the experts left each device
+    h, i, e, r = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, 16
+    expert_pools = cfg.num_layers * 4 * 2 * r * e * (h + 2 * i + i + h)  # 4 slots, bf16
+    assert one.lora_pools - four.lora_pools >= 0.75 * expert_pools
+    with pytest.raises(InvalidArgument, match="does not divide"):
+        planner.plan(preset, cfg, "v6e", 3, max_loras=4, max_lora_rank=16, batch=8, context=1024)
 
 
 def test_verify_compiles_a_moe_decode_step_to_the_byte(tmp_path, capsys) -> None:

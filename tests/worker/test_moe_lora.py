@@ -255,3 +255,56 @@ def test_the_engine_serves_expert_adapters_token_for_token(served) -> None:
     want = {name: peft_greedy(name) for name in set(asked)}
     assert [c.tokens for c in collectors] == [want[name] for name in asked]
     assert len({tuple(t) for t in want.values()}) == len(want)  # each adapter answers differently
+
+
+def _per_module_adapter(base, out, family: str, r: int, seed: int) -> None:
+    """A peft adapter of the per-expert module layout transformers 4.x had (``mlp.experts.<e>.gate_proj``…;
+    Mixtral's ``block_sparse_moe.experts.<e>.w1/w3/w2``), as users trained them: the model's fused experts
+    replaced by modules of that layout, which peft's ``target_modules`` adapts (no forward needed). The
+    model type is renamed meanwhile: on transformers 5 peft rewrites those names to ``target_parameters``
+    of the fused experts, which this model no longer has."""
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    names = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    shaped = AutoModelForCausalLM.from_pretrained(str(base))
+    shaped.config.model_type = f"{family}_before_transformers_5"
+    for layer in shaped.model.layers:
+        e, two_i, h = layer.mlp.experts.gate_up_proj.shape
+        experts = nn.ModuleList()
+        for _ in range(e):
+            m = nn.Module()
+            for name, (i, o) in zip(names, ((h, two_i // 2), (h, two_i // 2), (two_i // 2, h)), strict=True):
+                setattr(m, name, nn.Linear(i, o, bias=False))
+            experts.append(m)
+        if family == "mixtral":
+            layer.block_sparse_moe = nn.Module()
+            layer.block_sparse_moe.experts = experts
+            del layer.mlp.experts
+        else:
+            layer.mlp.experts = experts
+    make_adapter(shaped, out, r=r, alpha=16.0, targets=names, seed=seed, scale=0.1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_per_expert_module_adapters_serve_as_peft_loads_them(served, tmp_path, family) -> None:
+    """An adapter of the per-expert module layout (rank 4 on every expert's gate, up and down), beside a
+    fused one and a base row: each row's logits are peft's own, loading that adapter onto transformers 5's
+    fused model (peft converts it as we do: gate and up side by side at rank 8, B block-diagonal), within
+    2e-4."""
+    base, dirs, refs = served(family)
+    _per_module_adapter(base, tmp_path / "per-module", family, 4, seed=7)
+    want = _reference_logits(base, tmp_path / "per-module", SEQ)
+    ck = load_checkpoint(str(base))
+    w = _weights(ck.config, tmp_path / "per-module")
+    assert w.target_modules == ("experts.gate_up_proj", "experts.down_proj") and w.rank == 8  # gate + up
+    backend = get_backend("cpu")
+    pools = _pools(ck.config, [dirs[0], tmp_path / "per-module"], backend, "float32")
+    rows = np.array([1, -1, 0, 1], np.int32)
+    got = _serve_mixed(ck, backend, pools, rows, backend.plan(rows, 2), SEQ, "float32")
+    by_slot = {-1: refs[-1], 0: refs[0], 1: want}
+    for row, slot in enumerate(rows):
+        np.testing.assert_allclose(
+            got[row], by_slot[int(slot)][len(PROMPT) - 1 : len(PROMPT) - 1 + got.shape[1]], atol=ATOL, rtol=0
+        )
+    assert np.abs(want - refs[-1]).max() > 0.5

@@ -60,3 +60,47 @@ def test_family_sizes_serve_the_same_tokens(family_model) -> None:
         # one device's k B block [S, R, kv*D / N]: KV heads (2 of 16 dims; Gemma 3: 1 of 32) repeated up to N
         kv_heads, head_dim = (2, 16) if family == "gemma2" else (1, 32)
         assert got["shardings"]["pool_shapes"]["B_k"][2] == max(int(n), kv_heads) * head_dim // int(n)
+
+
+# Mixtures of experts over N devices: attention split as above, the experts (and their LoRA pools) split by
+# expert (expert parallelism). Adapters on attention, on the experts' gate/up and down and on the router
+# (peft's target_parameters), of ranks 4..16, with a base row; Qwen3-MoE's 8 experts at N = 2, 4; Qwen2-MoE
+# (a shared expert, replicated) at N = 2 (its 6 experts). Tolerance as above (the devices' partial sums add
+# in another order; 2e-6 measured).
+MOE_ADAPTERS = {
+    "experts-r4": dict(r=4, alpha=8.0, targets=(), target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], seed=1),
+    "qv-router-r8": dict(r=8, alpha=16.0, targets=("q_proj", "v_proj"), target_parameters=["mlp.gate.weight"], seed=2),
+    "all-r16": dict(r=16, alpha=16.0, targets=("q_proj", "k_proj", "v_proj", "o_proj"), target_parameters=["mlp.experts.down_proj", "mlp.gate.weight"], seed=3),
+    "ko-gate-up-r8": dict(r=8, alpha=8.0, targets=("k_proj", "o_proj"), target_parameters=["mlp.experts.gate_up_proj"], seed=4),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "sizes"), [("qwen3_moe", "1,2,4"), ("qwen2_moe", "1,2")])
+def test_expert_parallel_sizes_serve_the_same_tokens(tmp_path, family, sizes) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = save_model(tmp_path / family, family, seed=3)
+    adapters = []
+    for name, kw in MOE_ADAPTERS.items():
+        make_adapter(AutoModelForCausalLM.from_pretrained(str(model)), tmp_path / name, scale=0.1, **kw)
+        adapters.append(tmp_path / name)
+    out = run_child(
+        "--model", str(model), "--adapters", ",".join(map(str, adapters)), "--backend", "cpu",
+        "--sizes", sizes, "--steps", "4", "--swaps", "40",
+    )  # fmt: skip
+    ref = out["1"]
+    ref_logits = np.array(ref["logits"])
+    moved = np.abs(ref_logits[0] - np.array(ref["base_logits"])).max(axis=-1)
+    assert moved[4] < 1e-5 and (moved[[0, 1, 2, 3, 5]] > 0.01).all(), (family, moved)
+    for n in sizes.split(",")[1:]:
+        got = out[n]
+        assert got["tokens"] == ref["tokens"], (family, n)
+        np.testing.assert_allclose(np.array(got["logits"]), ref_logits, atol=ATOL, rtol=0, err_msg=f"N={n}")
+        assert got["compilations"] == 0, (family, n, got["compiled"])
+        assert got["abstract_matches"] == {"params": True, "cache": True, "pools": True}, family
+        # one device's experts and expert LoRA pools: E / N of them; the router's and its pools whole
+        shapes, specs = got["shardings"]["pool_shapes"], got["shardings"]["pools"]
+        experts = ref["shardings"]["pool_shapes"]["EA_gate_up"][0]
+        assert shapes["EA_gate_up"][0] == shapes["EB_down"][0] == experts // int(n)
+        assert specs["RA"] == "()" and shapes["RA"] == ref["shardings"]["pool_shapes"]["RA"]
+        assert got["shardings"]["params"]["experts_gate_up"].startswith("('model'")
