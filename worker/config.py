@@ -73,6 +73,14 @@ class EngineConfig:
         " --max-lora-rank)",
         ADAPTERS,
     )
+    fair_slots: bool = opt(
+        True,
+        "fair sharing of slots: when a loaded adapter finds every slot in use, the slot filled longest ago"
+        " stops taking new requests and changes hands once its running ones finish (its new requests wait"
+        " their turn), so no adapter's requests wait for ever behind a steady stream for others; off: a"
+        " waiting adapter gets a slot only when one is idle",
+        ADAPTERS,
+    )
     max_waiting: int = opt(256, "queued requests before RESOURCE_EXHAUSTED", SCHEDULING)
     prefill_per_step: int = opt(
         2, "prompts admitted between two decode steps (prefilled together in one packed call)", SCHEDULING

@@ -92,7 +92,15 @@ class Evicted:
     key: str
 
 
-Outcome = Resident | LoadFailed | Evicted
+@dataclass(frozen=True)
+class Drained:
+    """A slot that was being drained (fair sharing) changed hands or stopped draining: the requests held
+    back from ``key`` may ask for it again."""
+
+    key: str
+
+
+Outcome = Resident | LoadFailed | Evicted | Drained
 
 
 class Residency:
@@ -120,6 +128,9 @@ class Residency:
         # started in order as those finish; a ref nobody waits for any more is dropped (abandon)
         self._queued: deque[str] = deque()
         self._abandoned: set[str] = set()  # in flight, but nobody waits for them now: discarded on arrival
+        # fair sharing of slots: slot -> the adapter it holds, drained for a prepared load that finds every
+        # slot referenced (no new request takes a reference on it; it changes hands when its last ends)
+        self.draining: dict[int, str] = {}
         self.max_loads = max(2, config.max_loras)
         self.adapter_loads = 0
         self.outbox: list[Callable[[], None]] = []  # future completions, run after the next snapshot
@@ -162,10 +173,18 @@ class Residency:
         self.outbox.append(complete)
 
     def acquire(self, ref: str) -> tuple[str, int] | None:
-        """A reference on ``ref``'s slot as ``(key, slot)``, or None when it is not resident."""
+        """A reference on ``ref``'s slot as ``(key, slot)``, or None when it is not resident (or its slot is
+        being drained: :meth:`is_draining`)."""
+        if self.is_draining(ref):
+            return None
         key = self._resolved.get(ref)
         slot = self.table.acquire(key) if key and not self._is_deleted(key) else None
         return None if slot is None else (key, slot)
+
+    def is_draining(self, ref: str) -> bool:
+        """Whether ``ref`` is resident in a slot being drained: its new requests wait for :class:`Drained`."""
+        key = self._resolved.get(ref)
+        return bool(key) and key in self.draining.values()
 
     def release(self, index: int) -> None:
         """Drop a request's reference; a slot of a deleted version is emptied with its last reference."""
@@ -216,15 +235,19 @@ class Residency:
         Lazy: the caller acts on each ``Resident`` before the next placement, so the requests waiting
         for an adapter take their references before another prepared adapter may evict it.
         """
+        unplaced = 0
         for _ in range(len(self._pending)):
             p = self._pending.popleft()
             resident = self.table.find(p.key)
             if resident is None or resident.state != SlotState.LOADED:
                 pin = any(pin for _, pin in self._loads.get(p.ref, []))
                 try:
-                    index, evicted = self.table.reserve(p.key, sha256=p.sha256, rank=p.rank, pin=pin)
+                    index, evicted = self.table.reserve(
+                        p.key, sha256=p.sha256, rank=p.rank, pin=pin, prefer=frozenset(self.draining)
+                    )
                 except NoFreeSlotError:
                     self._pending.append(p)
+                    unplaced += 1
                     continue
                 if evicted:
                     log.info("evicted adapter %s from slot %d for %s", evicted, index, p.key)
@@ -234,6 +257,35 @@ class Residency:
             self._settle(p.ref, p.key)
             self._start_loads()
             yield Resident(p.key)
+        yield from self._rebalance(unplaced)
+
+    def _rebalance(self, unplaced: int) -> Iterator[Outcome]:
+        """Fair sharing (``EngineConfig.fair_slots``): one slot drains for each prepared load that found every
+        slot referenced, the one filled longest ago first (so the slots rotate over the adapters that want
+        them and nobody waits for ever behind a steady stream for another); drains nobody needs any more
+        stop, and a drained slot that changed hands is done. Either way its held-back requests are let go
+        (:class:`Drained`)."""
+        slots = self.table.slots()
+        for index, key in list(self.draining.items()):
+            if slots[index].adapter != key or slots[index].state != SlotState.LOADED:
+                del self.draining[index]
+                yield Drained(key)
+        while len(self.draining) > unplaced:
+            index = max(self.draining, key=lambda i: slots[i].loaded_seq)  # the newest drain stops first
+            yield Drained(self.draining.pop(index))
+        if not self.config.fair_slots:
+            return
+        candidates = sorted(
+            (
+                s
+                for s in slots
+                if s.state == SlotState.LOADED and not s.pinned and s.index not in self.draining
+            ),
+            key=lambda s: s.loaded_seq,
+        )
+        for slot in candidates[: max(0, unplaced - len(self.draining))]:
+            log.info("draining slot %d (%s) for a waiting adapter", slot.index, slot.adapter)
+            self.draining[slot.index] = slot.adapter
 
     def _prepared(self, p: Prepared) -> list[Outcome]:
         self._inflight.discard(p.ref)

@@ -1,7 +1,8 @@
 """The host side of the engine: queues, decode rows, KV pages, admission, preemption, cancellation,
 deadlines, finishes.
 
-Requests live in one of three places: ``waiting`` (their adapter is not resident yet), ``ready`` (they
+Requests live in one of three places: ``waiting`` (their adapter is not resident yet; ``held`` while it is
+resident in a slot being drained for another adapter, fair sharing), ``ready`` (they
 hold a slot reference and wait for a free decode row and enough KV pages) or ``rows`` (a ``Row`` each:
 the request, its KV pages, its admission order and, while its prompt is chunked, how much of it is
 computed; the rows' page tables are ``tables``, the array the runner takes, idle rows' all 0). ``handle``
@@ -49,6 +50,7 @@ from loraserve.worker.requests import (
     validate_prompt,
 )
 from loraserve.worker.residency import (
+    Drained,
     Evicted,
     Load,
     LoadFailed,
@@ -115,6 +117,9 @@ class Scheduler:
         self.eos_ids = frozenset(model_config.eos_token_ids)
         self.waiting: deque[EngineRequest] = deque()
         self.ready: deque[EngineRequest] = deque()
+        # requests for an adapter whose slot is being drained (fair sharing, worker.residency): they wait
+        # for its turn to come round again, then ask afresh (Drained)
+        self.held: deque[EngineRequest] = deque()
         self.rows: list[Row | None] = [None] * config.max_batch_size
         if runner.page_size != config.kv_page_size:
             raise ValueError(
@@ -199,7 +204,9 @@ class Scheduler:
             running=len(rows),
             waiting=self._queued,
             running_adapters=tuple(sorted({r.key for r in rows if r.key})),
-            waiting_adapters=tuple(sorted({r.adapter for r in (*self.waiting, *self.ready) if r.adapter})),
+            waiting_adapters=tuple(
+                sorted({r.adapter for r in (*self.waiting, *self.ready, *self.held) if r.adapter})
+            ),
             adapter_loads=res.adapter_loads,
             tokens_out=self.tokens_out,
             requests_done=self.requests_done,
@@ -224,6 +231,9 @@ class Scheduler:
             req.key, req.slot = held
             self.ready.append(req)
             return
+        if self.residency.is_draining(req.adapter):  # its slot is changing hands: wait for its turn
+            self.held.append(req)
+            return
         self.waiting.append(req)
         self.residency.want(req.adapter)
 
@@ -247,6 +257,10 @@ class Scheduler:
                 case LoadFailed(ref, err):
                     failed = Failed(err.code, err.message)
                     self._drop(lambda r, ref=ref: r.adapter == ref, failed, (self.waiting,))
+                case Drained():  # let the held-back requests ask again, in their order
+                    held, self.held = self.held, deque()
+                    for req in held:
+                        self._submit(req)
                 case Evicted(index, key):
                     gone = Failed(grpc.StatusCode.UNAVAILABLE, f"adapter {key} was unloaded")
                     for i, row in self._running():
@@ -264,7 +278,7 @@ class Scheduler:
         self, match: Callable[[EngineRequest], bool], event: Failed, queues: tuple[deque, ...] = ()
     ) -> None:
         """End the queued (not running) requests that ``match`` selects with ``event``."""
-        for queue in queues or (self.ready, self.waiting):
+        for queue in queues or (self.ready, self.waiting, self.held):
             for req in [r for r in queue if match(r)]:
                 queue.remove(req)
                 self._dequeued()

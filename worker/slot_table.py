@@ -32,6 +32,7 @@ class Slot:
     pinned: bool = False
     refcount: int = 0
     last_used: float = 0.0
+    loaded_seq: int = 0  # the order slots were filled in: the one held longest changes hands first
 
 
 class SlotTable:
@@ -40,6 +41,7 @@ class SlotTable:
     def __init__(self, num_slots: int, clock=time.time) -> None:
         self._slots = [Slot(i) for i in range(num_slots)]
         self._clock = clock
+        self._filled = 0
 
     def slots(self) -> tuple[Slot, ...]:
         return tuple(self._slots)
@@ -59,23 +61,32 @@ class SlotTable:
         slot = self._slots[index]
         self._slots[index] = replace(slot, refcount=max(0, slot.refcount - 1), last_used=self._clock())
 
-    def reserve(self, adapter: str, *, sha256: str = "", rank: int = 0, pin: bool = False) -> tuple[int, str]:
+    def reserve(
+        self,
+        adapter: str,
+        *,
+        sha256: str = "",
+        rank: int = 0,
+        pin: bool = False,
+        prefer: frozenset[int] = frozenset(),
+    ) -> tuple[int, str]:
         """Claim a slot for ``adapter`` (state LOADING); returns ``(slot, evicted adapter or "")``.
 
-        Prefers the lowest empty slot, else the least recently used loaded slot with refcount 0 that is
-        not pinned (ties: the lowest index).
+        Prefers the lowest empty slot, else an unreferenced, unpinned loaded slot: one of ``prefer`` (slots
+        being drained for a waiting load) first, else the least recently used (ties: the lowest index).
         """
         empty = [s for s in self._slots if s.state == SlotState.EMPTY]
         victims = [s for s in self._slots if s.state == SlotState.LOADED and s.refcount == 0 and not s.pinned]
         if empty:
             slot = empty[0]
         elif victims:
-            slot = min(victims, key=lambda s: (s.last_used, s.index))
+            slot = min(victims, key=lambda s: (s.index not in prefer, s.last_used, s.index))
         else:
             raise NoFreeSlotError(f"all {len(self._slots)} adapter slots are pinned or in use")
         evicted = slot.adapter if slot.state == SlotState.LOADED else ""
+        self._filled += 1
         self._slots[slot.index] = Slot(
-            slot.index, SlotState.LOADING, adapter, sha256, rank, pin, 0, self._clock()
+            slot.index, SlotState.LOADING, adapter, sha256, rank, pin, 0, self._clock(), self._filled
         )
         return slot.index, evicted
 
