@@ -7,7 +7,9 @@ the router's gRPC. Per rate: throughput (requests/s, tokens/s), TTFT and inter-t
 SLO attainment (TTFT <= --slo-ttft and every gap <= --slo-itl), adapter loads, errors.
 
 Peers replay the SAME trace in the same run: ``max_loras_1`` (the same stack with one adapter slot: no mixed
-batching), ``no_prefix_cache`` (the stack with prefix caching off) and ``peft`` (transformers + peft in one
+batching), ``no_prefix_cache`` (the stack with prefix caching off), ``no_fair_slots`` (fair sharing of
+slots off: the summary's ``rare_decile_p99_ttft_s`` sets the p99 TTFT of the rarest decile of adapters beside
+loraserve's at each rate) and ``peft`` (transformers + peft in one
 process, batches grouped by adapter with ``set_adapter`` swaps). The summary (last line) gives each system's
 largest rate whose p99 TTFT meets the SLO with no error, and loraserve's ratios to the peers (docs/design.md §7).
 
@@ -55,7 +57,7 @@ TINY = dict(
     duration=2.0, max_loras=4, max_batch_size=8, max_seq_len=32, min_requests=0,
 )  # fmt: skip
 MODEL_ID = "bench-llama"
-SYSTEMS = ("loraserve", "max_loras_1", "no_prefix_cache", "peft")
+SYSTEMS = ("loraserve", "max_loras_1", "no_prefix_cache", "no_fair_slots", "peft")
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,7 @@ class Stack:
         prefix_cache: bool,
         max_cpu_loras: int,
         prefill_chunk: int = 0,
+        fair_slots: bool = True,
     ):
         from loraserve.common.processes import die_with_parent, start_server
 
@@ -183,6 +186,7 @@ class Stack:
                         "--max-lora-rank", str(max(w["ranks"])), "--max-batch-size", str(w["max_batch_size"]),
                         "--max-seq-len", str(w["max_seq_len"]), "--metrics-port", str(port),
                         "--enable-prefix-caching", str(prefix_cache).lower(),
+                        "--fair-slots", str(fair_slots).lower(),
                         "--compilation-cache-dir", str(workdir / "jax-cache")]  # fmt: skip
                 self.procs.append(start_server(argv, timeout=None, preexec_fn=die_with_parent))
                 self.metrics.append(f"http://127.0.0.1:{port}/metrics")
@@ -244,6 +248,7 @@ class Record:
     gaps: tuple[float, ...] = ()
     tokens: int = 0
     error: str = ""
+    adapter: int = -1  # the arrival's adapter (its Zipf rank: higher is rarer), -1 the base model
 
 
 async def _one(stub, pb, arrival: Arrival, start: float, names: list[str], progress) -> Record:
@@ -252,7 +257,7 @@ async def _one(stub, pb, arrival: Arrival, start: float, names: list[str], progr
     req = pb.GenerateRequest(adapter=names[arrival.adapter] if arrival.adapter >= 0 else "")
     req.tokens.ids.extend(arrival.prompt)
     req.sampling.max_tokens, req.sampling.ignore_eos = arrival.max_tokens, True
-    rec, last = Record(), sent
+    rec, last = Record(adapter=arrival.adapter), sent
     try:
         async for msg in stub.Generate(req, timeout=600):
             now = time.perf_counter()
@@ -285,11 +290,16 @@ def drive(target: str, trace: list[Arrival], names: list[str], progress) -> tupl
     return asyncio.run(run())
 
 
-def summarize(records: list[Record], wall: float, slo_ttft: float, slo_itl: float) -> dict:
+def summarize(records: list[Record], wall: float, slo_ttft: float, slo_itl: float, adapters: int = 0) -> dict:
+    """Rates and latencies of one run; ``rare_ttft_s`` (given ``adapters``): TTFT of the rarest decile, the
+    tenth of the adapter requests whose adapters are the rarest (highest Zipf rank first): what fair sharing
+    of slots is for."""
     ok = [r for r in records if not r.error]
     ttft = np.array([r.ttft for r in ok]) if ok else np.array([np.nan])
     gaps = np.array([g for r in ok for g in r.gaps]) if any(r.gaps for r in ok) else np.array([np.nan])
     met = [r for r in ok if r.ttft <= slo_ttft and all(g <= slo_itl for g in r.gaps)]
+    by_rarity = sorted((r for r in ok if r.adapter >= 0), key=lambda r: -r.adapter)
+    rare = np.array([r.ttft for r in by_rarity[: -(-len(by_rarity) // 10)]]) if adapters else np.array([])
 
     def q(a, p):
         return round(float(np.nanpercentile(a, p)), 4)
@@ -302,6 +312,11 @@ def summarize(records: list[Record], wall: float, slo_ttft: float, slo_itl: floa
         "ttft_s": {"p50": q(ttft, 50), "p90": q(ttft, 90), "p99": q(ttft, 99)},
         "itl_s": {"p50": q(gaps, 50), "p90": q(gaps, 90), "p99": q(gaps, 99)},
         "slo_attainment": round(len(met) / max(1, len(records)), 3),
+        **(
+            {"rare_ttft_s": {"requests": len(rare), "p50": q(rare, 50), "p99": q(rare, 99)}}
+            if len(rare)
+            else {}
+        ),
     }
 
 
@@ -345,7 +360,7 @@ def run_peft(
     for i, path in enumerate(adapters[1:], start=1):
         model.load_adapter(str(path), adapter_name=adapter_name(i))
     model.eval()
-    records = [Record() for _ in trace]
+    records = [Record(adapter=a.adapter) for a in trace]
     pending = list(range(len(trace)))
     start = time.perf_counter()
     while pending:
@@ -471,7 +486,7 @@ def run_system(system: str, workdir, base, adapters, w, args, rates) -> list[dic
     try:
         if system != "peft":
             stack = Stack(workdir, base, w, workers=args.workers, max_loras=slots,
-                          prefix_cache=system != "no_prefix_cache",
+                          prefix_cache=system != "no_prefix_cache", fair_slots=system != "no_fair_slots",
                           prefill_chunk=args.prefill_chunk,
                           max_cpu_loras=args.max_cpu_loras if args.max_cpu_loras is not None else min(len(adapters), 128))  # fmt: skip
             stack.push(adapters)
@@ -484,7 +499,7 @@ def run_system(system: str, workdir, base, adapters, w, args, rates) -> list[dic
             else:
                 records, wall = run_peft(base, adapters, trace, w["max_batch_size"], bar)
             row = {"system": system, "rate": rate, "adapters": len(adapters), "zipf": args.zipf, "max_loras": slots,
-                   **summarize(records, wall, args.slo_ttft, args.slo_itl),
+                   **summarize(records, wall, args.slo_ttft, args.slo_itl, len(adapters)),
                    "adapter_loads": (stack.adapter_loads() - loads) if stack else None}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
@@ -606,6 +621,16 @@ def main() -> None:
         "errors": sum(r["errors"] for r in rows),
         "requests": sum(r["requests"] for r in rows),
     }  # fmt: skip
+    # fair sharing of slots: the rarest decile's p99 TTFT without it ÷ with it, per rate both ran
+    fair = {r["rate"]: r for r in rows if r["system"] == "loraserve" and "rare_ttft_s" in r}
+    unfair = {r["rate"]: r for r in rows if r["system"] == "no_fair_slots" and "rare_ttft_s" in r}
+    summary["rare_decile_p99_ttft_s"] = {
+        str(rate): {
+            "fair": fair[rate]["rare_ttft_s"]["p99"],
+            "no_fair_slots": unfair[rate]["rare_ttft_s"]["p99"],
+        }
+        for rate in sorted(set(fair) & set(unfair))
+    }
     print(json.dumps(summary))
 
 

@@ -153,8 +153,9 @@ def serve_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_serve_bench_tiny_replays_one_trace_through_every_system(tmp_path, serve_workdir) -> None:
-    """One rate, every system (the stack, max_loras=1, no prefix cache, the peft loop): a JSON line per
-    system with every request served, the summary last, the plot written, and no process left behind."""
+    """One rate, every system (the stack, max_loras=1, no prefix cache, no fair sharing of slots, the peft
+    loop): a JSON line per system with every request served, the summary last (with the rarest decile's p99
+    TTFT with and without fair sharing), the plot written, and no process left behind."""
     work, png = serve_workdir, tmp_path / "serve.png"
     out = subprocess.run(
         [sys.executable, "bench/serve.py", "--tiny", "--rates", "4", "--workdir", str(work), "--plot", str(png)],
@@ -162,7 +163,8 @@ def test_serve_bench_tiny_replays_one_trace_through_every_system(tmp_path, serve
     )  # fmt: skip
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     rows, summary = lines[:-1], lines[-1]
-    assert [r["system"] for r in rows] == ["loraserve", "max_loras_1", "no_prefix_cache", "peft"]
+    systems = ["loraserve", "max_loras_1", "no_prefix_cache", "no_fair_slots", "peft"]
+    assert [r["system"] for r in rows] == systems
     n = rows[0]["requests"]
     assert n > 0 and all(
         r["requests"] == n and r["errors"] == 0 and r["rate"] == 4.0 for r in rows
@@ -174,12 +176,13 @@ def test_serve_bench_tiny_replays_one_trace_through_every_system(tmp_path, serve
             and 0 <= r["slo_attainment"] <= 1
         )
     assert rows[0]["adapter_loads"] > 0 and rows[1]["adapter_loads"] >= rows[0]["adapter_loads"]
-    assert summary["bench"] == "serve" and summary["errors"] == 0 and summary["requests"] == 4 * n
-    assert set(summary["max_rate_meeting_slo"]) == {"loraserve", "max_loras_1", "no_prefix_cache", "peft"}
-    assert set(summary["ratios"]) == {
-        "loraserve_vs_max_loras_1",
-        "loraserve_vs_no_prefix_cache",
-        "loraserve_vs_peft",
+    assert summary["bench"] == "serve" and summary["errors"] == 0 and summary["requests"] == 5 * n
+    assert set(summary["max_rate_meeting_slo"]) == set(systems)
+    assert set(summary["ratios"]) == {f"loraserve_vs_{s}" for s in systems[1:]}
+    rare = rows[0]["rare_ttft_s"]  # the rarest decile of the 6 tiny adapters: the last one's requests
+    assert rare["requests"] > 0 and rare["p50"] <= rare["p99"]
+    assert summary["rare_decile_p99_ttft_s"] == {
+        "4.0": {"fair": rare["p99"], "no_fair_slots": rows[3]["rare_ttft_s"]["p99"]}
     }
     peak = summary["peak_throughput_tok_s"]
     assert peak == {r["system"]: r["throughput_tok_s"] for r in rows}  # one rate: its throughput
