@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "loraserve.worker.plan_cmd",
         "will a model with these slots, batch and context fit N TPU chips? per-device bytes (exit 3: no)",
     ),
+    "quantize": (
+        "loraserve.worker.quantize_cmd",
+        "write a checkpoint with int8 projections (per-channel scales) that workers load without quantizing",
+    ),
     "health": ("loraserve.client.health_cmd", "probe a server's gRPC health (exit 0 when SERVING)"),
     "version": ("loraserve.version", "print the loraserve version and the versions of its runtime"),
 }

@@ -204,6 +204,9 @@ def _experts(cfg: ModelConfig, tensors: dict[str, np.ndarray], p: str) -> dict[s
 def load_checkpoint(url: str, dtype: str = "float32", quantization: str = "none") -> Checkpoint:
     """Read ``config.json`` + safetensors from ``url`` and place the stacked weights on the device;
     ``quantization="int8"`` stores the layers' projections as int8 with per-channel scales (worker.quant).
+    A checkpoint ``loraserve quantize`` wrote (``worker.quantize_cmd``) is int8 whatever ``quantization``
+    says: its values and scales are taken as they are (checked: every scale present, ``[out]``, finite and
+    positive), not quantized again.
 
     Semantics: the returned params compute exactly what transformers' ``*ForCausalLM`` of the family computes
     (with int8: what it computes with those weights dequantized).
@@ -212,7 +215,10 @@ def load_checkpoint(url: str, dtype: str = "float32", quantization: str = "none"
 
     if quantization not in QUANTIZATIONS:
         raise InvalidArgument(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    cfg = ModelConfig.from_hf(read_config(url))
+    hf_config = read_config(url)
+    cfg = ModelConfig.from_hf(hf_config)
+    if _prequantized(hf_config):
+        return _load_prequantized(cfg, url, dtype)
     host = convert_hf_weights(cfg, dict(_iter_tensors(url)))
     jdtype = jnp.dtype(dtype)
     skip = set(QUANTIZED) if quantization == "int8" else set()
@@ -222,3 +228,74 @@ def load_checkpoint(url: str, dtype: str = "float32", quantization: str = "none"
     if skip:
         params["layers"] = quantize_layers(params["layers"], host["layers"])
     return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name, quantization=quantization)
+
+
+def _prequantized(hf_config: dict[str, Any]) -> bool:
+    """Whether ``config.json`` says ``loraserve quantize`` wrote the checkpoint; another method is refused."""
+    from loraserve.worker.quantize_cmd import QUANT_METHOD
+
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if method is None:
+        return False
+    if method != QUANT_METHOD:
+        raise CheckpointError(
+            f"quantization_config.quant_method {method!r} is not served (only {QUANT_METHOD!r}, which "
+            "`loraserve quantize` writes; or an unquantized checkpoint with --quantization int8)"
+        )
+    return True
+
+
+# each fused projection's HF modules, in the order convert_hf_weights stacks their rows
+_FUSED = {
+    "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "wo": ("self_attn.o_proj",),
+    "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+    "w_down": ("mlp.down_proj",),
+}
+
+
+def _load_prequantized(cfg: ModelConfig, url: str, dtype: str) -> Checkpoint:
+    """A ``loraserve quantize`` checkpoint: each projection's int8 values with their ``_scale`` (checked and
+    named when wrong), fused as ``convert_hf_weights`` fuses the float weights (rows side by side, and a
+    per-output-channel scale with its row); the rest as any checkpoint."""
+    from loraserve.worker.quant import QUANTIZED, Int8Weight
+    from loraserve.worker.quantize_cmd import PROJECTION, SCALE_SUFFIX
+
+    tensors = dict(_iter_tensors(url))
+    scales: dict[str, np.ndarray] = {}
+    for name in [k for k in tensors if PROJECTION.match(k)]:
+        q = tensors[name]
+        if q.dtype != np.int8:
+            raise CheckpointError(f"tensor {name} is {q.dtype}; a quantized checkpoint stores it as int8")
+        scale = tensors.pop(name + SCALE_SUFFIX, None)
+        if scale is None:
+            raise CheckpointError(f"checkpoint lacks tensor {name + SCALE_SUFFIX} (the scales of {name})")
+        if scale.shape != (q.shape[0],):
+            raise CheckpointError(
+                f"tensor {name + SCALE_SUFFIX} has shape {tuple(scale.shape)}, expected ({q.shape[0]},)"
+            )
+        if not (np.isfinite(scale).all() and (scale > 0).all()):
+            raise CheckpointError(
+                f"tensor {name + SCALE_SUFFIX} holds a scale that is not finite and positive"
+            )
+        scales[name] = np.asarray(scale, np.float32)
+        tensors[name] = q.astype(np.float32)  # exact: convert_hf_weights checks and fuses them as floats
+    stray = sorted(k for k in tensors if k.endswith(SCALE_SUFFIX))
+    if stray:
+        raise CheckpointError(f"tensor {stray[0]} scales no int8 projection of this checkpoint")
+    host = convert_hf_weights(cfg, tensors)
+    jdtype = jnp.dtype(dtype)
+    floats = {k: v for k, v in host.items() if k != "layers"}
+    floats["layers"] = [{k: v for k, v in layer.items() if k not in QUANTIZED} for layer in host["layers"]]
+    params = jax.tree.map(lambda v: jax.device_put(v.astype(jdtype)), floats)
+    for n, (layer, values) in enumerate(zip(params["layers"], host["layers"], strict=True)):
+        for key in QUANTIZED:
+            if key not in values:
+                continue
+            modules = [f"model.layers.{n}.{m}.weight" for m in _FUSED[key]]
+            missing = [m for m in modules if m not in scales]
+            if missing:
+                raise CheckpointError(f"tensor {missing[0]} is not int8 in a quantized checkpoint")
+            scale = np.concatenate([scales[m] for m in modules])
+            layer[key] = Int8Weight(jax.device_put(values[key].astype(np.int8)), jax.device_put(scale))
+    return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name, quantization="int8")

@@ -231,3 +231,89 @@ def test_dora_scales_on_an_int8_base_use_its_dequantized_weight(tiny) -> None:
     want = _dora_scales_jit([vals], dense, shards=1)[0][scale_name("qkv")]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not np.allclose(np.asarray(got), 1.0)  # a real scale
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_quantized_checkpoint_loads_the_same_int8_weights_without_quantizing(tmp_path, family) -> None:
+    """``loraserve quantize SRC DST`` writes I8 projections with F32 ``_scale`` vectors (attention's only on a
+    mixture of experts), copies the rest in the checkpoint's dtype and the tokenizer; loading DST gives
+    bit for bit the int8 values and scales ``--quantization int8`` computes from SRC at start-up, and the
+    same logits."""
+    import json
+
+    from safetensors import safe_open
+
+    from loraserve.cli import main
+
+    src = save_model(tmp_path / "src", family, seed=1)
+    assert main(["quantize", str(src), str(tmp_path / "dst")]) == 0
+    dst = tmp_path / "dst"
+    assert (
+        json.loads((dst / "config.json").read_text())["quantization_config"]["quant_method"]
+        == "loraserve-int8"
+    )
+    assert (dst / "tokenizer.json").exists()
+    with safe_open(str(dst / "model.safetensors"), "np") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == np.int8
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").dtype == np.float32
+    assert "model.layers.1.self_attn.o_proj.weight_scale" in keys
+    assert ("model.layers.0.mlp.down_proj.weight_scale" in keys) == (family == "llama")
+    made = load_checkpoint(str(src), quantization="int8")
+    loaded = load_checkpoint(str(dst))  # int8 whatever --quantization says: the checkpoint is
+    assert loaded.quantization == "int8"
+    for a, b in zip(made.params["layers"], loaded.params["layers"], strict=True):
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], Int8Weight):
+                np.testing.assert_array_equal(np.asarray(a[key].q), np.asarray(b[key].q))
+                np.testing.assert_array_equal(np.asarray(a[key].scale), np.asarray(b[key].scale))
+            else:
+                np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]))
+    refs = _reference(_hf(src))
+    np.testing.assert_array_equal(run_model(loaded, refs, "float32"), run_model(made, refs, "float32"))
+
+
+def _edit(folder, fn) -> None:
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    fn(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+SCALE = "model.layers.1.self_attn.k_proj.weight_scale"
+BAD_CHECKPOINTS = {
+    "a-missing-scale": (lambda t: t.pop(SCALE), f"lacks tensor {SCALE}"),
+    "a-mis-shaped-scale": (lambda t: t.update({SCALE: t[SCALE][:-1]}), f"tensor {SCALE} has shape"),
+    "a-nan-scale": (lambda t: t[SCALE].__setitem__(0, np.nan), f"tensor {SCALE} holds a scale that is not finite"),
+    "a-zero-scale": (lambda t: t[SCALE].__setitem__(0, 0.0), f"tensor {SCALE} holds a scale that is not finite"),
+    "a-float-projection": (
+        lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"].astype(np.float32)}),
+        "model.layers.0.mlp.up_proj.weight is float32; a quantized checkpoint stores it as int8",
+    ),
+    "a-stray-scale": (
+        lambda t: t.update({"model.norm.weight_scale": np.ones(1, np.float32)}), "model.norm.weight_scale scales no"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BAD_CHECKPOINTS))
+def test_a_broken_quantized_checkpoint_is_refused_naming_the_tensor(tiny, tmp_path, name) -> None:
+    from loraserve.worker.checkpoint import CheckpointError
+    from loraserve.worker.quantize_cmd import quantize_checkpoint
+
+    quantize_checkpoint(str(tiny["llama"]), str(tmp_path / "q"))
+    edit, message = BAD_CHECKPOINTS[name]
+    _edit(tmp_path / "q", edit)
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(")) as err:
+        load_checkpoint(str(tmp_path / "q"))
+    assert err.value.code.name == "INVALID_ARGUMENT"
+
+
+def test_quantize_refuses_what_it_cannot_write(tiny, tmp_path) -> None:
+    from loraserve.cli import main
+
+    assert main(["quantize", str(tiny["llama"]), str(tmp_path / "q")]) == 0
+    assert main(["quantize", str(tmp_path / "q"), str(tmp_path / "again")]) == 1  # already quantized
+    assert main(["quantize", str(tiny["llama"]), str(tmp_path / "q")]) == 1  # DST holds a checkpoint

@@ -1,0 +1,116 @@
+"""``loraserve quantize SRC DST``: write a base checkpoint whose linear projections are already int8.
+
+Each decoder layer's ``q/k/v/o_proj`` and ``gate/up/down_proj`` weight (attention's only on a mixture of
+experts, as ``--quantization int8`` does) becomes an ``I8`` tensor of the same name and shape plus an ``F32``
+``<name>_scale [out]`` (``worker.quant.quantize_int8``: symmetric, per output channel); every other tensor
+is copied as it is, shard by shard (the index, if any, names the new scales), and ``config.json`` gains
+``"quantization_config": {"quant_method": "loraserve-int8", ...}`` (``QUANT_METHOD``), with which
+``worker.checkpoint.load_checkpoint`` takes the int8 values and scales as they are instead of quantizing at
+start-up. Tokenizer and other files are copied. Local folders or fsspec URLs on both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+
+QUANT_METHOD = "loraserve-int8"
+# the projections quantized: HF names of a layer's linear weights (worker.quant.QUANTIZED, unfused)
+PROJECTION = re.compile(
+    r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight$"
+)
+SCALE_SUFFIX = "_scale"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "src", help="a Hugging Face checkpoint folder (config.json + *.safetensors), path or URL"
+    )
+    parser.add_argument("dst", help="the folder to write (created; must not hold a checkpoint already)")
+    parser.add_argument(
+        "--quantization", choices=("int8",), default="int8", help="what to write: int8 (per output channel)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    written = quantize_checkpoint(args.src, args.dst)
+    seconds = time.perf_counter() - started
+    print(
+        f"wrote {args.dst}: {written['quantized']} int8 projections, {written['bytes'] / 1e6:.1f} MB in {seconds:.1f} s"
+    )
+    return 0
+
+
+def quantize_checkpoint(src: str, dst: str) -> dict[str, int]:
+    """SRC -> DST as the module doc says; returns counts (``quantized`` tensors, ``bytes`` written)."""
+    from safetensors.numpy import save
+
+    from loraserve.adapters.peft import safetensors_to_numpy
+    from loraserve.common.errors import FailedPrecondition, InvalidArgument
+    from loraserve.worker.checkpoint import _open_folder, _weight_files, read_config
+    from loraserve.worker.model_config import ModelConfig
+    from loraserve.worker.quant import quantize_int8
+
+    config = read_config(src)
+    ModelConfig.from_hf(config)  # a family the worker serves, or refused here
+    if (config.get("quantization_config") or {}).get("quant_method"):
+        raise FailedPrecondition(
+            f"{src} is already quantized ({config['quantization_config']['quant_method']})"
+        )
+    sfs, sroot = _open_folder(src)
+    dfs, droot = _open_folder(dst)
+    if dfs.exists(f"{droot}/config.json"):
+        raise InvalidArgument(f"{dst} already holds a checkpoint (config.json); choose an empty folder")
+    dfs.makedirs(droot, exist_ok=True)
+    files = _weight_files(sfs, sroot)
+    weight_map: dict[str, str] = {}
+    quantized = written = 0
+    for path in files:
+        name = path.rsplit("/", 1)[-1]
+        with sfs.open(path, "rb") as f:
+            tensors = safetensors_to_numpy(f.read())  # bf16 widened to f32 (exact)
+        out = {}
+        for key, value in tensors.items():
+            if PROJECTION.match(key):
+                q, scale = quantize_int8(value)
+                out[key], out[key + SCALE_SUFFIX] = q, scale
+                quantized += 1
+            else:
+                out[key] = _original_dtype(value, config)
+        data = save(out, metadata={"format": "pt", "quantization": QUANT_METHOD})
+        with dfs.open(f"{droot}/{name}", "wb") as f:
+            f.write(data)
+        written += len(data)
+        weight_map.update(dict.fromkeys(out, name))
+    if sfs.exists(f"{sroot}/model.safetensors.index.json"):
+        index = {"metadata": {"total_size": written}, "weight_map": weight_map}
+        with dfs.open(f"{droot}/model.safetensors.index.json", "w") as f:
+            json.dump(index, f, indent=2)
+    config["quantization_config"] = {
+        "quant_method": QUANT_METHOD, "bits": 8, "symmetric": True, "granularity": "per_output_channel",
+        "scale_suffix": SCALE_SUFFIX,
+    }  # fmt: skip
+    with dfs.open(f"{droot}/config.json", "w") as f:
+        json.dump(config, f, indent=2)
+    for other in sfs.ls(sroot, detail=False):  # tokenizer, generation config, chat template, ...
+        base = str(other).rsplit("/", 1)[-1]
+        if base == "config.json" or base.endswith(".safetensors") or base == "model.safetensors.index.json":
+            continue
+        if sfs.isfile(other):
+            with sfs.open(other, "rb") as f, dfs.open(f"{droot}/{base}", "wb") as g:
+                g.write(f.read())
+    return {"quantized": quantized, "bytes": written}
+
+
+def _original_dtype(value, config):
+    """A copied tensor in the checkpoint's dtype (safetensors_to_numpy widened bf16 to f32)."""
+    import numpy as np
+
+    if config.get("torch_dtype", config.get("dtype")) == "bfloat16" and value.dtype == np.float32:
+        import ml_dtypes
+
+        return value.astype(ml_dtypes.bfloat16)
+    return value
