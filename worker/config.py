@@ -162,6 +162,13 @@ class EngineConfig:
         " model; never across adapters",
         CACHE,
     )
+    kv_events: str = opt(
+        "",
+        "publish KV-cache events (pages stored and removed, with their adapter's name) in vLLM's format on this"
+        " ZMQ endpoint, e.g. tcp://*:5557, for prefix-cache-aware routers (llm-d); empty = off",
+        CACHE,
+    )
+    kv_events_topic: str = opt("", "the ZMQ topic of the KV events (vLLM's default: empty)", CACHE)
 
     def __post_init__(self) -> None:
         from loraserve.kernels import KERNEL_BACKENDS

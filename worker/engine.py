@@ -78,6 +78,11 @@ class Engine:
             runner, self.source, self.model_config, config, self._post, self._loader.submit
         )
         self.scheduler = Scheduler(runner, self.residency, self.model_config, config)
+        self.kv_publisher = None  # --kv-events: each step's KV events go out in one batch (worker.kv_events)
+        if config.kv_events:
+            from loraserve.worker.kv_events import Publisher
+
+            self.kv_publisher = Publisher(config.kv_events, config.kv_events_topic)
         self.accounting = AdapterAccounting()  # per-adapter requests, tokens, loads (metrics and heartbeats)
         self.residency.load_recorder = self.accounting.loaded
         self._snapshot = self.scheduler.snapshot()
@@ -111,6 +116,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout=30)
         self._loader.shutdown(wait=False, cancel_futures=True)
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         self.ready.clear()
 
     def warmup(self) -> None:
@@ -166,6 +173,10 @@ class Engine:
         """A new snapshot, then the events and future results it accounts for."""
         self._snapshot = self.scheduler.snapshot()
         self.scheduler.flush()
+        events = self.scheduler.kv_events
+        if events and self.kv_publisher is not None:
+            self.kv_publisher.publish(events)
+            events.clear()
 
     def _drain_inbox(self) -> int:
         handled = 0

@@ -22,7 +22,20 @@ import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from loraserve.worker.kv_events import BlockRemoved, BlockStored
+
 BASE_KEY = "base"  # the adapter key of the base model's pages
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """Consecutive runs of ascending ``indices``: [0, 1, 2, 5, 6] -> [[0, 1, 2], [5, 6]]."""
+    out: list[list[int]] = []
+    for i in indices:
+        if out and out[-1][-1] == i - 1:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 class OutOfPagesError(RuntimeError):
@@ -45,6 +58,7 @@ class SeqPages:
     pages: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     hit_pages: int = 0  # pages shared from the cache at admission
+    lora_name: str | None = None  # the adapter's name@version (or mix ref) for KV events; None = base
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,12 @@ class Lookup:
 
 
 class KVCache:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    """``events``: a list the cache appends ``worker.kv_events`` events to as pages are registered
+    (``BlockStored``) and as cached pages are reclaimed or forgotten (``BlockRemoved``); None = none."""
+
+    def __init__(
+        self, num_pages: int, page_size: int, enable_prefix_caching: bool = True, events: list | None = None
+    ) -> None:
         if num_pages < 2 or page_size < 1:
             raise ValueError("the KV pool needs >= 2 pages (page 0 is the null page) of >= 1 token")
         self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, enable_prefix_caching
@@ -71,6 +90,7 @@ class KVCache:
         self._page_of: dict[bytes, int] = {}  # registered hash -> page
         self._lru: OrderedDict[int, None] = OrderedDict()  # refcount 0 with a hash, least recent first
         self.hit_tokens = self.query_tokens = 0
+        self.events = events
 
     # ----------------------------------------------------------------- counts
     @property
@@ -134,13 +154,15 @@ class KVCache:
         idle_hits = sum(1 for page in lookup.hit_pages if self._refs[page] == 0)
         return lookup.new_pages + spare <= self.available - idle_hits
 
-    def admit(self, adapter_key: str, tokens: list[int], lookup: Lookup) -> SeqPages:
+    def admit(
+        self, adapter_key: str, tokens: list[int], lookup: Lookup, lora_name: str | None = None
+    ) -> SeqPages:
         """Take ``lookup``'s hits and allocate its new pages; counts the query and hit tokens."""
         if not self.can_take(lookup):
             raise OutOfPagesError(f"{lookup.new_pages} pages wanted, {self.available} available")
         for page in lookup.hit_pages:
             self._ref(page)
-        seq = SeqPages(adapter_key, list(lookup.hit_pages), list(lookup.hit_hashes), lookup.hits)
+        seq = SeqPages(adapter_key, list(lookup.hit_pages), list(lookup.hit_hashes), lookup.hits, lora_name)
         seq.pages += self.allocate(lookup.new_pages)
         if self.prefix_caching:
             self.query_tokens += len(tokens)
@@ -158,7 +180,9 @@ class KVCache:
                 page = self._free.popleft()
             else:
                 page, _ = self._lru.popitem(last=False)
-                del self._page_of[self._hash_of.pop(page)]
+                gone = self._hash_of.pop(page)
+                del self._page_of[gone]
+                self._event(BlockRemoved((gone,)))
             self._refs[page] = 1
             out.append(page)
         return out
@@ -194,6 +218,7 @@ class KVCache:
         if not self.prefix_caching:
             return
         p = self.page_size
+        stored: list[int] = []  # the pages registered now (a run of them is one BlockStored)
         for i in range(len(seq.hashes), min(computed // p, len(seq.pages))):
             prev = seq.hashes[-1] if seq.hashes else b""
             h = page_hash(prev, seq.adapter_key, tokens[i * p : (i + 1) * p])
@@ -202,6 +227,13 @@ class KVCache:
             if h not in self._page_of and page not in self._hash_of:
                 self._page_of[h] = page
                 self._hash_of[page] = h
+                stored.append(i)
+        if self.events is not None:
+            for run in _runs(stored):
+                parent = seq.hashes[run[0] - 1] if run[0] else None
+                toks = tuple(tokens[run[0] * p : (run[-1] + 1) * p])
+                hashes = tuple(seq.hashes[i] for i in run)
+                self.events.append(BlockStored(hashes, parent, toks, p, seq.lora_name))
 
     def forget(self, seq: SeqPages) -> None:
         """Drop the hashes ``seq`` registered (its pages' content is not what they say: a failed prefill)."""
@@ -210,6 +242,15 @@ class KVCache:
             if page is not None and page in seq.pages:
                 del self._page_of[h]
                 del self._hash_of[page]
+                self._event(BlockRemoved((h,)))
+
+    def _event(self, event: object) -> None:
+        if self.events is not None:
+            self.events.append(event)
+
+    def registered(self) -> frozenset[bytes]:
+        """The hashes the prefix cache holds now (what the KV events stored and did not remove)."""
+        return frozenset(self._page_of)
 
     def _ref(self, page: int) -> None:
         if self._refs[page] == 0:

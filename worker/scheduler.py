@@ -125,7 +125,9 @@ class Scheduler:
             raise ValueError(
                 f"runner pages hold {runner.page_size} tokens, the config says {config.kv_page_size}"
             )
-        self.kv = KVCache(runner.num_pages, runner.page_size, config.enable_prefix_caching)
+        # this step's KV events (worker.kv_events), when the engine publishes them (--kv-events)
+        self.kv_events: list | None = [] if config.kv_events else None
+        self.kv = KVCache(runner.num_pages, runner.page_size, config.enable_prefix_caching, self.kv_events)
         self.tables = np.zeros((config.max_batch_size, config.pages_per_row), np.int32)
         self._admissions = 0
         self.steps = self.tokens_out = self.requests_done = self.preemptions = 0
@@ -353,7 +355,7 @@ class Scheduler:
             self.ready.popleft()
             self._dequeued()
             req.prompt_scores = [] if scoring else None
-            row = self._place(i, req, self.kv.admit(key, seq, lookup))
+            row = self._place(i, req, self.kv.admit(key, seq, lookup, req.key or req.adapter or None))
             if req.sampling.controlled:  # the row's history on the device: what its controls read
                 self.runner.seed_history(
                     i, req.prompt, req.generated, req.sampling.bias_entries(self.eos_ids)
