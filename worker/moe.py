@@ -43,6 +43,7 @@ slots, each other slot's term exactly zero.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -55,8 +56,10 @@ from loraserve.worker.model_config import ModelConfig
 Array = jax.Array
 # (token, choice) pairs per gathered chunk: bounds the gathered expert weights (chunk × one expert's)
 GATHER_PAIRS = 64
-# the most rows a tile of the CPU's tiled path holds (rows of one expert and slot)
+# the most rows a tile of the CPU's tiled path holds (rows of one expert, or of one expert and slot)
 TILE_ROWS = 64
+# (token, choice) pairs up to which the tiled path gathers each pair's LoRA (a decode step's)
+GATHER_LORA_PAIRS = 256
 # LoRA pools of a mixture of experts (per layer; ``expert_slot_shapes``): expert-major ``[E, S, …]``
 # ``EA/EB_gate_up``, ``EA/EB_down``, slot-major ``RA [S, hidden, R]``, ``RB [S, R, E]`` for the router
 EXPERT_POOLS = ("EA_gate_up", "EB_gate_up", "EA_down", "EB_down")
@@ -219,57 +222,83 @@ def _tiled(
     weights: Array,
     slots: Array,
 ) -> Array:
-    """Prefill-sized token counts on CPU: the pairs sorted by (expert, slot) and cut into tiles of at most
-    ``TILE_ROWS`` rows of one (expert, slot) group (a tile starts at every ``TILE_ROWS``-th sorted pair and at
-    every group's first), each tile one ``[rows, H] @ [H, 2I]`` and ``@ [I, H]`` with its expert's weights
-    (and its slot's LoRA), empty tiles skipped. An expert's weights are read once per tile of it instead of
-    once per pair (the gathered path's), at most ``ceil(pairs / TILE_ROWS) + groups`` tiles; each sorted row
-    is written by exactly one tile, into zeros."""
+    """The CPU's path: each matmul over the (token, choice) pairs as tiles of rows that share an expert
+    (:func:`_grouped`), so an expert's weights are read once per tile of it instead of once per pair (the
+    gathered path's); the LoRA beside them (:func:`_lora`)."""
     t, k = experts.shape
-    pairs = t * k
-    # rows a tile holds: about a group's share of the pairs (decode: a few), a power of two in [8, TILE_ROWS]
-    rows = min(TILE_ROWS, max(8, 1 << max(0, -(-pairs // cfg.num_experts) - 1).bit_length()))
-    flat, slot_of = experts.reshape(-1), jnp.repeat(slots, k)
-    n_slots = pools["EA_gate_up"].shape[1] if pools else 1
-    key = flat * n_slots + (jnp.maximum(slot_of, 0) if pools else 0)
-    groups = cfg.num_experts * n_slots
+    pairs, e = t * k, experts.reshape(-1)
+    s = jnp.repeat(slots, k)
+    xs = x[jnp.arange(pairs) // k]  # [pairs, H]
+    rows = _tile_rows(pairs, cfg.num_experts)
+
+    def base(w: Array) -> Callable[[Array, Array], Array]:
+        return lambda xt, g: jnp.einsum("rh,hn->rn", xt, w[g], preferred_element_type=jnp.float32)
+
+    gu = _grouped(base(lp["experts_gate_up"]), xs, e, cfg.num_experts, lp["experts_gate_up"].shape[2], rows)
+    if pools:
+        gu = gu + _lora(pools, "gate_up", xs, e, s, rows)
+    act = _act(cfg, gu, x.dtype)
+    down = _grouped(base(lp["experts_down"]), act, e, cfg.num_experts, x.shape[1], rows)
+    if pools:
+        down = down + _lora(pools, "down", act, e, s, rows)
+    return _combine(down.astype(x.dtype).reshape(t, k, -1), weights, x.dtype)
+
+
+def _tile_rows(pairs: int, groups: int) -> int:
+    """Rows a tile holds: about a group's share of the pairs (a decode step: a few), a power of two in
+    [8, TILE_ROWS]."""
+    return min(TILE_ROWS, max(8, 1 << max(0, -(-pairs // groups) - 1).bit_length()))
+
+
+def _grouped(
+    fn: Callable[[Array, Array], Array], xs: Array, key: Array, groups: int, out: int, rows: int
+) -> Array:
+    """``[pairs, out]`` f32 in the pairs' order: ``fn(x_tile, g)`` over tiles of at most ``rows`` rows whose
+    ``key`` is ``g``. The rows sorted by key; a tile starts at every ``rows``-th sorted row and at every
+    key's first, so there are at most ``ceil(pairs / rows) + groups`` of them, empty ones skipped; each
+    row is computed by exactly one tile and written into zeros (its bits are its own)."""
+    pairs = xs.shape[0]
     order = jnp.argsort(key, stable=True)
     sorted_key = key[order]
     sizes = jnp.bincount(key, length=groups)
-    firsts = jnp.where(sizes > 0, jnp.cumsum(sizes) - sizes, pairs)  # a group's first sorted pair (or none)
+    firsts = jnp.where(sizes > 0, jnp.cumsum(sizes) - sizes, pairs)  # a key's first sorted row (or none)
     blocks = -(-pairs // rows)
     starts = jnp.sort(jnp.concatenate([jnp.arange(blocks, dtype=firsts.dtype) * rows, firsts]))
     ends = jnp.minimum(jnp.concatenate([starts[1:], jnp.full((1,), pairs, starts.dtype)]), pairs)
-    xs = jnp.pad(x[order // k], ((0, rows), (0, 0)))  # a tile's slice never runs past the end
-    on = jnp.pad((slot_of[order] >= 0).astype(jnp.float32), (0, rows))
+    tile_key = sorted_key[jnp.minimum(starts, pairs - 1)]
+    padded = jnp.pad(xs[order], ((0, rows), (0, 0)))  # a tile's slice never runs past the end
 
     def tile(i: Array) -> Array:
-        start, count = starts[i], jnp.maximum(ends[i] - starts[i], 0)
-        group = sorted_key[jnp.minimum(start, pairs - 1)]
-        e, s = group // n_slots, group % n_slots
+        count = jnp.maximum(ends[i] - starts[i], 0)
 
         def compute() -> Array:
-            xt = jax.lax.dynamic_slice_in_dim(xs, start, rows)
-            gu = jnp.einsum("rh,hn->rn", xt, lp["experts_gate_up"][e], preferred_element_type=jnp.float32)
-            lora_on = jax.lax.dynamic_slice_in_dim(on, start, rows)[:, None]
-            if pools:
-                gu = gu + _tile_delta(pools, "gate_up", xt, e, s) * lora_on
-            act = _act(cfg, gu, x.dtype)
-            down = jnp.einsum("rn,nh->rh", act, lp["experts_down"][e], preferred_element_type=jnp.float32)
-            if pools:
-                down = down + _tile_delta(pools, "down", act, e, s) * lora_on
-            return jnp.where((jnp.arange(rows) < count)[:, None], down.astype(x.dtype), 0)
+            y = fn(jax.lax.dynamic_slice_in_dim(padded, starts[i], rows), tile_key[i])
+            return jnp.where((jnp.arange(rows) < count)[:, None], y, 0.0)
 
-        return jax.lax.cond(count > 0, compute, lambda: jnp.zeros((rows, x.shape[1]), x.dtype))
+        return jax.lax.cond(count > 0, compute, lambda: jnp.zeros((rows, out), jnp.float32))
 
-    outs = jax.lax.map(tile, jnp.arange(starts.shape[0]))  # [tiles, rows, H]
+    outs = jax.lax.map(tile, jnp.arange(starts.shape[0]))  # [tiles, rows, out]
     at = starts[:, None] + jnp.arange(rows)[None, :]
     at = jnp.where(jnp.arange(rows)[None, :] < (ends - starts)[:, None], at, pairs)  # padding -> a spare row
-    down_sorted = (
-        jnp.zeros((pairs + 1, x.shape[1]), x.dtype).at[at.reshape(-1)].add(outs.reshape(-1, x.shape[1]))
-    )
-    unsorted = down_sorted[:pairs][jnp.argsort(order)].reshape(t, k, -1)
-    return _combine(unsorted, weights, x.dtype)
+    y = jnp.zeros((pairs + 1, out), jnp.float32).at[at.reshape(-1)].add(outs.reshape(-1, out))
+    return y[:pairs][jnp.argsort(order)]
+
+
+def _lora(pools: Pools, group: str, xs: Array, e: Array, s: Array, rows: int) -> Array:
+    """``[pairs, out]`` f32: each pair's LoRA of its expert ``e`` and slot ``s`` (-1: an exact zero). Up to
+    ``GATHER_LORA_PAIRS`` pairs (a decode step) each gathers its own A and B, small next to an expert's
+    weights; past that (a prefill) tiles of one (expert, slot) run it (:func:`_grouped`)."""
+    if xs.shape[0] <= GATHER_LORA_PAIRS:
+        return _gathered_delta(pools, group, xs[:, None, :], e[:, None], s)[:, 0]
+    n_slots = pools[f"EA_{group}"].shape[1]
+    key = e * n_slots + jnp.maximum(s, 0)
+    out = pools[f"EB_{group}"].shape[-1]
+
+    def fn(xt: Array, g: Array) -> Array:
+        return _tile_delta(pools, group, xt, g // n_slots, g % n_slots)
+
+    d = _grouped(fn, xs, key, pools[f"EA_{group}"].shape[0] * n_slots, out, rows)
+    return d * (s >= 0).astype(jnp.float32)[:, None]
 
 
 def _tile_delta(pools: Pools, group: str, x: Array, e: Array, s: Array) -> Array:
