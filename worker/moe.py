@@ -13,12 +13,12 @@ for a given number of tokens, as the model's other matmuls are). ``jax.lax.platf
 way when the step is lowered (a TPU program exported on a CPU host is TPU's); all compute the same thing and
 the tests hold them together:
 
-* ``tiled`` (CPU): the (token, choice) pairs sorted by (expert, slot) and cut into tiles of at most
-  ``TILE_ROWS`` rows of one expert and slot, each tile one matmul with its expert's weights, empty tiles
+* ``tiled`` (CPU): for each matmul the (token, choice) pairs sorted by expert and cut into tiles of at
+  most ``TILE_ROWS`` rows of one expert, each tile one matmul with its expert's weights, empty tiles
   skipped: an expert's weights are read once per tile of it. XLA:CPU lowers ``ragged_dot`` to a masked
   product over every expert, and gathering each pair's expert weights copies them per pair: measured on
-  the bench's shapes (hidden 1024, 32 experts of 512, top-4, one layer), 16 tokens take 37 ms tiled, 44
-  ragged, 161 gathered; 256 tokens 47, 587 and 944 ms.
+  the bench's shapes (hidden 1024, 32 experts of 512, top-4, one layer), 16 tokens take 13 ms tiled, 44
+  ragged, 161 gathered; 1024 tokens 158 ms tiled, 4 s ragged.
 * ``ragged`` (TPU, GPU): the pairs sorted by expert, one ``jax.lax.ragged_dot`` per matmul over the groups
   (the grouped matmul XLA lowers to the MXU), then unsorted.
 * ``gather``: each pair multiplies its expert's weights, gathered in chunks (a reference for the tests).
@@ -29,8 +29,9 @@ experts and their LoRA pools, computes the pairs whose expert it holds, and one 
 LoRA on the experts and the router (``adapters.peft_experts``; pools of ``expert_slot_shapes``, present on
 every mixture-of-experts model): a token with adapter slot s that chose expert e adds ``(x A[e, s]) B[e, s]``
 to that expert's gate/up output, and ``(act A'[e, s]) B'[e, s]`` to its down output, before the weighting;
-its router logits gain ``(x RA[s]) RB[s]``. The expert pools are expert-major, ``[E, S, …]``: a tile reads
-its (expert, slot)'s ``A[e, s]``, the gathered path reads them per pair; the grouped path sorts the pairs
+its router logits gain ``(x RA[s]) RB[s]``. The expert pools are expert-major, ``[E, S, …]``: on CPU a
+decode step's pairs gather their own ``A[e, s]`` and ``B[e, s]`` (small next to an expert's weights), a
+prefill's run as tiles of one (expert, slot); the grouped path sorts the pairs
 by ``e * S + s`` (an order also sorted by expert, so the base's groups stay the same) and runs the shrink
 and expand as grouped matmuls over the ``E * S`` (expert, slot) groups: a step reads only the experts and
 slots its tokens chose. Dtypes as
