@@ -64,8 +64,8 @@ def test_family_sizes_serve_the_same_tokens(family_model) -> None:
 
 # Mixtures of experts over N devices: attention split as above, the experts (and their LoRA pools) split by
 # expert (expert parallelism). Adapters on attention, on the experts' gate/up and down and on the router
-# (peft's target_parameters), of ranks 4..16, with a base row; Qwen3-MoE's 8 experts at N = 2, 4; Qwen2-MoE
-# (a shared expert, replicated) at N = 2 (its 6 experts). Tolerance as above (the devices' partial sums add
+# (peft's target_parameters), of ranks 4..16, with a base row; Qwen3-MoE's 8 experts at N = 2, 4 (Qwen2-MoE's
+# shared expert, replicated, passed at N = 2 too; left out of the suite for time). Tolerance as above (the devices' partial sums add
 # in another order; 2e-6 measured).
 MOE_ADAPTERS = {
     "experts-r4": dict(r=4, alpha=8.0, targets=(), target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], seed=1),
@@ -75,7 +75,7 @@ MOE_ADAPTERS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize(("family", "sizes"), [("qwen3_moe", "1,2,4"), ("qwen2_moe", "1,2")])
+@pytest.mark.parametrize(("family", "sizes"), [("qwen3_moe", "1,2,4")])
 def test_expert_parallel_sizes_serve_the_same_tokens(tmp_path, family, sizes) -> None:
     from transformers import AutoModelForCausalLM
 
