@@ -83,13 +83,18 @@ def check_target_parameters(cfg: dict[str, Any]) -> tuple[str, ...]:
 def expert_site(key: str, match: re.Match[str], shape: tuple[int, ...]) -> tuple[Site, str]:
     """A tensor ``EXPERT_KEY`` matched -> its site and ``A`` / ``B``; refuses biases and non-matrices."""
     layer, owner, nest, which, part = match.groups()
+    _check_matrix(key, part, owner, shape)
+    return (int(layer), owner, nest.count(".base_layer")), which
+
+
+def _check_matrix(key: str, part: str, owner: str, shape: tuple[int, ...]) -> None:
+    """A lora_A / lora_B weight of an expert tensor: no bias, two dimensions."""
     if part == "bias":
         raise AdapterError(
             f"tensor {key} is a lora_B bias on {owner}; a LoRA bias on experts is not supported"
         )
     if len(shape) != 2:
         raise AdapterError(f"tensor {key} has shape {list(shape)}; LoRA matrices are 2-D")
-    return (int(layer), owner, nest.count(".base_layer")), which
 
 
 def name_sites(
@@ -256,12 +261,7 @@ def per_expert_site(
 ) -> tuple[tuple[int, str], int, str]:
     """A tensor ``PER_EXPERT_KEY`` matched -> ``((layer, kind), expert, "A" | "B")``."""
     layer, expert, module, which, part = match.groups()
-    if part == "bias":
-        raise AdapterError(
-            f"tensor {key} is a lora_B bias on an expert; a LoRA bias on experts is not supported"
-        )
-    if len(shape) != 2:
-        raise AdapterError(f"tensor {key} has shape {list(shape)}; LoRA matrices are 2-D")
+    _check_matrix(key, part, "an expert", shape)
     return (int(layer), _KIND[module]), int(expert), which
 
 
@@ -296,7 +296,8 @@ def check_per_expert(
                 f"{per_expert_path(layer, kind, max(experts))}: expert {max(experts)} does not exist "
                 f"(the base model has {want} experts)"
             )
-        missing = sorted(set(range(want)) - set(experts))
+        # bounded by the tensors named, not by an index a hostile file may write (experts.999999999)
+        missing = [i for i in range(min(want, len(experts) + 1)) if i not in experts]
         if missing:
             raise AdapterError(
                 f"{per_expert_path(layer, kind, missing[0])}: missing, while the adapter adapts {kind}_proj of "

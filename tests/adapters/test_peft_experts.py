@@ -260,3 +260,19 @@ def test_per_expert_adapters_on_a_dense_base_fail_precondition(tmp_path) -> None
         _parse(folder, DENSE_SHAPES)
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     assert assert_same_as_stream(folder, DENSE_SHAPES)[0] == "AdapterMismatchError"
+
+
+def test_a_huge_expert_index_on_an_unknown_base_is_refused_without_counting_to_it(tmp_path) -> None:
+    """``experts.999999999`` with no base registered: "missing" is found among the experts the file names
+    (nothing is sized by the index), by the worker's parser and the registry's alike."""
+    t = {k.replace("experts.1.", "experts.999999999."): v for k, v in _per_expert().items()}
+    folder = make(
+        tmp_path / "huge", t, target_parameters=None, target_modules=["gate_proj", "up_proj", "down_proj"]
+    )
+    config, weights = (folder / "adapter_config.json").read_bytes(), (folder / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match=r"experts\.1\.\w+_proj: missing"):
+        parse_adapter(config, weights.read_bytes())
+    from loraserve.adapters.peft_stream import validate_adapter_file
+
+    with pytest.raises(AdapterError, match=r"experts\.1\.\w+_proj: missing"):
+        validate_adapter_file(config, str(weights))
