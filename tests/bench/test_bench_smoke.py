@@ -78,8 +78,10 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
         "distinct_adapters_int8_vs_base_int8",
     }
     assert ratios <= set(result["ratios"])
-    assert 0 < result["ratios"]["distinct_adapters_vs_base_serial_bound"] < 1
-    assert 0 < result["ratios"]["distinct_adapters_bf16_pools_vs_base_serial_bound"] < 1
+    # base / (base + pool read time): below 1, but the tiny model's pools read in microseconds, so the
+    # ratio rounded to 3 digits can be 1.0 when the base step is slow (CI: once in a run)
+    assert 0 < result["ratios"]["distinct_adapters_vs_base_serial_bound"] <= 1
+    assert 0 < result["ratios"]["distinct_adapters_bf16_pools_vs_base_serial_bound"] <= 1
     assert result["ttft_ms"]["cold"] > 0 and result["ttft_ms"]["warm"] > 0
 
 
