@@ -7,6 +7,7 @@ gets a fresh database created for it and dropped afterwards, since the server ou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import uuid
@@ -112,14 +113,11 @@ def _with_database(url: str, database: str) -> str:
     return make_url(url).set(database=database).render_as_string(hide_password=False)
 
 
-@pytest.fixture
-def postgres_url() -> Iterator[str]:
-    """SQLAlchemy URL of a brand-new PostgreSQL database, dropped after the test."""
+@contextlib.contextmanager
+def fresh_postgres_database(base_url: str) -> Iterator[str]:
+    """A brand-new PostgreSQL database on ``base_url``'s server (its URL), dropped on leaving."""
     from sqlalchemy import create_engine, text
 
-    base_url = os.environ.get(POSTGRES_ENV)
-    if not base_url:
-        pytest.skip(f"{POSTGRES_ENV} is not set")
     name = f"loraserve_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(base_url, isolation_level="AUTOCOMMIT", pool_pre_ping=True)
     try:
@@ -132,6 +130,16 @@ def postgres_url() -> Iterator[str]:
                 conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         finally:
             admin.dispose()
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """SQLAlchemy URL of a brand-new PostgreSQL database, dropped after the test."""
+    base_url = os.environ.get(POSTGRES_ENV)
+    if not base_url:
+        pytest.skip(f"{POSTGRES_ENV} is not set")
+    with fresh_postgres_database(base_url) as url:
+        yield url
 
 
 # ---------------------------------------------------------------- tiny models and PEFT adapters

@@ -8,6 +8,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
+from tests.conftest import POSTGRES_ENV, fresh_postgres_database
+
 pytestmark = pytest.mark.postgres
 
 
@@ -28,13 +30,28 @@ def test_each_test_gets_its_own_empty_database(postgres_url: str) -> None:
 
 
 def test_databases_are_dropped_after_use() -> None:
-    engine = create_engine(os.environ["LORASERVE_TEST_POSTGRES_URL"])
+    base_url = os.environ[POSTGRES_ENV]
+    with fresh_postgres_database(base_url) as url:
+        name = make_url(url).database
+        user = create_engine(url)
+        conn = (
+            user.connect()
+        )  # a session still open in the database when it is dropped: the drop forces it out
+        conn.execute(text("CREATE TABLE probe (id integer)"))
+        conn.commit()
+        # Only this test's database is looked at: tests in other processes hold theirs meanwhile.
+        assert _databases(base_url, name) == [name]
+    try:
+        assert _databases(base_url, name) == []
+    finally:
+        user.dispose()
+
+
+def _databases(base_url: str, name: str) -> list[str]:
+    engine = create_engine(base_url)
     try:
         with engine.connect() as conn:
-            left = conn.execute(
-                text("SELECT datname FROM pg_database WHERE datname LIKE 'loraserve_test_%'")
-            ).all()
+            rows = conn.execute(text("SELECT datname FROM pg_database WHERE datname = :n"), {"n": name})
+            return [row[0] for row in rows]
     finally:
         engine.dispose()
-    # Earlier tests in this run have finished; their databases must be gone.
-    assert left == []
