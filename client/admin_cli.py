@@ -1,4 +1,4 @@
-"""``loraserve adapters {push,ls,show,rm,alias,unalias,history}`` and ``loraserve workers ls``: registry
+"""``loraserve adapters {push,ls,show,rm,alias,unalias,history,limits}`` and ``loraserve workers ls``: registry
 administration.
 
 Tables by default, ``--json`` for machines. The registry address comes from ``--registry`` or
@@ -98,6 +98,19 @@ def add_adapter_arguments(parser: argparse.ArgumentParser) -> None:
     stats.add_argument("name")
     stats.set_defaults(adapters_action=_stats)
     _common(stats)
+    limits = sub.add_parser(
+        "limits",
+        help="cap the requests of adapter NAME (or --tenant T) each worker runs at once; "
+        "with no --max-running/--clear: list the caps",
+    )
+    limits.add_argument("name", nargs="?", default="", help="an adapter name (every version)")
+    limits.add_argument("--tenant", default="", help="a tenant: adapters whose label tenant=T")
+    how = limits.add_mutually_exclusive_group()
+    how.add_argument("--max-running", type=_running_count, metavar="K", help="at most K at once per worker")
+    how.add_argument("--clear", action="store_true", help="remove the cap")
+    limits.add_argument("--actor", default="", help="who is changing it (default: $USER)")
+    limits.set_defaults(adapters_action=_limits)
+    _common(limits)
     history = sub.add_parser("history", help="every alias change of NAME: who, when, from, to")
     history.add_argument("name")
     history.add_argument("--alias", default="", help="only this alias")
@@ -287,6 +300,45 @@ def _history(client, args: argparse.Namespace) -> None:
             for c in changes
         ],
         ["WHEN (UTC)", "ALIAS", "FROM", "TO", "BY"],
+    )
+
+
+def _running_count(text: str) -> int:
+    """``--max-running``: a whole number from 1 (argparse names the flag and exits 2 on anything else)."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is below 1 (use --clear to remove a cap)")
+    return value
+
+
+def _limits(client, args: argparse.Namespace) -> None:
+    from loraserve.common.errors import InvalidArgument
+
+    if args.name and args.tenant:
+        raise InvalidArgument("give an adapter NAME or --tenant, not both")
+    target = {"adapter": args.name, "tenant": args.tenant}
+    if args.max_running is not None or args.clear:
+        if not (args.name or args.tenant):
+            raise InvalidArgument("--max-running and --clear need an adapter NAME or --tenant")
+        if args.clear:
+            views = [client.clear_running_limit(**target, actor=_actor(args))]
+        else:
+            views = [client.set_running_limit(args.max_running, **target, actor=_actor(args))]
+    else:  # list, or one name's / tenant's cap
+        kind, key = ("adapter", args.name) if args.name else ("tenant", args.tenant)
+        views = [v for v in client.running_limits() if not key or (v.kind, v.key) == (kind, key)]
+    if args.json:
+        print(json.dumps([_dict(v) for v in views]))
+        return
+    _table(
+        [
+            [v.kind, v.key, v.max_running or "(cleared)", v.updated_by, v.updated_at.ToDatetime().isoformat()]
+            for v in views
+        ],
+        ["KIND", "KEY", "MAX RUNNING", "BY", "SET AT (UTC)"],
     )
 
 

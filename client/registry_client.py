@@ -133,6 +133,31 @@ class RegistryClient:
         request = registry_pb2.ListAliasHistoryRequest(name=name, alias=alias)
         return list(self._call(self.adapters.ListAliasHistory, request).changes)
 
+    def set_running_limit(
+        self,
+        max_running: int,
+        *,
+        adapter: str = "",
+        tenant: str = "",
+        actor: str = "",
+    ) -> registry_pb2.RunningLimit:
+        """Cap the requests of one adapter name (every version), or of one tenant (adapters labelled
+        ``tenant=T``), that each worker runs at once."""
+        request = registry_pb2.SetRunningLimitRequest(
+            adapter=adapter, tenant=tenant, max_running=max_running, actor=actor
+        )
+        return self._call(self.adapters.SetRunningLimit, request)
+
+    def clear_running_limit(
+        self, *, adapter: str = "", tenant: str = "", actor: str = ""
+    ) -> registry_pb2.RunningLimit:
+        request = registry_pb2.SetRunningLimitRequest(adapter=adapter, tenant=tenant, clear=True, actor=actor)
+        return self._call(self.adapters.SetRunningLimit, request)
+
+    def running_limits(self) -> list[registry_pb2.RunningLimit]:
+        request = registry_pb2.ListRunningLimitsRequest()
+        return list(self._call(self.adapters.ListRunningLimits, request).limits)
+
     def list(
         self, *, base_model: str = "", name_prefix: str = "", page_size: int = 100
     ) -> Iterator[registry_pb2.Adapter]:

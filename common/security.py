@@ -64,6 +64,8 @@ RPC_SCOPES: dict[str, frozenset[str]] = {
         "ListAliasHistory",
         "SetBaseModelAliases",
         "GetBaseModel",
+        "SetRunningLimit",
+        "ListRunningLimits",
     ),
 }
 ADMIN_ONLY = frozenset({ADMIN})

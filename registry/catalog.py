@@ -41,6 +41,7 @@ from loraserve.registry.clock import SYSTEM_CLOCK, Clock
 from loraserve.registry.db import AdapterRow, AdapterState, BaseModelRow, PlacementRow, UnloadOrderRow
 from loraserve.registry.hot_reads import HotReads, ThreadReads
 from loraserve.registry.imports import ImportPolicy
+from loraserve.registry.running_limits import RunningLimits
 from loraserve.registry.storage import BlobStore, StagedBlob
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -154,6 +155,7 @@ class Catalog:
         self.upload_slots = UploadSlots(max_concurrent_uploads)  # the servicer holds one per upload/import
         self.imports = imports or ImportPolicy((), store.root_url, max_upload_bytes)
         self.aliases = Aliases(sessions, self.reads, clock)
+        self.limits = RunningLimits(sessions, self.reads, clock)
         self.base_models = BaseModels(sessions)
 
     # ------------------------------------------------------------------ upload

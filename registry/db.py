@@ -2,8 +2,9 @@
 
 Tables (docs/design.md §4): ``adapters`` (one row per name@version), ``base_models`` (module shapes learned
 from workers, used to validate uploads), ``workers`` (address, lease, last heartbeat, load),
-``placements`` (which adapter sits in which slot of which worker) and ``unload_orders`` (deleted
-adapters that workers still hold; delivered with heartbeats). SQLite is the embedded default,
+``placements`` (which adapter sits in which slot of which worker), ``unload_orders`` (deleted
+adapters that workers still hold; delivered with heartbeats) and ``running_limits`` (running caps per
+adapter name or tenant, registry.running_limits). SQLite is the embedded default,
 PostgreSQL the production database; the schema is created by Alembic (``loraserve registry migrate``).
 """
 
@@ -198,6 +199,20 @@ class AliasChangeRow(Base):
     after: Mapped[list[list[float]] | None] = mapped_column(JSON, nullable=True)
     actor: Mapped[str] = mapped_column(String(256), default="")
     at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RunningLimitRow(Base):
+    """A running cap (registry.running_limits): requests of one adapter name or tenant a worker runs at once."""
+
+    __tablename__ = "running_limits"
+    __table_args__ = (UniqueConstraint("kind", "key", name="uq_running_limits_kind_key"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(String(16))  # LimitKind: adapter | tenant
+    key: Mapped[str] = mapped_column(String(128))  # adapter name or tenant
+    max_running: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_by: Mapped[str] = mapped_column(String(256), default="")
 
 
 def make_engine(url: str) -> Engine:

@@ -46,6 +46,7 @@ from loraserve.registry.placement import (
     SlotReport,
     adapter_stats,
 )
+from loraserve.registry.running_limits import LimitKind, LimitView, RunningLimits
 from loraserve.registry.storage import StagedBlob
 
 log = logging.getLogger("loraserve.registry.server")
@@ -64,6 +65,15 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 def _placement_state(value: int) -> SlotState:
     """A reported slot's state as a ``placements`` row holds it: LOADED, or LOADING for anything else."""
     return SlotState.LOADED if value == SlotState.LOADED.proto else SlotState.LOADING
+
+
+def _names(keys) -> set[str]:
+    """The adapter names among ``keys`` (a worker may also hold local adapters, e.g. ``/path``)."""
+    names = set()
+    for key in keys:
+        with contextlib.suppress(InvalidArgument):
+            names.add(parse_ref(key).name)
+    return names
 
 
 def ts(value: datetime | None) -> Timestamp:
@@ -108,6 +118,16 @@ def adapter_to_proto(row: AdapterRow, aliases: list[AliasView] = ()) -> registry
         created_at=ts(row.created_at),
         description=row.description,
         labels=row.labels,
+    )
+
+
+def limit_to_proto(view: LimitView) -> registry_pb2.RunningLimit:
+    return registry_pb2.RunningLimit(
+        kind=view.kind.value,
+        key=view.key,
+        max_running=view.max_running,
+        updated_at=ts(view.updated_at),
+        updated_by=view.updated_by,
     )
 
 
@@ -299,9 +319,15 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
 
     async def GetAdapter(self, request, context):
         row = await _call(context, self.catalog.get, request.adapter, request.routing_key)
-        aliases = await _call(context, self.catalog.aliases.of_names, [row.name])
+
+        def extras():  # both reads in one hop to the thread pool
+            return self.catalog.aliases.of_names([row.name]), self.catalog.limits.caps_for([row.name])
+
+        aliases, caps = await _call(context, extras)
         out = adapter_to_proto(row, aliases.get(row.name, []))
         out.adapter_config_json = row.config.encode()
+        if cap := caps.get(row.name):  # the worker resolving it caps its requests from the first one
+            out.max_running, out.tenant_max_running = cap.max_running, cap.tenant_max_running
         return out
 
     async def ListAdapters(self, request, context):
@@ -337,6 +363,25 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
 
     async def GetBaseModel(self, request, context):
         return base_model_to_proto(await _call(context, self.catalog.base_models.get, request.id))
+
+    async def SetRunningLimit(self, request, context):
+        if bool(request.adapter) == bool(request.tenant):
+            raise InvalidArgument("give exactly one of adapter and tenant")
+        kind, key = (
+            (LimitKind.ADAPTER, request.adapter) if request.adapter else (LimitKind.TENANT, request.tenant)
+        )
+        limits, actor = self.catalog.limits, _actor(request, context)
+        if request.clear:
+            if request.max_running:
+                raise InvalidArgument("max_running must be 0 when clear is set")
+            view = await _call(context, limits.clear, kind, key, actor)
+        else:
+            view = await _call(context, limits.set, kind, key, request.max_running, actor)
+        return limit_to_proto(view)
+
+    async def ListRunningLimits(self, request, context):
+        views = await _call(context, self.catalog.limits.list)
+        return registry_pb2.ListRunningLimitsResponse(limits=[limit_to_proto(v) for v in views])
 
     async def ListAliasHistory(self, request, context):
         rows = await _call(context, self.catalog.aliases.history, request.name, request.alias)
@@ -378,8 +423,8 @@ class AdapterRegistryServicer(registry_pb2_grpc.AdapterRegistryServicer):
 
 
 class PlacementServicer(placement_pb2_grpc.PlacementServicer):
-    def __init__(self, placement: Placement) -> None:
-        self.placement = placement
+    def __init__(self, placement: Placement, limits: RunningLimits | None = None) -> None:
+        self.placement, self.limits = placement, limits
 
     async def RegisterWorker(self, request, context):
         shapes = {m.module: (m.in_features, m.out_features, m.num_layers) for m in request.module_shapes}
@@ -413,20 +458,28 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
         )
         cached = {c.adapter: Tier.of_proto(c.tier) or "" for c in request.cached if c.adapter}
         usage = {u.adapter: usage_from_proto(u) for u in request.usage if u.adapter}
-        worker, orders = await _call(
-            context,
-            self.placement.heartbeat,
-            request.worker_id,
-            slots,
-            load,
-            cached,
-            usage,
-            request.usage_changed_only,
-        )
+        held = _names([*(slot.adapter for slot in slots), *cached])
+
+        def beat():  # the heartbeat and the caps of what the worker holds in one hop to the thread pool
+            worker, orders = self.placement.heartbeat(
+                request.worker_id, slots, load, cached, usage, request.usage_changed_only
+            )
+            return worker, orders, self.limits.caps_for(held) if self.limits else {}
+
+        worker, orders, caps = await _call(context, beat)
         return placement_pb2.HeartbeatResponse(
             lease_expires_at=ts(worker.lease_expires_at),
             unload=[
                 placement_pb2.UnloadOrder(adapter=o.adapter, reason=o.reason, drain=o.drain) for o in orders
+            ],
+            caps=[
+                placement_pb2.RunningCap(
+                    adapter=name,
+                    max_running=c.max_running,
+                    tenant=c.tenant,
+                    tenant_max_running=c.tenant_max_running,
+                )
+                for name, c in sorted(caps.items())
             ],
         )
 
@@ -490,7 +543,11 @@ def registry_services(catalog: Catalog, placement: Placement) -> Services:
         add_servicer(
             registry_pb2_grpc.add_AdapterRegistryServicer_to_server, AdapterRegistryServicer(catalog), server
         )
-        add_servicer(placement_pb2_grpc.add_PlacementServicer_to_server, PlacementServicer(placement), server)
+        add_servicer(
+            placement_pb2_grpc.add_PlacementServicer_to_server,
+            PlacementServicer(placement, catalog.limits),
+            server,
+        )
 
     return Services("registry", add, SERVICE_NAMES, MAX_MESSAGE_BYTES)
 

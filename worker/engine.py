@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from loraserve.adapters.running_caps import RunningCaps
 from loraserve.adapters.sources import AdapterSource, LocalAdapterSource
 from loraserve.worker.accounting import AdapterAccounting
 from loraserve.worker.config import EngineConfig
@@ -77,7 +78,9 @@ class Engine:
         self.residency = Residency(
             runner, self.source, self.model_config, config, self._post, self._loader.submit
         )
-        self.scheduler = Scheduler(runner, self.residency, self.model_config, config)
+        # running caps from the registry (heartbeats, GetAdapter): a registry source keeps them up to date
+        self.caps: RunningCaps = getattr(self.source, "caps", None) or RunningCaps()
+        self.scheduler = Scheduler(runner, self.residency, self.model_config, config, caps=self.caps)
         self.kv_publisher = None  # --kv-events: each step's KV events go out in one batch (worker.kv_events)
         if config.kv_events:
             from loraserve.worker.kv_events import Publisher

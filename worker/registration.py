@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import grpc
 
 from loraserve.adapters.mixes import is_mix, parse_mix
+from loraserve.adapters.running_caps import Cap, adapter_names
 from loraserve.common.errors import FailedPrecondition
 from loraserve.common.security import aio_channel
 from loraserve.common.slots import Tier
@@ -111,6 +112,13 @@ class Registration:
             if k not in on_device
         ]
 
+    def _caps(self, request: placement_pb2.HeartbeatRequest, resp: placement_pb2.HeartbeatResponse) -> None:
+        """The reply's running caps speak for every adapter name the heartbeat reported holding."""
+        reported = [s.adapter for s in request.slots] + [c.adapter for c in request.cached]
+        covered = {name for key in reported for name in adapter_names(key)}
+        caps = {c.adapter: Cap(c.max_running, c.tenant, c.tenant_max_running) for c in resp.caps}
+        self.engine.caps.replace(caps, covered)
+
     async def _unload(self, order: placement_pb2.UnloadOrder) -> None:
         """A deleted adapter is refused to new requests at once, and every copy of it forgotten (host memory,
         disk cache); requests already admitted finish, then its slot empties. A drained one (an alias moved
@@ -149,6 +157,7 @@ class Registration:
                         self.engine.accounting.mark_changed(u.adapter for u in request.usage)
                         raise
                     self.heartbeats += 1
+                    self._caps(request, resp)
                     for order in resp.unload:
                         await self._unload(order)
                     backoff = 0.2

@@ -18,6 +18,7 @@ import grpc
 
 from loraserve.adapters.errors import AdapterError, AdapterUnavailableError
 from loraserve.adapters.refs import parse_ref
+from loraserve.adapters.running_caps import TENANT_LABEL, Cap, RunningCaps
 from loraserve.adapters.sources import FetchedAdapter, Origin
 from loraserve.common.security import channel
 from loraserve.protos.v1 import registry_pb2, registry_pb2_grpc
@@ -64,6 +65,7 @@ class RegistryAdapterSource:
         self._latest: dict[str, tuple[str, float]] = {}  # "name" -> ("name@version", fetched at)
         self._lock = threading.Lock()
         self.stats = {"direct": 0, "download": 0, "disk_cache": 0}
+        self.caps = RunningCaps()  # the engine's running caps: GetAdapter answers and heartbeats fill them
 
     def disk_keys(self) -> list[str]:
         """Adapters (``name@version``) whose blob sits in the disk cache: a parse away, no object store."""
@@ -90,9 +92,13 @@ class RegistryAdapterSource:
 
     def _get(self, ref: str) -> registry_pb2.Adapter:
         try:
-            return self.stub.GetAdapter(registry_pb2.GetAdapterRequest(adapter=ref), timeout=self.timeout)
+            meta = self.stub.GetAdapter(registry_pb2.GetAdapterRequest(adapter=ref), timeout=self.timeout)
         except grpc.RpcError as exc:
             raise _adapter_error(exc, f"resolving {ref!r}", (NOT_FOUND, INVALID_ARGUMENT)) from None
+        # capped from its first request on this worker (heartbeats keep the caps up to date afterwards)
+        tenant = meta.labels.get(TENANT_LABEL, "") if meta.tenant_max_running else ""
+        self.caps.note(meta.name, Cap(meta.max_running, tenant, meta.tenant_max_running))
+        return meta
 
     def resolve(self, ref: str) -> str:
         parsed = parse_ref(ref)

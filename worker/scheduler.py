@@ -35,6 +35,7 @@ import numpy as np
 
 from loraserve.adapters.mixes import is_mix, parse_mix, validate_mix
 from loraserve.adapters.refs import parse_ref
+from loraserve.adapters.running_caps import Cap, RunningCaps, adapter_names
 from loraserve.common.errors import ResourceExhausted
 from loraserve.common.finish_reasons import FinishReason
 from loraserve.worker.config import EngineConfig
@@ -103,6 +104,43 @@ class _Prefill:
         return self.budget == 0
 
 
+class _Running:
+    """This step's running requests per capped adapter name and tenant, as admission adds to them."""
+
+    def __init__(self, caps: dict[str, Cap], reqs: Iterable[EngineRequest]) -> None:
+        self.caps = caps
+        self.names: dict[str, int] = {}
+        self.tenants: dict[str, int] = {}
+        if caps:
+            for req in reqs:
+                self.add(req)
+
+    def _capped_names(self, req: EngineRequest) -> list[tuple[str, Cap]]:
+        return [(n, cap) for n in adapter_names(req.key or req.adapter) if (cap := self.caps.get(n))]
+
+    def add(self, req: EngineRequest) -> None:
+        if not self.caps:
+            return
+        tenants = set()
+        for name, cap in self._capped_names(req):
+            self.names[name] = self.names.get(name, 0) + 1
+            if cap.tenant:
+                tenants.add(cap.tenant)
+        for tenant in tenants:  # a mix of one tenant's adapters is one of its requests
+            self.tenants[tenant] = self.tenants.get(tenant, 0) + 1
+
+    def capped(self, req: EngineRequest) -> bool:
+        """Whether admitting ``req`` would take its name or its tenant past a cap."""
+        if not self.caps:
+            return False
+        for name, cap in self._capped_names(req):
+            if cap.max_running and self.names.get(name, 0) >= cap.max_running:
+                return True
+            if cap.tenant_max_running and self.tenants.get(cap.tenant, 0) >= cap.tenant_max_running:
+                return True
+        return False
+
+
 class Scheduler:
     def __init__(
         self,
@@ -111,9 +149,12 @@ class Scheduler:
         model_config: ModelConfig,
         config: EngineConfig,
         clock: Callable[[], float] = time.monotonic,
+        caps: RunningCaps | None = None,
     ) -> None:
         self.runner, self.residency, self.model_config, self.config = runner, residency, model_config, config
         self.clock = clock
+        # running caps per adapter name and tenant (adapters.running_caps; set in the registry)
+        self.caps = caps or RunningCaps()
         self.eos_ids = frozenset(model_config.eos_token_ids)
         self.waiting: deque[EngineRequest] = deque()
         self.ready: deque[EngineRequest] = deque()
@@ -329,14 +370,19 @@ class Scheduler:
     def _admit_ready(self, plan: _Prefill) -> None:
         """Ready requests in FIFO order into free rows, while rows, pages and the budget last. A request
         that could never fit the pool ends with NO_ROOM; one that must wait for pages stops admission
-        (nobody behind it goes first)."""
-        admitted = 0
-        while self.ready and admitted < self.config.prefill_per_step and not plan.spent:
+        (nobody behind it goes first). A request whose adapter name or tenant runs its cap's worth of rows
+        (running caps) stays where it is and the ones behind it go ahead: a capped flood cannot block them."""
+        admitted, at = 0, 0
+        running = _Running(self.caps.table(), (row.req for _, row in self._running()))
+        while at < len(self.ready) and admitted < self.config.prefill_per_step and not plan.spent:
             try:
                 i = self.rows.index(None)
             except ValueError:
                 return
-            req = self.ready[0]
+            req = self.ready[at]
+            if running.capped(req):
+                at += 1
+                continue
             seq = req.prompt + req.generated  # prompt + what was streamed before a preemption
             key = self._adapter_key(req)
             # a request scoring its prompt computes all of it: no logprobs are kept for cached pages
@@ -345,14 +391,15 @@ class Scheduler:
                 key, seq, reserve=1, cached=not scoring
             )  # + the first decode token's page
             if lookup.hits + lookup.new_pages > self.kv.total:  # config keeps one context in the pool
-                self.ready.popleft()
+                del self.ready[at]
                 self._dequeued()
                 self._release_slot(req)
                 self._emit(req, NO_ROOM)
                 continue
             if not self.kv.can_take(lookup, spare=self._pages_due()):
                 return
-            self.ready.popleft()
+            del self.ready[at]
+            running.add(req)
             self._dequeued()
             req.prompt_scores = [] if scoring else None
             row = self._place(i, req, self.kv.admit(key, seq, lookup, req.key or req.adapter or None))

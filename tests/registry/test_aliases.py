@@ -175,7 +175,7 @@ def test_migration_from_wave_1_keeps_data_and_the_registry_serves_it(db_url, tmp
             )
         )
     migrate.upgrade(url)
-    assert migrate.current_revision(url) == "0004"
+    assert migrate.current_revision(url) == "0005"
     assert {"adapter_aliases", "alias_history"} <= set(sa.inspect(engine).get_table_names())
     with engine.connect() as conn:
         assert conn.execute(sa.text("SELECT name, version, retired FROM adapters")).all() == [("a", 1, False)]

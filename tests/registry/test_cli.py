@@ -87,7 +87,7 @@ def test_unreachable_registry_is_a_clear_error(capsys: pytest.CaptureFixture[str
 def test_registry_migrate_and_gc(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     db = f"sqlite:///{tmp_path / 'm.db'}"
     code, out, _ = _run(capsys, "registry", "migrate", "--db", db)
-    assert code == 0 and out.strip() == "database at revision 0004"
+    assert code == 0 and out.strip() == "database at revision 0005"
     store = tmp_path / "store"
     from loraserve.registry.storage import BlobStore
 

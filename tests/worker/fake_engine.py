@@ -17,6 +17,7 @@ from safetensors.numpy import save
 
 from loraserve.adapters.errors import AdapterNotFoundError
 from loraserve.adapters.refs import split_ref
+from loraserve.adapters.running_caps import RunningCaps
 from loraserve.adapters.sources import FetchedAdapter
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.fake_runner import FakeRunner
@@ -105,7 +106,7 @@ class Collector:
 
 
 class Harness:
-    def __init__(self, config: EngineConfig, source: MemorySource) -> None:
+    def __init__(self, config: EngineConfig, source: MemorySource, caps: RunningCaps | None = None) -> None:
         self.config, self.source = config, source
         self.inbox: list = []
         self.now = 0.0
@@ -120,7 +121,9 @@ class Harness:
             lambda fn, ref: fn(ref),
             clock=lambda: float(next(ticks)),
         )
-        self.scheduler = Scheduler(self.runner, self.residency, TINY, config, clock=lambda: self.now)
+        self.scheduler = Scheduler(
+            self.runner, self.residency, TINY, config, clock=lambda: self.now, caps=caps
+        )
         self._ids = itertools.count()
 
     def submit(self, adapter: str = "", prompt=(5,), deadline: float | None = None, **sampling) -> Collector:
