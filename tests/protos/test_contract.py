@@ -29,6 +29,8 @@ SERVICES = {
         "ListAliasHistory": UNARY,
         "SetBaseModelAliases": UNARY,
         "GetBaseModel": UNARY,
+        "SetRunningLimit": UNARY,
+        "ListRunningLimits": UNARY,
     },
     (placement_pb2, "Placement"): {
         "RegisterWorker": UNARY,
