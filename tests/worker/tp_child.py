@@ -250,6 +250,11 @@ def main() -> None:
     parser.add_argument("--adapters", default="", help="comma-separated PEFT folders")
     parser.add_argument("--backend", default="xla-grouped")
     parser.add_argument("--sizes", default="1,2,4,8")
+    parser.add_argument(
+        "--runs",
+        default="",
+        help="several backends in this one process: 'cpu=1,2,4,8 pallas=2' (JSON by backend)",
+    )
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--swaps", type=int, default=200)
     parser.add_argument("--dtype", default="float32")
@@ -268,6 +273,14 @@ def main() -> None:
         print(json.dumps({n: hlo(args.model, args.backend, int(n)) for n in args.sizes.split(",")}))
         return
     adapters = args.adapters.split(",")
+    if args.runs:  # one process for several backends: one JAX start, the checkpoint read once per size
+        runs = dict(item.split("=") for item in args.runs.split())
+        print(json.dumps({
+            backend: {n: serve(args.model, adapters, backend, int(n), args.steps, args.swaps, args.dtype)
+                      for n in sizes.split(",")}
+            for backend, sizes in runs.items()
+        }))  # fmt: skip
+        return
     out = {
         n: serve(args.model, adapters, args.backend, int(n), args.steps, args.swaps, args.dtype)
         for n in args.sizes.split(",")
