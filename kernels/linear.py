@@ -59,6 +59,11 @@ def use_backend(name: str) -> Iterator[None]:
         _backend.reset(token)
 
 
+def current_backend() -> str:
+    """The linear backend in force while the current program is traced (:func:`use_backend`)."""
+    return _backend.get()
+
+
 def traced_with(name: str, fn: Callable) -> Callable:
     """``fn`` run under :func:`use_backend` ``(name)``: give this to ``jax.jit`` so every trace of it
     (a new shape compiles later, at first call) uses the same linear backend."""

@@ -19,7 +19,6 @@ from jax.sharding import PartitionSpec as P
 
 from loraserve import kernels
 from loraserve.adapters.peft import LoraWeights
-from loraserve.common.errors import FailedPrecondition
 from loraserve.kernels.attention import DecodeAttention, resolve_attention
 from loraserve.kernels.backends import LoraBackend
 from loraserve.kernels.linear import resolve_backend as resolve_linear
@@ -203,10 +202,6 @@ class JaxRunner:
             self.model_config, self.params, self.backend = checkpoint.config, checkpoint.params, backend
             out_shardings = None
         else:
-            if getattr(checkpoint, "quantization", "none") != "none":
-                raise FailedPrecondition(
-                    f"--quantization {checkpoint.quantization} runs on one device for now: tensor_parallel_size {n}"
-                )
             sharding.check_tensor_parallel(checkpoint.config, n, len(jax.devices()))
             self.mesh = sharding.make_mesh(n)
             self.model_config = sharding.tp_model_config(checkpoint.config, n)

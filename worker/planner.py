@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraserve.common.errors import FailedPrecondition, InvalidArgument
+from loraserve.common.errors import InvalidArgument
 from loraserve.worker.requests import history_bytes
 
 if TYPE_CHECKING:  # numpy and JAX stay out of `loraserve --help` (the CLI builds every subcommand's flags)
@@ -229,8 +229,6 @@ def plan(
     check_layout(cfg, tp)
     if quantization not in ("none", "int8"):
         raise InvalidArgument(f"quantization must be none or int8, got {quantization!r}")
-    if quantization != "none" and tp > 1:
-        raise FailedPrecondition(f"--quantization {quantization} runs on one device for now: --tp {tp}")
     spec = CHIPS[chip]
     return Plan(
         model=model,

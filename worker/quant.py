@@ -4,7 +4,9 @@ Each of a layer's fused projections (``wqkv``, ``wo``, ``w_gate_up``, ``w_down``
 :class:`Int8Weight`: symmetric per-output-channel int8 values ``q = round(w / s)`` in [-127, 127] with
 ``s = max|w_row| / 127`` (f32), quantized once when the checkpoint is loaded. Activations, the KV cache,
 norms, embeddings, the head and every adapter pool stay in the model's dtype; a mixture of experts keeps its
-experts and router unquantized (attention is quantized).
+experts and router unquantized (attention is quantized). Split over devices (tensor parallelism) ``q`` is
+split like the float weight and the scales with their output channels (column-parallel projections: split;
+row-parallel ``wo`` / ``w_down``: whole), and the product is XLA's dot, which GSPMD partitions.
 
 *Semantics:* ``qlinear(x, w) = (x @ q.T) * s`` with f32 accumulation (XLA's dot, or on a CPU for a
 decode step's rows the C++ kernel ``kernels.cpu.linear_int8``, which reads the weights as bytes): "dequantize, then the same-dtype
@@ -21,6 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from loraserve.kernels.linear import current_backend
 
 Array = jax.Array
 QUANTIZATIONS = ("none", "int8")
@@ -59,7 +63,12 @@ def qlinear(x: Array, w: Int8Weight) -> Array:  # [..., out] f32
     XLA:CPU would first convert the whole matrix; a longer prefill, and other platforms, use XLA's dot."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] <= KERNEL_ROWS and x.dtype in (jnp.float32, jnp.bfloat16) and _kernel_available():
+    if (
+        x2.shape[0] <= KERNEL_ROWS
+        and x.dtype in (jnp.float32, jnp.bfloat16)
+        and current_backend() != "xla"  # e.g. a model split over devices: GSPMD partitions XLA's dot
+        and _kernel_available()
+    ):
         y = jax.lax.platform_dependent(x2, w.q, w.scale, cpu=_kernel, default=_xla)
     else:
         y = _xla(x2, w.q, w.scale)

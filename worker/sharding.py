@@ -20,6 +20,7 @@ N = 1 uses none of this: the runner keeps its single-device path.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -127,16 +128,27 @@ def _repeat_kv_rows(w: np.ndarray, cfg: ModelConfig, r: int) -> np.ndarray:
 
 def host_layer_params(cfg: ModelConfig, layer: dict[str, Any], n: int) -> dict[str, np.ndarray]:
     """One layer's params (``worker.checkpoint`` layout) -> host arrays in the N-device layout."""
+    from loraserve.worker.quant import Int8Weight
+
     tcfg, r = tp_model_config(cfg, n), kv_repeat(cfg, n)
-    out = {k: np.asarray(v) for k, v in layer.items()}
+
+    def host(v: Any) -> Any:  # an int8 projection's values and scales move together, row for row
+        if isinstance(v, Int8Weight):
+            return Int8Weight(np.asarray(v.q), np.asarray(v.scale))
+        return np.asarray(v)
+
+    def rows(v: Any, fn: Callable[[np.ndarray], np.ndarray]) -> Any:
+        return Int8Weight(fn(v.q), fn(v.scale)) if isinstance(v, Int8Weight) else fn(v)
+
+    out = {k: host(v) for k, v in layer.items()}
     qkv_order = fuse_order((tcfg.q_size, tcfg.kv_size, tcfg.kv_size), n)
     gu_order = fuse_order((cfg.intermediate_size,) * 2, n)
     for key in ("wqkv", "bqkv"):
         if key in out:
-            out[key] = _repeat_kv_rows(out[key], cfg, r)[qkv_order]
+            out[key] = rows(out[key], lambda w: _repeat_kv_rows(w, cfg, r)[qkv_order])
     for key in ("w_gate_up", "b_gate_up"):
         if key in out:
-            out[key] = out[key][gu_order]
+            out[key] = rows(out[key], lambda w: w[gu_order])
     return out
 
 
@@ -145,8 +157,12 @@ def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int) -> dict[str, A
     vocab = P(AXIS, None) if cfg.vocab_size % n == 0 else P()
     top = {k: (vocab if k in ("embed", "lm_head") else P()) for k in params if k != "layers"}
 
-    def layer_spec(key: str, value: Any) -> P:
+    from loraserve.worker.quant import Int8Weight
+
+    def layer_spec(key: str, value: Any) -> Any:
         dim = LAYER_SPLIT_DIM.get(key)
+        if isinstance(value, Int8Weight):  # int8 values split like the weight, scales with their rows
+            return Int8Weight(layer_spec(key, value.q), P(AXIS) if dim == 0 else P())
         rank = len(value) if isinstance(value, tuple) else np.ndim(value)  # a shape or an array
         return P(*(AXIS if d == dim else None for d in range(rank)))
 
@@ -157,17 +173,23 @@ def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int) -> dict[str, A
 def shard_params(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
     """Checkpoint params -> device arrays in the Megatron layout over ``mesh`` (fused rows re-ordered,
     KV heads repeated when fewer than N)."""
+    from loraserve.worker.quant import Int8Weight
+
     n = mesh.size
     dtype = params["embed"].dtype
     host = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
     host["layers"] = [host_layer_params(cfg, layer, n) for layer in params["layers"]]
     specs = param_specs(cfg, host, n)
-    return jax.tree.map(
-        lambda v, s: jax.device_put(jnp.asarray(v, dtype), NamedSharding(mesh, s)),
-        host,
-        specs,
-        is_leaf=lambda x: isinstance(x, np.ndarray),
-    )
+
+    def put(v: Any, spec: Any) -> Any:
+        if isinstance(v, Int8Weight):  # int8 values and f32 scales keep their dtypes
+            return Int8Weight(
+                jax.device_put(v.q, NamedSharding(mesh, spec.q)),
+                jax.device_put(v.scale, NamedSharding(mesh, spec.scale)),
+            )
+        return jax.device_put(jnp.asarray(v, dtype), NamedSharding(mesh, spec))
+
+    return jax.tree.map(put, host, specs, is_leaf=lambda x: isinstance(x, np.ndarray | Int8Weight))
 
 
 def pool_specs(cfg: ModelConfig, backend: ShardedBackend) -> dict[str, P]:
@@ -303,14 +325,15 @@ def abstract_state(
         {k: sds(tp_shape(k, v), dtype, ls[k]) for k, v in layer.items()}
         for layer, ls in zip(shapes["layers"], specs["layers"], strict=True)
     ]
-    if quantization == "int8":  # worker.quant: int8 projections and an f32 scale per row (one device)
+    if quantization == "int8":  # worker.quant: int8 projections, an f32 scale per row split with its rows
         from loraserve.worker.quant import QUANTIZED, Int8Weight
 
         for layer in aparams["layers"]:
             for k in QUANTIZED:
                 if k in layer:
-                    shape = layer[k].shape
-                    layer[k] = Int8Weight(sds(shape, jnp.int8, P()), sds(shape[:1], jnp.float32, P()))
+                    shape, spec = layer[k].shape, layer[k].sharding.spec
+                    rows = P(AXIS) if LAYER_SPLIT_DIM.get(k) == 0 and n > 1 else P()
+                    layer[k] = Int8Weight(sds(shape, jnp.int8, spec), sds(shape[:1], jnp.float32, rows))
     pages = config.num_kv_pages(kv_page_bytes(cfg, config.kv_page_size, dtype))
     page_shape = (tcfg.num_kv_heads, pages, config.kv_page_size, tcfg.head_dim)
     stored = kv_storage_dtype(dtype, platform)

@@ -185,9 +185,11 @@ def test_the_cpu_int8_kernel_equals_xla_and_is_batch_invariant(dtype) -> None:
             np.testing.assert_array_equal(rows[m], rows[1])
 
 
-def test_plan_verify_compiles_an_int8_decode_step_to_the_byte(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_plan_verify_compiles_an_int8_decode_step_to_the_byte(tp, tmp_path, capsys) -> None:
     """``plan --quantization int8 --verify``: the compiled decode step's arguments are the estimate's int8
-    weights (and scales) + KV + pools + history + the step's small inputs, exactly."""
+    weights (and scales) + KV + pools + history + the step's small inputs, exactly; split over devices too
+    (the int8 values split like the weights, the scales with their rows)."""
     import json
 
     from loraserve.cli import main
@@ -198,7 +200,19 @@ def test_plan_verify_compiles_an_int8_decode_step_to_the_byte(tmp_path, capsys) 
     }  # fmt: skip
     path = tmp_path / "config.json"
     path.write_text(json.dumps(small))
-    args = ["plan", "--model", str(path), "--chip", "v5e", "--batch", "8", "--context", "256"]
+    args = [
+        "plan",
+        "--model",
+        str(path),
+        "--chip",
+        "v5e",
+        "--batch",
+        "8",
+        "--context",
+        "256",
+        "--tp",
+        str(tp),
+    ]
     args += ["--max-loras", "4", "--max-lora-rank", "8", "--dtype", "float32", "--quantization", "int8"]
     assert main([*args, "--json", "--verify"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -98,10 +98,14 @@ F32_RUNS = {
 }
 
 
+INT8_SIZES = (1, 2, 4)  # --quantization int8 (cpu backend): N = 4 repeats the KV heads' int8 rows and scales
+
+
 @pytest.fixture(scope="module")
 def f32_runs(tp_model) -> dict:
     model, adapters = tp_model
     runs = " ".join(f"{b}={','.join(map(str, sizes))}" for b, sizes in F32_RUNS.items())
+    runs += f" cpu:int8={','.join(map(str, INT8_SIZES))}"
     return run_child(
         "--model", str(model), "--adapters", ",".join(map(str, adapters)), "--runs", runs,
         "--steps", "4", "--swaps", "200", "--dtype", "float32",
@@ -301,3 +305,24 @@ def test_flag_and_environment_twin() -> None:
     args = parser.parse_args(["--tensor-parallel-size", "8"])
     assert config_from_args(WorkerConfig, ENV_PREFIX, args).engine_config().tensor_parallel_size == 8
     assert field_help(WorkerConfig, "tensor_parallel_size").startswith("devices one model is split over")
+
+
+def test_an_int8_base_splits_with_its_scales_and_serves_the_same_tokens(f32_runs) -> None:
+    """--quantization int8 at N = 2 and 4 (worker.quant): the int8 values split like the float weights and
+    each row's scale with its row (column-parallel wqkv / w_gate_up: split; row-parallel wo / w_down:
+    whole); tokens and logits as at N = 1 (f32 within ATOL: only the order of the split sums differs), the
+    planner's abstract state equal to the runner's, 200 swaps compile nothing."""
+    import numpy as np
+
+    out = f32_runs["cpu:int8"]
+    ref = out["1"]
+    for n in map(str, INT8_SIZES[1:]):
+        got = out[n]
+        assert got["tokens"] == ref["tokens"], n
+        np.testing.assert_allclose(np.array(got["logits"]), np.array(ref["logits"]), atol=ATOL, rtol=0)
+        assert got["compilations"] == 0, got["compiled"]
+        assert got["abstract_matches"] == {"params": True, "cache": True, "pools": True}
+        params = got["shardings"]["params"]
+        assert params["wqkv"] == params["w_gate_up"] == f"{SPLIT}/('model',)"
+        assert params["wo"] == params["w_down"] == "(None, 'model')/()"
+    assert ref["shardings"]["params"]["wqkv"] == "single/single"

@@ -37,7 +37,9 @@ ROW_SLOTS = [0, 1, 2, 3, -1, 0]  # four adapters, a base row, one adapter on two
 SLOTS, RANK = 5, 16
 
 
-def _spec(array: jax.Array) -> str:
+def _spec(array) -> str:
+    if hasattr(array, "scale"):  # worker.quant.Int8Weight: its values' spec / its scales'
+        return f"{_spec(array.q)}/{_spec(array.scale)}"
     sharding = array.sharding
     return str(tuple(sharding.spec)) if hasattr(sharding, "spec") else "single"
 
@@ -48,9 +50,16 @@ def _signature(tree) -> list:
 
 
 def serve(
-    model: str, adapters: list[str], backend: str, n: int, steps: int, swaps: int, dtype: str = "float32"
+    model: str,
+    adapters: list[str],
+    backend: str,
+    n: int,
+    steps: int,
+    swaps: int,
+    dtype: str = "float32",
+    quantization: str = "none",
 ) -> dict:
-    ck = load_checkpoint(model, dtype=dtype)
+    ck = load_checkpoint(model, dtype=dtype, quantization=quantization)
     config = EngineConfig(
         max_batch_size=len(PROMPTS), max_seq_len=32, max_loras=SLOTS, max_lora_rank=RANK,
         kernel_backend=backend, tensor_parallel_size=n, min_prefill_bucket=32, dtype=dtype,
@@ -104,7 +113,7 @@ def serve(
     }
     abstract = {}
     if runner.mesh is not None:  # what the planner lowers on must be what the runner allocates
-        st = sharding.abstract_state(cfg, config, runner.mesh, runner.backend)
+        st = sharding.abstract_state(cfg, config, runner.mesh, runner.backend, quantization=quantization)
         real = {"params": runner.params, "cache": runner.cache, "pools": runner.pools.pools}
         abstract = {k: _signature(st[k]) == _signature(v) for k, v in real.items()}
     mixes = [[0, 1, 2, 3, -1, 4], [-1] * 6, [4] * 6, [2, 2, 0, -1, 1, 3]]
@@ -258,6 +267,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--swaps", type=int, default=200)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantization", default="none")
     parser.add_argument("--hlo", action="store_true", help="count the decode step's collectives instead")
     parser.add_argument("--tpu-export", action="store_true", help="export the Pallas decode step for TPU")
     parser.add_argument("--attention", default="xla", help="decode attention impl for --tpu-export")
@@ -274,15 +284,30 @@ def main() -> None:
         return
     adapters = args.adapters.split(",")
     if args.runs:  # one process for several backends: one JAX start, the checkpoint read once per size
+        # "cpu=1,2,4,8 pallas=2 cpu:int8=1,2": backend[:quantization]=sizes
         runs = dict(item.split("=") for item in args.runs.split())
-        print(json.dumps({
-            backend: {n: serve(args.model, adapters, backend, int(n), args.steps, args.swaps, args.dtype)
-                      for n in sizes.split(",")}
-            for backend, sizes in runs.items()
-        }))  # fmt: skip
+        out = {}
+        for key, sizes in runs.items():
+            backend, _, quantization = key.partition(":")
+            out[key] = {
+                n: serve(
+                    args.model,
+                    adapters,
+                    backend,
+                    int(n),
+                    args.steps,
+                    args.swaps,
+                    args.dtype,
+                    quantization or "none",
+                )
+                for n in sizes.split(",")
+            }
+        print(json.dumps(out))
         return
     out = {
-        n: serve(args.model, adapters, args.backend, int(n), args.steps, args.swaps, args.dtype)
+        n: serve(
+            args.model, adapters, args.backend, int(n), args.steps, args.swaps, args.dtype, args.quantization
+        )
         for n in args.sizes.split(",")
     }
     print(json.dumps(out))
