@@ -77,7 +77,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
         background.append(http.run)
 
     async def warmup() -> None:
-        await asyncio.get_running_loop().run_in_executor(None, engine.start)
+        await asyncio.get_running_loop().run_in_executor(None, lambda: engine.start(warmup=config.warmup))
 
     def register(port: int):
         from loraserve.worker.registration import Registration

@@ -404,6 +404,12 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
         " up from disk (empty: off)",
         KERNELS,
     )
+    warmup: bool = opt(
+        True,
+        "compile every program the worker can run before it reports SERVING, so no request ever waits for a"
+        " compilation; off (development, smoke runs): serve at once and compile each shape on first use",
+        KERNELS,
+    )
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> WorkerConfig:

@@ -81,7 +81,17 @@ def test_client_commands_run_without_server_packages(
         assert listed.returncode == 0, listed.stderr
         assert [(a["name"], a["version"]) for a in json.loads(listed.stdout)] == [("blocked-push", 1)]
 
-        worker_args = ["worker", "--model", str(llama_dir), "--model-id", MODEL_ID, "--port", "0"]
+        worker_args = [
+            "worker",
+            "--model",
+            str(llama_dir),
+            "--model-id",
+            MODEL_ID,
+            "--port",
+            "0",
+            "--warmup",
+            "false",
+        ]
         worker_args += ["--registry", registry.address, "--max-loras", "2", "--max-lora-rank", "8"]
         worker_args += ["--max-seq-len", "64"]  # docker-compose's shapes: programs shared through the cache
         with loraserve_process(worker_args, env=with_test_xla_flags()) as worker:  # compile-bound

@@ -69,7 +69,7 @@ def test_kill_9_a_worker_mid_stream(llama_dir, adapter_dirs, tmp_path) -> None:
     config = RegistryConfig(db=f"sqlite:///{tmp_path / 'r.db'}", storage=str(tmp_path / "s"), lease_seconds=2)
     with start_registry(config, str(tmp_path / "s")) as reg:
         reg.client.push(adapter_dirs["all-r4"], "steady", "tiny")
-        args = ["worker", "--model", str(llama_dir), "--model-id", "tiny", "--port", "0"]
+        args = ["worker", "--model", str(llama_dir), "--model-id", "tiny", "--port", "0", "--warmup", "false"]
         args += ["--registry", reg.address, *SHAPES]
         env = with_test_xla_flags()  # compile-bound: the streams are frozen, not long
         with (

@@ -53,6 +53,7 @@ def test_an_llmd_router_scrapes_rolls_out_and_follows_the_cache(llama_dir, adapt
         "--max-seq-len", "64", "--max-batch-size", "2", "--max-loras", "2", "--kv-page-size", str(PAGE),
         "--metrics-compat", "vllm", "--kv-events", f"tcp://127.0.0.1:{events}",
         "--lora-import-prefixes", str(served),
+        "--warmup", "false",  # compile on first use: the router needs no warm worker (and CI saves the time)
     ]  # fmt: skip
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

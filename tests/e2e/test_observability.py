@@ -49,6 +49,8 @@ def test_worker_metrics_and_json_logs(llama_dir, adapter_dirs, tmp_path) -> None
         "2",
         "--metrics-port",
         str(port),
+        "--warmup",
+        "false",  # its programs compile on first use: what is counted here is requests, not warm-up
     ]
     # compile-bound (three requests of four tokens): the warm-up at the tests' XLA level
     with loraserve_process(args, env=with_test_xla_flags({"LORASERVE_LOG_FORMAT": "json"})) as proc:
@@ -131,7 +133,17 @@ def test_every_server_records_its_rpcs_with_status_codes(llama_dir, adapter_dirs
     registry_address = f"127.0.0.1:{reg_port}"
     registry_args = ["registry", "serve", "--port", str(reg_port), "--metrics-port", str(metrics["registry"])]
     registry_args += ["--db", f"sqlite:///{tmp_path / 'r.db'}", "--storage", str(tmp_path / "store")]
-    worker_args = ["worker", "--model", str(llama_dir), "--model-id", "tiny", "--port", "0"]
+    worker_args = [
+        "worker",
+        "--model",
+        str(llama_dir),
+        "--model-id",
+        "tiny",
+        "--port",
+        "0",
+        "--warmup",
+        "false",
+    ]
     worker_args += [
         "--registry",
         registry_address,

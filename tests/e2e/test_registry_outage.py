@@ -37,6 +37,8 @@ def test_worker_survives_a_registry_outage_and_registers_again(llama_dir, adapte
             rc.push(adapter_dirs["all-r4"], "steady", "tiny")
         worker_args = [
             "worker",
+            "--warmup",
+            "false",  # programs compile on first use: the outage, not the warm-up, is what is tested
             "--model",
             str(llama_dir),
             "--model-id",
