@@ -28,7 +28,17 @@ def test_tp2_worker_behind_the_router(llama_dir, adapter_dirs, tmp_path) -> None
     with start_registry(config, str(tmp_path / "s")) as reg:
         for name in ADAPTERS:
             reg.client.push(adapter_dirs[name], name, "tiny")
-        worker = ["worker", "--model", str(llama_dir), "--model-id", "tiny", "--port", "0"]
+        worker = [
+            "worker",
+            "--model",
+            str(llama_dir),
+            "--model-id",
+            "tiny",
+            "--port",
+            "0",
+            "--warmup",
+            "false",
+        ]
         worker += ["--registry", reg.address, "--tensor-parallel-size", "2", "--kernel-backend", "cpu"]
         for key, value in SHAPES.items():
             worker += [f"--{key.replace('_', '-')}", str(value)]
