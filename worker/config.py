@@ -141,7 +141,8 @@ class EngineConfig:
         "the base model's bfloat16 projections of a few rows (decode steps, up to"
         " kernels.linear.KERNEL_MAX_ROWS = 24 rows): auto (cpu on a CPU with AVX-512 BF16 where the C++"
         " kernels build, else xla), xla or cpu (C++ kernel streaming the weights with prefetch; widens to"
-        " float32 on CPUs without bf16 dot products); tensor-parallel workers use xla",
+        " float32 on CPUs without bf16 dot products); tensor-parallel workers use xla; xla also keeps an int8"
+        " base (--quantization int8) on XLA's int8 dot instead of the C++ int8 kernel",
         KERNELS,
     )
     kv_page_size: int = opt(
