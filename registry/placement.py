@@ -102,6 +102,9 @@ class ReportedUsage:
 TIERS = (Tier.DEVICE, Tier.HOST, Tier.DISK)  # fastest first; a worker holding nothing is a cold load
 CACHE_TIERS = (Tier.HOST, Tier.DISK)  # the tiers of workers.cached (a device slot is a placement row)
 MAX_USAGE = 4096  # adapters of a heartbeat's usage report kept (bounds a worker row)
+# adapters of a heartbeat's host/disk-cache report kept: bounds the worker row, the statements that look them up
+# (PostgreSQL binds at most 65 535 parameters) and the unload orders a reply can carry
+MAX_CACHED = 16_384
 FLEET_TTL_S = 1.0  # the live-fleet view is re-read from the database at least this often
 
 
@@ -583,7 +586,7 @@ class Placement:
         worker's heartbeat writes its worker row only; docs/performance.md has the measurement)."""
         now = self.clock.now()
         lease = now + self.lease
-        cached = {a[:160]: t for a, t in (cached or {}).items() if t in CACHE_TIERS}
+        cached = {a[:160]: t for a, t in list((cached or {}).items())[:MAX_CACHED] if t in CACHE_TIERS}
         usage_json = {a[:160]: u.to_json() for a, u in list((usage or {}).items())[:MAX_USAGE]}  # stored form
         reported = {r.adapter for r in slots if r.adapter}
         cached_keys = set(cached)  # host memory or disk cache: a deleted version must go from there too

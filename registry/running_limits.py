@@ -31,6 +31,7 @@ from loraserve.common.errors import InvalidArgument, NotFound, Unavailable
 from loraserve.registry.clock import SYSTEM_CLOCK, Clock
 from loraserve.registry.db import AdapterRow, AdapterState, RunningLimitRow, as_utc
 
+NAMES_PER_QUERY = 1000  # adapter names per labels query (PostgreSQL takes at most 65 535 parameters)
 MAX_RUNNING = 1 << 20  # far above any decode batch; keeps the value in a uint32 and the column's range
 TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$")
 
@@ -140,14 +141,19 @@ class RunningLimits:
                 return {}
             tenants: dict[str, str] = {}
             if any(kind == LimitKind.TENANT for kind, _ in limits):
-                # the newest READY version's label names the tenant (labels are per version)
-                rows = s.execute(
-                    select(AdapterRow.name, AdapterRow.labels)
-                    .where(AdapterRow.name.in_(wanted), AdapterRow.state == AdapterState.READY)
-                    .order_by(AdapterRow.name, AdapterRow.version)
-                )
-                for name, labels in rows:
-                    tenants[name] = str((labels or {}).get(TENANT_LABEL, ""))
+                # the newest READY version's label names the tenant (labels are per version); in chunks, so
+                # that a worker holding thousands of adapters stays under the driver's bound-parameter limit
+                for start in range(0, len(wanted), NAMES_PER_QUERY):
+                    rows = s.execute(
+                        select(AdapterRow.name, AdapterRow.labels)
+                        .where(
+                            AdapterRow.name.in_(wanted[start : start + NAMES_PER_QUERY]),
+                            AdapterRow.state == AdapterState.READY,
+                        )
+                        .order_by(AdapterRow.name, AdapterRow.version)
+                    )
+                    for name, labels in rows:
+                        tenants[name] = str((labels or {}).get(TENANT_LABEL, ""))
         out: dict[str, Cap] = {}
         for name in wanted:
             tenant = tenants.get(name, "")

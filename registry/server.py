@@ -40,6 +40,7 @@ from loraserve.registry.aliases import AliasView
 from loraserve.registry.catalog import Catalog, UploadHeader, parse_ref
 from loraserve.registry.db import AdapterRow, WorkerRow, WorkerState, as_utc
 from loraserve.registry.placement import (
+    MAX_CACHED,
     Placement,
     ReportedLoad,
     ReportedUsage,
@@ -458,7 +459,7 @@ class PlacementServicer(placement_pb2_grpc.PlacementServicer):
         )
         cached = {c.adapter: Tier.of_proto(c.tier) or "" for c in request.cached if c.adapter}
         usage = {u.adapter: usage_from_proto(u) for u in request.usage if u.adapter}
-        held = _names([*(slot.adapter for slot in slots), *cached])
+        held = _names([*(slot.adapter for slot in slots), *list(cached)[:MAX_CACHED]])  # what heartbeat keeps
 
         def beat():  # the heartbeat and the caps of what the worker holds in one hop to the thread pool
             worker, orders = self.placement.heartbeat(

@@ -15,6 +15,7 @@ from loraserve.common.errors import LoraserveError
 from loraserve.protos.v1 import placement_pb2 as pp
 from loraserve.protos.v1 import registry_pb2 as rp
 from loraserve.protos.v1 import worker_admin_pb2 as wa
+from loraserve.registry.placement import MAX_CACHED
 from tests.registry.conftest import TINY_MODEL
 from tests.registry.test_placement_rpc import _register
 
@@ -154,3 +155,23 @@ def test_the_cli_sets_lists_and_clears(tenants, capsys) -> None:
     code = main(["adapters", "limits", "nobody", "--max-running", "1", *args])
     assert code not in (0, None)
     assert "nobody" in capsys.readouterr().err
+
+
+def test_a_heartbeat_holding_tens_of_thousands_of_adapters_gets_its_caps(tenants, tiny_shapes) -> None:
+    """A report of more cached adapters than PostgreSQL takes bound parameters in one statement (65 535):
+    the registry keeps the first MAX_CACHED of them (registry.placement), reads their tenant labels in
+    chunks, and answers with their caps (and unload orders for the unknown ones) instead of failing."""
+    tenants.client.set_running_limit(2, tenant="acme")
+    worker = _register(tenants, "10.0.0.2:1", tiny_shapes)
+    ghosts = [pp.AdapterResidency(adapter=f"ghost-{i}@1", tier=pp.RESIDENCY_TIER_DISK) for i in range(70_000)]
+    beat = tenants.client.placement.Heartbeat(
+        pp.HeartbeatRequest(
+            worker_id=worker,
+            cached=[pp.AdapterResidency(adapter="helper@1", tier=pp.RESIDENCY_TIER_HOST), *ghosts],
+            load=pp.WorkerLoad(free_slots=4),
+        )
+    )
+    assert [(x.adapter, x.max_running, x.tenant, x.tenant_max_running) for x in beat.caps] == [
+        ("helper", 0, "acme", 2)
+    ]
+    assert len(beat.unload) == MAX_CACHED - 1  # the kept ghosts: the registry knows none of them
