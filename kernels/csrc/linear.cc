@@ -141,7 +141,8 @@ ffi::Error LinearBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 // y [N, M] = (w [N, K] int8 . x [M, K]^T) * scale [N], f32 sums, for the few rows of a decode step over a
 // weight-only int8 base (worker.quant): the weights stream at a byte an element (a quarter of f32's), are
 // widened to f32 in registers (vpmovsxbd + vcvtdq2ps) and multiplied with x (f32, or bf16 widened). Each
-// output is one chain of 8-lane partial sums over K in order, whatever the tile: batch-invariant.
+// output is one chain of 16-lane (AVX-512) or 8-lane partial sums over K in order, whatever the tile:
+// batch-invariant.
 //   loraserve_linear_int8 (x [M, K] f32|bf16, w [N, K] s8, scale [N] f32) -> [N, M] f32
 template <class X>
 struct Int8Problem {
@@ -150,8 +151,142 @@ struct Int8Problem {
   const int8_t* w = nullptr;
   const float* scale = nullptr;
   float* y = nullptr;
+  int64_t ld = 0;         // AVX-512: x's row stride (padded_row)
+  std::vector<float> xf;  // AVX-512: x copied (bf16 widened) to rows ld apart once per call; x points here
 };
 
+// The weights' prefetch stream of a block of kLinTileRows rows (lin_rows' scheme for bytes_per_row-byte rows):
+// each k-step of the block's tiles touches one line pf_step bytes further, kLinPrefetch blocks ahead, ending
+// at pf_end (the work item's last line).
+struct QuantPrefetch {
+  int64_t step = 64;
+  uintptr_t end = 0;
+  QuantPrefetch(const void* w, int64_t hi, int64_t bytes_per_row, int64_t tiles, int64_t steps)
+      : step(std::max<int64_t>(64, (kLinTileRows * bytes_per_row / (tiles * steps) + 63) / 64 * 64)),
+        end(reinterpret_cast<uintptr_t>(w) + hi * bytes_per_row - 64) {}
+  uintptr_t at(const void* w, int64_t o, int64_t bytes_per_row) const {
+    return reinterpret_cast<uintptr_t>(w) + (o + kLinTileRows * kLinPrefetch) * bytes_per_row;
+  }
+};
+
+// A row stride (in f32) for n values: a multiple of 16 and an odd number of 64-byte lines, so that rows of
+// a few thousand elements (K = 4096: 16 KiB apart, all in one L1 set) spread over the cache's sets.
+inline int64_t padded_row(int64_t n) { return (n + 31) / 32 * 32 + 16; }
+
+// GCC folds a vector load into each FMA that uses it (a memory operand), loading an x vector once per weight
+// row: then loads, not FMAs, bound the loop. An empty asm keeps the vector in a register.
+template <class T>
+inline T in_register(T v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define LORASERVE_QUANT_AVX512 1
+// 16-lane f32 FMAs. The activations stay f32/bf16 (weight-only quantization: never quantized), so VNNI's
+// integer dot products (vpdpbusd: int8 x int8 -> int32) do not apply; the weights are widened instead.
+struct V16 {
+  using T = __m512;
+  static constexpr int L = 16;
+  static __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1); }
+  static T zero() { return _mm512_setzero_ps(); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T set1(float v) { return _mm512_set1_ps(v); }
+  static float sum(T v) { return _mm512_reduce_add_ps(v); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static T load(const float* p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }  // n < 16; zeros after
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T load(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static T load(const int8_t* p, int n) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(first(n), p)));
+  }
+};
+
+// One TO x TC tile: TO weight rows (int8, widened in registers for each tile: cheaper than widening them once
+// into memory for many tiles) and TC x rows (f32); the tail of K (K % 16) one masked step (zeros past the end).
+template <int TO, int TC>
+void q8_tile(const Int8Problem<float>& p, int64_t o0, int64_t r0, uintptr_t pf, int64_t pf_step,
+             uintptr_t pf_end) {
+  __m512 acc[TO][TC];
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) acc[a][b] = V16::zero();
+  const int8_t* w = p.w + o0 * p.K;
+  const float* x = p.x + r0 * p.ld;
+  const int64_t K = p.K, ld = p.ld, K16 = K / 16 * 16;
+  pf = std::min<uintptr_t>(pf, pf_end - (K16 / 16) * pf_step);
+  for (int64_t k = 0; k < K16; k += 16) {
+    __m512 wv[TO];
+    for (int a = 0; a < TO; ++a) wv[a] = V16::load(w + a * K + k);
+    __builtin_prefetch(reinterpret_cast<const void*>(pf), 0, 1);
+    pf += pf_step;
+    for (int b = 0; b < TC; ++b) {
+      const __m512 xv = in_register(V16::load(x + b * ld + k));
+      for (int a = 0; a < TO; ++a) acc[a][b] = V16::fma(wv[a], xv, acc[a][b]);
+    }
+  }
+  if (K16 < K) {
+    const int n = static_cast<int>(K - K16);
+    __m512 wv[TO];
+    for (int a = 0; a < TO; ++a) wv[a] = V16::load(w + a * K + K16, n);
+    for (int b = 0; b < TC; ++b) {
+      const __m512 xv = V16::load(x + b * ld + K16, n);
+      for (int a = 0; a < TO; ++a) acc[a][b] = V16::fma(wv[a], xv, acc[a][b]);
+    }
+  }
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) p.y[(o0 + a) * p.M + r0 + b] = V16::sum(acc[a][b]) * p.scale[o0 + a];
+}
+
+template <int TO>
+void q8_block(const Int8Problem<float>& p, int64_t o0, uintptr_t pf, int64_t pf_step, uintptr_t pf_end) {
+  const int64_t steps = p.K / 16;  // prefetching steps per tile
+  int64_t r = 0;
+  for (; r + kLinTileCols <= p.M; r += kLinTileCols, pf += steps * pf_step)
+    q8_tile<TO, kLinTileCols>(p, o0, r, pf, pf_step, pf_end);
+  switch (p.M - r) {
+    case 3: q8_tile<TO, 3>(p, o0, r, pf, pf_step, pf_end); break;
+    case 2: q8_tile<TO, 2>(p, o0, r, pf, pf_step, pf_end); break;
+    case 1: q8_tile<TO, 1>(p, o0, r, pf, pf_step, pf_end); break;
+    default: break;
+  }
+}
+
+void q8_rows(const Int8Problem<float>& p, int64_t lo, int64_t hi) {
+  const QuantPrefetch pf(p.w, hi, p.K, (p.M + kLinTileCols - 1) / kLinTileCols, (p.K + 15) / 16);
+  int64_t o = lo;
+  for (; o + kLinTileRows <= hi; o += kLinTileRows)
+    q8_block<kLinTileRows>(p, o, pf.at(p.w, o, p.K), pf.step, pf.end);
+  for (; o < hi; ++o) q8_block<1>(p, o, pf.end, 0, pf.end);
+}
+
+ffi::Error RunInt8(ffi::ThreadPool& pool, std::shared_ptr<Int8Problem<float>> p) {
+  const int64_t items = (p->N + kLinItemRows - 1) / kLinItemRows;
+  parallel_items(pool, items, [p](int64_t k, std::vector<float>&) {
+    q8_rows(*p, k * kLinItemRows, std::min(p->N, (k + 1) * kLinItemRows));
+  });
+  return ffi::Error::Success();
+}
+
+template <class X>
+ffi::Error Int8With(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                    const ffi::AnyBuffer& scale, ffi::Result<ffi::AnyBuffer>& y) {
+  auto p = std::make_shared<Int8Problem<float>>();
+  p->M = x.dimensions()[0], p->K = x.dimensions()[1], p->N = w.dimensions()[0];
+  p->w = static_cast<const int8_t*>(w.untyped_data());
+  p->scale = static_cast<const float*>(scale.untyped_data());
+  p->y = static_cast<float*>(y->untyped_data());
+  if (p->M == 0 || p->N == 0) return ffi::Error::Success();
+  const X* xs = static_cast<const X*>(x.untyped_data());
+  p->ld = padded_row(p->K);  // and bf16 widened once here, not in every tile of every weight block
+  p->xf.resize(p->M * p->ld);
+  for (int64_t m = 0; m < p->M; ++m)
+    for (int64_t k = 0; k < p->K; ++k) p->xf[m * p->ld + k] = widen(xs[m * p->K + k]);
+  p->x = p->xf.data();
+  return RunInt8(pool, p);
+}
+#else
 // One TO x TC tile: w holds TO rows of K weights (int8 straight from the matrix, or those rows widened to
 // f32 once for many tiles), x TC rows; y = sums * scale.
 template <class W, class X, int TO, int TC>
@@ -224,6 +359,7 @@ ffi::Error Int8With(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::A
   if (p->M == 0 || p->N == 0) return ffi::Error::Success();
   return RunInt8(pool, p);
 }
+#endif
 
 ffi::Error LinearInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
                           ffi::Result<ffi::AnyBuffer> y) {
