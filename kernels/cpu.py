@@ -19,7 +19,8 @@ Layout and semantics are docs/design.md §6's, like ``reference``: ``x [T, in]``
 ``B [S, R, out]``, ``idx [T]`` (−1 = no adapter). CPU only: it does not lower for TPU or GPU.
 
 The same library holds the decode attention over the paged cache (:func:`paged_attention`, ``attention.cc``)
-and the base model's bf16 projections for a few rows (:func:`linear_bf16`, ``linear.cc``, which ``kernels.linear`` calls).
+and the base model's projections for a few rows (``linear.cc``): bf16 (:func:`linear_bf16`, which ``kernels.linear``
+calls) and weight-only int8 / group-wise int4 (:func:`linear_int8`, :func:`linear_int4`, which ``worker.quant`` calls).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ TARGETS = {
     "loraserve_paged_attention": "PagedAttention",
     "loraserve_linear_bf16": "LinearBf16",
     "loraserve_linear_int8": "LinearInt8",
+    "loraserve_linear_int4": "LinearInt4",
 }
 POOL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -253,3 +255,27 @@ def linear_int8(x, w, scale):  # [N, M] f32
     ensure_registered()
     out = jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), ACC_DTYPE)
     return jax.ffi.ffi_call("loraserve_linear_int8", out)(x, w, scale)
+
+
+def linear_int4(x, w, scale):  # [N, M] f32
+    """Group-wise int4 ``w`` times ``x [M, K]`` (f32 or bf16) in f32, weights first as :func:`linear_int8`:
+    ``y[n, m] = sum_g scale[n, g] * (q[n, group g] . x[m, group g])`` for ``w`` uint8 ``[N, K/2]`` (element
+    ``2j`` of a row in byte ``j``'s low nibble, ``2j + 1`` in its high nibble, each stored as ``q + 8``) and
+    ``scale`` f32 ``[N, K/G]`` (G = K / scale.shape[1], even): ``worker.quant``'s int4 layout, the weights
+    streamed at half a byte an element and unpacked in registers."""
+    ok = x.ndim == w.ndim == scale.ndim == 2
+    if ok:
+        (_, K), (N, half), (n, groups) = x.shape, w.shape, scale.shape
+        # K == 0 has no groups; else G = K / groups, even
+        ok = 2 * half == K and n == N and (K % groups == 0 and K // groups % 2 == 0 if groups else K == 0)
+    if not ok:
+        raise ValueError(
+            f"linear_int4: x [M, K], w [N, K/2], scale [N, K/G] (G even); got {x.shape}, {w.shape}, {scale.shape}"
+        )
+    if x.dtype not in POOL_DTYPES or w.dtype != jnp.uint8 or scale.dtype != jnp.float32:
+        raise ValueError(
+            f"linear_int4: f32|bf16 x, uint8 w, f32 scale; got {x.dtype}, {w.dtype}, {scale.dtype}"
+        )
+    ensure_registered()
+    out = jax.ShapeDtypeStruct((w.shape[0], x.shape[0]), ACC_DTYPE)
+    return jax.ffi.ffi_call("loraserve_linear_int4", out)(x, w, scale)

@@ -378,6 +378,225 @@ ffi::Error LinearInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   return Int8With<uint16_t>(pool, x, w, scale, y);
 }
 
+// ------------------------------------------------------------------------------------------- int4 weights
+// y [N, M] = sum over groups g of scale [N, g] * (q [N, group g] . x [M, group g]), f32 sums, for the few
+// rows of a decode step over a group-wise int4 base (worker.quant): w [N, K/2] u8 holds a row's element 2j
+// in byte j's low nibble (bits 0-3) and 2j + 1 in its high nibble, each as q + 8 (q in [-8, 7]); scale
+// [N, K/G] is one f32 per group of G elements (G even, dividing K). The weights stream at half a byte an
+// element. x is de-interleaved once per call into f32 (a row's K/2 even elements, then its odd ones), so the
+// low and high nibbles of L bytes multiply L consecutive even and L odd x values. Each output: per group one
+// chain of FMAs over its bytes in order (low nibble, then high), those partial-sum lanes times the group's
+// scale added to the output's lanes, the lanes summed at the end: the same operations whatever the tile
+// (batch-invariant).
+//   loraserve_linear_int4 (x [M, K] f32|bf16, w [N, K/2] u8, scale [N, K/G] f32) -> [N, M] f32
+struct Int4Problem {
+  int64_t M = 0, K = 0, N = 0, G = 0;
+  int64_t odd = 0, ld = 0;   // x's layout: a row's odd elements odd floats after its even ones, rows ld apart
+  const float* x = nullptr;  // [M, ld], each row de-interleaved (xs)
+  const uint8_t* w = nullptr;
+  const float* scale = nullptr;
+  float* y = nullptr;
+  std::vector<float> xs;
+};
+
+// Both halves and the rows padded (padded_row): K = 4096 would put them 8 KiB apart, all in one L1 set.
+template <class X>
+void deinterleave(const X* x, Int4Problem& p) {
+  const int64_t half = p.K / 2;
+  p.odd = padded_row(half), p.ld = padded_row(2 * p.odd);
+  p.xs.resize(p.M * p.ld);
+  for (int64_t m = 0; m < p.M; ++m)
+    for (int64_t j = 0; j < half; ++j) {
+      p.xs[m * p.ld + j] = widen(x[m * p.K + 2 * j]);
+      p.xs[m * p.ld + p.odd + j] = widen(x[m * p.K + 2 * j + 1]);
+    }
+  p.x = p.xs.data();
+}
+
+#ifdef LORASERVE_QUANT_AVX512
+struct Q4x16 : V16 {
+  // 16 bytes -> their low nibbles (even elements) and high nibbles (odd) as q; vpermps indexes its table of
+  // the 16 values q by the low 4 bits of each lane, so the low nibble needs no mask
+  static void nibbles(const uint8_t* p, T& lo, T& hi) {
+    split(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), lo, hi);
+  }
+  static void nibbles(const uint8_t* p, int n, T& lo, T& hi) {  // the first n bytes, zeros after
+    split(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(first(n), p)), lo, hi);
+    lo = _mm512_maskz_mov_ps(first(n), lo), hi = _mm512_maskz_mov_ps(first(n), hi);
+  }
+  static void split(__m512i v, T& lo, T& hi) {
+    const __m512 q = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    lo = _mm512_permutexvar_ps(v, q);
+    hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), q);
+  }
+};
+using Q4V = Q4x16;
+#define LORASERVE_QUANT_INT4_VECTOR 1
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: 8-lane FMAs; the nibbles masked or shifted, offset and converted in registers.
+struct Q4x8 {
+  using T = __m256;
+  static constexpr int L = 8;
+  static __m256i first(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static T zero() { return _mm256_setzero_ps(); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T set1(float v) { return _mm256_set1_ps(v); }
+  static float sum(T v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static T load(const float* p, int n) { return _mm256_maskload_ps(p, first(n)); }  // n < 8; zeros after
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static void nibbles(const uint8_t* p, T& lo, T& hi) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i eight = _mm256_set1_epi32(8);
+    lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, _mm256_set1_epi32(15)), eight));
+    hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), eight));
+  }
+  static void nibbles(const uint8_t* p, int n, T& lo, T& hi) {
+    uint8_t bytes[8] = {8 * 17, 8 * 17, 8 * 17, 8 * 17, 8 * 17, 8 * 17, 8 * 17, 8 * 17};  // q = 0 past n
+    std::memcpy(bytes, p, n);
+    nibbles(bytes, lo, hi);
+  }
+};
+using Q4V = Q4x8;
+#define LORASERVE_QUANT_INT4_VECTOR 1
+#endif
+
+#ifdef LORASERVE_QUANT_INT4_VECTOR
+// One TO x TC tile: TO packed weight rows (unpacked in registers for each tile), TC x rows. A group's bytes in
+// steps of L (its tail, G/2 % L bytes, one masked step) into partial sums in registers; at the group's end
+// those times its scale are added to the totals, kept in ``part`` ([TO][TC][L]: the registers hold the
+// partial sums).
+template <int TO, int TC>
+void q4_tile(const Int4Problem& p, int64_t o0, int64_t r0, float* part, uintptr_t pf, int64_t pf_step,
+             uintptr_t pf_end) {
+  using V = Q4V;
+  using T = V::T;
+  constexpr int L = V::L;
+  const int64_t ld = p.ld, odd = p.odd, row = p.K / 2, groups = p.K / p.G, full = p.G / 2 / L * L;
+  const int tail = static_cast<int>(p.G / 2 - full);
+  const uint8_t* w = p.w + o0 * row;
+  const float* x = p.x + r0 * ld;
+  const float* s = p.scale + o0 * groups;
+  pf = std::min<uintptr_t>(pf, pf_end - groups * (full / L) * pf_step);
+  for (int64_t g = 0, j = 0; g < groups; ++g) {
+    T acc[TO][TC];
+    for (int a = 0; a < TO; ++a)
+      for (int b = 0; b < TC; ++b) acc[a][b] = V::zero();
+    for (const int64_t end = j + full; j < end; j += L) {
+      T lo[TO], hi[TO];
+      for (int a = 0; a < TO; ++a) V::nibbles(w + a * row + j, lo[a], hi[a]);
+      __builtin_prefetch(reinterpret_cast<const void*>(pf), 0, 1);
+      pf += pf_step;
+      for (int b = 0; b < TC; ++b) {
+        const T xe = in_register(V::load(x + b * ld + j)), xo = in_register(V::load(x + b * ld + odd + j));
+        for (int a = 0; a < TO; ++a) acc[a][b] = V::fma(hi[a], xo, V::fma(lo[a], xe, acc[a][b]));
+      }
+    }
+    if (tail) {
+      T lo[TO], hi[TO];
+      for (int a = 0; a < TO; ++a) V::nibbles(w + a * row + j, tail, lo[a], hi[a]);
+      for (int b = 0; b < TC; ++b) {
+        const T xe = V::load(x + b * ld + j, tail), xo = V::load(x + b * ld + odd + j, tail);
+        for (int a = 0; a < TO; ++a) acc[a][b] = V::fma(hi[a], xo, V::fma(lo[a], xe, acc[a][b]));
+      }
+      j += tail;
+    }
+    for (int a = 0; a < TO; ++a) {
+      const T sv = V::set1(s[a * groups + g]);
+      for (int b = 0; b < TC; ++b) {
+        float* t = part + (a * TC + b) * L;
+        V::store(t, V::fma(acc[a][b], sv, g > 0 ? V::load(t) : V::zero()));
+      }
+    }
+  }
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) p.y[(o0 + a) * p.M + r0 + b] = V::sum(V::load(part + (a * TC + b) * L));
+}
+
+template <int TO>
+void q4_block(const Int4Problem& p, int64_t o0, float* part, uintptr_t pf, int64_t pf_step, uintptr_t pf_end) {
+  const int64_t steps = p.K / p.G * (p.G / 2 / Q4V::L);  // prefetching steps per tile
+  int64_t r = 0;
+  for (; r + kLinTileCols <= p.M; r += kLinTileCols, pf += steps * pf_step)
+    q4_tile<TO, kLinTileCols>(p, o0, r, part, pf, pf_step, pf_end);
+  switch (p.M - r) {
+    case 3: q4_tile<TO, 3>(p, o0, r, part, pf, pf_step, pf_end); break;
+    case 2: q4_tile<TO, 2>(p, o0, r, part, pf, pf_step, pf_end); break;
+    case 1: q4_tile<TO, 1>(p, o0, r, part, pf, pf_step, pf_end); break;
+    default: break;
+  }
+}
+
+void q4_rows(const Int4Problem& p, int64_t lo, int64_t hi, std::vector<float>& scratch) {
+  const int64_t steps = std::max<int64_t>(1, p.K / p.G * (p.G / 2 / Q4V::L));
+  const QuantPrefetch pf(p.w, hi, p.K / 2, (p.M + kLinTileCols - 1) / kLinTileCols, steps);
+  scratch.resize(kLinTileRows * kLinTileCols * Q4V::L);
+  int64_t o = lo;
+  for (; o + kLinTileRows <= hi; o += kLinTileRows)
+    q4_block<kLinTileRows>(p, o, scratch.data(), pf.at(p.w, o, p.K / 2), pf.step, pf.end);
+  for (; o < hi; ++o) q4_block<1>(p, o, scratch.data(), pf.end, 0, pf.end);
+}
+#else
+// Portable: one output at a time, each group's sum in element order, in scalar f32.
+void q4_rows(const Int4Problem& p, int64_t lo, int64_t hi, std::vector<float>&) {
+  const int64_t half = p.K / 2, gb = p.G / 2, groups = p.K / p.G;
+  for (int64_t o = lo; o < hi; ++o)
+    for (int64_t r = 0; r < p.M; ++r) {
+      const uint8_t* w = p.w + o * half;
+      const float* x = p.x + r * p.ld;
+      float tot = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        float acc = 0;
+        for (int64_t j = g * gb; j < (g + 1) * gb; ++j) {
+          acc += static_cast<float>((w[j] & 15) - 8) * x[j];
+          acc += static_cast<float>((w[j] >> 4) - 8) * x[p.odd + j];
+        }
+        tot += acc * p.scale[o * groups + g];
+      }
+      p.y[o * p.M + r] = tot;
+    }
+}
+#endif
+
+ffi::Error LinearInt4Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                          ffi::Result<ffi::AnyBuffer> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  const bool x_ok = x.element_type() == ffi::DataType::F32 || x.element_type() == ffi::DataType::BF16;
+  const bool dims = xd.size() == 2 && wd.size() == 2 && sd.size() == 2 && yd.size() == 2;
+  // K = 2 * w's columns = G * scale's columns, G even; K == 0 only with no groups
+  const bool groups = dims && (sd[1] == 0 ? xd[1] == 0 : xd[1] % sd[1] == 0 && xd[1] / sd[1] % 2 == 0);
+  if (!x_ok || w.element_type() != ffi::DataType::U8 || !is_f32(scale) || !dims || !groups ||
+      xd[1] != 2 * wd[1] || sd[0] != wd[0] || yd[0] != wd[0] || yd[1] != xd[0] || !is_f32(*y))
+    return ffi::Error::InvalidArgument(
+        "linear_int4: x [M, K] f32|bf16, w [N, K/2] u8, scale [N, K/G] f32 (G even, dividing K) -> [N, M] f32");
+  auto p = std::make_shared<Int4Problem>();
+  p->M = xd[0], p->K = xd[1], p->N = wd[0];
+  p->w = static_cast<const uint8_t*>(w.untyped_data());
+  p->scale = static_cast<const float*>(scale.untyped_data());
+  p->y = static_cast<float*>(y->untyped_data());
+  if (p->M == 0 || p->N == 0) return ffi::Error::Success();
+  if (p->K == 0) {
+    std::memset(p->y, 0, sizeof(float) * p->M * p->N);
+    return ffi::Error::Success();
+  }
+  p->G = p->K / sd[1];
+  if (is_f32(x))
+    deinterleave(static_cast<const float*>(x.untyped_data()), *p);
+  else
+    deinterleave(static_cast<const uint16_t*>(x.untyped_data()), *p);
+  const int64_t items = (p->N + kLinItemRows - 1) / kLinItemRows;
+  parallel_items(pool, items, [p](int64_t k, std::vector<float>& scratch) {
+    q4_rows(*p, k * kLinItemRows, std::min(p->N, (k + 1) * kLinItemRows), scratch);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // What -march=native found (kernels/cpu.py): 1 when this build multiplies bf16 with AVX-512 BF16 dot
@@ -401,5 +620,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearInt8, LinearInt8Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // w (int8)
+                                  .Arg<ffi::AnyBuffer>()  // scale
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearInt4, LinearInt4Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // w (packed int4)
                                   .Arg<ffi::AnyBuffer>()  // scale
                                   .Ret<ffi::AnyBuffer>());
