@@ -1,0 +1,169 @@
+"""The quantized few-row kernels (``kernels.cpu.linear_int8`` / ``linear_int4``) against float64.
+
+Both are weight-only: x stays f32 (or bf16, compared on its bf16 values), the weights are exact small integers
+times f32 scales, and the kernels sum f32 products in f32 (16- or 8-lane partial sums, per int4 group), so
+against a float64 product of the same values the error stays far below ``2e-5 * max|y|`` (seen: ~5e-7). Shapes
+reach every path: 4-row weight blocks and their 1-row tail, the 256-row work items split over threads, 4-column
+tiles of x rows and their tails (M = 1, 3, 5, 16), the masked tail of K (int8: K % 16, K % 8) and of an int4
+group (G / 2 bytes not a multiple of 16 or 8). A row's result is the same bits whatever the batch around it.
+The native build runs here; the AVX2 build (``x86-64-v3``) in one child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from loraserve.kernels import cpu
+
+pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ kernels unavailable (test_cpu fails then)")
+
+ROWS = (1, 3, 5, 16)
+INT8_SHAPES = [(517, 1024), (517, 1027), (8, 64), (3, 9)]  # (N, K)
+# (N, K, G): G = 128 and the tiny models' 32 / 16; G = 40 and 2 leave a masked tail in every group
+INT4_SHAPES = [(517, 1024, 128), (8, 64, 32), (3, 16, 16), (7, 200, 40), (9, 40, 2)]
+DTYPES = ("float32", "bfloat16")
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """Signed values in [-8, 7] ``[N, K]`` -> uint8 ``[N, K/2]``: element 2j in byte j's low nibble, 2j + 1 in
+    its high nibble, each stored as q + 8."""
+    u = (q.astype(np.int16) + 8).astype(np.uint8)
+    return u[:, 0::2] | (u[:, 1::2] << 4)
+
+
+def _x(rng, K: int, dtype: str):
+    return jnp.asarray(rng.standard_normal((max(ROWS), K)), jnp.float32).astype(dtype)
+
+
+def _compare(fn, x, weights: tuple, want_all: np.ndarray) -> float:
+    """``fn`` on the first M rows of x for each M in ROWS against ``want_all`` [N, max(ROWS)]; a row's bits are
+    the same in every batch (row 0 in each, the last row of the largest alone). Returns the worst error / max|y|."""
+    worst, first = 0.0, {}
+    for m in ROWS:
+        got = np.asarray(jax.jit(fn)(x[:m], *weights))
+        want = want_all[:, :m]
+        assert got.shape == want.shape and got.dtype == np.float32
+        err = float(np.abs(got - want).max() / np.abs(want).max())
+        assert err < 2e-5, (m, err)
+        worst = max(worst, err)
+        first[m] = got[:, 0]
+    for m in ROWS:
+        np.testing.assert_array_equal(first[m], first[1])
+    last = max(ROWS) - 1
+    alone = np.asarray(jax.jit(fn)(x[last:], *weights))[:, 0]
+    np.testing.assert_array_equal(alone, got[:, last])
+    return worst
+
+
+def check_int8(N: int, K: int, dtype: str, seed: int = 0) -> float:
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-127, 128, (N, K)).astype(np.int8)
+    scale = rng.uniform(0.5, 2.0, N).astype(np.float32) / 127
+    x = _x(rng, K, dtype)
+    w64 = q.astype(np.float64) * scale[:, None].astype(np.float64)
+    want = w64 @ np.asarray(x.astype(jnp.float32), np.float64).T
+    return _compare(cpu.linear_int8, x, (jnp.asarray(q), jnp.asarray(scale)), want)
+
+
+def check_int4(N: int, K: int, G: int, dtype: str, seed: int = 0) -> float:
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-8, 8, (N, K)).astype(np.int8)
+    scale = rng.uniform(0.5, 2.0, (N, K // G)).astype(np.float32) / 7
+    x = _x(rng, K, dtype)
+    w64 = (q.astype(np.float64).reshape(N, K // G, G) * scale[:, :, None].astype(np.float64)).reshape(N, K)
+    want = w64 @ np.asarray(x.astype(jnp.float32), np.float64).T
+    return _compare(cpu.linear_int4, x, (jnp.asarray(pack_int4(q)), jnp.asarray(scale)), want)
+
+
+def check_all() -> float:
+    errs = [check_int8(N, K, d) for N, K in INT8_SHAPES for d in DTYPES]
+    return max(errs + [check_int4(N, K, G, d) for N, K, G in INT4_SHAPES for d in DTYPES])
+
+
+def test_pack_int4_layout() -> None:
+    q = np.array([[-8, 7, 0, -1], [1, 2, -7, 3]], np.int8)
+    assert pack_int4(q).tolist() == [[0xF0, 0x78], [0xA9, 0xB1]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("N", "K"), INT8_SHAPES)
+def test_linear_int8_matches_float64(N: int, K: int, dtype: str) -> None:
+    check_int8(N, K, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("N", "K", "G"), INT4_SHAPES)
+def test_linear_int4_matches_float64(N: int, K: int, G: int, dtype: str) -> None:
+    check_int4(N, K, G, dtype)
+
+
+def test_empty_shapes() -> None:
+    x, q8, s8 = jnp.ones((3, 64)), jnp.ones((5, 64), jnp.int8), jnp.ones(5)
+    q4, s4 = jnp.full((5, 32), 0x99, jnp.uint8), jnp.ones((5, 2))  # every q = 1
+    assert np.asarray(jax.jit(cpu.linear_int4)(x, q4, s4)).tolist() == [[64.0] * 3] * 5
+    for fn, q, s in ((cpu.linear_int8, q8, s8), (cpu.linear_int4, q4, s4)):
+        assert jax.jit(fn)(x[:0], q, s).shape == (5, 0)
+        assert jax.jit(fn)(x, q[:0], s[:0]).shape == (0, 3)
+        assert (
+            np.asarray(jax.jit(fn)(x[:, :0], q[:, :0], s[:, :0] if s.ndim == 2 else s)).tolist()
+            == [[0.0] * 3] * 5
+        )
+
+
+def test_bad_shapes_and_dtypes_raise() -> None:
+    x, q8, s8 = jnp.ones((3, 64)), jnp.ones((5, 64), jnp.int8), jnp.ones(5)
+    q4, s4 = jnp.ones((5, 32), jnp.uint8), jnp.ones((5, 2))
+    for args in ((x, q8[:, :63], s8), (x, q8, s8[:4]), (x[0], q8, s8), (x, q8, s8[:, None])):
+        with pytest.raises(ValueError, match=r"linear_int8: x \[M, K\], w \[N, K\], scale \[N\]"):
+            cpu.linear_int8(*args)
+    for args in (
+        (x.astype(jnp.float16), q8, s8),
+        (x, q8.astype(jnp.uint8), s8),
+        (x, q8, s8.astype(jnp.bfloat16)),
+    ):
+        with pytest.raises(ValueError, match=r"linear_int8: f32\|bf16 x, int8 w, f32 scale"):
+            cpu.linear_int8(*args)
+    # w not K/2 wide, scale rows, groups that do not divide K, an odd group (64 / 64 = 1), 1-D operands
+    bad = ((x, q4[:, :31], s4), (x, q4, s4[:4]), (x, q4, jnp.ones((5, 3))), (x, q4, jnp.ones((5, 64))),
+           (x[0], q4, s4), (x, q4, s4[:, 0]))  # fmt: skip
+    for args in bad:
+        with pytest.raises(
+            ValueError, match=r"linear_int4: x \[M, K\], w \[N, K/2\], scale \[N, K/G\] \(G even\)"
+        ):
+            cpu.linear_int4(*args)
+    for args in (
+        (x.astype(jnp.float16), q4, s4),
+        (x, q4.astype(jnp.int8), s4),
+        (x, q4, s4.astype(jnp.float16)),
+    ):
+        with pytest.raises(ValueError, match=r"linear_int4: f32\|bf16 x, uint8 w, f32 scale"):
+            cpu.linear_int4(*args)
+
+
+_CHILD = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from test_linear_quant import check_all
+print(json.dumps({{"worst": check_all()}}))
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64-v3 is an x86 target")
+def test_the_avx2_build(tmp_path: Path) -> None:
+    """Every case above through the library built for x86-64-v3 (AVX2: 8-lane paths), in one child process."""
+    env = {**os.environ, "LORASERVE_KERNEL_MARCH": "x86-64-v3", "LORASERVE_KERNEL_CACHE_DIR": str(tmp_path)}
+    code = _CHILD.format(tests=str(Path(__file__).parent))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["worst"] < 2e-5
+    assert [p.name[:9] for p in tmp_path.iterdir()] == ["lora_cpu-"]
