@@ -23,6 +23,13 @@ The last line printed is one JSON object with all the numbers and ratios
 ``--shape 8b`` times an 8B model's largest projection (in 4096, out 14336, ``bench/device.sh`` on an
 accelerator), ``--shape tiny`` a 128² one with fewer runs (the smoke test), ``--dtype bfloat16`` every
 operand in bf16 (the cpu kernels, which take f32 activations, are then left out).
+
+``--quant`` times the base-weight kernels of a decode step instead (``kernels.cpu``, needs the C++ kernels):
+for one projection (N = K = 4096; ``--shape 8b`` N = 14336, K = 4096; ``--shape tiny`` 128²) and M = 1, 16
+bf16 rows it times ``linear_bf16`` (bf16 w), ``linear_int8`` (int8 w, a scale per row) and ``linear_int4``
+(packed int4 w, a scale per 128 inputs) under ``jax.jit``: median ms, the weights' bytes (scales included)
+per second, and ``speedup_int8`` / ``speedup_int4`` = bf16 ms ÷ quantized ms. Its last line is one JSON
+object too (``"bench": "kernels_quant"``); ``LORASERVE_KERNEL_MARCH`` picks the build (e.g. ``x86-64-v3``).
 """
 
 from __future__ import annotations
@@ -58,6 +65,10 @@ SHAPES = {
     "8b": (4096, 14336, PREFILL_T, 100, 15),
     "tiny": (128, 128, (64, 128, 256), 10, 3),
 }
+# --quant: (N, K, runs) of the projection the base-weight kernels are timed on, per --shape
+QUANT_SHAPES = {"bench": (4096, 4096, 50), "8b": (14336, 4096, 30), "tiny": (128, 128, 10)}
+QUANT_ROWS = (1, 16)
+QUANT_GROUP = 128
 
 
 def median_ms(fns: dict, runs: int) -> dict[str, float]:
@@ -139,11 +150,80 @@ def bench_shape(T: int, prefill: bool, weights, rng, runs: int = 0) -> dict:
     return row
 
 
+def bench_quant(shape: str) -> dict:
+    """``--quant``: bf16, int8 and int4 weights through the few-row C++ kernels, bf16 x (module doc)."""
+    cpu = kernels.cpu
+    if not cpu.available():
+        raise SystemExit("--quant needs the C++ kernels (kernels.cpu), which do not build or load here")
+    t_start = time.perf_counter()
+    N, K, runs = QUANT_SHAPES[shape]
+    group = min(QUANT_GROUP, K)
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((N, K)) / np.sqrt(K), jnp.bfloat16)
+    q8 = jnp.asarray(rng.integers(-127, 128, (N, K)), jnp.int8)
+    s8 = jnp.asarray(rng.uniform(0.5, 1.5, N) / (127 * np.sqrt(K)), jnp.float32)
+    q4 = jnp.asarray(rng.integers(0, 256, (N, K // 2)), jnp.uint8)  # any byte is two valid nibbles
+    s4 = jnp.asarray(rng.uniform(0.5, 1.5, (N, K // group)) / (7 * np.sqrt(K)), jnp.float32)
+    weight_bytes = {"bf16": 2 * N * K, "int8": N * K + 4 * N, "int4": N * K // 2 + 4 * N * (K // group)}
+    fns = {
+        "bf16": jax.jit(cpu.linear_bf16),
+        "int8": jax.jit(cpu.linear_int8),
+        "int4": jax.jit(cpu.linear_int4),
+    }
+    args = {"bf16": (w,), "int8": (q8, s8), "int4": (q4, s4)}
+    march = os.environ.get("LORASERVE_KERNEL_MARCH") or "native"
+    print(
+        f"kernels bench --quant: N={N} K={K} int4 group={group}, bf16 x, build -march={march} "
+        f"(bf16 dot products: {cpu.bf16_dot()}), {os.cpu_count()} CPUs, jax {jax.__version__}"
+    )
+    print("speedup = bf16 ms / quantized ms; GB/s = the weights' bytes (scales included) / time")
+    rows = []
+    for M in QUANT_ROWS:
+        x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+        calls = {name: functools.partial(fn, x, *args[name]) for name, fn in fns.items()}
+        ms = median_ms(calls, runs)
+        row = {"M": M, "runs": runs}
+        for name in fns:
+            row[f"{name}_ms"] = round(ms[name], 4)
+            row[f"{name}_gb_s"] = round(weight_bytes[name] / ms[name] / 1e6, 2)
+        for name in ("int8", "int4"):
+            row[f"speedup_{name}"] = round(ms["bf16"] / ms[name], 3)
+        rows.append(row)
+        print(
+            f"M={M:3d}  "
+            + "  ".join(f"{n} {row[f'{n}_ms']:8.3f} ms ({row[f'{n}_gb_s']:6.1f} GB/s)" for n in fns)
+            + f"  speedup int8 {row['speedup_int8']:.2f}  int4 {row['speedup_int4']:.2f}"
+        )
+    return {
+        "bench": "kernels_quant",
+        "config": {
+            "N": N,
+            "K": K,
+            "group": group,
+            "x_dtype": "bfloat16",
+            "march": march,
+            "bf16_dot": cpu.bf16_dot(),
+            "weight_bytes": weight_bytes,
+        },
+        "platform": {"backend": jax.default_backend(), "cpus": os.cpu_count(), "machine": platform.machine()},
+        "rows": rows,
+        "seconds": round(time.perf_counter() - t_start, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=tuple(SHAPES), default="bench", help="the projection's size")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument(
+        "--quant",
+        action="store_true",
+        help="time the bf16 / int8 / int4 base-weight kernels instead (module doc)",
+    )
     args = parser.parse_args()
+    if args.quant:
+        print(json.dumps(bench_quant(args.shape), separators=(",", ":")))
+        return
     d_in, d_out, prefill_t, decode_runs, prefill_runs = SHAPES[args.shape]
     dtype = jnp.dtype(args.dtype)
     t_start = time.perf_counter()
