@@ -767,7 +767,7 @@ def summarize(
         ratios["base_vs_base_xla_linear"] = round(dec["base"] / dec["base_xla_linear"], 3)
     if "" in ran:
         ratios["one_adapter_vs_base"] = round(dec["one_adapter"] / dec["base"], 3)
-    for q in ("int8",):  # a quantized base ÷ the same rows on the unquantized one
+    for q in ("int8", "int4"):  # a quantized base ÷ the same rows on the unquantized one
         if "base_" + q in dec and "base" in dec:
             ratios[f"base_{q}_vs_base"] = round(dec["base_" + q] / dec["base"], 3)
             ratios[f"distinct_adapters_{q}_vs_base_{q}"] = round(
@@ -809,6 +809,15 @@ def platform_info() -> dict[str, str]:
     }
 
 
+def _quantizations(text: str) -> tuple[str, ...]:
+    """--quantization: "none", or a comma-separated list of int8 and int4."""
+    names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none"))
+    bad = [n for n in names if n not in ("int8", "int4")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown quantization {bad[0]!r} (none, int8, int4 or int8,int4)")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run (= --shape tiny)")
@@ -834,8 +843,9 @@ def main() -> None:
     parser.add_argument(
         "--quantization",
         default="none",
-        choices=("none", "int8"),
-        help="also run the default engine over the base quantized so (rows <name>_int8)",
+        type=_quantizations,
+        help="also run the default engine over the base quantized so: int8, int4 or both (int8,int4); rows "
+        "<name>_int8, <name>_int4",
     )
     parser.add_argument("--skip-ttft", action="store_true", help="skip the cold vs warm TTFT")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers/peft peers")
@@ -910,13 +920,13 @@ def main() -> None:
                     grammars=grammars if not suffix else None,  # the default engine's rows
                 )
                 mine.update({name + suffix: r for name, r in runs.items()})
-            if args.quantization != "none":  # the default engine again over the quantized base, same rows
-                quantized = load_checkpoint(str(base), dtype=args.dtype, quantization=args.quantization)
+            for quantization in args.quantization:  # the default engine over the quantized base, same rows
+                quantized = load_checkpoint(str(base), dtype=args.dtype, quantization=quantization)
                 runs = run_engine(
                     base, adapters[: w["adapters"]], w, args.rounds, ttft=False, checkpoint=quantized,
                     dtype=args.dtype, lazy=args.lazy_compile,
                 )  # fmt: skip
-                mine.update({f"{name}_{args.quantization}": r for name, r in runs.items()})
+                mine.update({f"{name}_{quantization}": r for name, r in runs.items()})
                 del quantized
         del checkpoint
         about = {}

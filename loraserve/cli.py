@@ -38,7 +38,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "quantize": (
         "loraserve.worker.quantize_cmd",
-        "write a checkpoint with int8 projections (per-channel scales) that workers load without quantizing",
+        "write a checkpoint with int8 or int4 projections (and their scales) that workers load without quantizing",
     ),
     "health": ("loraserve.client.health_cmd", "probe a server's gRPC health (exit 0 when SERVING)"),
     "version": ("loraserve.version", "print the loraserve version and the versions of its runtime"),

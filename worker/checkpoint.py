@@ -203,13 +203,14 @@ def _experts(cfg: ModelConfig, tensors: dict[str, np.ndarray], p: str) -> dict[s
 
 def load_checkpoint(url: str, dtype: str = "float32", quantization: str = "none") -> Checkpoint:
     """Read ``config.json`` + safetensors from ``url`` and place the stacked weights on the device;
-    ``quantization="int8"`` stores the layers' projections as int8 with per-channel scales (worker.quant).
-    A checkpoint ``loraserve quantize`` wrote (``worker.quantize_cmd``) is int8 whatever ``quantization``
-    says: its values and scales are taken as they are (checked: every scale present, ``[out]``, finite and
-    positive), not quantized again.
+    ``quantization="int8"`` stores the layers' projections as int8 with per-channel scales, ``"int4"`` as
+    packed int4 with a scale per group of inputs (worker.quant). A checkpoint ``loraserve quantize`` wrote
+    (``worker.quantize_cmd``) is served as it was written whatever ``quantization`` says: its values and
+    scales are taken as they are (checked: every scale present, of its shape, finite and positive), not
+    quantized again.
 
     Semantics: the returned params compute exactly what transformers' ``*ForCausalLM`` of the family computes
-    (with int8: what it computes with those weights dequantized).
+    (quantized: what it computes with those weights dequantized).
     """
     from loraserve.worker.quant import QUANTIZATIONS, QUANTIZED, quantize_layers
 
@@ -217,32 +218,36 @@ def load_checkpoint(url: str, dtype: str = "float32", quantization: str = "none"
         raise InvalidArgument(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     hf_config = read_config(url)
     cfg = ModelConfig.from_hf(hf_config)
-    if _prequantized(hf_config):
-        return _load_prequantized(cfg, url, dtype)
+    written = _prequantized(hf_config)
+    if written:
+        return _load_prequantized(cfg, url, dtype, written)
     host = convert_hf_weights(cfg, dict(_iter_tensors(url)))
     jdtype = jnp.dtype(dtype)
-    skip = set(QUANTIZED) if quantization == "int8" else set()
+    skip = set(QUANTIZED) if quantization != "none" else set()
     floats = {k: v for k, v in host.items() if k != "layers"}
     floats["layers"] = [{k: v for k, v in layer.items() if k not in skip} for layer in host["layers"]]
     params = jax.tree.map(lambda v: jax.device_put(v.astype(jdtype)), floats)
     if skip:
-        params["layers"] = quantize_layers(params["layers"], host["layers"])
+        params["layers"] = quantize_layers(params["layers"], host["layers"], quantization)
     return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name, quantization=quantization)
 
 
-def _prequantized(hf_config: dict[str, Any]) -> bool:
-    """Whether ``config.json`` says ``loraserve quantize`` wrote the checkpoint; another method is refused."""
-    from loraserve.worker.quantize_cmd import QUANT_METHOD
+def _prequantized(hf_config: dict[str, Any]) -> str:
+    """The quantization ("int8" | "int4") ``config.json`` says ``loraserve quantize`` wrote, "" for an
+    unquantized checkpoint; another method is refused."""
+    from loraserve.worker.quantize_cmd import QUANT_METHODS
 
     method = (hf_config.get("quantization_config") or {}).get("quant_method")
     if method is None:
-        return False
-    if method != QUANT_METHOD:
+        return ""
+    written = {m: q for q, m in QUANT_METHODS.items()}.get(method)
+    if written is None:
         raise CheckpointError(
-            f"quantization_config.quant_method {method!r} is not served (only {QUANT_METHOD!r}, which "
-            "`loraserve quantize` writes; or an unquantized checkpoint with --quantization int8)"
+            f"quantization_config.quant_method {method!r} is not served (only "
+            f"{', '.join(map(repr, QUANT_METHODS.values()))}, which `loraserve quantize` writes; or an "
+            "unquantized checkpoint with --quantization int8|int4)"
         )
-    return True
+    return written
 
 
 # each fused projection's HF modules, in the order convert_hf_weights stacks their rows
@@ -254,35 +259,44 @@ _FUSED = {
 }
 
 
-def _load_prequantized(cfg: ModelConfig, url: str, dtype: str) -> Checkpoint:
-    """A ``loraserve quantize`` checkpoint: each projection's int8 values with their ``_scale`` (checked and
-    named when wrong), fused as ``convert_hf_weights`` fuses the float weights (rows side by side, and a
-    per-output-channel scale with its row); the rest as any checkpoint."""
-    from loraserve.worker.quant import QUANTIZED, Int8Weight
+def _load_prequantized(cfg: ModelConfig, url: str, dtype: str, quantization: str) -> Checkpoint:
+    """A ``loraserve quantize`` checkpoint: each projection's int8 (or packed int4) values with their
+    ``_scale`` (checked and named when wrong), fused as ``convert_hf_weights`` fuses the float weights (rows
+    side by side, each row's scales with it); the rest as any checkpoint."""
+    from loraserve.worker.quant import QUANTIZED, Int4Weight, Int8Weight, int4_group, pack_int4, unpack_int4
     from loraserve.worker.quantize_cmd import PROJECTION, SCALE_SUFFIX
 
+    int4 = quantization == "int4"
+    stored = np.uint8 if int4 else np.int8
     tensors = dict(_iter_tensors(url))
     scales: dict[str, np.ndarray] = {}
     for name in [k for k in tensors if PROJECTION.match(k)]:
         q = tensors[name]
-        if q.dtype != np.int8:
-            raise CheckpointError(f"tensor {name} is {q.dtype}; a quantized checkpoint stores it as int8")
+        if q.dtype != stored or q.ndim != 2:
+            raise CheckpointError(
+                f"tensor {name} is {q.dtype} of shape {tuple(q.shape)}; an {quantization} checkpoint stores it as a "
+                f"2-d {np.dtype(stored).name} matrix"
+            )
         scale = tensors.pop(name + SCALE_SUFFIX, None)
         if scale is None:
             raise CheckpointError(f"checkpoint lacks tensor {name + SCALE_SUFFIX} (the scales of {name})")
-        if scale.shape != (q.shape[0],):
+        inputs = 2 * q.shape[1] if int4 else q.shape[1]
+        want = (q.shape[0], inputs // int4_group(inputs)) if int4 else (q.shape[0],)
+        if scale.shape != want:
+            packed = f" for {name} {tuple(q.shape)} (packed: {inputs} inputs)" if int4 else ""
             raise CheckpointError(
-                f"tensor {name + SCALE_SUFFIX} has shape {tuple(scale.shape)}, expected ({q.shape[0]},)"
+                f"tensor {name + SCALE_SUFFIX} has shape {tuple(scale.shape)}, expected {want}{packed}"
             )
         if not (np.isfinite(scale).all() and (scale > 0).all()):
             raise CheckpointError(
                 f"tensor {name + SCALE_SUFFIX} holds a scale that is not finite and positive"
             )
         scales[name] = np.asarray(scale, np.float32)
-        tensors[name] = q.astype(np.float32)  # exact: convert_hf_weights checks and fuses them as floats
+        # exact as floats: convert_hf_weights checks and fuses them as it does float weights
+        tensors[name] = (unpack_int4(q) if int4 else q).astype(np.float32)
     stray = sorted(k for k in tensors if k.endswith(SCALE_SUFFIX))
     if stray:
-        raise CheckpointError(f"tensor {stray[0]} scales no int8 projection of this checkpoint")
+        raise CheckpointError(f"tensor {stray[0]} scales no {quantization} projection of this checkpoint")
     host = convert_hf_weights(cfg, tensors)
     jdtype = jnp.dtype(dtype)
     floats = {k: v for k, v in host.items() if k != "layers"}
@@ -295,7 +309,9 @@ def _load_prequantized(cfg: ModelConfig, url: str, dtype: str) -> Checkpoint:
             modules = [f"model.layers.{n}.{m}.weight" for m in _FUSED[key]]
             missing = [m for m in modules if m not in scales]
             if missing:
-                raise CheckpointError(f"tensor {missing[0]} is not int8 in a quantized checkpoint")
+                raise CheckpointError(f"tensor {missing[0]} is not {quantization} in a quantized checkpoint")
             scale = np.concatenate([scales[m] for m in modules])
-            layer[key] = Int8Weight(jax.device_put(values[key].astype(np.int8)), jax.device_put(scale))
-    return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name, quantization="int8")
+            q = values[key].astype(np.int8)
+            weight = Int4Weight(pack_int4(q), scale) if int4 else Int8Weight(q, scale)
+            layer[key] = jax.tree.map(jax.device_put, weight)
+    return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name, quantization=quantization)

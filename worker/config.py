@@ -141,8 +141,8 @@ class EngineConfig:
         "the base model's bfloat16 projections of a few rows (decode steps, up to"
         " kernels.linear.KERNEL_MAX_ROWS = 24 rows): auto (cpu on a CPU with AVX-512 BF16 where the C++"
         " kernels build, else xla), xla or cpu (C++ kernel streaming the weights with prefetch; widens to"
-        " float32 on CPUs without bf16 dot products); tensor-parallel workers use xla; xla also keeps an int8"
-        " base (--quantization int8) on XLA's int8 dot instead of the C++ int8 kernel",
+        " float32 on CPUs without bf16 dot products); tensor-parallel workers use xla; xla also keeps a quantized"
+        " base (--quantization) on XLA's dot instead of the C++ int8/int4 kernels",
         KERNELS,
     )
     kv_page_size: int = opt(
@@ -346,11 +346,12 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
     prefill_chunk: int = _engine_field("prefill_chunk", WORKER_PREFILL_CHUNK)
     model: str = opt("", "Hugging Face checkpoint folder or fsspec URL (config.json + *.safetensors)", MODEL)
     model_id: str = opt("", "model id reported to clients and the registry (empty: the model path)", MODEL)
-    quantization: Literal["none", "int8"] = opt(
+    quantization: Literal["none", "int8", "int4"] = opt(
         "none",
         "weight-only quantization of the base model's linear projections at load: int8 = symmetric"
-        " per-output-channel int8 (activations, KV cache, embeddings, head and adapters keep the model dtype; one"
-        " device only for now)",
+        " per-output-channel int8, int4 = symmetric int4 with a scale per group of 128 inputs, two values a"
+        " byte (activations, KV cache, embeddings, head and adapters keep the model dtype); a checkpoint written"
+        " by `loraserve quantize` is served as written",
         MODEL,
     )
     host: str = opt("127.0.0.1", "address to bind", SERVING)

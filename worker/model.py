@@ -39,7 +39,7 @@ from loraserve.worker.dora import apply_vectors, init_vector_pools
 from loraserve.worker.embed_lora import apply_embed, apply_lm_head, init_vocab_pools
 from loraserve.worker.model_config import LORA_GROUPS, ModelConfig
 from loraserve.worker.moe import init_expert_pools, moe_mlp
-from loraserve.worker.quant import Int8Weight, qlinear
+from loraserve.worker.quant import Quantized, qlinear
 from loraserve.worker.sampling import TOP_LOGPROBS, PromptScores, token_logprobs
 from loraserve.worker.step import Cache, DecodeBatch, DeviceState, LoraPools, Params, PrefillBatch
 
@@ -130,8 +130,8 @@ def _group_pools(ll: dict[str, Array], group: str) -> tuple[Array, tuple[Array, 
     return ll[f"A_{group}"], tuple(ll[b_name(m)] for m in LORA_GROUPS[group])
 
 
-def _matmul(x: Array, w: Array | Int8Weight, b: Array | None) -> Array:
-    y = (qlinear(x, w) if isinstance(w, Int8Weight) else linear(x, w)).astype(x.dtype)
+def _matmul(x: Array, w: Array | Quantized, b: Array | None) -> Array:
+    y = (qlinear(x, w) if isinstance(w, Quantized) else linear(x, w)).astype(x.dtype)
     return y if b is None else y + b
 
 

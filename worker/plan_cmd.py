@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization",
         default="none",
-        choices=("none", "int8"),
-        help="the worker's --quantization: int8 projections with per-channel scales",
+        choices=("none", "int8", "int4"),
+        help="the worker's --quantization: int8 projections with per-channel scales, int4 with per-group scales",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(

@@ -20,7 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraserve.common.errors import InvalidArgument
+from loraserve.common.errors import FailedPrecondition, InvalidArgument
 from loraserve.worker.requests import history_bytes
 
 if TYPE_CHECKING:  # numpy and JAX stay out of `loraserve --help` (the CLI builds every subcommand's flags)
@@ -143,10 +143,11 @@ def vocab_rows_per_device(cfg: ModelConfig, tp: int) -> int:
 
 def weight_bytes(cfg: ModelConfig, tp: int, dtype: str, quantization: str = "none") -> int:
     """One device's base weights; with ``quantization="int8"`` the layers' projections at one byte an
-    element plus an f32 scale per output channel (worker.quant), the rest in ``dtype``."""
+    element plus an f32 scale per output channel, with ``"int4"`` at half a byte plus an f32 scale per group
+    of inputs (worker.quant), the rest in ``dtype``."""
     size = DTYPE_BYTES[dtype]
     projections = sum(i * o for i, o in _module_shapes_per_device(cfg, tp).values())
-    per_layer = 0 if quantization == "int8" else projections
+    per_layer = projections if quantization == "none" else 0
     per_layer += cfg.expert_bytes(1, tp)  # a mixture of experts: router, its share of experts, shared expert
     shapes = _module_shapes_per_device(cfg, tp)
     if cfg.qkv_bias:
@@ -158,10 +159,37 @@ def weight_bytes(cfg: ModelConfig, tp: int, dtype: str, quantization: str = "non
     vocab = vocab_rows_per_device(cfg, tp) * cfg.hidden_size
     embeddings = vocab * (1 if cfg.tie_word_embeddings else 2)
     floats = size * (cfg.num_layers * (per_layer + norms) + embeddings + cfg.hidden_size)
-    if quantization != "int8":
+    if quantization == "none":
         return floats
-    channels = sum(o for _, o in _module_shapes_per_device(cfg, tp).values())
-    return floats + cfg.num_layers * (projections + 4 * channels)
+    return floats + cfg.num_layers * quantized_projection_bytes(cfg, tp, quantization)
+
+
+def check_int4_split(cfg: ModelConfig, tp: int) -> None:
+    """Refuse (FailedPrecondition) a split that would cut an int4 group: a row-parallel projection's inputs
+    are split over the devices, and each device's share must be whole groups (worker.quant)."""
+    from loraserve.worker.quant import int4_group
+
+    for module, (fan_in, _) in cfg.module_shapes().items():
+        group = int4_group(fan_in)
+        if module not in COLUMN_PARALLEL and (fan_in // tp) % group:
+            raise FailedPrecondition(
+                f"--quantization int4 over {tp} devices: {module}'s {fan_in} inputs split into {fan_in // tp} "
+                f"per device, not a whole number of its groups of {group}"
+            )
+
+
+def quantized_projection_bytes(cfg: ModelConfig, tp: int, quantization: str) -> int:
+    """One layer's quantized projections on one device: values and f32 scales (worker.quant's layouts)."""
+    from loraserve.worker.quant import int4_group
+
+    full = cfg.module_shapes()
+    total = 0
+    for module, (i, o) in _module_shapes_per_device(cfg, tp).items():
+        if quantization == "int4":  # two values a byte; a scale per group of the full input's group size
+            total += i * o // 2 + 4 * o * (i // int4_group(full[module][0]))
+        else:  # a byte a value, a scale per output row
+            total += i * o + 4 * o
+    return total
 
 
 def kv_bytes(cfg: ModelConfig, tp: int, batch: int, context: int, dtype: str, page_size: int = 16) -> int:
@@ -227,8 +255,12 @@ def plan(
     if dtype not in DTYPE_BYTES or (lora_dtype or dtype) not in DTYPE_BYTES:
         raise InvalidArgument(f"dtypes must be one of {', '.join(DTYPE_BYTES)}")
     check_layout(cfg, tp)
-    if quantization not in ("none", "int8"):
-        raise InvalidArgument(f"quantization must be none or int8, got {quantization!r}")
+    from loraserve.worker.quant import QUANTIZATIONS
+
+    if quantization not in QUANTIZATIONS:
+        raise InvalidArgument(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if quantization == "int4":
+        check_int4_split(cfg, tp)
     spec = CHIPS[chip]
     return Plan(
         model=model,

@@ -1,12 +1,15 @@
-"""``loraserve quantize SRC DST``: write a base checkpoint whose linear projections are already int8.
+"""``loraserve quantize SRC DST``: write a base checkpoint whose linear projections are already quantized.
 
 Each decoder layer's ``q/k/v/o_proj`` and ``gate/up/down_proj`` weight (attention's only on a mixture of
-experts, as ``--quantization int8`` does) becomes an ``I8`` tensor of the same name and shape plus an ``F32``
-``<name>_scale [out]`` (``worker.quant.quantize_int8``: symmetric, per output channel); every other tensor
-is copied as it is, shard by shard (the index, if any, names the new scales), and ``config.json`` gains
-``"quantization_config": {"quant_method": "loraserve-int8", ...}`` (``QUANT_METHOD``), with which
-``worker.checkpoint.load_checkpoint`` takes the int8 values and scales as they are instead of quantizing at
-start-up. Tokenizer and other files are copied. Local folders or fsspec URLs on both sides.
+experts, as ``--quantization`` does) becomes, with ``--quantization int8``, an ``I8`` tensor of the same
+name and shape plus an ``F32`` ``<name>_scale [out]`` (``worker.quant.quantize_int8``: symmetric, per output
+channel); with ``int4``, a ``U8`` tensor ``[out, in / 2]`` of packed int4 values plus an ``F32``
+``<name>_scale [out, in / group]`` (``worker.quant.quantize_int4``: symmetric, a scale per group of inputs,
+128 in released models' shapes: ``worker.quant.int4_group``). Every other tensor is copied as it is,
+shard by shard (the index, if any, names the new scales), and ``config.json`` gains
+``"quantization_config": {"quant_method": "loraserve-int8" | "loraserve-int4", ...}`` (``QUANT_METHODS``),
+with which ``worker.checkpoint.load_checkpoint`` takes the values and scales as they are instead of
+quantizing at start-up. Tokenizer and other files are copied. Local folders or fsspec URLs on both sides.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import json
 import re
 import time
 
-QUANT_METHOD = "loraserve-int8"
+QUANT_METHODS = {"int8": "loraserve-int8", "int4": "loraserve-int4"}  # --quantization -> quant_method
 # the projections quantized: HF names of a layer's linear weights (worker.quant.QUANTIZED, unfused)
 PROJECTION = re.compile(
     r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight$"
@@ -30,21 +33,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("dst", help="the folder to write (created; must not hold a checkpoint already)")
     parser.add_argument(
-        "--quantization", choices=("int8",), default="int8", help="what to write: int8 (per output channel)"
+        "--quantization",
+        choices=tuple(QUANT_METHODS),
+        default="int8",
+        help="what to write: int8 (a scale per output channel) or int4 (two a byte, a scale per 128 inputs)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    written = quantize_checkpoint(args.src, args.dst)
+    written = quantize_checkpoint(args.src, args.dst, args.quantization)
     seconds = time.perf_counter() - started
     print(
-        f"wrote {args.dst}: {written['quantized']} int8 projections, {written['bytes'] / 1e6:.1f} MB in {seconds:.1f} s"
+        f"wrote {args.dst}: {written['quantized']} {args.quantization} projections, "
+        f"{written['bytes'] / 1e6:.1f} MB in {seconds:.1f} s"
     )
     return 0
 
 
-def quantize_checkpoint(src: str, dst: str) -> dict[str, int]:
+def quantize_checkpoint(src: str, dst: str, quantization: str = "int8") -> dict[str, int]:
     """SRC -> DST as the module doc says; returns counts (``quantized`` tensors, ``bytes`` written)."""
     from safetensors.numpy import save
 
@@ -52,7 +59,11 @@ def quantize_checkpoint(src: str, dst: str) -> dict[str, int]:
     from loraserve.common.errors import FailedPrecondition, InvalidArgument
     from loraserve.worker.checkpoint import _open_folder, _weight_files, read_config
     from loraserve.worker.model_config import ModelConfig
-    from loraserve.worker.quant import quantize_int8
+    from loraserve.worker.quant import INT4_GROUP, quantize_int4, quantize_int8
+
+    if quantization not in QUANT_METHODS:
+        raise InvalidArgument(f"quantization must be one of {', '.join(QUANT_METHODS)}, got {quantization!r}")
+    method = QUANT_METHODS[quantization]
 
     config = read_config(src)
     ModelConfig.from_hf(config)  # a family the worker serves, or refused here
@@ -75,12 +86,12 @@ def quantize_checkpoint(src: str, dst: str) -> dict[str, int]:
         out = {}
         for key, value in tensors.items():
             if PROJECTION.match(key):
-                q, scale = quantize_int8(value)
+                q, scale = quantize_int4(value) if quantization == "int4" else quantize_int8(value)
                 out[key], out[key + SCALE_SUFFIX] = q, scale
                 quantized += 1
             else:
                 out[key] = _original_dtype(value, config)
-        data = save(out, metadata={"format": "pt", "quantization": QUANT_METHOD})
+        data = save(out, metadata={"format": "pt", "quantization": method})
         with dfs.open(f"{droot}/{name}", "wb") as f:
             f.write(data)
         written += len(data)
@@ -89,10 +100,13 @@ def quantize_checkpoint(src: str, dst: str) -> dict[str, int]:
         index = {"metadata": {"total_size": written}, "weight_map": weight_map}
         with dfs.open(f"{droot}/model.safetensors.index.json", "w") as f:
             json.dump(index, f, indent=2)
-    config["quantization_config"] = {
-        "quant_method": QUANT_METHOD, "bits": 8, "symmetric": True, "granularity": "per_output_channel",
-        "scale_suffix": SCALE_SUFFIX,
-    }  # fmt: skip
+    config["quantization_config"] = {"quant_method": method, "symmetric": True, "scale_suffix": SCALE_SUFFIX}
+    if quantization == "int4":
+        config["quantization_config"].update(
+            bits=4, granularity="per_group", max_group_size=INT4_GROUP, packing="low_nibble_first"
+        )
+    else:
+        config["quantization_config"].update(bits=8, granularity="per_output_channel")
     with dfs.open(f"{droot}/config.json", "w") as f:
         json.dump(config, f, indent=2)
     for other in sfs.ls(sroot, detail=False):  # tokenizer, generation config, chat template, ...

@@ -128,17 +128,17 @@ def _repeat_kv_rows(w: np.ndarray, cfg: ModelConfig, r: int) -> np.ndarray:
 
 def host_layer_params(cfg: ModelConfig, layer: dict[str, Any], n: int) -> dict[str, np.ndarray]:
     """One layer's params (``worker.checkpoint`` layout) -> host arrays in the N-device layout."""
-    from loraserve.worker.quant import Int8Weight
+    from loraserve.worker.quant import Quantized
 
     tcfg, r = tp_model_config(cfg, n), kv_repeat(cfg, n)
 
-    def host(v: Any) -> Any:  # an int8 projection's values and scales move together, row for row
-        if isinstance(v, Int8Weight):
-            return Int8Weight(np.asarray(v.q), np.asarray(v.scale))
+    def host(v: Any) -> Any:  # a quantized projection's values and scales move together, row for row
+        if isinstance(v, Quantized):
+            return type(v)(np.asarray(v.q), np.asarray(v.scale))
         return np.asarray(v)
 
     def rows(v: Any, fn: Callable[[np.ndarray], np.ndarray]) -> Any:
-        return Int8Weight(fn(v.q), fn(v.scale)) if isinstance(v, Int8Weight) else fn(v)
+        return type(v)(fn(v.q), fn(v.scale)) if isinstance(v, Quantized) else fn(v)
 
     out = {k: host(v) for k, v in layer.items()}
     qkv_order = fuse_order((tcfg.q_size, tcfg.kv_size, tcfg.kv_size), n)
@@ -157,12 +157,15 @@ def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int) -> dict[str, A
     vocab = P(AXIS, None) if cfg.vocab_size % n == 0 else P()
     top = {k: (vocab if k in ("embed", "lm_head") else P()) for k in params if k != "layers"}
 
-    from loraserve.worker.quant import Int8Weight
+    from loraserve.worker.quant import Int4Weight, Int8Weight
 
     def layer_spec(key: str, value: Any) -> Any:
         dim = LAYER_SPLIT_DIM.get(key)
         if isinstance(value, Int8Weight):  # int8 values split like the weight, scales with their rows
             return Int8Weight(layer_spec(key, value.q), P(AXIS) if dim == 0 else P())
+        if isinstance(value, Int4Weight):  # packed values split like the weight, scales with their groups
+            check_int4_groups(key, np.shape(value.scale), n)
+            return Int4Weight(layer_spec(key, value.q), P(AXIS, None) if dim == 0 else P(None, AXIS))
         rank = len(value) if isinstance(value, tuple) else np.ndim(value)  # a shape or an array
         return P(*(AXIS if d == dim else None for d in range(rank)))
 
@@ -173,7 +176,7 @@ def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int) -> dict[str, A
 def shard_params(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
     """Checkpoint params -> device arrays in the Megatron layout over ``mesh`` (fused rows re-ordered,
     KV heads repeated when fewer than N)."""
-    from loraserve.worker.quant import Int8Weight
+    from loraserve.worker.quant import Quantized
 
     n = mesh.size
     dtype = params["embed"].dtype
@@ -182,14 +185,24 @@ def shard_params(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh) -> dict[s
     specs = param_specs(cfg, host, n)
 
     def put(v: Any, spec: Any) -> Any:
-        if isinstance(v, Int8Weight):  # int8 values and f32 scales keep their dtypes
-            return Int8Weight(
+        if isinstance(v, Quantized):  # quantized values and f32 scales keep their dtypes
+            return type(v)(
                 jax.device_put(v.q, NamedSharding(mesh, spec.q)),
                 jax.device_put(v.scale, NamedSharding(mesh, spec.scale)),
             )
         return jax.device_put(jnp.asarray(v, dtype), NamedSharding(mesh, spec))
 
-    return jax.tree.map(put, host, specs, is_leaf=lambda x: isinstance(x, np.ndarray | Int8Weight))
+    return jax.tree.map(put, host, specs, is_leaf=lambda x: isinstance(x, np.ndarray | Quantized))
+
+
+def check_int4_groups(key: str, scale_shape: tuple[int, ...], n: int) -> None:
+    """A row-parallel int4 projection over N devices: each must hold whole groups of inputs (FailedPrecondition
+    naming the projection otherwise; ``planner.check_int4_split`` refuses the same plan)."""
+    if n > 1 and LAYER_SPLIT_DIM.get(key) == 1 and scale_shape[1] % n:
+        raise FailedPrecondition(
+            f"--quantization int4 over {n} devices: {key}'s {scale_shape[1]} groups of inputs do not split "
+            f"into {n} equal shares"
+        )
 
 
 def pool_specs(cfg: ModelConfig, backend: ShardedBackend) -> dict[str, P]:
@@ -325,15 +338,25 @@ def abstract_state(
         {k: sds(tp_shape(k, v), dtype, ls[k]) for k, v in layer.items()}
         for layer, ls in zip(shapes["layers"], specs["layers"], strict=True)
     ]
-    if quantization == "int8":  # worker.quant: int8 projections, an f32 scale per row split with its rows
-        from loraserve.worker.quant import QUANTIZED, Int8Weight
+    if quantization != "none":  # worker.quant: the projections' values, and f32 scales split with them
+        from loraserve.worker.quant import QUANTIZED, Int4Weight, Int8Weight, int4_group
 
         for layer in aparams["layers"]:
             for k in QUANTIZED:
-                if k in layer:
-                    shape, spec = layer[k].shape, layer[k].sharding.spec
-                    rows = P(AXIS) if LAYER_SPLIT_DIM.get(k) == 0 and n > 1 else P()
-                    layer[k] = Int8Weight(sds(shape, jnp.int8, spec), sds(shape[:1], jnp.float32, rows))
+                if k not in layer:
+                    continue
+                (out, inputs), spec = layer[k].shape, layer[k].sharding.spec
+                by_rows = LAYER_SPLIT_DIM.get(k) == 0
+                if quantization == "int8":
+                    scale = sds((out,), jnp.float32, P(AXIS) if by_rows and n > 1 else P())
+                    layer[k] = Int8Weight(sds((out, inputs), jnp.int8, spec), scale)
+                    continue
+                groups = (out, inputs // int4_group(inputs))
+                check_int4_groups(k, groups, n)
+                scale_spec = P() if n == 1 else (P(AXIS, None) if by_rows else P(None, AXIS))
+                layer[k] = Int4Weight(
+                    sds((out, inputs // 2), jnp.uint8, spec), sds(groups, jnp.float32, scale_spec)
+                )
     pages = config.num_kv_pages(kv_page_bytes(cfg, config.kv_page_size, dtype))
     page_shape = (tcfg.num_kv_heads, pages, config.kv_page_size, tcfg.head_dim)
     stored = kv_storage_dtype(dtype, platform)

@@ -25,12 +25,14 @@ from loraserve.worker.embed_lora import is_vocab_pool, vocab_slot_shapes, vocab_
 from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, lora_slot_shapes, lora_vector_sizes
 from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.moe import expert_slot_shapes, expert_slot_values, is_expert_pool, is_moe_pool
-from loraserve.worker.quant import Int8Weight
+from loraserve.worker.quant import Quantized
 from loraserve.worker.step import LoraPools
 
 # per layer, pool name -> one slot's array; layer 0 also holds the vocabulary pools' (LoraPools.vocab)
 SlotValues = list[dict[str, np.ndarray]]
-BaseWeights = list[dict[str, Any]]  # per layer, LoRA group -> fused base weight [out, in] (or an Int8Weight)
+BaseWeights = list[
+    dict[str, Any]
+]  # per layer, LoRA group -> fused base weight [out, in] (or a quantized one)
 
 
 def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotValues:
@@ -90,7 +92,7 @@ def base_weights(params: dict[str, Any]) -> BaseWeights:
     """Per layer, LoRA group -> its fused base weight ``[out, in]`` (what DoRA's norm is taken of)."""
     keys = {"qkv": "wqkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}
 
-    # an int8 projection (worker.quant) stays int8 here: _dora_scales dequantizes it only while it runs
+    # a quantized projection (worker.quant) stays so here: _dora_scales dequantizes it only while it runs
     return [{group: layer[key] for group, key in keys.items() if key in layer} for layer in params["layers"]]
 
 
@@ -101,9 +103,9 @@ def _dora_scales(values: Lora, base: BaseWeights, shards: int) -> list[dict[str,
         scales = {}
         for group in base[n]:  # the groups the model has (a mixture of experts: attention's)
             bs = tuple(vals[b_name(m)] for m in LORA_GROUPS[group])
-            w = base[n][group]  # int8 (worker.quant): dequantized in f32 inside this jitted call only
+            w = base[n][group]  # quantized (worker.quant): dequantized in f32 inside this jitted call only
             scales[scale_name(group)] = dora_scale(
-                w.dequantize() if isinstance(w, Int8Weight) else w,
+                w.dequantize() if isinstance(w, Quantized) else w,
                 vals[f"A_{group}"],
                 bs,
                 vals[magnitude_name(group)],

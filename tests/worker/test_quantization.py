@@ -11,6 +11,7 @@ needs only ~0.05), so the bound here is 90 % and KL <= 1e-3.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 import jax
@@ -22,7 +23,17 @@ from loraserve.testing import save_model
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.config import EngineConfig
-from loraserve.worker.quant import Int8Weight, qlinear, quantize_int8
+from loraserve.worker.quant import (
+    Int4Weight,
+    Int8Weight,
+    Quantized,
+    int4_group,
+    pack_int4,
+    qlinear,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4,
+)
 from loraserve.worker.requests import EngineRequest, Finished, Sampling
 from tests.engines import started_engine
 from tests.worker.fake_engine import Collector
@@ -54,40 +65,92 @@ def test_the_quantized_linear_is_dequantize_then_matmul(dtype, rtol) -> None:
     )
 
 
+def test_int4_groups_values_scales_and_packing() -> None:
+    """Group-wise symmetric int4: a scale per group of inputs, values in [-7, 7] within half a step of the
+    weight, two a byte (element 2j in byte j's low nibble, 2j + 1 in its high one, each as q + 8)."""
+    assert [int4_group(n) for n in (4096, 14336, 11008, 256, 64, 6)] == [128, 128, 32, 32, 8, 2]
+    from loraserve.common.errors import FailedPrecondition
+
+    with pytest.raises(FailedPrecondition, match="a projection with 63 inputs cannot"):
+        int4_group(63)
+    assert pack_int4(np.array([[-8, 7, 0, -1]])).tolist() == [[0xF0, 0x78]]
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((24, 256)).astype(np.float32) * rng.uniform(0.01, 3, (24, 1)).astype(np.float32)
+    w[3, 32:64] = 0.0  # an all-zero group
+    q, s = quantize_int4(w)
+    assert q.dtype == np.uint8 and q.shape == (24, 128) and s.dtype == np.float32 and s.shape == (24, 8)
+    values = unpack_int4(q)
+    assert values.dtype == np.int8 and np.abs(values).max() == 7 and values.min() >= -7
+    assert np.array_equal(pack_int4(values), q)  # the packing round-trips
+    groups = w.reshape(24, 8, 32)
+    np.testing.assert_allclose(s[0], np.abs(groups[0]).max(axis=1) / 7, rtol=1e-7)
+    assert s[3, 1] == 1.0 and not values[3, 32:64].any()
+    deq = np.asarray(Int4Weight(jnp.asarray(q), jnp.asarray(s)).dequantize())
+    assert (np.abs(deq - w).reshape(24, 8, 32) <= s[:, :, None] / 2 + 1e-6).all()
+    np.testing.assert_array_equal(np.asarray(unpack_int4(jnp.asarray(q))), values)  # jax unpacks the same
+
+
+@pytest.mark.parametrize(("dtype", "rtol"), [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [5, 70])  # a decode step's rows (C++ kernel on a CPU), a prefill's (XLA)
+def test_the_int4_linear_is_dequantize_then_matmul(dtype, rtol, rows) -> None:
+    rng = np.random.default_rng(1)
+    q, s = quantize_int4(rng.standard_normal((96, 256)).astype(np.float32))
+    w = Int4Weight(jnp.asarray(q), jnp.asarray(s))
+    assert w.shape == (96, 256) and w.group == 32
+    x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32).astype(dtype)
+    want = jnp.dot(x, w.dequantize(dtype).T, preferred_element_type=jnp.float32)
+    got = jax.jit(qlinear)(x, w)
+    assert got.dtype == jnp.float32 and got.shape == (rows, 96)
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(want), rtol=rtol, atol=rtol * float(jnp.abs(want).max())
+    )
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
     return {name: save_model(root / name, name, seed=3) for name in ("llama", "qwen3")}
 
 
+QUALITY = {  # quantization -> (least top-1 agreement, largest mean KL, largest |logit diff|)
+    "int8": (0.9, 1e-3, 0.2),
+    "int4": (0.65, 2e-2, 1.5),
+}
+
+
+@pytest.mark.parametrize("quantization", list(QUALITY))
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_quality_against_the_unquantized_model(tiny, family) -> None:
+def test_quality_against_the_unquantized_model(tiny, family, quantization) -> None:
     refs = _reference(_hf(tiny[family]))
     full = run_model(load_checkpoint(str(tiny[family])), refs, "float32")
-    ck = load_checkpoint(str(tiny[family]), quantization="int8")
-    assert ck.quantization == "int8" and isinstance(ck.params["layers"][0]["wqkv"], Int8Weight)
-    assert ck.params["layers"][0]["wqkv"].q.dtype == jnp.int8 and ck.params["embed"].dtype == jnp.float32
-    int8 = run_model(ck, refs, "float32")
-    agree = sum(int((np.argmax(a, -1) == np.argmax(b, -1)).sum()) for a, b in zip(full, int8, strict=True))
+    ck = load_checkpoint(str(tiny[family]), quantization=quantization)
+    kind, stored = (Int8Weight, jnp.int8) if quantization == "int8" else (Int4Weight, jnp.uint8)
+    assert ck.quantization == quantization and isinstance(ck.params["layers"][0]["wqkv"], kind)
+    assert ck.params["layers"][0]["wqkv"].q.dtype == stored and ck.params["embed"].dtype == jnp.float32
+    got = run_model(ck, refs, "float32")
+    agree = sum(int((np.argmax(a, -1) == np.argmax(b, -1)).sum()) for a, b in zip(full, got, strict=True))
     total = sum(a.shape[0] for a in full)
     kl = np.mean(
         [
             np.sum(np.exp(la) * (la - lb), axis=-1).mean()
             for la, lb in (
-                (jax.nn.log_softmax(a, -1), jax.nn.log_softmax(b, -1))
-                for a, b in zip(full, int8, strict=True)
+                (jax.nn.log_softmax(a, -1), jax.nn.log_softmax(b, -1)) for a, b in zip(full, got, strict=True)
             )
         ]
     )
-    diff = max(float(np.abs(a - b).max()) for a, b in zip(full, int8, strict=True))
-    assert agree >= 0.9 * total and kl <= 1e-3, (agree, total, kl)
-    assert 1e-4 < diff < 0.2  # quantized (the logits moved), and not by much
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(full, got, strict=True))
+    print(f"{family} {quantization}: top-1 {agree}/{total}, mean KL {kl:.2e}, max |logit diff| {diff:.3f}")
+    least, most_kl, most_diff = QUALITY[quantization]
+    assert agree >= least * total and kl <= most_kl, (agree, total, kl)
+    assert 1e-4 < diff < most_diff  # quantized (the logits moved), and not by much
 
 
-def test_an_adapter_computes_on_x_whatever_the_base_weight(tiny) -> None:
-    """A layer's q/k/v with a LoRA delta D(x) added: the delta the int8 base gets is the float base's (the
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_an_adapter_computes_on_x_whatever_the_base_weight(tiny, quantization) -> None:
+    """A layer's q/k/v with a LoRA delta D(x) added: the delta a quantized base gets is the float base's (the
     adapter never sees the weight), up to the rounding of the add."""
-    fp, q8 = load_checkpoint(str(tiny["llama"])), load_checkpoint(str(tiny["llama"]), quantization="int8")
+    fp = load_checkpoint(str(tiny["llama"]))
+    q8 = load_checkpoint(str(tiny["llama"]), quantization=quantization)
     cfg = fp.config
     rng = np.random.default_rng(2)
     h = jnp.asarray(rng.standard_normal((4, cfg.hidden_size)), jnp.float32)
@@ -110,10 +173,11 @@ def test_an_adapter_computes_on_x_whatever_the_base_weight(tiny) -> None:
     np.testing.assert_allclose(deltas[1], deltas[0], atol=1e-5, rtol=1e-5)
 
 
-def test_the_engine_serves_an_int8_base_as_the_model_computes_it(tiny) -> None:
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_the_engine_serves_a_quantized_base_as_the_model_computes_it(tiny, quantization) -> None:
     path = tiny["llama"]
     config = EngineConfig(max_batch_size=4, max_seq_len=32, max_loras=1, max_lora_rank=8, prefill_chunk=4)
-    ck = load_checkpoint(str(path), quantization="int8")
+    ck = load_checkpoint(str(path), quantization=quantization)
     with started_engine(ck, config, warmup=False) as engine:
         collectors = [Collector() for _ in PROMPTS]
         for p, c in zip(PROMPTS, collectors, strict=True):
@@ -157,6 +221,34 @@ def test_the_planner_counts_int8_weights_as_loaded(tiny) -> None:
     assert 0.5 < split.weights / int8 < 0.501
 
 
+def test_the_planner_counts_int4_weights_as_loaded(tiny) -> None:
+    """``loraserve plan --quantization int4``: packed values at half a byte and an f32 scale per group of
+    inputs (128 for Llama-3-8B: 1/32 byte a weight more), the rest in --dtype; a split that would cut a
+    group is refused by name."""
+    from loraserve.common.errors import FailedPrecondition
+    from loraserve.worker import planner
+
+    for family in ("llama", "qwen3"):
+        ck = load_checkpoint(str(tiny[family]), quantization="int4")
+        loaded = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(ck.params))
+        assert planner.weight_bytes(ck.config, 1, "float32", "int4") == loaded
+    _, cfg = planner.load_model_config("llama-3-8b")
+    bf16 = planner.weight_bytes(cfg, 1, "bfloat16")
+    int4 = planner.weight_bytes(cfg, 1, "bfloat16", "int4")
+    projections = 6_979_321_856  # Llama-3-8B's q/k/v/o/gate/up/down parameters, 32 layers
+    assert bf16 - int4 == projections * 2 - (projections // 2 + projections * 4 // 128)
+    for tp in (2, 8):
+        split = planner.plan(
+            "x", cfg, "v5e", tp, max_loras=4, max_lora_rank=8, batch=4, context=256, quantization="int4"
+        )
+        assert split.weights == planner.weight_bytes(cfg, tp, "bfloat16", "int4")
+    odd = dataclasses.replace(cfg, intermediate_size=384)  # groups of 16 (384 / 8 = 48 = 3 x 16)
+    with pytest.raises(FailedPrecondition, match="down_proj's 384 inputs split into 24 per device"):
+        planner.plan(
+            "x", odd, "v5e", 16, max_loras=4, max_lora_rank=8, batch=4, context=256, quantization="int4"
+        )
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_cpu_int8_kernel_equals_xla_and_is_batch_invariant(dtype) -> None:
     """``kernels.cpu.linear_int8`` (a decode step's rows on a CPU) against XLA's int8 dot, over odd sizes that
@@ -181,11 +273,11 @@ def test_the_cpu_int8_kernel_equals_xla_and_is_batch_invariant(dtype) -> None:
             np.testing.assert_array_equal(rows[m], rows[1])
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_plan_verify_compiles_an_int8_decode_step_to_the_byte(tp, tmp_path, capsys) -> None:
-    """``plan --quantization int8 --verify``: the compiled decode step's arguments are the estimate's int8
-    weights (and scales) + KV + pools + history + the step's small inputs, exactly; split over devices too
-    (the int8 values split like the weights, the scales with their rows)."""
+@pytest.mark.parametrize(("quantization", "tp"), [("int8", 1), ("int8", 2), ("int4", 1), ("int4", 2)])
+def test_plan_verify_compiles_a_quantized_decode_step_to_the_byte(quantization, tp, tmp_path, capsys) -> None:
+    """``plan --quantization int8|int4 --verify``: the compiled decode step's arguments are the estimate's
+    quantized weights (and scales) + KV + pools + history + the step's small inputs, exactly; split over
+    devices too (the values split like the weights, the scales with their rows or groups)."""
     import json
 
     from loraserve.cli import main
@@ -209,22 +301,23 @@ def test_plan_verify_compiles_an_int8_decode_step_to_the_byte(tp, tmp_path, caps
         "--tp",
         str(tp),
     ]
-    args += ["--max-loras", "4", "--max-lora-rank", "8", "--dtype", "float32", "--quantization", "int8"]
+    args += ["--max-loras", "4", "--max-lora-rank", "8", "--dtype", "float32", "--quantization", quantization]
     assert main([*args, "--json", "--verify"]) == 0
     out = json.loads(capsys.readouterr().out)
     estimate = out["weights"] + out["kv_cache"] + out["lora_pools"] + out["sampling_history"]
     assert out["compiled"]["argument_bytes"] == estimate + out["compiled"]["small_input_bytes"]
 
 
-def test_dora_scales_on_an_int8_base_use_its_dequantized_weight(tiny) -> None:
-    """DoRA's norm is of the weight the model multiplies: on an int8 base, ``q * s`` (dequantized inside the
-    scale computation only: the base weights kept for DoRA stay int8, so int8 still saves their memory)."""
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_dora_scales_on_a_quantized_base_use_its_dequantized_weight(tiny, quantization) -> None:
+    """DoRA's norm is of the weight the model multiplies: on a quantized base, its dequantized values (inside
+    the scale computation only: the base weights kept for DoRA stay quantized, which saves their memory)."""
     from loraserve.worker.dora import magnitude_name, mask_name, scale_name
     from loraserve.worker.slot_pools import _dora_scales_jit, base_weights
 
-    ck = load_checkpoint(str(tiny["llama"]), quantization="int8")
+    ck = load_checkpoint(str(tiny["llama"]), quantization=quantization)
     base = base_weights(ck.params)
-    assert isinstance(base[0]["qkv"], Int8Weight)  # no float copy held
+    assert isinstance(base[0]["qkv"], Int8Weight if quantization == "int8" else Int4Weight)  # no float copy
     cfg, r = ck.config, 4
     rng = np.random.default_rng(5)
     out = cfg.q_size + 2 * cfg.kv_size
@@ -243,12 +336,16 @@ def test_dora_scales_on_an_int8_base_use_its_dequantized_weight(tiny) -> None:
     assert not np.allclose(np.asarray(got), 1.0)  # a real scale
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_a_quantized_checkpoint_loads_the_same_int8_weights_without_quantizing(tmp_path, family) -> None:
-    """``loraserve quantize SRC DST`` writes I8 projections with F32 ``_scale`` vectors (attention's only on a
-    mixture of experts), copies the rest in the checkpoint's dtype and the tokenizer; loading DST gives
-    bit for bit the int8 values and scales ``--quantization int8`` computes from SRC at start-up, and the
-    same logits."""
+@pytest.mark.parametrize(
+    ("family", "quantization"), [("llama", "int8"), ("qwen3_moe", "int8"), ("llama", "int4")]
+)
+def test_a_quantized_checkpoint_loads_the_same_weights_without_quantizing(
+    tmp_path, family, quantization
+) -> None:
+    """``loraserve quantize SRC DST`` writes I8 projections with F32 ``_scale`` vectors (int8), or U8 packed
+    int4 projections with F32 ``_scale [out, in / group]`` (int4) — attention's only on a mixture of experts
+    — copies the rest in the checkpoint's dtype and the tokenizer; loading DST gives bit for bit the values
+    and scales ``--quantization`` computes from SRC at start-up, and the same logits."""
     import json
 
     from safetensors import safe_open
@@ -256,26 +353,32 @@ def test_a_quantized_checkpoint_loads_the_same_int8_weights_without_quantizing(t
     from loraserve.cli import main
 
     src = save_model(tmp_path / "src", family, seed=1)
-    assert main(["quantize", str(src), str(tmp_path / "dst")]) == 0
+    assert main(["quantize", str(src), str(tmp_path / "dst"), "--quantization", quantization]) == 0
     dst = tmp_path / "dst"
-    assert (
-        json.loads((dst / "config.json").read_text())["quantization_config"]["quant_method"]
-        == "loraserve-int8"
-    )
+    written = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert written["quant_method"] == f"loraserve-{quantization}"
     assert (dst / "tokenizer.json").exists()
+    hidden = json.loads((src / "config.json").read_text())["hidden_size"]
     with safe_open(str(dst / "model.safetensors"), "np") as f:
         keys = set(f.keys())
-        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == np.int8
-        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale").dtype == np.float32
+        q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        scale = f.get_tensor("model.layers.0.self_attn.q_proj.weight_scale")
+    assert scale.dtype == np.float32
+    if quantization == "int8":
+        assert q.dtype == np.int8 and scale.shape == (q.shape[0],)
+    else:
+        assert q.dtype == np.uint8 and q.shape[1] == hidden // 2
+        assert scale.shape == (q.shape[0], hidden // int4_group(hidden)) and written["bits"] == 4
     assert "model.layers.1.self_attn.o_proj.weight_scale" in keys
     assert ("model.layers.0.mlp.down_proj.weight_scale" in keys) == (family == "llama")
-    made = load_checkpoint(str(src), quantization="int8")
-    loaded = load_checkpoint(str(dst))  # int8 whatever --quantization says: the checkpoint is
-    assert loaded.quantization == "int8"
+    made = load_checkpoint(str(src), quantization=quantization)
+    loaded = load_checkpoint(str(dst))  # quantized whatever --quantization says: the checkpoint is
+    assert loaded.quantization == quantization
     for a, b in zip(made.params["layers"], loaded.params["layers"], strict=True):
         assert a.keys() == b.keys()
         for key in a:
-            if isinstance(a[key], Int8Weight):
+            if isinstance(a[key], Quantized):
+                assert type(a[key]) is type(b[key])
                 np.testing.assert_array_equal(np.asarray(a[key].q), np.asarray(b[key].q))
                 np.testing.assert_array_equal(np.asarray(a[key].scale), np.asarray(b[key].scale))
             else:
@@ -293,30 +396,46 @@ def _edit(folder, fn) -> None:
 
 
 SCALE = "model.layers.1.self_attn.k_proj.weight_scale"
-BAD_CHECKPOINTS = {
-    "a-missing-scale": (lambda t: t.pop(SCALE), f"lacks tensor {SCALE}"),
+UP = "model.layers.0.mlp.up_proj.weight"
+BAD_CHECKPOINTS = {  # name -> (edit, the message's start; {q}: the quantization, {stored}: its values' dtype)
+    "a-missing-scale": (lambda t: t.pop(SCALE), f"checkpoint lacks tensor {SCALE}"),
     "a-mis-shaped-scale": (lambda t: t.update({SCALE: t[SCALE][:-1]}), f"tensor {SCALE} has shape"),
     "a-nan-scale": (lambda t: t[SCALE].__setitem__(0, np.nan), f"tensor {SCALE} holds a scale that is not finite"),
     "a-zero-scale": (lambda t: t[SCALE].__setitem__(0, 0.0), f"tensor {SCALE} holds a scale that is not finite"),
     "a-float-projection": (
-        lambda t: t.update({"model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"].astype(np.float32)}),
-        "model.layers.0.mlp.up_proj.weight is float32; a quantized checkpoint stores it as int8",
+        lambda t: t.update({UP: t[UP].astype(np.float32)}),
+        "tensor " + UP + " is float32 of shape ({rows}, {cols}); an {q} checkpoint stores it as a 2-d {stored} matrix",
+    ),
+    "a-mis-packed-projection": (
+        lambda t: t.update({UP: t[UP][:, :-2]}), "tensor " + UP + "_scale has shape ({rows}, ",
     ),
     "a-stray-scale": (
-        lambda t: t.update({"model.norm.weight_scale": np.ones(1, np.float32)}), "model.norm.weight_scale scales no"
+        lambda t: t.update({"model.norm.weight_scale": np.ones(1, np.float32)}),
+        "tensor model.norm.weight_scale scales no {q} projection",
     ),
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("name", list(BAD_CHECKPOINTS))
-def test_a_broken_quantized_checkpoint_is_refused_naming_the_tensor(tiny, tmp_path, name) -> None:
+def test_a_broken_quantized_checkpoint_is_refused_naming_the_tensor(
+    tiny, tmp_path, name, quantization
+) -> None:
+    import re
+
     from loraserve.worker.checkpoint import CheckpointError
     from loraserve.worker.quantize_cmd import quantize_checkpoint
 
-    quantize_checkpoint(str(tiny["llama"]), str(tmp_path / "q"))
+    quantize_checkpoint(str(tiny["llama"]), str(tmp_path / "q"), quantization)
     edit, message = BAD_CHECKPOINTS[name]
-    _edit(tmp_path / "q", edit)
-    with pytest.raises(CheckpointError, match=message.replace("(", r"\(")) as err:
+    shapes = {}
+    _edit(tmp_path / "q", lambda t: shapes.update(up=t[UP].shape) or edit(t))
+    stored = "int8" if quantization == "int8" else "uint8"
+    rows, cols = shapes["up"]
+    if name == "a-mis-packed-projection" and quantization == "int8":
+        message = "tensor " + UP + " has shape"  # int8: the values' shape is the weight's
+    message = message.format(q=quantization, stored=stored, rows=rows, cols=cols)
+    with pytest.raises(CheckpointError, match="^" + re.escape(message)) as err:
         load_checkpoint(str(tmp_path / "q"))
     assert err.value.code.name == "INVALID_ARGUMENT"
 

@@ -99,13 +99,15 @@ F32_RUNS = {
 
 
 INT8_SIZES = (1, 2, 4)  # --quantization int8 (cpu backend): N = 4 repeats the KV heads' int8 rows and scales
+# --quantization int4: its groups split with the row-parallel inputs (8 and 16 inputs a group here)
+INT4_SIZES = (1, 4)
 
 
 @pytest.fixture(scope="module")
 def f32_runs(tp_model) -> dict:
     model, adapters = tp_model
     runs = " ".join(f"{b}={','.join(map(str, sizes))}" for b, sizes in F32_RUNS.items())
-    runs += f" cpu:int8={','.join(map(str, INT8_SIZES))}"
+    runs += f" cpu:int8={','.join(map(str, INT8_SIZES))} cpu:int4={','.join(map(str, INT4_SIZES))}"
     return run_child(
         "--model", str(model), "--adapters", ",".join(map(str, adapters)), "--runs", runs,
         "--steps", "4", "--swaps", "200", "--dtype", "float32",
@@ -326,3 +328,22 @@ def test_an_int8_base_splits_with_its_scales_and_serves_the_same_tokens(f32_runs
         assert params["wqkv"] == params["w_gate_up"] == f"{SPLIT}/('model',)"
         assert params["wo"] == params["w_down"] == "(None, 'model')/()"
     assert ref["shardings"]["params"]["wqkv"] == "single/single"
+
+
+def test_an_int4_base_splits_with_its_groups_and_serves_the_same_tokens(f32_runs) -> None:
+    """--quantization int4 at N = 4: the packed values split like the float weights, the group scales with
+    their rows (column-parallel) or their inputs (row-parallel wo / w_down: each device holds whole groups);
+    tokens and logits as at N = 1, the planner's abstract state equal to the runner's, no compilations."""
+    import numpy as np
+
+    out = f32_runs["cpu:int4"]
+    ref, got = out["1"], out["4"]
+    assert got["tokens"] == ref["tokens"]
+    np.testing.assert_allclose(np.array(got["logits"]), np.array(ref["logits"]), atol=ATOL, rtol=0)
+    assert got["compilations"] == 0, got["compiled"]
+    assert got["abstract_matches"] == {"params": True, "cache": True, "pools": True}
+    params = got["shardings"]["params"]
+    assert params["wqkv"] == params["w_gate_up"] == f"{SPLIT}/{SPLIT}"
+    assert params["wo"] == params["w_down"] == "(None, 'model')/(None, 'model')"
+    int8 = np.array(f32_runs["cpu:int8"]["1"]["logits"])
+    assert np.abs(np.array(ref["logits"]) - int8).max() > 10 * ATOL  # int4 is its own model, not int8's
