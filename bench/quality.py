@@ -1,0 +1,145 @@
+"""What a quantized base costs in quality: top-1 agreement and mean KL against the unquantized model (#34).
+
+    python bench/quality.py                          # the decode bench model, int8 and int4
+    python bench/quality.py --tiny                   # the tiny model (seconds)
+    python bench/quality.py --dtype bfloat16 --quantization int4 --prompts 16 --steps 64
+
+Each of ``--prompts`` random prompts is prefilled into its own row, then the unquantized model decodes
+``--steps`` greedy tokens (all rows in one batch). Every quantized model is run on the very same tokens
+(teacher-forced), so the two are compared at the same ``1 + steps`` positions a row: top-1 agreement (the
+quantized model's argmax is the token the unquantized one picked) and the mean KL(unquantized ‖ quantized)
+of the next-token distributions (nats). The model is the random decode bench model (bench/decode.py's
+``--shape``), whose weights are Hugging Face's random initialisation: no outliers, a worst case for
+neither int8 nor int4 but not a trained model's distribution either. One JSON object is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def run(
+    checkpoint, prompts: np.ndarray, forced: np.ndarray | None, steps: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Prefill each prompt in its own row, then ``steps`` decode steps of all rows: greedy on the model's own
+    tokens when ``forced`` is None, else on ``forced [rows, steps]``. Returns (logits [rows, 1 + steps, V]
+    f32, the tokens fed [rows, steps])."""
+    import jax.numpy as jnp
+
+    from loraserve.kernels.backends import XlaGroupedBackend
+    from loraserve.worker import model as M
+    from loraserve.worker.jax_runner import jit_steps
+    from loraserve.worker.step import DecodeBatch, DeviceState, PrefillBatch
+
+    cfg, dtype = checkpoint.config, jnp.dtype(checkpoint.dtype)
+    rows, length = prompts.shape
+    page = 16
+    per_row = -(-(length + steps + 1) // page)
+    cache = M.init_cache(cfg, rows * per_row + 1, page, dtype)
+    tables = M.contiguous_page_tables(rows, per_row)
+    backend = XlaGroupedBackend()
+    pools = M.empty_lora(cfg, 2, 4, dtype, backend)
+    fns = jit_steps(cfg, backend, "xla", "auto")
+    rope = jnp.asarray(cfg.inv_freq(), jnp.float32)
+    blocks = M.whole_row_key_blocks(page, per_row)
+    logits = [[] for _ in range(rows)]
+    for row in range(rows):
+        batch = PrefillBatch.single(prompts[row], length, 0, -1, tables[row], blocks)
+        out, cache = fns.prefill(**DeviceState(checkpoint.params, pools, cache, rope).fields(), batch=batch)
+        logits[row].append(np.asarray(out[0], np.float32))
+    fed = np.zeros((rows, steps), np.int32)
+    plan = backend.plan(np.full(rows, -1), 2)
+    for step in range(steps):
+        last = np.array([lg[-1] for lg in logits])
+        fed[:, step] = forced[:, step] if forced is not None else last.argmax(-1)
+        positions = np.full(rows, length + step, np.int32)
+        batch = DecodeBatch(fed[:, step], positions, tables, plan)
+        out, cache = fns.decode(**DeviceState(checkpoint.params, pools, cache, rope).fields(), batch=batch)
+        for row in range(rows):
+            logits[row].append(np.asarray(out[row], np.float32))
+    return np.stack([np.stack(lg) for lg in logits]), fed
+
+
+def compare(full: np.ndarray, fed: np.ndarray, quant: np.ndarray) -> dict:
+    """Top-1 agreement and mean KL(full ‖ quant) over every position but the last of each row (the last
+    position's token is not fed, so it is compared too: all 1 + steps)."""
+
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    picked = full.argmax(
+        -1
+    )  # the unquantized model's greedy token at every position (fed[:, i] = picked[:, i])
+    assert (picked[:, :-1] == fed).all()
+    lp, lq = log_softmax(full.astype(np.float64)), log_softmax(quant.astype(np.float64))
+    kl = (np.exp(lp) * (lp - lq)).sum(-1)
+    return {
+        "positions": int(picked.size),
+        "top1_agreement": round(float((quant.argmax(-1) == picked).mean()), 4),
+        "mean_kl": float(f"{kl.mean():.3g}"),
+        "max_kl": float(f"{kl.max():.3g}"),
+        "max_abs_logit_diff": round(float(np.abs(full - quant).max()), 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=("bench", "tiny"), default="bench", help="bench/decode.py's model")
+    parser.add_argument("--tiny", action="store_true", help="--shape tiny")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--quantization", default="int8,int4", help="comma-separated: int8, int4")
+    parser.add_argument("--prompts", type=int, default=8, help="rows (random prompts of the shape's length)")
+    parser.add_argument("--steps", type=int, default=32, help="greedy decode steps a row")
+    parser.add_argument("--workdir", help="build the model here, reuse it when there (bench/decode.py's)")
+    args = parser.parse_args()
+    from decode import SHAPES, build_or_reuse  # this folder's; tests import the functions above alone
+
+    shape = "tiny" if args.tiny else args.shape
+    w = dict(SHAPES[shape], adapters=1)
+    quantizations = [q for q in args.quantization.split(",") if q]
+    for q in quantizations:
+        if q not in ("int8", "int4"):
+            parser.error(f"unknown quantization {q!r}")
+
+    from loraserve.worker.checkpoint import load_checkpoint
+
+    with tempfile.TemporaryDirectory() as scratch:
+        workdir = Path(args.workdir or scratch)
+        base, _ = build_or_reuse(workdir, w, args.dtype, direct=shape != "tiny")
+        prompts = np.random.default_rng(0).integers(3, w["vocab_size"], (args.prompts, w["prompt"]))
+        prompts = prompts.astype(np.int32)
+        started = time.perf_counter()
+        full, fed = run(load_checkpoint(str(base), dtype=args.dtype), prompts, None, args.steps)
+        results = {}
+        for q in quantizations:
+            got, _ = run(
+                load_checkpoint(str(base), dtype=args.dtype, quantization=q), prompts, fed, args.steps
+            )
+            results[q] = compare(full, fed, got)
+            print(f"{q}: {results[q]}", flush=True)
+    about = {k: w[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")}
+    print(
+        json.dumps(
+            {
+                "bench": "quality",
+                "shape": shape,
+                "dtype": args.dtype,
+                "model": about,
+                "prompts": args.prompts,
+                "steps": args.steps,
+                "quality": results,
+                "seconds": round(time.perf_counter() - started, 1),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
