@@ -278,7 +278,7 @@ def test_the_cpu_int8_kernel_equals_xla_and_is_batch_invariant(dtype) -> None:
             np.testing.assert_array_equal(rows[m], rows[1])
 
 
-@pytest.mark.parametrize(("quantization", "tp"), [("int8", 1), ("int8", 2), ("int4", 1), ("int4", 2)])
+@pytest.mark.parametrize(("quantization", "tp"), [("int8", 1), ("int8", 2), ("int4", 2)])
 def test_plan_verify_compiles_a_quantized_decode_step_to_the_byte(quantization, tp, tmp_path, capsys) -> None:
     """``plan --quantization int8|int4 --verify``: the compiled decode step's arguments are the estimate's
     quantized weights (and scales) + KV + pools + history + the step's small inputs, exactly; split over
