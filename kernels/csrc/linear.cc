@@ -140,9 +140,10 @@ ffi::Error LinearBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 // ------------------------------------------------------------------------------------------- int8 weights
 // y [N, M] = (w [N, K] int8 . x [M, K]^T) * scale [N], f32 sums, for the few rows of a decode step over a
 // weight-only int8 base (worker.quant): the weights stream at a byte an element (a quarter of f32's), are
-// widened to f32 in registers (vpmovsxbd + vcvtdq2ps) and multiplied with x (f32, or bf16 widened). Each
-// output is one chain of 16-lane (AVX-512) or 8-lane partial sums over K in order, whatever the tile:
-// batch-invariant.
+// widened to f32 in registers (vpmovsxbd + vcvtdq2ps) and multiplied with x (f32, or bf16 widened); bf16 x on
+// CPUs with AVX-512 BF16 instead meets the weights converted to bf16 in registers, multiplied with vdpbf16ps
+// (Int8Bf16). Each output is one chain of 16-lane (AVX-512) or 8-lane partial sums over K in order, whatever
+// the tile: batch-invariant.
 //   loraserve_linear_int8 (x [M, K] f32|bf16, w [N, K] s8, scale [N] f32) -> [N, M] f32
 template <class X>
 struct Int8Problem {
@@ -269,9 +270,240 @@ ffi::Error RunInt8(ffi::ThreadPool& pool, std::shared_ptr<Int8Problem<float>> p)
   return ffi::Error::Success();
 }
 
+#ifdef __AVX512BF16__
+#define LORASERVE_QUANT_BF16DOT 1
+// bf16 x on CPUs with AVX-512 BF16: the weights converted to bf16 in registers (exact: an int8 needs at most 8
+// significant bits, bf16's precision) and multiplied with vdpbf16ps, two products a lane and instruction, f32
+// sums: the bf16 matmul of the dequantized weights (each product of two bf16 values is exact in f32).
+
+// A row stride (in bf16) for n values: whole 64-byte lines, an odd number of them (padded_row's reason).
+inline int64_t padded_row_bf16(int64_t n) { return (n + 63) / 64 * 64 + 32; }
+
+// n values in v from a 64-byte boundary (a vector load of a line-aligned row then never splits two lines:
+// malloc aligns to 16); zeroed when zero is set.
+template <class T>
+T* aligned64(std::vector<T>& v, int64_t n, bool zero) {
+  const int64_t pad = 64 / sizeof(T);
+  if (zero)
+    v.assign(n + pad, T(0));
+  else
+    v.resize(n + pad);
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(v.data()) + 63) / 64 * 64;
+  return reinterpret_cast<T*>(a);
+}
+
+// bf16 (an f32's high half) of the integer i, 0 <= i < 256: exponent 127 + floor(log2 i), i's bits after its
+// leading one the fraction's leading bits (exact: at most 7 of them).
+constexpr uint16_t bf16_of_int(int i) {
+  int e = 0;
+  while ((i >> (e + 1)) != 0) ++e;
+  return i == 0 ? 0 : static_cast<uint16_t>(((127 + e) << 7) | ((i << (7 - e)) & 0x7F));
+}
+
+// int8 -> bf16 64 at a time by table (vpermi2b: a 128-byte table indexed by the low 7 bits of each byte):
+// the low and high bytes of bf16(|q|), q's sign or'ed into the high byte, -128 (|q| = 0x80, index 0) set
+// apart, and the bytes interleaved into words in-lane (vpunpck{l,h}bw). Cheaper than widening to f32 and
+// packing (vpmovsxbd, vcvtdq2ps, vcvtne2ps2bf16): 8 instructions for 64 weights instead of 10.
+struct Q8Bf16Bytes {
+  alignas(64) uint8_t lo[128] = {}, hi[128] = {};  // bf16(i)'s low and high bytes
+  constexpr Q8Bf16Bytes() {
+    for (int i = 0; i < 128; ++i) lo[i] = bf16_of_int(i) & 0xFF, hi[i] = bf16_of_int(i) >> 8;
+  }
+};
+constexpr Q8Bf16Bytes kQ8Bf16Bytes{};
+
+struct Q8Bf16 {
+  static constexpr const Q8Bf16Bytes& kBytes = kQ8Bf16Bytes;
+  __m512i lo0, lo1, hi0, hi1;
+  Q8Bf16()
+      : lo0(_mm512_load_si512(kBytes.lo)), lo1(_mm512_load_si512(kBytes.lo + 64)),
+        hi0(_mm512_load_si512(kBytes.hi)), hi1(_mm512_load_si512(kBytes.hi + 64)) {}
+  // 64 int8 -> a: elements 16 l + i, b: elements 16 l + 8 + i (l = 0 .. 3 the 128-bit lane, i = 0 .. 7), in
+  // that order (permute64 puts x in the same order)
+  void convert(__m512i q, __m512bh& a, __m512bh& b) const {
+    const __m512i m = _mm512_abs_epi8(q);
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, m, lo1);
+    __m512i hi = _mm512_permutex2var_epi8(hi0, m, hi1);
+    hi = _mm512_ternarylogic_epi32(hi, q, _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // hi | (q & 0x80)
+    const __m512i m128 = _mm512_set1_epi8(static_cast<char>(bf16_of_int(128) >> 8 | 0x80));  // -128's high byte
+    hi = _mm512_mask_blend_epi8(_mm512_movepi8_mask(m), hi, m128);
+    a = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+    b = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+  }
+  void convert(const int8_t* p, __m512bh& a, __m512bh& b) const { convert(_mm512_loadu_si512(p), a, b); }
+  void convert(const int8_t* p, int n, __m512bh& a, __m512bh& b) const {  // the first n < 64, zeros after
+    convert(_mm512_maskz_loadu_epi8((__mmask64(1) << n) - 1, p), a, b);
+  }
+};
+
+// x's row in Q8Bf16's order: each 64 elements (zeros past K) as the 32 its a vectors multiply, then the b's
+inline void permute64(const uint16_t* x, int64_t K, uint16_t* out) {
+  alignas(64) uint16_t ia[32], ib[32];
+  for (int t = 0; t < 32; ++t) ia[t] = static_cast<uint16_t>(16 * (t / 8) + t % 8), ib[t] = ia[t] + 8;
+  const __m512i a_idx = _mm512_load_si512(ia), b_idx = _mm512_load_si512(ib);
+  for (int64_t k = 0; k < K; k += 64) {
+    const int64_t n = std::min<int64_t>(64, K - k);
+    const __mmask32 m0 = n >= 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
+    const __mmask32 m1 = n >= 64 ? ~__mmask32(0) : n <= 32 ? 0 : (__mmask32(1) << (n - 32)) - 1;
+    const __m512i lo = _mm512_maskz_loadu_epi16(m0, x + k), hi = _mm512_maskz_loadu_epi16(m1, x + k + 32);
+    _mm512_storeu_si512(out + k, _mm512_permutex2var_epi16(lo, a_idx, hi));
+    _mm512_storeu_si512(out + k + 32, _mm512_permutex2var_epi16(lo, b_idx, hi));
+  }
+}
+
+struct Int8Bf16Problem {
+  int64_t M = 0, K = 0, N = 0, ld = 0;
+  const uint16_t* x = nullptr;  // [M, ld]: x's rows permuted (permute64) once per call, zeros past K
+  const int8_t* w = nullptr;
+  const float* scale = nullptr;
+  float* y = nullptr;
+  std::vector<uint16_t> xs;
+};
+
+// One TO x TC tile, 64 elements of K a step (the last one zero-padded). The weights: int8 rows (S false: K apart,
+// converted in registers, a row at a time) or rows already converted (S true: bf16 in Q8Bf16's order, ldw
+// apart, zeros past K); the same values either way and the same operations on each output. npf prefetches a
+// step, 64 bytes apart.
+template <int TO, int TC, bool S>
+void q8h_tile(const Int8Bf16Problem& p, const void* wp, int64_t ldw, int64_t o0, int64_t r0, uintptr_t pf,
+              int64_t npf, uintptr_t pf_end) {
+  __m512 acc[TO][TC];
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) acc[a][b] = _mm512_setzero_ps();
+  const uint16_t* x = p.x + r0 * p.ld;
+  const int64_t ld = p.ld, K = p.K, K64 = K / 64 * 64, steps = (K + 63) / 64;
+  pf = std::min<uintptr_t>(pf, pf_end - steps * npf * 64);
+  if constexpr (S) {
+    const uint16_t* w = static_cast<const uint16_t*>(wp);
+    for (int64_t k = 0; k < steps * 64; k += 64) {
+      __m512bh w0[TO], w1[TO];
+      for (int a = 0; a < TO; ++a) {
+        w0[a] = (__m512bh)_mm512_loadu_si512(w + a * ldw + k);
+        w1[a] = (__m512bh)_mm512_loadu_si512(w + a * ldw + k + 32);
+      }
+      for (int64_t i = 0; i < npf; ++i, pf += 64) __builtin_prefetch(reinterpret_cast<const void*>(pf), 0, 1);
+      for (int b = 0; b < TC; ++b) {
+        const __m512bh x0 = in_register((__m512bh)_mm512_loadu_si512(x + b * ld + k));
+        const __m512bh x1 = in_register((__m512bh)_mm512_loadu_si512(x + b * ld + k + 32));
+        for (int a = 0; a < TO; ++a)
+          acc[a][b] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[a][b], w0[a], x0), w1[a], x1);
+      }
+    }
+  } else {
+    const int8_t* w = static_cast<const int8_t*>(wp);
+    const Q8Bf16 cv;
+    for (int64_t k = 0; k < K64; k += 64) {
+      for (int64_t i = 0; i < npf; ++i, pf += 64) __builtin_prefetch(reinterpret_cast<const void*>(pf), 0, 1);
+      for (int a = 0; a < TO; ++a) {
+        __m512bh w0, w1;
+        cv.convert(w + a * ldw + k, w0, w1);
+        for (int b = 0; b < TC; ++b) {
+          const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + b * ld + k);
+          const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + b * ld + k + 32);
+          acc[a][b] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[a][b], w0, x0), w1, x1);
+        }
+      }
+    }
+    if (K64 < K) {
+      for (int a = 0; a < TO; ++a) {
+        __m512bh w0, w1;
+        cv.convert(w + a * ldw + K64, static_cast<int>(K - K64), w0, w1);
+        for (int b = 0; b < TC; ++b) {
+          const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + b * ld + K64);
+          const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + b * ld + K64 + 32);
+          acc[a][b] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[a][b], w0, x0), w1, x1);
+        }
+      }
+    }
+  }
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) p.y[(o0 + a) * p.M + r0 + b] = V16::sum(acc[a][b]) * p.scale[o0 + a];
+}
+
+template <int TO, bool S>
+void q8h_cols(const Int8Bf16Problem& p, const void* w, int64_t ldw, int64_t o0, uintptr_t pf, int64_t npf,
+              uintptr_t pf_end) {
+  const int64_t span = (p.K + 63) / 64 * npf * 64;  // bytes a tile prefetches
+  int64_t r = 0;
+  for (; r + kLinTileCols <= p.M; r += kLinTileCols, pf += span)
+    q8h_tile<TO, kLinTileCols, S>(p, w, ldw, o0, r, pf, npf, pf_end);
+  switch (p.M - r) {
+    case 3: q8h_tile<TO, 3, S>(p, w, ldw, o0, r, pf, npf, pf_end); break;
+    case 2: q8h_tile<TO, 2, S>(p, w, ldw, o0, r, pf, npf, pf_end); break;
+    case 1: q8h_tile<TO, 1, S>(p, w, ldw, o0, r, pf, npf, pf_end); break;
+    default: break;
+  }
+}
+
+// TO weight rows against every x row: converted in registers when one tile covers the x rows, else once into
+// ``scratch`` (bf16 rows lds apart, L1/L2-resident) for all the tiles.
+template <int TO>
+void q8h_block(const Int8Bf16Problem& p, int64_t o0, uint16_t* scratch, int64_t lds, uintptr_t pf, int64_t npf,
+               uintptr_t pf_end) {
+  const int8_t* w = p.w + o0 * p.K;
+  if (p.M <= kLinTileCols) return q8h_cols<TO, false>(p, w, p.K, o0, pf, npf, pf_end);
+  const Q8Bf16 cv;
+  const int64_t K = p.K, K64 = K / 64 * 64;
+  for (int a = 0; a < TO; ++a) {
+    __m512bh w0, w1;
+    uint16_t* s = scratch + a * lds;
+    for (int64_t k = 0; k < K64; k += 64) {
+      cv.convert(w + a * K + k, w0, w1);
+      _mm512_storeu_si512(s + k, (__m512i)w0);
+      _mm512_storeu_si512(s + k + 32, (__m512i)w1);
+    }
+    if (K64 < K) {
+      cv.convert(w + a * K + K64, static_cast<int>(K - K64), w0, w1);
+      _mm512_storeu_si512(s + K64, (__m512i)w0);
+      _mm512_storeu_si512(s + K64 + 32, (__m512i)w1);
+    }
+  }
+  q8h_cols<TO, true>(p, scratch, lds, o0, pf, npf, pf_end);
+}
+
+// Prefetching: each block of kLinTileRows rows, over its tiles' steps, the block kLinPrefetch blocks ahead
+// (lin_rows' scheme), npf lines a step so that the tiles together cover it.
+void q8h_rows(const Int8Bf16Problem& p, int64_t lo, int64_t hi, std::vector<float>& scratch) {
+  const int64_t steps = (p.K + 63) / 64, tiles = (p.M + kLinTileCols - 1) / kLinTileCols;
+  const int64_t lines = (kLinTileRows * p.K + 63) / 64;
+  const int64_t npf = std::max<int64_t>(1, (lines + tiles * steps - 1) / (tiles * steps));
+  const uintptr_t w0 = reinterpret_cast<uintptr_t>(p.w), pf_end = w0 + hi * p.K - 64;
+  const int64_t lds = padded_row_bf16(p.K);
+  uint16_t* s = nullptr;  // the converted block (M > kLinTileCols)
+  if (p.M > kLinTileCols) s = reinterpret_cast<uint16_t*>(aligned64(scratch, kLinTileRows * lds / 2, false));
+  int64_t o = lo;
+  for (; o + kLinTileRows <= hi; o += kLinTileRows)
+    q8h_block<kLinTileRows>(p, o, s, lds, w0 + (o + kLinTileRows * kLinPrefetch) * p.K, npf, pf_end);
+  for (; o < hi; ++o) q8h_block<1>(p, o, s, lds, pf_end, 0, pf_end);
+}
+
+ffi::Error Int8Bf16(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                    const ffi::AnyBuffer& scale, ffi::Result<ffi::AnyBuffer>& y) {
+  auto p = std::make_shared<Int8Bf16Problem>();
+  p->M = x.dimensions()[0], p->K = x.dimensions()[1], p->N = w.dimensions()[0];
+  p->w = static_cast<const int8_t*>(w.untyped_data());
+  p->scale = static_cast<const float*>(scale.untyped_data());
+  p->y = static_cast<float*>(y->untyped_data());
+  if (p->M == 0 || p->N == 0) return ffi::Error::Success();
+  const uint16_t* xs = static_cast<const uint16_t*>(x.untyped_data());
+  p->ld = padded_row_bf16(p->K);
+  uint16_t* xp = aligned64(p->xs, p->M * p->ld, true);
+  for (int64_t m = 0; m < p->M; ++m) permute64(xs + m * p->K, p->K, xp + m * p->ld);
+  p->x = xp;
+  const int64_t items = (p->N + kLinItemRows - 1) / kLinItemRows;
+  parallel_items(pool, items, [p](int64_t k, std::vector<float>& scratch) {
+    q8h_rows(*p, k * kLinItemRows, std::min(p->N, (k + 1) * kLinItemRows), scratch);
+  });
+  return ffi::Error::Success();
+}
+#endif
+
 template <class X>
 ffi::Error Int8With(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                     const ffi::AnyBuffer& scale, ffi::Result<ffi::AnyBuffer>& y) {
+#ifdef LORASERVE_QUANT_BF16DOT
+  if constexpr (std::is_same_v<X, uint16_t>) return Int8Bf16(pool, x, w, scale, y);
+#endif
   auto p = std::make_shared<Int8Problem<float>>();
   p->M = x.dimensions()[0], p->K = x.dimensions()[1], p->N = w.dimensions()[0];
   p->w = static_cast<const int8_t*>(w.untyped_data());
@@ -387,7 +619,8 @@ ffi::Error LinearInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 // low and high nibbles of L bytes multiply L consecutive even and L odd x values. Each output: per group one
 // chain of FMAs over its bytes in order (low nibble, then high), those partial-sum lanes times the group's
 // scale added to the output's lanes, the lanes summed at the end: the same operations whatever the tile
-// (batch-invariant).
+// (batch-invariant). bf16 x on CPUs with AVX-512 BF16: the same with the nibbles converted to bf16 and
+// multiplied with vdpbf16ps (q4h_tile).
 //   loraserve_linear_int4 (x [M, K] f32|bf16, w [N, K/2] u8, scale [N, K/G] f32) -> [N, M] f32
 struct Int4Problem {
   int64_t M = 0, K = 0, N = 0, G = 0;
@@ -397,6 +630,8 @@ struct Int4Problem {
   const float* scale = nullptr;
   float* y = nullptr;
   std::vector<float> xs;
+  const uint16_t* xh = nullptr;  // bf16 x with bf16 dot products (deinterleave_bf16): x's layout, in bf16
+  std::vector<uint16_t> xhs;
 };
 
 // Both halves and the rows padded (padded_row): K = 4096 would put them 8 KiB apart, all in one L1 set.
@@ -542,6 +777,150 @@ void q4_rows(const Int4Problem& p, int64_t lo, int64_t hi, std::vector<float>& s
     q4_block<kLinTileRows>(p, o, scratch.data(), pf.at(p.w, o, p.K / 2), pf.step, pf.end);
   for (; o < hi; ++o) q4_block<1>(p, o, scratch.data(), pf.end, 0, pf.end);
 }
+
+#ifdef LORASERVE_QUANT_BF16DOT
+// bf16 x with AVX-512 BF16 (Int8Bf16's reasons): x de-interleaved into bf16 (deinterleave's layout), the
+// nibbles of 32 bytes zero-extended to 16-bit lanes, each looked up (vpermw, its low 5 bits) in a table of
+// the 16 values q as bf16, twice over (so the high nibble's low bit needs no mask); then the low nibbles'
+// words are the even elements 2j .. 2j + 62 matching the even x values j .. j + 31, the high nibbles' the odd
+// ones, and vdpbf16ps multiplies their adjacent pairs.
+void deinterleave_bf16(const uint16_t* x, Int4Problem& p) {
+  const int64_t half = p.K / 2, K64 = p.K / 64 * 64;
+  p.odd = padded_row_bf16(half), p.ld = padded_row_bf16(2 * p.odd);
+  uint16_t* xp = aligned64(p.xhs, p.M * p.ld, true);
+  alignas(64) uint16_t ie[32], io[32];
+  for (int i = 0; i < 32; ++i) ie[i] = static_cast<uint16_t>(2 * i), io[i] = static_cast<uint16_t>(2 * i + 1);
+  const __m512i even = _mm512_load_si512(ie), odd = _mm512_load_si512(io);
+  for (int64_t m = 0; m < p.M; ++m) {
+    const uint16_t* xm = x + m * p.K;
+    uint16_t* out = xp + m * p.ld;
+    for (int64_t k = 0; k < K64; k += 64) {
+      const __m512i a = _mm512_loadu_si512(xm + k), b = _mm512_loadu_si512(xm + k + 32);
+      _mm512_storeu_si512(out + k / 2, _mm512_permutex2var_epi16(a, even, b));
+      _mm512_storeu_si512(out + p.odd + k / 2, _mm512_permutex2var_epi16(a, odd, b));
+    }
+    for (int64_t j = K64 / 2; j < half; ++j) out[j] = xm[2 * j], out[p.odd + j] = xm[2 * j + 1];
+  }
+  p.xh = xp;
+}
+
+constexpr int64_t kQ4Rows = 2, kQ4Cols = 4;  // an int4 tile (weight rows, x rows): its totals fit in registers
+
+struct Q4Bf16Words {
+  alignas(64) uint16_t w[32] = {};  // bf16((i & 15) - 8), i = 0 .. 31
+  constexpr Q4Bf16Words() {
+    for (int i = 0; i < 32; ++i) {
+      const int q = (i & 15) - 8;
+      w[i] = static_cast<uint16_t>(bf16_of_int(q < 0 ? -q : q) | (q < 0 ? 0x8000 : 0));
+    }
+  }
+};
+constexpr Q4Bf16Words kQ4Bf16Words{};
+
+struct Q4Bf16 {
+  __m512i table = _mm512_load_si512(kQ4Bf16Words.w);
+  void convert(__m256i bytes, __m512bh& lo, __m512bh& hi) const {
+    const __m512i v = _mm512_cvtepu8_epi16(bytes);
+    lo = (__m512bh)_mm512_permutexvar_epi16(v, table);
+    hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+  }
+  void convert(const uint8_t* p, __m512bh& lo, __m512bh& hi) const {
+    convert(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), lo, hi);
+  }
+  void convert(const uint8_t* p, __mmask32 m, __m512bh& lo, __m512bh& hi) const {  // the bytes in m, zeros after
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, p));
+    lo = (__m512bh)_mm512_maskz_permutexvar_epi16(m, v, table);
+    hi = (__m512bh)_mm512_maskz_permutexvar_epi16(m, _mm512_srli_epi16(v, 4), table);
+  }
+};
+
+// q4_tile's groups and sums with 32 bytes (64 elements) a step, a group's tail (G/2 % 32 bytes) one masked
+// step, and vdpbf16ps; the packed weights converted in registers for each tile (cheap: 4 instructions for 64
+// weights; converting a block once into memory for all the tiles measured slower), the totals (each group's
+// sums times its scale, added up) in registers: hence tiles of 2 weight rows. npf prefetches a step, pf_step
+// bytes apart.
+template <int TO, int TC>
+void q4h_tile(const Int4Problem& p, int64_t o0, int64_t r0, uintptr_t pf, int64_t npf, int64_t pf_step) {
+  constexpr int L = 32;
+  const Q4Bf16 cv;
+  const int64_t ld = p.ld, odd = p.odd, row = p.K / 2, groups = p.K / p.G, full = p.G / 2 / L * L;
+  const int tail = static_cast<int>(p.G / 2 - full);
+  const __mmask32 tm = static_cast<__mmask32>((uint64_t(1) << tail) - 1);
+  const uint8_t* w = p.w + o0 * row;
+  const uint16_t* x = p.xh + r0 * ld;
+  const float* s = p.scale + o0 * groups;
+  __m512 tot[TO][TC];
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) tot[a][b] = _mm512_setzero_ps();
+  for (int64_t g = 0, j = 0; g < groups; ++g) {
+    __m512 acc[TO][TC];
+    for (int a = 0; a < TO; ++a)
+      for (int b = 0; b < TC; ++b) acc[a][b] = _mm512_setzero_ps();
+    for (const int64_t end = j + full; j < end; j += L) {
+      __m512bh lo[TO], hi[TO];
+      for (int a = 0; a < TO; ++a) cv.convert(w + a * row + j, lo[a], hi[a]);
+      for (int64_t i = 0; i < npf; ++i, pf += pf_step) __builtin_prefetch(reinterpret_cast<const void*>(pf), 0, 1);
+      for (int b = 0; b < TC; ++b) {
+        const __m512bh xe = in_register((__m512bh)_mm512_loadu_si512(x + b * ld + j));
+        const __m512bh xo = in_register((__m512bh)_mm512_loadu_si512(x + b * ld + odd + j));
+        for (int a = 0; a < TO; ++a)
+          acc[a][b] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[a][b], lo[a], xe), hi[a], xo);
+      }
+    }
+    if (tail) {
+      __m512bh lo[TO], hi[TO];
+      for (int a = 0; a < TO; ++a) cv.convert(w + a * row + j, tm, lo[a], hi[a]);
+      for (int b = 0; b < TC; ++b) {
+        const __m512bh xe = (__m512bh)_mm512_maskz_loadu_epi16(tm, x + b * ld + j);
+        const __m512bh xo = (__m512bh)_mm512_maskz_loadu_epi16(tm, x + b * ld + odd + j);
+        for (int a = 0; a < TO; ++a)
+          acc[a][b] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[a][b], lo[a], xe), hi[a], xo);
+      }
+      j += tail;
+    }
+    for (int a = 0; a < TO; ++a) {
+      const __m512 sv = _mm512_set1_ps(s[a * groups + g]);
+      for (int b = 0; b < TC; ++b) tot[a][b] = _mm512_fmadd_ps(acc[a][b], sv, tot[a][b]);
+    }
+  }
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) p.y[(o0 + a) * p.M + r0 + b] = _mm512_reduce_add_ps(tot[a][b]);
+}
+
+// All the x rows against TO weight rows, kQ4Cols at a time and the rest (tile's arguments).
+template <int TO>
+void q4h_cols(const Int4Problem& p, int64_t o0, uintptr_t pf, int64_t npf, int64_t pf_step) {
+  constexpr int TC = kQ4Cols;
+  const int64_t span = std::max<int64_t>(1, p.K / p.G * (p.G / 2 / 32)) * npf * pf_step;  // a tile prefetches
+  int64_t r = 0;
+  for (; r + TC <= p.M; r += TC, pf += span) q4h_tile<TO, TC>(p, o0, r, pf, npf, pf_step);
+  switch (p.M - r) {
+    case 3: q4h_tile<TO, 3>(p, o0, r, pf, npf, pf_step); break;
+    case 2: q4h_tile<TO, 2>(p, o0, r, pf, npf, pf_step); break;
+    case 1: q4h_tile<TO, 1>(p, o0, r, pf, npf, pf_step); break;
+    default: break;
+  }
+}
+
+// Weight rows [lo, hi), kQ4Rows at a time. Prefetching: each block, over its tiles' full steps, the rows
+// kLinTileRows * kLinPrefetch ahead (lin_rows' distance), npf lines (pf_step bytes apart) a step so that the
+// tiles together cover the block's lines.
+void q4h_rows(const Int4Problem& p, int64_t lo, int64_t hi, std::vector<float>&) {
+  constexpr int64_t TO = kQ4Rows;
+  const int64_t row = p.K / 2, steps = std::max<int64_t>(1, p.K / p.G * (p.G / 2 / 32));
+  const int64_t slots = (p.M + kQ4Cols - 1) / kQ4Cols * steps, lines = (TO * row + 63) / 64;
+  const int64_t npf = (lines + slots - 1) / slots;
+  const int64_t pf_step = npf > 1 ? 64 : std::max<int64_t>(1, lines * 64 / slots);
+  const uintptr_t w0 = reinterpret_cast<uintptr_t>(p.w), pf_end = w0 + hi * row - 64;
+  const int64_t span = slots * npf * pf_step;  // bytes a block prefetches
+  int64_t o = lo;
+  for (; o + TO <= hi; o += TO) {
+    const uintptr_t pf = std::min<uintptr_t>(w0 + (o + kLinTileRows * kLinPrefetch) * row, pf_end - span);
+    q4h_cols<TO>(p, o, pf, npf, pf_step);
+  }
+  for (; o < hi; ++o) q4h_cols<1>(p, o, pf_end, 0, 0);
+}
+#endif
 #else
 // Portable: one output at a time, each group's sum in element order, in scalar f32.
 void q4_rows(const Int4Problem& p, int64_t lo, int64_t hi, std::vector<float>&) {
@@ -586,6 +965,16 @@ ffi::Error LinearInt4Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
     return ffi::Error::Success();
   }
   p->G = p->K / sd[1];
+#ifdef LORASERVE_QUANT_BF16DOT
+  if (!is_f32(x)) {
+    deinterleave_bf16(static_cast<const uint16_t*>(x.untyped_data()), *p);
+    const int64_t items = (p->N + kLinItemRows - 1) / kLinItemRows;
+    parallel_items(pool, items, [p](int64_t k, std::vector<float>& scratch) {
+      q4h_rows(*p, k * kLinItemRows, std::min(p->N, (k + 1) * kLinItemRows), scratch);
+    });
+    return ffi::Error::Success();
+  }
+#endif
   if (is_f32(x))
     deinterleave(static_cast<const float*>(x.untyped_data()), *p);
   else
