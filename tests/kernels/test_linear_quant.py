@@ -2,11 +2,14 @@
 
 Both are weight-only: x stays f32 (or bf16, compared on its bf16 values), the weights are exact small integers
 times f32 scales, and the kernels sum f32 products in f32 (16- or 8-lane partial sums, per int4 group), so
-against a float64 product of the same values the error stays far below ``2e-5 * max|y|`` (seen: ~5e-7). Shapes
-reach every path: 4-row weight blocks and their 1-row tail, the 256-row work items split over threads, 4-column
-tiles of x rows and their tails (M = 1, 3, 5, 16), the masked tail of K (int8: K % 16, K % 8) and of an int4
-group (G / 2 bytes not a multiple of 16 or 8). A row's result is the same bits whatever the batch around it.
-The native build runs here; the AVX2 build (``x86-64-v3``) in one child process.
+against a float64 product of the same values the error stays far below ``2e-5 * max|y|`` (seen: ~5e-7). With
+bf16 x on a CPU with AVX-512 BF16 the native build converts the weights to bf16 (exact) and multiplies with
+bf16 dot products, each product exact in f32: the same bound holds (seen: ~2e-7). Shapes reach every path:
+4-row weight blocks (2-row for int4 with bf16 dot products) and their 1-row tail, the 256-row work items split
+over threads, 4-column tiles of x rows and their tails (M = 1, 3, 5, 16: one tile, whose int8 weights are
+converted in registers, or several, sharing them converted once), the masked tail of K (int8: K % 64, K % 16,
+K % 8) and of an int4 group (G / 2 bytes not a multiple of 32, 16 or 8). A row's result is the same bits
+whatever the batch around it. The native build runs here; the AVX2 build (``x86-64-v3``) in one child process.
 """
 
 from __future__ import annotations
@@ -65,9 +68,9 @@ def _compare(fn, x, weights: tuple, want_all: np.ndarray) -> float:
     return worst
 
 
-def check_int8(N: int, K: int, dtype: str, seed: int = 0) -> float:
+def check_int8(N: int, K: int, dtype: str, seed: int = 0, qmin: int = -127) -> float:
     rng = np.random.default_rng(seed)
-    q = rng.integers(-127, 128, (N, K)).astype(np.int8)
+    q = rng.integers(qmin, 128, (N, K)).astype(np.int8)
     scale = rng.uniform(0.5, 2.0, N).astype(np.float32) / 127
     x = _x(rng, K, dtype)
     w64 = q.astype(np.float64) * scale[:, None].astype(np.float64)
@@ -99,6 +102,18 @@ def test_pack_int4_layout() -> None:
 @pytest.mark.parametrize(("N", "K"), INT8_SHAPES)
 def test_linear_int8_matches_float64(N: int, K: int, dtype: str) -> None:
     check_int8(N, K, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_int8_every_value(dtype: str) -> None:
+    """All 256 int8 values, -128 too (worker.quant never writes it; the bf16 conversion sets it apart)."""
+    assert check_int8(64, 4096, dtype, seed=1, qmin=-128) < 2e-5
+    rng = np.random.default_rng(2)
+    q = rng.integers(-128, 128, (256, 200)).astype(np.int8)
+    q[:, :5] = np.stack([rng.permutation(256) - 128 for _ in range(5)], 1)  # each column every value
+    x = jnp.eye(200, dtype=dtype)[:5]  # row m picks column m: y = q[:, :5] exactly
+    got = np.asarray(jax.jit(cpu.linear_int8)(x, jnp.asarray(q), jnp.ones(256, jnp.float32)))
+    np.testing.assert_array_equal(got, q[:, :5].astype(np.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
