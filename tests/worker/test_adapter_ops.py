@@ -127,6 +127,22 @@ def _abstract(cfg: ModelConfig, backend, dtype=jnp.bfloat16):
     return params, pools
 
 
+def export_decode_for_tpu(cfg: ModelConfig, backend, params, pools, rows: int = 16):
+    """``M.decode`` over abstract ``params``/``pools`` and a bf16 paged cache, exported for TPU from this CPU:
+    -> (the exported program, its DeviceState)."""
+    sds = jax.ShapeDtypeStruct
+    page, pages = 16, 65
+    cache = [
+        (sds((cfg.num_kv_heads, pages, page, cfg.head_dim), jnp.bfloat16),) * 2 for _ in range(cfg.num_layers)
+    ]
+    ints = sds((rows,), jnp.int32)
+    state = DeviceState(params, pools, cache, sds((cfg.head_dim // 2,), jnp.float32))
+    exported = jax.export.export(jax.jit(partial(M.decode, cfg, backend)), platforms=["tpu"])(
+        state, DecodeBatch(ints, ints, sds((rows, 4), jnp.int32), ints)
+    )
+    return exported, state
+
+
 def test_decode_and_packed_prefill_with_every_adapter_pool_lower_for_tpu(monkeypatch) -> None:
     """The pallas backend's decode step (LoRA kernels + DoRA vectors + embed/lm_head LoRA) and packed
     prefill, exported for TPU on abstract bf16 shapes: Mosaic accepts every kernel, and the vector and vocab
@@ -142,17 +158,7 @@ def test_decode_and_packed_prefill_with_every_adapter_pool_lower_for_tpu(monkeyp
     assert {"dora_scale_qkv", "lora_bias_down"} <= set(pools.layers[0])
     assert {"A_embed", "B_embed", "A_lm_head", "B_lm_head"} == set(pools.vocab)
     sds = jax.ShapeDtypeStruct
-    rows, page, pages = 16, 16, 65
-    cache = [
-        (sds((cfg.num_kv_heads, pages, page, cfg.head_dim), jnp.bfloat16),) * 2 for _ in range(cfg.num_layers)
-    ]
-    ints = sds((rows,), jnp.int32)
-    inv = sds((cfg.head_dim // 2,), jnp.float32)
-
-    state = DeviceState(params, pools, cache, inv)
-    exported = jax.export.export(jax.jit(partial(M.decode, cfg, backend)), platforms=["tpu"])(
-        state, DecodeBatch(ints, ints, sds((rows, 4), jnp.int32), ints)
-    )
+    exported, state = export_decode_for_tpu(cfg, backend, params, pools)
     # two kernels (shrink, expand) per LoRA call: 4 groups a layer
     assert (
         exported.platforms == ("tpu",)

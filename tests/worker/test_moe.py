@@ -321,29 +321,17 @@ def test_a_moe_decode_step_lowers_for_tpu(monkeypatch) -> None:
     """The decode step of Qwen3-30B-A3B's shapes (bf16, abstract: nothing allocated), with the pallas LoRA
     backend, exported for TPU from this CPU: the experts lower to ``ragged_dot`` (the grouped matmul; the
     CPU's gathered path is not in a TPU program) and the LoRA kernels to Mosaic."""
-    from functools import partial
 
     from loraserve.kernels import pallas
-    from loraserve.worker import model as M
     from loraserve.worker import planner
-    from loraserve.worker.step import DecodeBatch, DeviceState
-    from tests.worker.test_adapter_ops import _abstract
+    from tests.worker.test_adapter_ops import _abstract, export_decode_for_tpu
 
     monkeypatch.setattr(pallas, "default_interpret", lambda: False)
     _, full = planner.load_model_config("qwen3-30b-a3b")
     cfg = dataclasses.replace(full, num_layers=2)
     backend = get_backend("pallas")
     params, pools = _abstract(cfg, backend)
-    sds = jax.ShapeDtypeStruct
-    rows, page, pages = 16, 16, 65
-    cache = [
-        (sds((cfg.num_kv_heads, pages, page, cfg.head_dim), jnp.bfloat16),) * 2 for _ in range(cfg.num_layers)
-    ]
-    ints = sds((rows,), jnp.int32)
-    state = DeviceState(params, pools, cache, sds((cfg.head_dim // 2,), jnp.float32))
-    exported = jax.export.export(jax.jit(partial(M.decode, cfg, backend)), platforms=["tpu"])(
-        state, DecodeBatch(ints, ints, sds((rows, 4), jnp.int32), ints)
-    )
+    exported, _ = export_decode_for_tpu(cfg, backend, params, pools)
     mlir = exported.mlir_module()
     assert exported.platforms == ("tpu",) and mlir.count("tpu_custom_call") >= 4 * cfg.num_layers
     assert "ragged_dot" in mlir

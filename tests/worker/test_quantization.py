@@ -458,13 +458,11 @@ def test_a_quantized_decode_step_lowers_for_tpu(monkeypatch, quantization) -> No
     """Llama-3-8B's decode step (2 layers, bf16 activations, abstract: nothing allocated) over int8 or int4
     projections with the pallas LoRA backend, exported for TPU from this CPU: the projections are XLA's dot
     (int8: on the int8 values; int4: on the weight dequantized from its nibbles), never the CPU kernels."""
-    from functools import partial
 
     from loraserve.kernels import pallas
     from loraserve.kernels.backends import get_backend
     from loraserve.worker import planner
-    from loraserve.worker.step import DecodeBatch, DeviceState
-    from tests.worker.test_adapter_ops import _abstract
+    from tests.worker.test_adapter_ops import _abstract, export_decode_for_tpu
 
     monkeypatch.setattr(pallas, "default_interpret", lambda: False)
     _, full = planner.load_model_config("llama-3-8b")
@@ -480,15 +478,7 @@ def test_a_quantized_decode_step_lowers_for_tpu(monkeypatch, quantization) -> No
             else:
                 groups = inputs // int4_group(inputs)
                 layer[key] = Int4Weight(sds((out, inputs // 2), jnp.uint8), sds((out, groups), jnp.float32))
-    rows, page, pages = 16, 16, 65
-    cache = [
-        (sds((cfg.num_kv_heads, pages, page, cfg.head_dim), jnp.bfloat16),) * 2 for _ in range(cfg.num_layers)
-    ]
-    ints = sds((rows,), jnp.int32)
-    state = DeviceState(params, pools, cache, sds((cfg.head_dim // 2,), jnp.float32))
-    exported = jax.export.export(jax.jit(partial(M.decode, cfg, backend)), platforms=["tpu"])(
-        state, DecodeBatch(ints, ints, sds((rows, 4), jnp.int32), ints)
-    )
+    exported, _ = export_decode_for_tpu(cfg, backend, params, pools)
     mlir = exported.mlir_module()
     assert exported.platforms == ("tpu",) and "loraserve_linear" not in mlir
     assert mlir.count("tpu_custom_call") >= 4 * cfg.num_layers  # the LoRA kernels
