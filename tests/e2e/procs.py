@@ -45,6 +45,18 @@ def loraserve_process(
         proc.stop()
 
 
+# docker-compose's worker shapes, which most end-to-end workers share: their programs come from the
+# compilation cache the test run shares
+COMPOSE_SHAPES = ("--max-seq-len", "64", "--max-loras", "2", "--max-lora-rank", "8")
+
+
+def worker_args(model, registry: str, *extra: str, model_id: str = "tiny", warmup: bool = True) -> list[str]:
+    """``loraserve worker`` arguments for a test model on a free port, registered with ``registry``, then
+    ``extra``; ``warmup=False`` compiles each shape on first use (tests of something else than latency)."""
+    args = ["worker", "--model", str(model), "--model-id", model_id, "--port", "0", "--registry", registry]
+    return args + ([] if warmup else ["--warmup", "false"]) + list(extra)
+
+
 def wait_for_workers(client, count: int, timeout: float = 20.0) -> list:
     """Poll ``client.workers()`` (a RegistryClient) until exactly ``count`` live workers are registered."""
     return settled(client.workers, lambda workers: len(workers) == count, timeout, interval=0.1)

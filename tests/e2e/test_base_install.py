@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import with_test_xla_flags
-from tests.e2e.procs import loraserve_process, wait_for_workers
+from tests.e2e.procs import COMPOSE_SHAPES, loraserve_process, wait_for_workers, worker_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -81,20 +81,8 @@ def test_client_commands_run_without_server_packages(
         assert listed.returncode == 0, listed.stderr
         assert [(a["name"], a["version"]) for a in json.loads(listed.stdout)] == [("blocked-push", 1)]
 
-        worker_args = [
-            "worker",
-            "--model",
-            str(llama_dir),
-            "--model-id",
-            MODEL_ID,
-            "--port",
-            "0",
-            "--warmup",
-            "false",
-        ]
-        worker_args += ["--registry", registry.address, "--max-loras", "2", "--max-lora-rank", "8"]
-        worker_args += ["--max-seq-len", "64"]  # docker-compose's shapes: programs shared through the cache
-        with loraserve_process(worker_args, env=with_test_xla_flags()) as worker:  # compile-bound
+        args = worker_args(llama_dir, registry.address, *COMPOSE_SHAPES, model_id=MODEL_ID, warmup=False)
+        with loraserve_process(args, env=with_test_xla_flags()) as worker:  # compile-bound
             from loraserve.client.registry_client import RegistryClient
 
             with RegistryClient(registry.address) as reg:

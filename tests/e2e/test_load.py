@@ -19,7 +19,7 @@ from loraserve.common.errors import LoraserveError
 from loraserve.registry.config import RegistryConfig
 from tests.conftest import with_test_xla_flags
 from tests.e2e.compose_local import free_port
-from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
+from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy, worker_args
 from tests.registry.conftest import start_registry
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -46,25 +46,9 @@ def test_64_streams_through_the_router(llama_dir, adapter_dirs, tmp_path) -> Non
         for name in names:
             reg.client.push(adapter_dirs[name], name, "tiny")
         ports = {n: free_port() for n in ("w1", "w2", "router")}
-        worker = [
-            "worker",
-            "--model",
-            str(llama_dir),
-            "--model-id",
-            "tiny",
-            "--port",
-            "0",
-            "--registry",
-            reg.address,
-            "--max-seq-len",
-            "32",  # prompts of 1-20 tokens + 1-8 new fit: warm-up skips the 64-token buckets no request needs
-            "--max-loras",
-            "2",
-            "--max-batch-size",
-            "16",
-            "--max-waiting",
-            "512",
-        ]
+        # prompts of 1-20 tokens + 1-8 new fit 32: warm-up skips the 64-token buckets no request needs
+        shapes = ("--max-seq-len", "32", "--max-loras", "2", "--max-batch-size", "16", "--max-waiting", "512")
+        worker = worker_args(llama_dir, reg.address, *shapes)
         env = with_test_xla_flags()  # the warm-up at the tests' XLA level: the soak lasts SECONDS either way
         with (
             loraserve_process([*worker, "--metrics-port", str(ports["w1"])], env=env) as w1,

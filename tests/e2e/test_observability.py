@@ -16,7 +16,7 @@ from loraserve.client.sdk import Client
 from loraserve.common.errors import LoraserveError
 from tests.conftest import with_test_xla_flags
 from tests.e2e.compose_local import free_port
-from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
+from tests.e2e.procs import COMPOSE_SHAPES, loraserve_process, wait_for_workers, wait_healthy, worker_args
 from tests.waiting import settled
 
 pytestmark = pytest.mark.e2e
@@ -133,34 +133,13 @@ def test_every_server_records_its_rpcs_with_status_codes(llama_dir, adapter_dirs
     registry_address = f"127.0.0.1:{reg_port}"
     registry_args = ["registry", "serve", "--port", str(reg_port), "--metrics-port", str(metrics["registry"])]
     registry_args += ["--db", f"sqlite:///{tmp_path / 'r.db'}", "--storage", str(tmp_path / "store")]
-    worker_args = [
-        "worker",
-        "--model",
-        str(llama_dir),
-        "--model-id",
-        "tiny",
-        "--port",
-        "0",
-        "--warmup",
-        "false",
-    ]
-    worker_args += [
-        "--registry",
-        registry_address,
-        "--max-seq-len",
-        "64",
-        "--max-loras",  # docker-compose's shapes, as most e2e workers: their programs come from the cache
-        "2",
-        "--max-lora-rank",
-        "8",
-        "--metrics-port",
-        str(metrics["worker"]),
-    ]
+    metrics_port = ("--metrics-port", str(metrics["worker"]))
+    args = worker_args(llama_dir, registry_address, *COMPOSE_SHAPES, *metrics_port, warmup=False)
     router_args = ["router", "serve", "--port", "0", "--registry", registry_address]
     router_args += ["--metrics-port", str(metrics["router"])]
     with (
         loraserve_process(registry_args),
-        loraserve_process(worker_args, env=with_test_xla_flags()) as worker,
+        loraserve_process(args, env=with_test_xla_flags()) as worker,
         loraserve_process(router_args) as router,
         RegistryClient(registry_address) as registry,
     ):

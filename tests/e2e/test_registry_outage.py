@@ -11,7 +11,7 @@ from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
 from tests.conftest import with_test_xla_flags
 from tests.e2e.compose_local import free_port
-from tests.e2e.procs import loraserve_process, wait_healthy
+from tests.e2e.procs import COMPOSE_SHAPES, loraserve_process, wait_healthy, worker_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 PROMPT = [5, 17, 33, 100, 7]
@@ -35,27 +35,10 @@ def test_worker_survives_a_registry_outage_and_registers_again(llama_dir, adapte
     with loraserve_process(reg_args) as registry:
         with RegistryClient(registry_address) as rc:
             rc.push(adapter_dirs["all-r4"], "steady", "tiny")
-        worker_args = [
-            "worker",
-            "--warmup",
-            "false",  # programs compile on first use: the outage, not the warm-up, is what is tested
-            "--model",
-            str(llama_dir),
-            "--model-id",
-            "tiny",
-            "--port",
-            "0",
-            "--registry",
-            registry_address,
-            "--max-seq-len",
-            "64",
-            "--max-loras",
-            "2",
-            "--max-lora-rank",
-            "8",  # docker-compose's shapes, as most e2e workers: their programs are shared through the cache
-        ]
+        # programs compile on first use: the outage, not the warm-up, is what is tested
+        args = worker_args(llama_dir, registry_address, *COMPOSE_SHAPES, warmup=False)
         with (
-            loraserve_process(worker_args, env=with_test_xla_flags()) as worker,  # compile-bound
+            loraserve_process(args, env=with_test_xla_flags()) as worker,  # compile-bound
             loraserve_process(
                 ["router", "serve", "--port", "0", "--registry", registry_address, "--locate-ttl", "0.5"]
             ) as router,

@@ -12,7 +12,7 @@ from loraserve.protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.registry.config import RegistryConfig
 from loraserve.worker.config import EngineConfig
 from tests.conftest import with_test_xla_flags
-from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy
+from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy, worker_args
 from tests.e2e.reference import reference_tokens
 from tests.registry.conftest import start_registry
 
@@ -28,18 +28,9 @@ def test_tp2_worker_behind_the_router(llama_dir, adapter_dirs, tmp_path) -> None
     with start_registry(config, str(tmp_path / "s")) as reg:
         for name in ADAPTERS:
             reg.client.push(adapter_dirs[name], name, "tiny")
-        worker = [
-            "worker",
-            "--model",
-            str(llama_dir),
-            "--model-id",
-            "tiny",
-            "--port",
-            "0",
-            "--warmup",
-            "false",
-        ]
-        worker += ["--registry", reg.address, "--tensor-parallel-size", "2", "--kernel-backend", "cpu"]
+        worker = worker_args(
+            llama_dir, reg.address, "--tensor-parallel-size", "2", "--kernel-backend", "cpu", warmup=False
+        )
         for key, value in SHAPES.items():
             worker += [f"--{key.replace('_', '-')}", str(value)]
         env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
