@@ -98,17 +98,15 @@ F32_RUNS = {
 }
 
 
-# --quantization int8 (cpu backend): N = 4 splits and repeats the KV heads' rows and scales
-INT8_SIZES = (1, 4)
-# --quantization int4: its groups split with the row-parallel inputs (8 and 16 inputs a group here)
-INT4_SIZES = (1, 4)
+# --quantization int8 and int4 (cpu backend) at N = 1 and 4: N = 4 splits and repeats the KV heads' rows and
+# their scales, and splits int4's groups (8 and 16 inputs a group here) with the row-parallel inputs
 
 
 @pytest.fixture(scope="module")
 def f32_runs(tp_model) -> dict:
     model, adapters = tp_model
     runs = " ".join(f"{b}={','.join(map(str, sizes))}" for b, sizes in F32_RUNS.items())
-    runs += f" cpu:int8={','.join(map(str, INT8_SIZES))} cpu:int4={','.join(map(str, INT4_SIZES))}"
+    runs += " cpu:int8=1,4 cpu:int4=1,4"
     return run_child(
         "--model", str(model), "--adapters", ",".join(map(str, adapters)), "--runs", runs,
         "--steps", "4", "--swaps", "200", "--dtype", "float32",
@@ -310,41 +308,39 @@ def test_flag_and_environment_twin() -> None:
     assert field_help(WorkerConfig, "tensor_parallel_size").startswith("devices one model is split over")
 
 
-def test_an_int8_base_splits_with_its_scales_and_serves_the_same_tokens(f32_runs) -> None:
-    """--quantization int8 at N = 4 (worker.quant): the int8 values split like the float weights and
-    each row's scale with its row (column-parallel wqkv / w_gate_up: split; row-parallel wo / w_down:
-    whole); tokens and logits as at N = 1 (f32 within ATOL: only the order of the split sums differs), the
-    planner's abstract state equal to the runner's, 200 swaps compile nothing."""
+# --quantization -> the quantized projections' "values/scales" shardings at N = 4: column-parallel (wqkv,
+# w_gate_up), row-parallel (wo, w_down)
+QUANTIZED_SPECS = {
+    "int8": (f"{SPLIT}/('model',)", "(None, 'model')/()"),  # a scale per row: split with the rows, or whole
+    "int4": (f"{SPLIT}/{SPLIT}", "(None, 'model')/(None, 'model')"),  # group scales: with rows or inputs
+}
+
+
+@pytest.mark.parametrize("quantization", list(QUANTIZED_SPECS))
+def test_a_quantized_base_splits_with_its_scales_and_serves_the_same_tokens(f32_runs, quantization) -> None:
+    """--quantization int8|int4 at N = 4 (worker.quant): the quantized values split like the float weights,
+    the scales with their rows (column-parallel) or, row-parallel, whole (int8: one per row) or with their
+    groups of inputs (int4: each device holds whole groups); tokens and logits as at N = 1 (f32 within ATOL:
+    only the order of the split sums differs), the planner's abstract state equal to the runner's, 200 swaps
+    compile nothing."""
     import numpy as np
 
-    out = f32_runs["cpu:int8"]
-    ref = out["1"]
-    for n in map(str, INT8_SIZES[1:]):
-        got = out[n]
-        assert got["tokens"] == ref["tokens"], n
-        np.testing.assert_allclose(np.array(got["logits"]), np.array(ref["logits"]), atol=ATOL, rtol=0)
-        assert got["compilations"] == 0, got["compiled"]
-        assert got["abstract_matches"] == {"params": True, "cache": True, "pools": True}
-        params = got["shardings"]["params"]
-        assert params["wqkv"] == params["w_gate_up"] == f"{SPLIT}/('model',)"
-        assert params["wo"] == params["w_down"] == "(None, 'model')/()"
-    assert ref["shardings"]["params"]["wqkv"] == "single/single"
-
-
-def test_an_int4_base_splits_with_its_groups_and_serves_the_same_tokens(f32_runs) -> None:
-    """--quantization int4 at N = 4: the packed values split like the float weights, the group scales with
-    their rows (column-parallel) or their inputs (row-parallel wo / w_down: each device holds whole groups);
-    tokens and logits as at N = 1, the planner's abstract state equal to the runner's, no compilations."""
-    import numpy as np
-
-    out = f32_runs["cpu:int4"]
+    out = f32_runs[f"cpu:{quantization}"]
     ref, got = out["1"], out["4"]
     assert got["tokens"] == ref["tokens"]
     np.testing.assert_allclose(np.array(got["logits"]), np.array(ref["logits"]), atol=ATOL, rtol=0)
     assert got["compilations"] == 0, got["compiled"]
     assert got["abstract_matches"] == {"params": True, "cache": True, "pools": True}
     params = got["shardings"]["params"]
-    assert params["wqkv"] == params["w_gate_up"] == f"{SPLIT}/{SPLIT}"
-    assert params["wo"] == params["w_down"] == "(None, 'model')/(None, 'model')"
-    int8 = np.array(f32_runs["cpu:int8"]["1"]["logits"])
-    assert np.abs(np.array(ref["logits"]) - int8).max() > 10 * ATOL  # int4 is its own model, not int8's
+    column, row = QUANTIZED_SPECS[quantization]
+    assert params["wqkv"] == params["w_gate_up"] == column
+    assert params["wo"] == params["w_down"] == row
+    assert ref["shardings"]["params"]["wqkv"] == "single/single"
+
+
+def test_int4_is_its_own_model(f32_runs) -> None:
+    """The int4 and int8 runs are different models (the int4 test cannot pass on int8's logits)."""
+    import numpy as np
+
+    int4, int8 = (np.array(f32_runs[f"cpu:{q}"]["1"]["logits"]) for q in ("int4", "int8"))
+    assert np.abs(int4 - int8).max() > 10 * ATOL
