@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import os
+import threading
 
 from loraserve.common.config import (
     add_config_flags,
@@ -21,18 +24,24 @@ from loraserve.common.config import (
 from loraserve.common.errors import InvalidArgument
 from loraserve.worker.config import ENV_PREFIX, WorkerConfig
 
+log = logging.getLogger("loraserve.worker")
+LOST_EXIT_AFTER_S = 10.0  # a multi-host leader that lost a process drains (NOT_SERVING), then exits by then
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flags(parser, WorkerConfig, ENV_PREFIX)
     add_logging_flags(parser)
 
 
-async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None:
+async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
+    """Serve until ``stop`` (or a signal); the exit status: 0, or ``multihost.EXIT_PEER_LOST``."""
     from loraserve.adapters.sources import LocalAdapterSource
     from loraserve.common.server import run_server
+    from loraserve.worker import multihost
     from loraserve.worker.checkpoint import load_checkpoint, read_config
     from loraserve.worker.config import resolve_engine_config
     from loraserve.worker.engine import Engine
+    from loraserve.worker.jax_runner import JaxRunner
     from loraserve.worker.server import worker_services
     from loraserve.worker.tokenizer import load_tokenizer
 
@@ -42,7 +51,31 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
         enable_compilation_cache(config.compilation_cache_dir)
     hf_config = read_config(config.model)
     engine_config = resolve_engine_config(config.engine_config(), hf_config)  # auto dtype and context
+    cluster = multihost.cluster_from(
+        config.coordinator, config.num_processes, config.process_id, config.multihost_timeout
+    )
+    channel, lost = None, []
+    if (
+        cluster is not None
+    ):  # the step channel first: its handshake refuses what jax.distributed would abort on
+        digest = multihost.checkpoint_digest(config.model)
+        if cluster.leader:
+            stop = stop or asyncio.Event()
+            loop = asyncio.get_running_loop()
+
+            def on_lost(reason: str) -> None:  # NOT_SERVING (the drain), then exit whatever still runs
+                lost.append(reason)
+                loop.call_soon_threadsafe(stop.set)
+                threading.Timer(LOST_EXIT_AFTER_S, os._exit, (multihost.EXIT_PEER_LOST,)).start()
+
+            channel = multihost.LeaderChannel(cluster, digest, on_lost)
+        else:
+            channel = multihost.FollowerChannel(cluster, digest, lost=_exit_lost)
+        multihost.initialize(cluster)
     checkpoint = load_checkpoint(config.model, dtype=engine_config.dtype, quantization=config.quantization)
+    if cluster is not None and not cluster.leader:  # a follower replays the leader's device calls
+        multihost.follow(JaxRunner(checkpoint, engine_config), channel)
+        return 0
     tokenizer = load_tokenizer(config.model)
     if config.registry:
         from loraserve.worker.registry_source import RegistryAdapterSource
@@ -55,7 +88,8 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
         )
     else:
         source = LocalAdapterSource(config.adapter_dir or None)
-    engine = Engine(checkpoint, engine_config, source=source)
+    runner = JaxRunner(checkpoint, engine_config, channel=channel)
+    engine = Engine(checkpoint, engine_config, source=source, runner=runner)
     if config.metrics_port or config.http_port:  # the HTTP API serves /metrics too
         from loraserve.worker.metrics import register_engine_metrics
 
@@ -103,9 +137,22 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> None
         metrics_port=config.metrics_port,
         warmup=warmup,
         background=background,
-        cleanup=[engine.stop],
+        cleanup=[engine.stop] + ([channel.close] if channel is not None else []),
         stop=stop,
     )
+    if lost:
+        log.error("multi-host: exiting %d: %s", multihost.EXIT_PEER_LOST, lost[0])
+        return multihost.EXIT_PEER_LOST
+    return 0
+
+
+def _exit_lost(reason: str) -> None:
+    """A follower whose leader is gone exits at once (its main thread may be inside a device call)."""
+    from loraserve.worker.multihost import EXIT_PEER_LOST
+
+    log.error("multi-host: exiting %d: %s", EXIT_PEER_LOST, reason)
+    logging.shutdown()
+    os._exit(EXIT_PEER_LOST)
 
 
 def hub_names(hf_config: dict) -> list[str]:
@@ -121,5 +168,4 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(WorkerConfig, ENV_PREFIX, args)
     if not config.model:
         raise InvalidArgument("loraserve worker: --model (or LORASERVE_WORKER_MODEL) is required")
-    asyncio.run(serve(config))
-    return 0
+    return asyncio.run(serve(config))

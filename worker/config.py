@@ -42,13 +42,14 @@ DTYPES = ("float32", "bfloat16")
 # contexts, so the context is capped here rather than at a long-context model's 128k
 AUTO_MAX_SEQ_LEN = 4096
 
-MODEL, CACHE, ADAPTERS, SCHEDULING, KERNELS, SERVING = (
+MODEL, CACHE, ADAPTERS, SCHEDULING, KERNELS, SERVING, MULTIHOST = (
     "model",
     "cache",
     "adapters",
     "scheduling",
     "kernels",
     "serving",
+    "multi-host",
 )
 
 
@@ -338,6 +339,8 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
         SCHEDULING: "batching, admission and prefill",
         KERNELS: "the backends the steps are compiled with",
         SERVING: "addresses, ports, metrics and the registry",
+        MULTIHOST: "one process per host of a slice that spans hosts (worker.multihost); on GKE taken from a"
+        " LeaderWorkerSet's LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX when --coordinator is empty",
         SECURITY: "tokens and TLS (docs/security.md)",
     }
 
@@ -411,6 +414,23 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
         "compile every program the worker can run before it reports SERVING, so no request ever waits for a"
         " compilation; off (development, smoke runs): serve at once and compile each shape on first use",
         KERNELS,
+    )
+
+    coordinator: str = opt(
+        "",
+        "host:port of process 0 (the leader), where jax.distributed's coordinator listens; the leader's step"
+        " channel is the next port (empty: one host)",
+        MULTIHOST,
+    )
+    num_processes: int = opt(1, "processes (hosts) of the worker; their devices form one mesh", MULTIHOST)
+    process_id: int = opt(
+        0, "this process's index: 0 leads (serves, schedules), the others follow", MULTIHOST
+    )
+    multihost_timeout: float = opt(
+        60.0,
+        "seconds the processes wait for one another at start-up, and that a silent or dead process is allowed"
+        " before the group reports NOT_SERVING and exits 3 (the LeaderWorkerSet restarts it)",
+        MULTIHOST,
     )
 
     @classmethod

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from loraserve import kernels
 from loraserve.adapters.peft import LoraWeights
+from loraserve.common.errors import FailedPrecondition
 from loraserve.kernels.attention import DecodeAttention, resolve_attention
 from loraserve.kernels.backends import LoraBackend
 from loraserve.kernels.linear import resolve_backend as resolve_linear
@@ -29,6 +30,7 @@ from loraserve.worker import sharding
 from loraserve.worker.checkpoint import Checkpoint
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.model_config import ModelConfig
+from loraserve.worker.multihost import fields_of, slot_values_arrays
 from loraserve.worker.requests import MAX_EOS_IDS, SamplingRow, TokenLogprobs
 from loraserve.worker.runner import PrefillInput, StepOutput
 from loraserve.worker.sampling import (
@@ -189,7 +191,10 @@ class JaxRunner:
     steps pin their outputs' shardings, so donated buffers keep one layout and nothing recompiles.
     """
 
-    def __init__(self, checkpoint: Checkpoint, config: EngineConfig) -> None:
+    def __init__(self, checkpoint: Checkpoint, config: EngineConfig, channel: Any = None) -> None:
+        # multi-host (worker.multihost): the leader's channel to the other processes, which replay every
+        # device call (``apply``) in the same order; None on one host and on a follower
+        self.channel, self._replaying = None, True
         self.config, self.checkpoint_config = config, checkpoint.config
         backend = kernels.resolve_backend(config.kernel_backend)
         if len(checkpoint.config.eos_token_ids) > MAX_EOS_IDS:  # min_tokens bans them from a bias table
@@ -198,11 +203,17 @@ class JaxRunner:
             )
         n = config.tensor_parallel_size
         self.mesh = None
-        if n == 1:
+        self.multiprocess = jax.process_count() > 1  # every process runs this constructor (worker.multihost)
+        if n == 1 and not self.multiprocess:
             self.model_config, self.params, self.backend = checkpoint.config, checkpoint.params, backend
             out_shardings = None
         else:
             sharding.check_tensor_parallel(checkpoint.config, n, len(jax.devices()))
+            if self.multiprocess and n != jax.device_count():
+                raise FailedPrecondition(
+                    f"tensor_parallel_size {n} must span all {jax.device_count()} devices of the"
+                    f" {jax.process_count()} processes ({jax.local_device_count()} each)"
+                )
             self.mesh = sharding.make_mesh(n)
             self.model_config = sharding.tp_model_config(checkpoint.config, n)
             self.params = sharding.shard_params(checkpoint.config, checkpoint.params, self.mesh)
@@ -245,8 +256,16 @@ class JaxRunner:
             self.model_config, self.backend, self.attention, config.traced_linear_backend, out_shardings
         )
         self.init_state()
+        self.channel, self._replaying = channel, False
+
+    def _tell(self, op: str, arrays: dict[str, np.ndarray] | None = None) -> None:
+        """A multi-host leader sends each device call to the other processes before making it
+        (``worker.multihost``); a follower replaying it, and warm-up's inner calls, send nothing."""
+        if self.channel is not None and not self._replaying:
+            self.channel.broadcast(op, arrays or {})
 
     def init_state(self) -> None:
+        self._tell("init")
         cfg, config = self.model_config, self.config
         shardings = None if self.mesh is None else sharding.pool_shardings(cfg, self.backend)
         self.pools = SlotPools(
@@ -266,7 +285,16 @@ class JaxRunner:
 
     def warmup(self) -> None:
         """Compile every prefill bucket and every (page width, LoRA plan) decode variant; the null page
-        takes every write, so the cache holds nothing afterwards."""
+        takes every write, so the cache holds nothing afterwards. A multi-host leader's followers run
+        the same warm-up when told to (deterministic: the same programs in the same order)."""
+        self._tell("warmup")
+        replaying, self._replaying = self._replaying, True
+        try:
+            self._warmup()
+        finally:
+            self._replaying = replaying
+
+    def _warmup(self) -> None:
         for g, t in self.prefill_shapes:
             null = PrefillInput([0], 0, 0, np.zeros(self.config.pages_per_row, np.int32), SamplingRow())
             self._prefill_call([null] * g, g, t)
@@ -294,14 +322,19 @@ class JaxRunner:
     def prepare(self, weights: LoraWeights) -> SlotValues:
         values = slot_arrays(self.checkpoint_config, weights, self.config.max_lora_rank)
         values = sharding.expand_slot_values(self.checkpoint_config, values, self.config.tensor_parallel_size)
-        values = self.pools.with_scales(values)  # DoRA's norms here, on the loader thread, not between steps
+        if not self.multiprocess:  # DoRA's norms here, on the loader thread, not between steps; across
+            # processes every device call keeps one order, so write_slot computes them (all processes)
+            values = self.pools.with_scales(values)
         check_slot_values(values)  # what the slot will hold, scales and mix weights folded in
         return values
 
     def write_slot(self, index: int, values: SlotValues) -> None:
+        if self.channel is not None:
+            self._tell("write", {"index": np.asarray(index, np.int32), **slot_values_arrays(values)})
         self.pools.write(index, values)
 
     def zero_slot(self, index: int) -> None:
+        self._tell("zero", {"index": np.asarray(index, np.int32)})
         self.pools.zero(index)
 
     def seed_history(
@@ -319,16 +352,20 @@ class JaxRunner:
             chunk[: len(part)] = part
             flags = np.zeros(HISTORY_CHUNK, np.bool_)
             flags[: len(part)] = counted[k : k + HISTORY_CHUNK]
-            self.history = self._steps.seed(
-                history=self.history,
-                row=np.int32(row),
+            self.seed_arrays(
+                row=np.asarray(row, np.int32),
                 tokens=chunk,
                 generated=flags,
                 bias_ids=ids,
                 bias_values=values,
                 bias_until=until,
-                reset=np.bool_(k == 0),
+                reset=np.asarray(k == 0),
             )
+
+    def seed_arrays(self, **arrays: np.ndarray) -> None:
+        """One compiled ``seed_row`` call (``worker.sampling.seed_row``'s keyword arrays)."""
+        self._tell("seed", arrays)
+        self.history = self._steps.seed(history=self.history, **arrays)
 
     def prefill(self, batch: list[PrefillInput]) -> StepOutput:
         """Pack ``batch`` into the fewest calls of the compiled (prompts, tokens) shapes, in order."""
@@ -377,13 +414,18 @@ class JaxRunner:
                 targets[k, : len(item.targets)] = item.targets
         context = int(np.max(starts + lengths))
         blocks = np.int32(max(1, -(-context // (self.key_block * self.page_size))))
-        out, self.cache = self._steps.prefill(
-            **self.state().fields(),
-            batch=PrefillBatch(tokens, lengths, starts, slots, tables, blocks, targets),
-            sampling=_sampling_arrays(rows, history_rows, self.vocab_size),
+        out = self.prefill_arrays(
+            PrefillBatch(tokens, lengths, starts, slots, tables, blocks, targets),
+            _sampling_arrays(rows, history_rows, self.vocab_size),
         )
-        self.history = out.history
         return _to_host(out, any(item.sampling.logprobs for item in items), targets)
+
+    def prefill_arrays(self, batch: PrefillBatch, sampling: SamplingArrays) -> Sampled:
+        """One compiled prefill call of host arrays (the device's draw stays on the device)."""
+        self._tell("prefill", {**fields_of("batch", batch), **fields_of("sampling", sampling)})
+        out, self.cache = self._steps.prefill(**self.state().fields(), batch=batch, sampling=sampling)
+        self.history = out.history
+        return out
 
     def decode(
         self,
@@ -395,16 +437,35 @@ class JaxRunner:
     ) -> StepOutput:
         needed = int(np.max(positions)) // self.page_size + 1  # pages of the longest row
         width = next(w for w in self.page_buckets if w >= needed)
-        batch = DecodeBatch(
-            tokens,
-            positions,
+        out = self.decode_arrays(
+            np.asarray(tokens, np.int32),
+            np.asarray(positions, np.int32),
+            np.asarray(slots, np.int32),
             np.array(page_tables[:, :width], np.int32),  # a copy: the caller rewrites its tables next step
-            self.backend.plan(slots, self.config.max_loras),
+            _sampling_arrays(sampling, list(range(len(sampling))), self.vocab_size),
         )
-        out, self.cache = self._steps.decode(
-            **self.state().fields(),
-            batch=batch,
-            sampling=_sampling_arrays(sampling, list(range(len(sampling))), self.vocab_size),
-        )
-        self.history = out.history
         return _to_host(out, any(r is not None and r.logprobs for r in sampling))
+
+    def decode_arrays(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        page_tables: np.ndarray,
+        sampling: SamplingArrays,
+    ) -> Sampled:
+        """One compiled decode call of host arrays, ``page_tables`` already cut to a compiled width."""
+        self._tell(
+            "decode",
+            {
+                "tokens": tokens,
+                "positions": positions,
+                "slots": slots,
+                "page_tables": page_tables,
+                **fields_of("sampling", sampling),
+            },
+        )
+        batch = DecodeBatch(tokens, positions, page_tables, self.backend.plan(slots, self.config.max_loras))
+        out, self.cache = self._steps.decode(**self.state().fields(), batch=batch, sampling=sampling)
+        self.history = out.history
+        return out

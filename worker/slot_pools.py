@@ -17,6 +17,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from loraserve.adapters.peft import LoraWeights, check_slot_value
 from loraserve.kernels.backends import LoraBackend
@@ -166,8 +168,14 @@ class SlotPools:
         self.cfg, self.max_loras, self.max_rank, self.dtype = cfg, max_loras, max_rank, dtype
         self.backend, self.shardings, self.base = backend, shardings, base
         self.pools: LoraPools = empty_lora(cfg, max_loras, max_rank, dtype, backend)
-        self._write = _write_slot_jit
+        self._write, self._dora_scales = _write_slot_jit, _dora_scales_jit
         if shardings is not None:
+            # the scales come back to the host whole: replicated, so a process of a multi-host mesh
+            # (worker.multihost), which holds only its own devices' shards, can read them
+            mesh = next(iter(shardings.values())).mesh
+            self._dora_scales = jax.jit(
+                _dora_scales, static_argnames="shards", out_shardings=NamedSharding(mesh, P())
+            )
             layered = jax.tree.map_with_path(lambda path, _: shardings[path[-1].key], self.pools)
             self.pools = jax.device_put(self.pools, layered)
             self._write = jax.jit(
@@ -202,7 +210,9 @@ class SlotPools:
         if dora and self.base is None:
             raise ValueError("a DoRA slot needs the base weights: SlotPools(..., base=base_weights(params))")
         if (dora or on_device) and self.base is not None:
-            scales = jax.tree.map(np.asarray, _dora_scales_jit(values, self.base, shards=self.backend.shards))
+            scales = jax.tree.map(
+                np.asarray, self._dora_scales(values, self.base, shards=self.backend.shards)
+            )
         else:
             scales = [
                 {scale_name(g): np.ones(v[mask_name(g)].shape, np.float32) for g in groups} for v in values

@@ -6,10 +6,18 @@ import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from loraserve.adapters.mixes import MixPart, is_mix, mix_ref, parse_mix
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.requests import EngineRequest, Finished, Sampling
 from tests.engines import started_engine
 from tests.worker.fake_engine import Collector
+
+
+def versioned(adapter: str) -> str:
+    """The ref the registry resolves ``adapter`` (a name, a mix of names, or "" for the base) to: ``@1``."""
+    if is_mix(adapter):
+        return mix_ref([MixPart(f"{p.ref}@1", p.weight) for p in parse_mix(adapter)])
+    return f"{adapter}@1" if adapter else ""
 
 
 def reference_tokens(
@@ -19,14 +27,15 @@ def reference_tokens(
     config: EngineConfig,
     max_tokens: int = 6,
 ) -> list[list[int]]:
-    """Greedy tokens of each ``(adapter name or "", prompt)``, served one at a time; adapters as ``name@1``."""
-    versioned = {f"{name}@1": path for name, path in adapters.items()}
-    with started_engine(model_dir, config, versioned) as engine:
+    """Greedy tokens of each ``(adapter name, mix of names or "", prompt)``, served one at a time; adapters as
+    ``name@1``."""
+    paths = {f"{name}@1": path for name, path in adapters.items()}
+    with started_engine(model_dir, config, paths) as engine:
         outs = []
         for adapter, prompt in requests:
             collected = Collector()
             sampling = Sampling(max_tokens=max_tokens, ignore_eos=True)
-            ref = f"{adapter}@1" if adapter else ""
+            ref = versioned(adapter)
             engine.submit(EngineRequest(uuid.uuid4().hex, ref, list(prompt), sampling, collected))
             assert collected.done.wait(60), f"the reference engine did not finish {adapter or 'base'}"
             assert isinstance(collected.end, Finished), collected.end
