@@ -168,4 +168,8 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(WorkerConfig, ENV_PREFIX, args)
     if not config.model:
         raise InvalidArgument("loraserve worker: --model (or LORASERVE_WORKER_MODEL) is required")
-    return asyncio.run(serve(config))
+    code = asyncio.run(serve(config))
+    if code:  # a multi-host group lost a process: skip jax.distributed's exit barrier, which would abort
+        logging.shutdown()
+        os._exit(code)
+    return code

@@ -143,10 +143,10 @@ def initialize(cluster: Cluster) -> None:
 # ------------------------------------------------------------------------------- the checkpoint's digest
 
 
-def checkpoint_digest(url: str, sample_bytes: int = 1 << 20) -> str:
-    """A sha256 over ``config.json``, and per weight file its name, size, safetensors header and first
-    ``sample_bytes`` of data: hosts that loaded different checkpoints (or versions) disagree, without
-    reading the weights twice."""
+def checkpoint_digest(url: str, samples: int = 16, sample_bytes: int = 1 << 16) -> str:
+    """A sha256 over ``config.json`` and, per weight file, its name, size, safetensors header and ``samples``
+    slices of ``sample_bytes`` spread evenly over its data: hosts that loaded different checkpoints (another
+    model, a fine-tune of the same shapes, another version) disagree, from a few MiB of reads."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(url)
@@ -155,11 +155,15 @@ def checkpoint_digest(url: str, sample_bytes: int = 1 << 20) -> str:
     with fs.open(f"{root}/config.json", "rb") as f:
         h.update(f.read())
     for path in sorted(p for p in fs.ls(root, detail=False) if str(p).endswith(".safetensors")):
+        size = fs.size(path)
         with fs.open(path, "rb") as f:
             n = struct.unpack("<Q", f.read(8))[0]
-            h.update(os.path.basename(path).encode() + struct.pack("<QQ", fs.size(path), n))
-            h.update(f.read(min(n, MAX_MESSAGE_BYTES)))
-            h.update(f.read(sample_bytes))
+            h.update(os.path.basename(path).encode() + struct.pack("<QQ", size, n))
+            h.update(f.read(n))
+            data = size - 8 - n
+            for k in range(samples):
+                f.seek(8 + n + data * k // samples)
+                h.update(f.read(sample_bytes))
     return h.hexdigest()
 
 

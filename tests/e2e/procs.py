@@ -5,6 +5,7 @@ The launcher is ``loraserve.common.processes`` (the demo uses the same one).
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,3 +61,18 @@ def worker_args(model, registry: str, *extra: str, model_id: str = "tiny", warmu
 def wait_for_workers(client, count: int, timeout: float = 20.0) -> list:
     """Poll ``client.workers()`` (a RegistryClient) until exactly ``count`` live workers are registered."""
     return settled(client.workers, lambda workers: len(workers) == count, timeout, interval=0.1)
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (the coordinator and the leader's step channel)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            with socket.socket() as b:
+                try:
+                    b.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two consecutive free ports")

@@ -8,23 +8,29 @@ from __future__ import annotations
 
 import os
 import re
-import socket
+import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from loraserve.adapters.mixes import is_mix, parse_mix
 from loraserve.client.sdk import Client
+from loraserve.common.processes import start_server
 from loraserve.registry.config import RegistryConfig
 from loraserve.worker.config import EngineConfig
+from loraserve.worker.multihost import EXIT_PEER_LOST
 from tests.conftest import with_test_xla_flags
-from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy, worker_args
+from tests.e2e.procs import free_port_pair, loraserve_process, wait_for_workers, wait_healthy, worker_args
 from tests.e2e.reference import reference_tokens, versioned
 from tests.registry.conftest import start_registry
+from tests.waiting import settled
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ADAPTERS = ("all-r4", "qv-r8-rslora", "mlp-r16", "dora-all-r4")
@@ -32,21 +38,6 @@ MIX = "all-r4*0.7+qv-r8-rslora*0.3"  # a weighted mix takes a slot of its own
 SHAPES = dict(max_batch_size=4, max_seq_len=32, max_loras=2, max_lora_rank=16)
 # 4 rows of up to 12 tokens need 4 pages of 4 each at their longest: 9 pages (one is the null page) preempt
 KV = ("--kv-page-size", "4", "--kv-pages", "9")
-
-
-def free_port_pair() -> int:
-    """A port p with p + 1 free too (the coordinator and the leader's step channel)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-    raise RuntimeError("no two consecutive free ports")
 
 
 def multihost_env() -> dict[str, str]:
@@ -144,3 +135,85 @@ def _logs(leader, follower_log):
         print("--- leader\n" + "".join(leader.log[-60:]))
         print("--- follower\n" + "\n".join(follower_log.read_text().splitlines()[-60:]))
         raise
+
+
+# ------------------------------------------------------------------------ failures: the group goes down
+
+
+@contextmanager
+def _group(llama_dir, tmp_path, timeout: float, tp: int = 4, ready: bool = True):
+    """A leader and a follower of a small, unwarmed multi-host worker (no registry): ``(leader, follower,
+    follower_log)``; with ``ready``, the leader is serving."""
+    port = free_port_pair()
+    flags = ["worker", "--model", str(llama_dir), "--tensor-parallel-size", str(tp), "--max-seq-len", "16"]
+    flags += ["--max-batch-size", "2", "--max-loras", "1", "--max-lora-rank", "4", "--warmup", "false"]
+    flags += [
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        "2",
+        "--multihost-timeout",
+        str(timeout),
+    ]
+    follower_log = tmp_path / "follower.log"
+    env = {**os.environ, **multihost_env(), "PYTHONUNBUFFERED": "1"}
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "loraserve", *flags, "--process-id", "1"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=follower_log.open("w"),
+    )
+    leader = start_server([*flags, "--port", "0", "--process-id", "0"], multihost_env(), timeout=None)
+    try:
+        if ready:
+            leader.wait_ready(180)
+            wait_healthy(leader.address, timeout=60)
+        yield leader, follower, follower_log
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+
+
+def _health(address: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            status = (
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1).status
+            )
+        except grpc.RpcError as exc:
+            return exc.code().name
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+def test_a_hung_follower_takes_the_group_down(llama_dir, tmp_path) -> None:
+    with _group(llama_dir, tmp_path, timeout=3) as (leader, follower, _):
+        follower.send_signal(signal.SIGSTOP)  # hung: alive, silent
+        stopped = time.monotonic()
+        seen = settled(lambda: _health(leader.address), lambda s: s != "SERVING", timeout=30, interval=0.1)
+        noticed = time.monotonic() - stopped
+        code = leader.wait(timeout=30)
+        log = "".join(leader.log)
+    # the timeout (less the up to timeout / 4 since its last ping), not at once
+    assert seen in ("NOT_SERVING", "UNAVAILABLE") and 2.0 < noticed < 15
+    assert code == EXIT_PEER_LOST
+    assert re.search(r"process 1 \(127\.0\.0\.1\) sent nothing for \d+\.\d s", log), log[-2000:]
+
+
+def test_a_dead_leader_takes_the_followers_down(llama_dir, tmp_path) -> None:
+    with _group(llama_dir, tmp_path, timeout=60) as (leader, follower, follower_log):
+        leader.kill()
+        killed = time.monotonic()
+        code = follower.wait(timeout=30)
+        took = time.monotonic() - killed
+    assert code == EXIT_PEER_LOST and took < 10  # the broken connection, not the 60 s timeout
+    assert "the leader left the step channel" in follower_log.read_text()
+
+
+def test_devices_that_do_not_make_the_mesh_are_refused_on_every_process(llama_dir, tmp_path) -> None:
+    with _group(llama_dir, tmp_path, timeout=60, tp=2, ready=False) as (leader, follower, follower_log):
+        codes = leader.wait(timeout=120), follower.wait(timeout=60)
+        log = "".join(leader.log)
+    want = "FAILED_PRECONDITION: tensor_parallel_size 2 must span all 4 devices of the 2 processes (2 each)"
+    assert codes == (1, 1) and want in log and want in follower_log.read_text()

@@ -1,0 +1,177 @@
+"""The multi-host pieces that need no second process: the cluster settings (flags and a LeaderWorkerSet's
+environment), the step channel's messages, its handshake and refusals, the checkpoint digest. The processes
+themselves: tests/e2e/test_multihost.py."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from loraserve.common.errors import FailedPrecondition, InvalidArgument
+from loraserve.worker import multihost as mh
+from loraserve.worker.multihost import Cluster, FollowerChannel, LeaderChannel
+from loraserve.worker.sampling import SamplingArrays
+from loraserve.worker.step import PrefillBatch
+from tests.e2e.procs import free_port_pair
+
+
+def test_cluster_from_flags_and_from_a_leaderworkerset() -> None:
+    assert mh.cluster_from("", 1, 0, 60.0, env={}) is None
+    c = mh.cluster_from("10.0.0.2:9000", 4, 3, 30.0, env={})
+    assert c == Cluster("10.0.0.2:9000", 4, 3, 30.0) and not c.leader and c.step_address == ("10.0.0.2", 9001)
+    lws = {"LWS_LEADER_ADDRESS": "w-0.w.ns", "LWS_GROUP_SIZE": "4", "LWS_WORKER_INDEX": "2"}
+    assert mh.cluster_from("", 1, 0, 60.0, env=lws) == Cluster("w-0.w.ns:8476", 4, 2, 60.0)
+    assert mh.cluster_from("h:1", 2, 0, 60.0, env=lws) == Cluster("h:1", 2, 0, 60.0)  # flags win
+    assert mh.cluster_from("[::1]:8476", 2, 0, 1.0, env={}).step_address == ("::1", 8477)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("h:1", 2, 2), "--process-id 2 is not in 0 .. 1"),
+        (("h:1", 2, -1), "--process-id -1"),
+        (("h:1", 0, 0), "--num-processes must be >= 1"),
+        (("", 2, 0), "need --coordinator"),
+        (("", 1, 1), "need --coordinator"),
+        (("nohost", 2, 0), "is not host:port"),
+        (("h:99999", 2, 0), "is not host:port"),
+    ],
+)
+def test_impossible_clusters_are_refused(args, words) -> None:
+    with pytest.raises(InvalidArgument, match=words):
+        mh.cluster_from(*args, 60.0, env={})
+
+
+def test_messages_carry_named_arrays_exactly() -> None:
+    sampling = SamplingArrays.empty(3, 70)
+    batch = PrefillBatch.single([1, 2, 3], 3, 0, -1, np.arange(4), 1)
+    arrays = {
+        **mh.fields_of("batch", batch),
+        **mh.fields_of("sampling", sampling),
+        **mh.slot_values_arrays([{"A_qkv": np.ones((2, 3), np.float32)}, {"B_o": np.eye(2)[:, :1]}]),
+        "index": np.asarray(5, np.int32),
+        "reset": np.asarray(True),
+    }
+    data = mh.encode("write", arrays)
+    op, got, _ = mh.decode_payload(data[mh.HEADER.size :])
+    assert op == "write" and set(got) == set(arrays)
+    for name, a in arrays.items():  # dtype, shape (0-d and [B, 0] included) and bytes
+        assert got[name].dtype == np.asarray(a).dtype and got[name].shape == np.shape(a), name
+        np.testing.assert_array_equal(got[name], a)
+    back = mh.dataclass_from("batch", PrefillBatch, got)
+    assert back.targets is None and back.key_blocks.shape == () and int(back.key_blocks) == 1
+    assert mh.slot_values_from(got)[1]["B_o"].shape == (2, 1)
+
+
+def _cluster(port: int, pid: int, n: int = 2, timeout: float = 5.0) -> Cluster:
+    return Cluster(f"127.0.0.1:{port}", n, pid, timeout)
+
+
+def _lead(cluster: Cluster, digest: str, out: dict) -> threading.Thread:
+    def run() -> None:
+        try:
+            out["leader"] = LeaderChannel(cluster, digest, lambda reason: out.setdefault("lost", reason))
+        except Exception as exc:  # the test reads it
+            out["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_the_channel_broadcasts_and_a_stop_ends_the_follower() -> None:
+    port, out = free_port_pair(), {}
+    t = _lead(_cluster(port, 0), "d1", out)
+    follower = FollowerChannel(_cluster(port, 1), "d1")
+    t.join(10)
+    leader = out["leader"]
+    leader.broadcast("zero", {"index": np.asarray(1, np.int32)})
+    op, arrays = follower.next_call()
+    assert op == "zero" and int(arrays["index"]) == 1
+
+    class Runner:
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        def zero_slot(self, index: int) -> None:
+            self.calls.append(index)
+
+    leader.broadcast("zero", {"index": np.asarray(3, np.int32)})
+    leader.close()
+    runner = Runner()
+    assert mh.follow(runner, follower) == 1 and runner.calls == [3]
+    assert "lost" not in out
+
+
+def test_a_follower_of_another_checkpoint_is_refused_by_name() -> None:
+    port, out = free_port_pair(), {}
+    t = _lead(_cluster(port, 0), "a" * 64, out)
+    with pytest.raises(FailedPrecondition, match="different checkpoint"):
+        FollowerChannel(_cluster(port, 1), "b" * 64)
+    t.join(10)
+    assert isinstance(out["error"], FailedPrecondition) and "process 1 loaded a different checkpoint" in str(
+        out["error"]
+    )
+
+
+def test_a_follower_started_for_another_group_size_is_refused() -> None:
+    port, out = free_port_pair(), {}
+    t = _lead(_cluster(port, 0, n=2), "d", out)
+    with pytest.raises(FailedPrecondition, match="--num-processes 3, the leader with 2"):
+        FollowerChannel(_cluster(port, 2, n=3), "d")
+    t.join(10)
+    assert "--num-processes 3" in str(out["error"])
+
+
+def test_a_leader_that_never_answers_is_a_clear_refusal_not_a_hang() -> None:
+    port = free_port_pair()
+    start = time.monotonic()
+    with pytest.raises(FailedPrecondition, match=rf"127.0.0.1:{port + 1} did not answer within 0.5 s"):
+        FollowerChannel(_cluster(port, 1, timeout=0.5), "d")
+    assert time.monotonic() - start < 5
+
+
+def test_followers_that_never_come_are_named() -> None:
+    port = free_port_pair()
+    with pytest.raises(FailedPrecondition, match=r"processes \[1, 2\] did not connect .* within 0.5 s"):
+        LeaderChannel(_cluster(port, 0, n=3, timeout=0.5), "d", lambda reason: None)
+
+
+def test_a_silent_follower_is_lost_after_the_timeout() -> None:
+    port, out = free_port_pair(), {}
+    t = _lead(_cluster(port, 0, timeout=1.0), "d", out)
+    follower = FollowerChannel(_cluster(port, 1, timeout=1.0), "d")
+    t.join(10)
+    follower.watch.closed.set()  # it stops pinging (a hung process)
+    deadline = time.monotonic() + 10
+    while "lost" not in out and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "process 1" in out["lost"] and "sent nothing for" in out["lost"]
+
+
+def test_a_follower_whose_leader_goes_away_is_told() -> None:
+    port, out = free_port_pair(), {}
+    t = _lead(_cluster(port, 0), "d", out)
+    lost: list[str] = []
+    follower = FollowerChannel(_cluster(port, 1), "d", lost=lost.append)
+    t.join(10)
+    out["leader"].peers[0].sock.close()  # the leader process died
+    with pytest.raises(mh.PeerLost, match="the leader left the step channel"):
+        mh.follow(object(), follower)
+    assert lost and "the leader" in lost[0]
+
+
+def test_the_checkpoint_digest_tells_checkpoints_apart(llama_dir, model_dirs, tmp_path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(llama_dir, copy)
+    assert mh.checkpoint_digest(str(llama_dir)) == mh.checkpoint_digest(str(copy))
+    assert mh.checkpoint_digest(str(llama_dir)) != mh.checkpoint_digest(str(model_dirs["qwen2"]))
+    (weights,) = copy.glob("*.safetensors")
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1  # one bit of one weight in the middle (a sampled slice), the size unchanged
+    weights.write_bytes(bytes(data))
+    assert mh.checkpoint_digest(str(llama_dir)) != mh.checkpoint_digest(str(copy))
