@@ -4,7 +4,8 @@ other and with the servers: selectors select real pods, ports are ones the serve
 variable is a field of its role's config dataclass, every referenced Secret/ConfigMap key exists.
 
 The gateway example uses CRDs the schema package does not know (InferencePool, Gateway, HTTPRoute): their
-required fields are checked here by hand, after the extension's and Gateway API's CRDs.
+required fields are checked here by hand, after the extension's and Gateway API's CRDs. So is the multi-host
+overlay's LeaderWorkerSet, whose two pod templates are validated as core PodTemplates.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ RENDERS = {
     "local": ["overlays/local"],
     "gke-tpu": ["overlays/gke-tpu"],
     "gke-tpu+gateway": ["overlays/gke-tpu", "gateway"],
+    "gke-tpu-multihost": ["overlays/gke-tpu-multihost"],
 }
-CRDS = {"InferencePool", "Gateway", "HTTPRoute"}
+CRDS = {"InferencePool", "Gateway", "HTTPRoute", "LeaderWorkerSet"}
+# GKE's cloud.google.com/gke-tpu-accelerator values -> `loraserve plan --chip`
+GKE_TPU_CHIPS = {"tpu-v5-lite-podslice": "v5e", "tpu-v5p-slice": "v5p", "tpu-v6e-slice": "v6e"}
 
 ROLES = {  # role -> (config dataclass, env prefix, Dockerfile image, argv)
     "registry": (
@@ -57,6 +61,7 @@ OTHER_ENV = {
     "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",  # gcsfs
     "HOME",
     "POD_NAME",  # downward API, used in the worker's advertise address
+    "TPU_PROCESS_PORT",  # libtpu's slice-builder port (overlays/gke-tpu-multihost)
 }
 HELPER_ENV = re.compile(r"TOKEN_[A-Z_]+")  # Secret values composed into token lists by $(TOKEN_X)
 # Pod labels that policies admit but that pods outside these manifests carry (operators, Prometheus).
@@ -104,8 +109,40 @@ WORKLOADS = ("Deployment", "StatefulSet", "Job", "DaemonSet")
 
 
 def pod_templates(objects) -> list[tuple[dict, dict]]:
-    """(workload, its pod template) for every workload."""
-    return [(o, o["spec"]["template"]) for o in objects if o["kind"] in WORKLOADS]
+    """(workload, its pod template) for every workload; a LeaderWorkerSet's leader and worker templates are
+    two entries of the same workload."""
+    out = [(o, o["spec"]["template"]) for o in objects if o["kind"] in WORKLOADS]
+    for lws in of_kind(objects, "LeaderWorkerSet"):
+        lwt = lws["spec"]["leaderWorkerTemplate"]
+        out += [(lws, lwt[key]) for key in ("leaderTemplate", "workerTemplate") if key in lwt]
+    return out
+
+
+def is_follower(workload: dict, template: dict) -> bool:
+    """A multi-host worker's non-leader pods (a LeaderWorkerSet's workerTemplate beside a leaderTemplate):
+    they run the same command, but serve nothing."""
+    lwt = workload["spec"].get("leaderWorkerTemplate", {})
+    return "leaderTemplate" in lwt and template is lwt["workerTemplate"]
+
+
+def serving_worker(objects) -> tuple[dict, dict]:
+    """The worker workload and the template of its pods that serve: the StatefulSet's, or a LeaderWorkerSet's
+    leader template."""
+    (found,) = [
+        (w, t)
+        for w, t in pod_templates(objects)
+        if w["metadata"]["name"] == "loraserve-worker" and not is_follower(w, t)
+    ]
+    return found
+
+
+def worker_subdomain(workload: dict) -> str:
+    """The headless Service whose name is the worker pods' subdomain: a StatefulSet's serviceName; a
+    LeaderWorkerSet's own name (subdomainPolicy Shared)."""
+    if workload["kind"] == "StatefulSet":
+        return workload["spec"]["serviceName"]
+    assert workload["spec"].get("networkConfig", {}).get("subdomainPolicy", "Shared") == "Shared"
+    return workload["metadata"]["name"]
 
 
 def matches(selector: dict, labels: dict) -> bool:
@@ -183,16 +220,65 @@ def bound_ports(objects, container: dict, role: str) -> dict[str, int]:
     return ports
 
 
+def worker_config(objects, container: dict) -> WorkerConfig:
+    """The WorkerConfig a worker container starts with (its ConfigMap and literal variables)."""
+    env = container_env(objects, container)
+    prefix = ROLES["worker"][1]
+    return WorkerConfig.from_env(
+        {k: v for k, v in env.items() if k.startswith(prefix) and v is not None and "$(" not in v}
+    )
+
+
+def planned(objects, template: dict):
+    """`loraserve plan` (in process) for a TPU worker pod: the model, slots, batch, context and dtypes of its
+    configuration, the tensor parallel size read from LORASERVE_WORKER_TENSOR_PARALLEL_SIZE and the chip from
+    the pod's cloud.google.com/gke-tpu-accelerator label."""
+    from loraserve.worker import planner
+
+    container = template["spec"]["containers"][0]
+    env = container_env(objects, container)
+    tp = int(env["LORASERVE_WORKER_TENSOR_PARALLEL_SIZE"])
+    chip = GKE_TPU_CHIPS[template["spec"]["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"]]
+    config = worker_config(objects, container)
+    assert config.tensor_parallel_size == tp and isinstance(config.max_seq_len, int)
+    # the checkpoint is the preset the planner counts
+    assert env["LORASERVE_WORKER_MODEL"].rstrip("/").rsplit("/", 1)[1] == config.model_id
+    name, model = planner.load_model_config(config.model_id)
+    return planner.plan(
+        name,
+        model,
+        chip,
+        tp,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        batch=config.max_batch_size,
+        context=config.max_seq_len,
+        dtype=config.dtype,
+        lora_dtype=config.lora_dtype,
+        quantization=config.quantization,
+    )
+
+
 # ---------------------------------------------------------------- schemas
 
 
 def test_every_kustomization_renders_and_validates_against_the_kubernetes_schemas(objects) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
-    kinds = set()
-    for obj in objects:
-        kinds.add(obj["kind"])
-        if obj["kind"] in CRDS:
-            continue
+    kinds = {o["kind"] for o in objects}
+    checked = [o for o in objects if o["kind"] not in CRDS]
+    for lws in of_kind(objects, "LeaderWorkerSet"):  # its templates are core PodTemplateSpecs
+        for key, template in lws["spec"]["leaderWorkerTemplate"].items():
+            if key in ("leaderTemplate", "workerTemplate"):
+                name = f"{lws['metadata']['name']}.{key}"
+                checked.append(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "PodTemplate",
+                        "metadata": {"name": name},
+                        "template": template,
+                    }
+                )
+    for obj in checked:
         try:
             kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
         except kubernetes_validate.ValidationError as exc:
@@ -262,8 +348,14 @@ def test_labels_are_consistent(objects) -> None:
 
 def test_workers_carry_llm_d_s_engine_type_and_export_its_metric_names(objects) -> None:
     """llm-d's routers read a pod's metrics by the names its ``llm-d.ai/engine-type`` label says: every worker
-    pod says vllm and its configuration turns on vLLM's names (``--metrics-compat vllm``)."""
-    workers = [(w, t, c) for w, t, c, role in loraserve_containers(objects) if role == "worker"]
+    pod that serves says vllm and its configuration turns on vLLM's names (``--metrics-compat vllm``);
+    multi-host followers export no metrics and carry no such label."""
+    workers = []
+    for w, t, c, role in loraserve_containers(objects):
+        if role == "worker" and is_follower(w, t):
+            assert "llm-d.ai/engine-type" not in t["metadata"]["labels"]
+        elif role == "worker":
+            workers.append((w, t, c))
     assert workers
     for _, template, container in workers:
         assert template["metadata"]["labels"]["llm-d.ai/engine-type"] == "vllm"
@@ -375,11 +467,19 @@ def test_tls_material_is_a_read_only_secret_mount_the_tls_paths_point_into(objec
 
 
 def test_container_and_probe_ports_are_the_ones_the_servers_bind(objects) -> None:
-    for w, _, c, role in loraserve_containers(objects):
+    from loraserve.worker import multihost
+
+    for w, t, c, role in loraserve_containers(objects):
+        if is_follower(w, t):  # serves nothing: nothing to declare, nothing to probe
+            assert "ports" not in c and not {"startupProbe", "readinessProbe", "livenessProbe"} & set(c)
+            continue
         bound = bound_ports(objects, c, role)
         assert set(bound) == {"port", "http_port", "metrics_port"} - (
             {"http_port"} if role == "registry" else set()
         )
+        if w["kind"] == "LeaderWorkerSet":  # the leader also listens for its group (worker.multihost)
+            coordinator = multihost.DEFAULT_COORDINATOR_PORT
+            bound |= {"coordinator": coordinator, "step": coordinator + 1}
         declared = {p["containerPort"] for p in c["ports"]}
         assert declared == set(bound.values()), (w["metadata"]["name"], declared, bound)
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -394,7 +494,7 @@ def test_container_and_probe_ports_are_the_ones_the_servers_bind(objects) -> Non
             else:
                 pytest.fail(f"{role} {probe}: neither grpc nor exec")
         assert "readinessProbe" in c and "livenessProbe" in c, role
-    worker = named(objects, "StatefulSet", "loraserve-worker")["spec"]["template"]["spec"]["containers"][0]
+    worker = serving_worker(objects)[1]["spec"]["containers"][0]
     startup = worker["startupProbe"]  # warm-up compiles for minutes on a TPU
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
 
@@ -403,7 +503,9 @@ def test_every_service_selects_pods_and_targets_ports_they_declare(objects) -> N
     for svc in of_kind(objects, "Service"):
         pods = selected_pods(objects, svc["spec"]["selector"])
         assert pods, f"Service {svc['metadata']['name']} selects no pod"
-        for port in svc["spec"]["ports"]:
+        if "ports" not in svc["spec"]:  # only a headless Service gives pods DNS names without ports
+            assert svc["spec"]["clusterIP"] == "None", svc["metadata"]["name"]
+        for port in svc["spec"].get("ports", []):
             target = port.get("targetPort", port["port"])
             for w, t in pods:
                 declared = [p for c in containers(t, init=False) for p in c.get("ports", [])]
@@ -425,11 +527,13 @@ def test_servers_reach_each_other_by_service_names_that_exist(objects) -> None:
         env = container_env(objects, c)
         if role in ("worker", "router"):
             service_port(env[f"LORASERVE_{role.upper()}_REGISTRY"])
-    sts = named(objects, "StatefulSet", "loraserve-worker")
-    worker = sts["spec"]["template"]["spec"]["containers"][0]
+    workload, template = serving_worker(objects)
+    worker = template["spec"]["containers"][0]
     env = container_env(objects, worker)
-    headless = named(objects, "Service", sts["spec"]["serviceName"])
-    assert headless["spec"]["clusterIP"] == "None"
+    headless = named(objects, "Service", worker_subdomain(workload))
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    for w, _ in selected_pods(objects, headless["spec"]["selector"]):
+        assert w is workload, f"{headless['metadata']['name']} also selects {w['metadata']['name']}"
     assert env["LORASERVE_WORKER_ADVERTISE_ADDRESS"] == (
         f"$(POD_NAME).{headless['metadata']['name']}:{bound_ports(objects, worker, 'worker')['port']}"
     )
@@ -452,9 +556,13 @@ def test_hpa_targets_the_router_deployment(objects) -> None:
 def test_disruption_budgets_select_exactly_one_workload_each(objects) -> None:
     covered = set()
     for pdb in of_kind(objects, "PodDisruptionBudget"):
-        pods = selected_pods(objects, pdb["spec"]["selector"])
-        assert len(pods) == 1, f"PDB {pdb['metadata']['name']} selects {len(pods)} workloads"
-        covered.add(pods[0][0]["metadata"]["name"])
+        workloads = {id(w): w for w, _ in selected_pods(objects, pdb["spec"]["selector"])}
+        assert len(workloads) == 1, f"PDB {pdb['metadata']['name']} selects {len(workloads)} workloads"
+        (workload,) = workloads.values()
+        covered.add(workload["metadata"]["name"])
+        for w, t in pod_templates(objects):  # a multi-host group's followers too: losing one stops the group
+            if w is workload:
+                assert matches(pdb["spec"]["selector"], t["metadata"]["labels"])
     assert covered == {"loraserve-registry", "loraserve-router", "loraserve-worker"}
 
 
@@ -573,6 +681,8 @@ def test_gke_tpu_overlay_requests_tpus_matching_the_tensor_parallel_size() -> No
     assert chips == x * y  # one pod holds the whole single-host slice
     env = container_env(objects, c)
     assert int(env["LORASERVE_WORKER_TENSOR_PARALLEL_SIZE"]) == chips
+    plan = planned(objects, named(objects, "StatefulSet", "loraserve-worker")["spec"]["template"])
+    assert plan.hosts == 1 and plan.fits  # one host: no LeaderWorkerSet needed (overlays/gke-tpu-multihost)
     assert "STORAGE_EMULATOR_HOST" not in env
     for name in ("loraserve-registry", "loraserve-worker"):
         sa = named(objects, "ServiceAccount", name)
@@ -591,6 +701,186 @@ def test_gke_tpu_overlay_requests_tpus_matching_the_tensor_parallel_size() -> No
         env = container_env(objects, c)
         assert env[f"LORASERVE_{role.upper()}_TLS_CERT"] and env[f"LORASERVE_{role.upper()}_TLS_KEY"]
         assert "--tls-ca" in c["readinessProbe"]["exec"]["command"]
+
+
+def multihost_group(objects) -> tuple[dict, dict, dict]:
+    """The multi-host overlay's LeaderWorkerSet, its leader template and its worker (follower) template."""
+    lws = named(objects, "LeaderWorkerSet", "loraserve-worker")
+    lwt = lws["spec"]["leaderWorkerTemplate"]
+    return lws, lwt["leaderTemplate"], lwt["workerTemplate"]
+
+
+def test_gke_tpu_multihost_group_spans_the_hosts_the_planner_counts() -> None:
+    """One pod per host: the group's size is the hosts `loraserve plan` counts for the manifest's own model,
+    chip (its accelerator label) and tensor parallel size (its LORASERVE_WORKER_TENSOR_PARALLEL_SIZE), and
+    the chips of all pods together are that tensor parallel size and the slice's topology."""
+    objects = render("gke-tpu-multihost")
+    lws, leader, follower = multihost_group(objects)
+    size = lws["spec"]["leaderWorkerTemplate"]["size"]
+    assert isinstance(size, int) and size > 1
+    assert leader["spec"]["nodeSelector"] == follower["spec"]["nodeSelector"]
+    selector = leader["spec"]["nodeSelector"]
+    assert selector["cloud.google.com/gke-tpu-accelerator"] == "tpu-v5-lite-podslice"
+    plan = planned(objects, leader)
+    assert (plan.model, plan.chip, plan.tp, plan.dtype) == ("llama-3-70b", "v5e", 16, "bfloat16")
+    assert plan.hosts == size == 4
+    assert plan.fits, f"{plan.total / 2**30:.2f} GiB a chip over {plan.hbm / 2**30:.0f}"
+    for template in (leader, follower):
+        resources = template["spec"]["containers"][0]["resources"]
+        chips = int(resources["limits"]["google.com/tpu"])
+        assert int(resources["requests"]["google.com/tpu"]) == chips == 4
+        assert chips * size == plan.tp
+        env = container_env(objects, template["spec"]["containers"][0])
+        assert int(env["LORASERVE_WORKER_TENSOR_PARALLEL_SIZE"]) == chips * size
+    x, y = (int(n) for n in selector["cloud.google.com/gke-tpu-topology"].split("x"))
+    assert x * y == plan.tp  # the slice's chips are the group's: one slice a group
+
+
+def test_gke_tpu_multihost_leader_and_followers_run_the_gke_tpu_worker() -> None:
+    """Both templates are the single-host worker's pod (image, command, env, volumes, security, TPUs), with
+    the leader's advertised name moved into the LeaderWorkerSet's subdomain and libtpu kept off the
+    coordinator's port; the leader keeps the probes and adds its group's ports, followers have neither. Their
+    environment makes the worker take the cluster from the LeaderWorkerSet's variables."""
+    from loraserve.worker import multihost
+
+    base = named(render("gke-tpu"), "StatefulSet", "loraserve-worker")["spec"]["template"]
+    base_c = base["spec"]["containers"][0]
+    objects = render("gke-tpu-multihost")
+    lws, leader, follower = multihost_group(objects)
+    size = lws["spec"]["leaderWorkerTemplate"]["size"]
+    grpc = bound_ports(objects, leader["spec"]["containers"][0], "worker")["port"]
+    subdomain = worker_subdomain(lws)
+    assert subdomain == "loraserve-worker"
+    env = []
+    for e in base_c["env"]:
+        if e["name"] == "LORASERVE_WORKER_ADVERTISE_ADDRESS":
+            assert e["value"] == "$(POD_NAME).loraserve-worker-headless:50061"
+            e = {"name": e["name"], "value": f"$(POD_NAME).{subdomain}:{grpc}"}
+        env.append(e)
+    env.append({"name": "TPU_PROCESS_PORT", "value": "8471"})
+    topology = {"cloud.google.com/gke-tpu-topology": "4x4"}
+    pod_fields = (
+        "serviceAccountName",
+        "securityContext",
+        "volumes",
+        "tolerations",
+        "terminationGracePeriodSeconds",
+    )
+    container_fields = ("name", "image", "command", "args", "envFrom", "resources", "securityContext")
+    for role, template in (("leader", leader), ("follower", follower)):
+        spec, c = template["spec"], template["spec"]["containers"][0]
+        for key in pod_fields:
+            assert spec.get(key) == base["spec"].get(key), (role, key)
+        assert spec["nodeSelector"] == base["spec"]["nodeSelector"] | topology
+        assert spec.get("restartPolicy", "Always") == "Always"  # exit 3 restarts it: the group is recreated
+        for key in (*container_fields, "volumeMounts"):
+            assert c.get(key) == base_c.get(key), (role, key)
+        assert c["env"] == env, role
+        labels = base["metadata"]["labels"] | {"loraserve.dev/worker-role": role}
+        if role == "follower":  # exports no metrics: nothing for llm-d to read
+            del labels["llm-d.ai/engine-type"]
+        assert template["metadata"]["labels"] == labels, role
+    leader_c, follower_c = leader["spec"]["containers"][0], follower["spec"]["containers"][0]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert leader_c[probe] == base_c[probe]
+        assert probe not in follower_c
+    coordinator = multihost.DEFAULT_COORDINATOR_PORT
+    ports = {p["name"]: p["containerPort"] for p in leader_c["ports"]}
+    assert ports == {p["name"]: p["containerPort"] for p in base_c["ports"]} | {
+        "coordinator": coordinator,
+        "step": coordinator + 1,
+    }
+    assert "ports" not in follower_c
+    # the worker's cluster comes from the LeaderWorkerSet's variables (no --coordinator in the manifests)
+    config = worker_config(objects, leader_c)
+    assert worker_config(objects, follower_c) == config
+    assert (config.coordinator, config.num_processes, config.process_id) == ("", 1, 0)
+    leader_address = f"{lws['metadata']['name']}-0.{subdomain}.{lws['metadata']['namespace']}"  # the LWS's
+    for index in range(size):
+        lws_env = {"LWS_LEADER_ADDRESS": leader_address, "LWS_GROUP_SIZE": str(size)}
+        lws_env["LWS_WORKER_INDEX"] = str(index)
+        cluster = multihost.cluster_from(
+            config.coordinator, config.num_processes, config.process_id, config.multihost_timeout, env=lws_env
+        )
+        assert (cluster.num_processes, cluster.process_id, cluster.leader) == (size, index, index == 0)
+        assert cluster.coordinator == f"{leader_address}:{ports['coordinator']}"
+        assert cluster.step_address == (leader_address, ports["step"])
+    # the leader waits up to --multihost-timeout for its followers before it can report SERVING
+    startup = leader_c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] > 2 * config.multihost_timeout
+    # the leaders' Service: leaders only (followers declare no port it could target)
+    leaders = named(objects, "Service", "loraserve-worker-leaders")
+    assert [t for _, t in selected_pods(objects, leaders["spec"]["selector"])] == [leader]
+
+
+def test_gke_tpu_multihost_restarts_a_group_whole_and_starts_followers_after_their_leader() -> None:
+    """The StatefulSet is gone; the LeaderWorkerSet recreates a group when any of its processes restarts (a
+    lost peer exits 3), starts followers once the leader exists, and keeps a group on one slice."""
+    from loraserve.worker import multihost
+
+    objects = render("gke-tpu-multihost")
+    assert not of_kind(objects, "StatefulSet")
+    named(render("gke-tpu"), "StatefulSet", "loraserve-worker")
+    lws, _, _ = multihost_group(objects)
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    spec = lws["spec"]
+    assert set(spec["leaderWorkerTemplate"]) >= {"leaderTemplate", "workerTemplate", "size", "restartPolicy"}
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert multihost.EXIT_PEER_LOST == 3  # a lost process exits non-zero: the group is recreated
+    assert spec["startupPolicy"] == "LeaderCreated"
+    assert spec["replicas"] == 2
+    assert spec["rolloutStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdateConfiguration": {"maxUnavailable": 1},
+    }
+    assert spec["networkConfig"] == {"subdomainPolicy": "Shared"}
+    # a group's pods on one slice (a node pool), one pod a node
+    annotations = lws["metadata"]["annotations"]
+    assert annotations["leaderworkerset.sigs.k8s.io/exclusive-topology"] == "cloud.google.com/gke-nodepool"
+    config = worker_config(objects, multihost_group(objects)[1]["spec"]["containers"][0])
+    assert config.multihost_timeout == 300
+
+
+def test_gke_tpu_multihost_group_pods_reach_the_leader_on_the_coordinator_and_step_ports() -> None:
+    """Followers reach the leader's jax.distributed coordinator and step channel, every pod of the group
+    reaches every other's libtpu slice builder, and nothing else changes: gRPC and HTTP stay router-only."""
+    from loraserve.worker import multihost
+
+    objects = render("gke-tpu-multihost")
+    _, leader, follower = multihost_group(objects)
+    leader_l, follower_l = leader["metadata"]["labels"], follower["metadata"]["labels"]
+    router_l = named(objects, "Deployment", "loraserve-router")["spec"]["template"]["metadata"]["labels"]
+    registry_l = named(objects, "Deployment", "loraserve-registry")["spec"]["template"]["metadata"]["labels"]
+
+    def admitted(source: dict, destination: dict, port: int) -> bool:
+        """Whether some NetworkPolicy lets a pod labelled ``source`` (this namespace) connect to ``port``
+        of a pod labelled ``destination``."""
+        for policy in of_kind(objects, "NetworkPolicy"):
+            if not matches(policy["spec"]["podSelector"], destination):
+                continue
+            for rule in policy["spec"].get("ingress", []):
+                if rule.get("ports") and all(p["port"] != port for p in rule["ports"]):
+                    continue
+                for peer in rule.get("from") or [{"podSelector": {}}]:
+                    same_namespace = peer.get("namespaceSelector", {}) == {} and "podSelector" in peer
+                    if same_namespace and matches(peer["podSelector"], source):
+                        return True
+        return False
+
+    coordinator = multihost.DEFAULT_COORDINATOR_PORT
+    step = multihost.Cluster(f"leader:{coordinator}", 2, 1, 1.0).step_address[1]
+    assert step == coordinator + 1 == 8477
+    slice_builder = int(container_env(objects, follower["spec"]["containers"][0])["TPU_PROCESS_PORT"])
+    for port in (coordinator, step, slice_builder):
+        assert admitted(follower_l, leader_l, port), port
+    for a, b in ((leader_l, follower_l), (follower_l, follower_l)):
+        assert admitted(a, b, slice_builder)
+    for port in (50061, 8000, 9100):  # the group's rule opens no server port
+        assert not admitted(follower_l, leader_l, port), port
+    assert admitted(router_l, leader_l, 50061) and admitted(router_l, leader_l, 8000)
+    assert admitted(leader_l, registry_l, 50051)  # the leader registers
+    deny = named(objects, "NetworkPolicy", "loraserve-default-deny")["spec"]["podSelector"]
+    assert matches(deny, leader_l) and matches(deny, follower_l)
 
 
 def test_the_endpoint_picker_reads_the_metrics_workers_export() -> None:
