@@ -9,7 +9,7 @@ The folder holds ``config.json`` and one or many ``*.safetensors`` (sharded chec
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,8 +201,12 @@ def _experts(cfg: ModelConfig, tensors: dict[str, np.ndarray], p: str) -> dict[s
     return out
 
 
-def load_checkpoint(url: str, dtype: str = "float32", quantization: str = "none") -> Checkpoint:
-    """Read ``config.json`` + safetensors from ``url`` and place the stacked weights on the device;
+def load_checkpoint(
+    url: str, dtype: str = "float32", quantization: str = "none", place: bool = True
+) -> Checkpoint:
+    """Read ``config.json`` + safetensors from ``url`` and place the stacked weights on the device (``place``
+    False: keep them host arrays of ``dtype``, for a runner that splits them over a mesh, so that no device
+    ever holds the whole model);
     ``quantization="int8"`` stores the layers' projections as int8 with per-channel scales, ``"int4"`` as
     packed int4 with a scale per group of inputs (worker.quant). A checkpoint ``loraserve quantize`` wrote
     (``worker.quantize_cmd``) is served as it was written whatever ``quantization`` says: its values and
@@ -219,17 +223,23 @@ def load_checkpoint(url: str, dtype: str = "float32", quantization: str = "none"
     hf_config = read_config(url)
     cfg = ModelConfig.from_hf(hf_config)
     written = _prequantized(hf_config)
+    put = jax.device_put if place else _host
     if written:
-        return _load_prequantized(cfg, url, dtype, written)
+        return _load_prequantized(cfg, url, dtype, written, put)
     host = convert_hf_weights(cfg, dict(_iter_tensors(url)))
     jdtype = jnp.dtype(dtype)
     skip = set(QUANTIZED) if quantization != "none" else set()
     floats = {k: v for k, v in host.items() if k != "layers"}
     floats["layers"] = [{k: v for k, v in layer.items() if k not in skip} for layer in host["layers"]]
-    params = jax.tree.map(lambda v: jax.device_put(v.astype(jdtype)), floats)
+    params = jax.tree.map(lambda v: put(v.astype(jdtype)), floats)
     if skip:
-        params["layers"] = quantize_layers(params["layers"], host["layers"], quantization)
+        params["layers"] = quantize_layers(params["layers"], host["layers"], quantization, put)
     return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name, quantization=quantization)
+
+
+def _host(value: np.ndarray) -> np.ndarray:
+    """``load_checkpoint(place=False)``'s stand-in for ``jax.device_put``."""
+    return value
 
 
 def _prequantized(hf_config: dict[str, Any]) -> str:
@@ -259,7 +269,9 @@ _FUSED = {
 }
 
 
-def _load_prequantized(cfg: ModelConfig, url: str, dtype: str, quantization: str) -> Checkpoint:
+def _load_prequantized(
+    cfg: ModelConfig, url: str, dtype: str, quantization: str, put: Callable[[Any], Any]
+) -> Checkpoint:
     """A ``loraserve quantize`` checkpoint: each projection's int8 (or packed int4) values with their
     ``_scale`` (checked and named when wrong), fused as ``convert_hf_weights`` fuses the float weights (rows
     side by side, each row's scales with it); the rest as any checkpoint."""
@@ -301,7 +313,7 @@ def _load_prequantized(cfg: ModelConfig, url: str, dtype: str, quantization: str
     jdtype = jnp.dtype(dtype)
     floats = {k: v for k, v in host.items() if k != "layers"}
     floats["layers"] = [{k: v for k, v in layer.items() if k not in QUANTIZED} for layer in host["layers"]]
-    params = jax.tree.map(lambda v: jax.device_put(v.astype(jdtype)), floats)
+    params = jax.tree.map(lambda v: put(v.astype(jdtype)), floats)
     for n, (layer, values) in enumerate(zip(params["layers"], host["layers"], strict=True)):
         for key in QUANTIZED:
             if key not in values:
@@ -313,5 +325,5 @@ def _load_prequantized(cfg: ModelConfig, url: str, dtype: str, quantization: str
             scale = np.concatenate([scales[m] for m in modules])
             q = values[key].astype(np.int8)
             weight = Int4Weight(pack_int4(q), scale) if int4 else Int8Weight(q, scale)
-            layer[key] = jax.tree.map(jax.device_put, weight)
+            layer[key] = jax.tree.map(put, weight)
     return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name, quantization=quantization)

@@ -72,7 +72,11 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
         else:
             channel = multihost.FollowerChannel(cluster, digest, lost=_exit_lost)
         multihost.initialize(cluster)
-    checkpoint = load_checkpoint(config.model, dtype=engine_config.dtype, quantization=config.quantization)
+    # a model split over devices stays on the host until the runner puts each device's shards there
+    split = engine_config.tensor_parallel_size > 1 or cluster is not None
+    checkpoint = load_checkpoint(
+        config.model, dtype=engine_config.dtype, quantization=config.quantization, place=not split
+    )
     if cluster is not None and not cluster.leader:  # a follower replays the leader's device calls
         multihost.follow(JaxRunner(checkpoint, engine_config), channel)
         return 0

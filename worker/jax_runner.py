@@ -204,8 +204,9 @@ class JaxRunner:
         n = config.tensor_parallel_size
         self.mesh = None
         self.multiprocess = jax.process_count() > 1  # every process runs this constructor (worker.multihost)
-        if n == 1 and not self.multiprocess:
-            self.model_config, self.params, self.backend = checkpoint.config, checkpoint.params, backend
+        if n == 1 and not self.multiprocess:  # host params (load_checkpoint(place=False)) go to the device
+            self.model_config, self.backend = checkpoint.config, backend
+            self.params = jax.device_put(checkpoint.params)
             out_shardings = None
         else:
             sharding.check_tensor_parallel(checkpoint.config, n, len(jax.devices()))

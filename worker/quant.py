@@ -25,6 +25,7 @@ devices the column-parallel projections split ``q`` and ``scale`` by rows, the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -187,25 +188,29 @@ def _kernel_available() -> bool:
     return cpu.available()
 
 
-def quantize(values: np.ndarray, quantization: str) -> Quantized:
-    """An f32 host ``[out, in]`` weight as ``quantization`` ("int8" | "int4") on the default device."""
+def quantize(values: np.ndarray, quantization: str, put: Callable[[Any], Any] = jax.device_put) -> Quantized:
+    """An f32 host ``[out, in]`` weight as ``quantization`` ("int8" | "int4"), its arrays through ``put``
+    (the default device; ``load_checkpoint(place=False)``: left on the host)."""
     if quantization == "int4":
         q, s = quantize_int4(values)
-        return Int4Weight(jax.device_put(q), jax.device_put(s))
+        return Int4Weight(put(q), put(s))
     q, s = quantize_int8(values)
-    return Int8Weight(jax.device_put(q), jax.device_put(s))
+    return Int8Weight(put(q), put(s))
 
 
 def quantize_layers(
-    layers: list[dict[str, Any]], host: list[dict[str, np.ndarray]], quantization: str = "int8"
+    layers: list[dict[str, Any]],
+    host: list[dict[str, np.ndarray]],
+    quantization: str = "int8",
+    put: Callable[[Any], Any] = jax.device_put,
 ) -> list[dict[str, Any]]:
     """Each layer with its QUANTIZED projections replaced by ``quantization`` weights made from the f32
-    ``host`` arrays."""
+    ``host`` arrays (placed by ``put``, as :func:`quantize`)."""
     out = []
     for layer, values in zip(layers, host, strict=True):
         layer = dict(layer)
         for key in QUANTIZED:
             if key in values:
-                layer[key] = quantize(values[key], quantization)
+                layer[key] = quantize(values[key], quantization, put)
         out.append(layer)
     return out

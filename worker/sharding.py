@@ -190,7 +190,8 @@ def shard_params(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh) -> dict[s
                 jax.device_put(v.q, NamedSharding(mesh, spec.q)),
                 jax.device_put(v.scale, NamedSharding(mesh, spec.scale)),
             )
-        return jax.device_put(jnp.asarray(v, dtype), NamedSharding(mesh, spec))
+        # from the host straight to each device's shard: no device ever holds the whole tensor
+        return jax.device_put(np.asarray(v).astype(dtype, copy=False), NamedSharding(mesh, spec))
 
     return jax.tree.map(put, host, specs, is_leaf=lambda x: isinstance(x, np.ndarray | Quantized))
 

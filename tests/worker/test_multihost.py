@@ -5,6 +5,7 @@ themselves: tests/e2e/test_multihost.py."""
 from __future__ import annotations
 
 import shutil
+import socket
 import threading
 import time
 
@@ -175,3 +176,41 @@ def test_the_checkpoint_digest_tells_checkpoints_apart(llama_dir, model_dirs, tm
     data[len(data) // 2] ^= 1  # one bit of one weight in the middle (a sampled slice), the size unchanged
     weights.write_bytes(bytes(data))
     assert mh.checkpoint_digest(str(llama_dir)) != mh.checkpoint_digest(str(copy))
+
+
+@pytest.mark.parametrize(
+    "dtype, quantization", [("float32", "none"), ("bfloat16", "int8"), ("float32", "int4")]
+)
+def test_a_split_model_is_loaded_to_the_host_only(llama_dir, dtype, quantization) -> None:
+    """``load_checkpoint(place=False)`` (a worker whose model is split over devices or hosts): the same values,
+    all host arrays, so the runner puts each device's shards there and no device holds the whole model."""
+    import jax
+
+    from loraserve.worker.checkpoint import load_checkpoint
+
+    placed = load_checkpoint(str(llama_dir), dtype=dtype, quantization=quantization)
+    host = load_checkpoint(str(llama_dir), dtype=dtype, quantization=quantization, place=False)
+    leaves, want = jax.tree.leaves(host.params), jax.tree.leaves(placed.params)
+    assert len(leaves) == len(want) > 10
+    assert all(type(a) is np.ndarray for a in leaves)
+    assert all(isinstance(a, jax.Array) for a in want)
+    for a, b in zip(leaves, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_a_follower_that_dies_is_lost_at_once() -> None:
+    port, out = free_port_pair(), {}
+    t = _lead(_cluster(port, 0, timeout=60.0), "d", out)
+    follower = FollowerChannel(_cluster(port, 1, timeout=60.0), "d")
+    t.join(10)
+    start = time.monotonic()
+    follower.peer.sock.shutdown(socket.SHUT_RDWR)  # the process died: its connection closes
+    while "lost" not in out and time.monotonic() - start < 10:
+        time.sleep(0.01)
+    assert "process 1 (127.0.0.1) left the step channel" in out["lost"]
+    assert time.monotonic() - start < 5  # the closed connection, not the 60 s timeout
+    with pytest.raises(FailedPrecondition, match=r"process 1 .* is gone"):
+        for _ in range(100):  # the kernel may take a send or two before it reports the reset
+            out["leader"].broadcast("zero", {"index": np.asarray(0, np.int32)})
+            time.sleep(0.01)
