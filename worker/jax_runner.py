@@ -193,7 +193,7 @@ class JaxRunner:
 
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig, channel: Any = None) -> None:
         # multi-host (worker.multihost): the leader's channel to the other processes, which replay every
-        # device call (``apply``) in the same order; None on one host and on a follower
+        # device call in the same order (multihost.follow); None on one host and on a follower
         self.channel, self._replaying = None, True
         self.config, self.checkpoint_config = config, checkpoint.config
         backend = kernels.resolve_backend(config.kernel_backend)
@@ -423,7 +423,8 @@ class JaxRunner:
 
     def prefill_arrays(self, batch: PrefillBatch, sampling: SamplingArrays) -> Sampled:
         """One compiled prefill call of host arrays (the device's draw stays on the device)."""
-        self._tell("prefill", {**fields_of("batch", batch), **fields_of("sampling", sampling)})
+        if self.channel is not None:
+            self._tell("prefill", {**fields_of("batch", batch), **fields_of("sampling", sampling)})
         out, self.cache = self._steps.prefill(**self.state().fields(), batch=batch, sampling=sampling)
         self.history = out.history
         return out
@@ -456,16 +457,9 @@ class JaxRunner:
         sampling: SamplingArrays,
     ) -> Sampled:
         """One compiled decode call of host arrays, ``page_tables`` already cut to a compiled width."""
-        self._tell(
-            "decode",
-            {
-                "tokens": tokens,
-                "positions": positions,
-                "slots": slots,
-                "page_tables": page_tables,
-                **fields_of("sampling", sampling),
-            },
-        )
+        if self.channel is not None:
+            arrays = {"tokens": tokens, "positions": positions, "slots": slots, "page_tables": page_tables}
+            self._tell("decode", {**arrays, **fields_of("sampling", sampling)})
         batch = DecodeBatch(tokens, positions, page_tables, self.backend.plan(slots, self.config.max_loras))
         out, self.cache = self._steps.decode(**self.state().fields(), batch=batch, sampling=sampling)
         self.history = out.history
