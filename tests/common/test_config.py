@@ -266,7 +266,17 @@ def test_help_lists_the_options_by_group(capsys) -> None:
         return [line[:-1] for line in text.splitlines() if line.endswith(":") and not line.startswith(" ")]
 
     worker = _help(["worker"], capsys)
-    groups = ["model", "cache", "adapters", "scheduling", "kernels", "serving", "security", "logging"]
+    groups = [
+        "model",
+        "cache",
+        "adapters",
+        "scheduling",
+        "kernels",
+        "serving",
+        "multi-host",
+        "security",
+        "logging",
+    ]
     assert titles(worker) == ["options", *groups]
     sections = worker.split("\n\n")
     model = next(s for s in sections if s.lstrip().startswith("--model MODEL"))
