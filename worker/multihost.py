@@ -55,6 +55,11 @@ MAX_MESSAGE_BYTES = 1 << 34  # a slot write of a large model's adapter is ~100s 
 LWS_ENV = ("LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX")
 PING = "ping"
 STOP = "stop"
+HELLO_BYTES = 1 << 16  # a hello is a few hundred bytes
+HELLO_WAIT_S = 10.0  # a connection gets this long to say hello
+# sends and receives give up after this many --multihost-timeouts: the watch (a silent peer after one
+# timeout) normally speaks first, but a send into a full buffer (a hung peer) never blocks for good
+SOCKET_TIMEOUT_FACTOR = 2
 
 
 @dataclass(frozen=True)
@@ -197,9 +202,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def recv_message(sock: socket.socket) -> tuple[str, dict[str, np.ndarray], dict[str, str]]:
+def recv_message(
+    sock: socket.socket, limit: int = MAX_MESSAGE_BYTES
+) -> tuple[str, dict[str, np.ndarray], dict[str, str]]:
+    """The next message; ConnectionError for anything else than one of at most ``limit`` bytes."""
     magic, size = HEADER.unpack(_recv_exact(sock, HEADER.size))
-    if magic != MAGIC or size > MAX_MESSAGE_BYTES:
+    if magic != MAGIC or size > limit:
         raise ConnectionError(f"not a loraserve step channel message ({magic!r}, {size} bytes)")
     return decode_payload(_recv_exact(sock, size))
 
@@ -301,9 +309,16 @@ class LeaderChannel:
                         f"multi-host: processes {missing} did not connect to the step channel on port {port}"
                         f" within {cluster.timeout_s:g} s (--multihost-timeout)"
                     ) from None
-                sock.settimeout(cluster.timeout_s)
+                sock.settimeout(max(0.01, min(HELLO_WAIT_S, deadline - time.monotonic())))
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                op, _, meta = recv_message(sock)
+                try:  # whatever else reaches the port (a scanner, a health check) is dropped, not fatal
+                    op, _, meta = recv_message(sock, HELLO_BYTES)
+                except Exception as exc:  # untrusted bytes: any failure drops the connection
+                    log.warning(
+                        "multi-host: dropped a connection from %s that sent no hello: %s", addr[0], exc
+                    )
+                    sock.close()
+                    continue
                 why = self._check_hello(op, meta, digest, peers)
                 if why:
                     sock.sendall(encode("refuse", {}, {"reason": why}))
@@ -318,8 +333,8 @@ class LeaderChannel:
         finally:
             server.close()
         self.peers = [peers[i] for i in sorted(peers)]
-        for p in self.peers:
-            p.sock.settimeout(None)
+        for p in self.peers:  # a send to a peer that stopped reading gives up, so the watch stays awake
+            p.sock.settimeout(SOCKET_TIMEOUT_FACTOR * cluster.timeout_s)
             p.send(encode("welcome", {}))
         self.watch = _Watch(self.peers, cluster.timeout_s, lost)
         for p in self.peers:
@@ -400,7 +415,7 @@ class FollowerChannel:
             ) from None
         if op != "welcome":
             raise FailedPrecondition(f"multi-host: the leader refused: {meta.get('reason', op)}")
-        sock.settimeout(None)
+        sock.settimeout(SOCKET_TIMEOUT_FACTOR * cluster.timeout_s)
         self.cluster, self.peer, self._on_lost = cluster, _Peer(sock, "the leader"), lost
         self.calls: queue.Queue = queue.Queue()
         self.watch = _Watch([self.peer], cluster.timeout_s, self._lost)

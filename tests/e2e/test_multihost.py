@@ -35,8 +35,9 @@ from tests.waiting import settled
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ADAPTERS = ("all-r4", "qv-r8-rslora", "mlp-r16", "dora-all-r4")
 MIX = "all-r4*0.7+qv-r8-rslora*0.3"  # a weighted mix takes a slot of its own
-SHAPES = dict(max_batch_size=4, max_seq_len=32, max_loras=2, max_lora_rank=16)
-# 4 rows of up to 12 tokens need 4 pages of 4 each at their longest: 9 pages (one is the null page) preempt
+# max_seq_len 16: prompts of 4 and 8 new tokens fit, and warm-up compiles one prefill bucket, not two
+SHAPES = dict(max_batch_size=4, max_seq_len=16, max_loras=2, max_lora_rank=16)
+# 4 rows of up to 12 tokens need 3 pages of 4 each, 12 in all: 9 pages (one is the null page) preempt
 KV = ("--kv-page-size", "4", "--kv-pages", "9")
 
 

@@ -214,3 +214,25 @@ def test_a_follower_that_dies_is_lost_at_once() -> None:
         for _ in range(100):  # the kernel may take a send or two before it reports the reset
             out["leader"].broadcast("zero", {"index": np.asarray(0, np.int32)})
             time.sleep(0.01)
+
+
+def test_strangers_on_the_step_port_are_dropped_not_fatal() -> None:
+    """A scanner, a probe or garbage on the port during start-up is dropped; the follower then joins. A
+    stranger's header claiming a huge message reads nothing more."""
+    port, out = free_port_pair(), {}
+    t = _lead(_cluster(port, 0, timeout=10.0), "d", out)
+    time.sleep(0.2)
+    for payload in (b"GET / HTTP/1.1\r\n\r\n", mh.HEADER.pack(mh.MAGIC, 1 << 40), b""):
+        with socket.create_connection(("127.0.0.1", port + 1)) as stranger:
+            stranger.sendall(payload)
+            stranger.shutdown(socket.SHUT_WR)
+            try:
+                answer = stranger.recv(16)
+            except ConnectionResetError:  # closed with its bytes unread
+                answer = b""
+            assert answer == b""  # closed without an answer
+    follower = FollowerChannel(_cluster(port, 1, timeout=10.0), "d")
+    t.join(10)
+    assert "error" not in out and [p.name for p in out["leader"].peers] == ["process 1 (127.0.0.1)"]
+    out["leader"].close()
+    assert follower.next_call()[0] == mh.STOP
