@@ -73,7 +73,9 @@ def render(p: planner.Plan, compiled: dict | None = None) -> str:
             )
     if p.hosts > 1:
         lines.append(
-            f"  spans {p.hosts} hosts: run one worker process per host with jax.distributed (docs/worker.md)"
+            f"  spans {p.hosts} hosts: run one worker per host, each with --coordinator LEADER:8476"
+            f" --num-processes {p.hosts} --process-id 0..{p.hosts - 1} (a LeaderWorkerSet of size {p.hosts}:"
+            " deploy/k8s/overlays/gke-tpu-multihost; docs/worker.md)"
         )
     return "\n".join(lines)
 

@@ -9,7 +9,7 @@ import pytest
 
 from loraserve.cli import main
 from loraserve.common.errors import InvalidArgument
-from loraserve.worker import planner
+from loraserve.worker import plan_cmd, planner
 
 LLAMA3_8B_PARAMS = 8_030_261_248  # embed + lm_head 2 * 128256 * 4096, 32 layers of 218,112,000 + norms
 
@@ -81,6 +81,9 @@ def test_fit_and_hosts() -> None:
     four_hosts = planner.plan(name, cfg, "v5e", 16, **kwargs)  # v5e-16: four 4-chip hosts
     assert (four_hosts.hosts, four_hosts.fits) == (4, True)
     assert planner.plan(name, cfg, "v5p", 8, **kwargs).hosts == 2  # v5p: 4 chips per host
+    # the plan says how to start it: the multi-host flags and the LeaderWorkerSet's size
+    assert "--num-processes 4 --process-id 0..3 (a LeaderWorkerSet of size 4" in plan_cmd.render(four_hosts)
+    assert "hosts" not in plan_cmd.render(planner.plan(name, cfg, "v5e", 4, **kwargs))
 
 
 def test_cli_prints_the_plan_and_exits_3_when_it_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
