@@ -75,6 +75,7 @@ LONGEST_FILES = (
     "tests/e2e/test_system.py",
     "tests/e2e/test_load.py",
     "tests/e2e/test_faults.py",
+    "tests/e2e/test_multihost.py",
     "tests/worker/test_engine.py",
     "tests/worker/test_tensor_parallel_families.py",
     "tests/worker/test_model_parity.py",
