@@ -344,7 +344,10 @@ class LeaderChannel:
     def _check_hello(self, op: str, meta: dict[str, str], digest: str, peers: dict[int, _Peer]) -> str:
         if op != "hello":
             return f"expected a hello, got {op!r}"
-        pid, count = int(meta.get("process_id", -1)), int(meta.get("num_processes", -1))
+        try:
+            pid, count = int(meta.get("process_id", "")), int(meta.get("num_processes", ""))
+        except ValueError:
+            return f"a hello without a process id and count ({sorted(meta)[:4]})"
         if count != self.cluster.num_processes:
             return f"process {pid} was started with --num-processes {count}, the leader with {self.cluster.num_processes}"
         if not 0 < pid < count or pid in peers:

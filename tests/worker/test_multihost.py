@@ -236,3 +236,23 @@ def test_strangers_on_the_step_port_are_dropped_not_fatal() -> None:
     assert "error" not in out and [p.name for p in out["leader"].peers] == ["process 1 (127.0.0.1)"]
     out["leader"].close()
     assert follower.next_call()[0] == mh.STOP
+
+
+@pytest.mark.parametrize(
+    "meta, words",
+    [
+        ({"process_id": "1", "num_processes": "x"}, "a hello without a process id and count"),
+        ({"process_id": "0", "num_processes": "2"}, "process id 0 is taken or not a follower's"),
+        ({"process_id": "5", "num_processes": "2"}, "process id 5 is taken or not a follower's"),
+        ({"process_id": "1", "num_processes": "2"}, "process 1 loaded a different checkpoint"),
+    ],
+)
+def test_a_hello_the_leader_cannot_take_is_refused_by_name(meta, words) -> None:
+    port, out = free_port_pair(), {}
+    t = _lead(_cluster(port, 0), "d", out)
+    time.sleep(0.1)
+    with socket.create_connection(("127.0.0.1", port + 1)) as sock:
+        sock.sendall(mh.encode("hello", {}, meta))  # no digest: a different checkpoint if it gets that far
+        op, _, answer = mh.recv_message(sock)
+    t.join(10)
+    assert op == "refuse" and words in answer["reason"] and words in str(out["error"])
