@@ -142,9 +142,9 @@ def _logs(leader, follower_log):
 
 
 @contextmanager
-def _group(llama_dir, tmp_path, timeout: float, tp: int = 4, ready: bool = True):
-    """A leader and a follower of a small, unwarmed multi-host worker (no registry): ``(leader, follower,
-    follower_log)``; with ``ready``, the leader is serving."""
+def _group(llama_dir, tmp_path, timeout: float, tp: int = 4, ready: bool = True, leader_flags=()):
+    """A leader and a follower of a small, unwarmed multi-host worker: ``(leader, follower, follower_log)``;
+    with ``ready``, the leader is serving. ``leader_flags``: the leader's own (e.g. its registry)."""
     port = free_port_pair()
     flags = ["worker", "--model", str(llama_dir), "--tensor-parallel-size", str(tp), "--max-seq-len", "16"]
     flags += ["--max-batch-size", "2", "--max-loras", "1", "--max-lora-rank", "4", "--warmup", "false"]
@@ -164,7 +164,8 @@ def _group(llama_dir, tmp_path, timeout: float, tp: int = 4, ready: bool = True)
         stdout=subprocess.DEVNULL,
         stderr=follower_log.open("w"),
     )
-    leader = start_server([*flags, "--port", "0", "--process-id", "0"], multihost_env(), timeout=None)
+    leader_args = [*flags, "--port", "0", "--process-id", "0", *leader_flags]
+    leader = start_server(leader_args, multihost_env(), timeout=None)
     try:
         if ready:
             leader.wait_ready(180)
@@ -188,18 +189,68 @@ def _health(address: str) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
-def test_a_hung_follower_takes_the_group_down(llama_dir, tmp_path) -> None:
-    with _group(llama_dir, tmp_path, timeout=3) as (leader, follower, _):
-        follower.send_signal(signal.SIGSTOP)  # hung: alive, silent
-        stopped = time.monotonic()
-        seen = settled(lambda: _health(leader.address), lambda s: s != "SERVING", timeout=30, interval=0.1)
-        noticed = time.monotonic() - stopped
-        code = leader.wait(timeout=30)
-        log = "".join(leader.log)
+def test_a_hung_follower_takes_the_group_down_and_the_router_fails_over(
+    llama_dir, adapter_dirs, tmp_path
+) -> None:
+    """A SIGSTOPped follower: after --multihost-timeout the leader stops serving and exits 3 naming it; the
+    registry drops the group and its placements when its lease lapses; the router sends the adapter's
+    requests to the worker left."""
+    config = RegistryConfig(db=f"sqlite:///{tmp_path / 'r.db'}", storage=str(tmp_path / "s"), lease_seconds=2)
+    with start_registry(config, str(tmp_path / "s")) as reg:
+        reg.client.push(adapter_dirs["all-r4"], "steady", "tiny")
+        registered = ("--registry", reg.address, "--model-id", "tiny")
+        standby = ["worker", "--model", str(llama_dir), "--port", "0", "--warmup", "false", *registered]
+        standby += [
+            "--max-seq-len",
+            "16",
+            "--max-batch-size",
+            "2",
+            "--max-loras",
+            "1",
+            "--max-lora-rank",
+            "4",
+        ]
+        router = ["router", "serve", "--port", "0", "--registry", reg.address, "--locate-ttl", "0.2"]
+        with (
+            _group(llama_dir, tmp_path, timeout=3, leader_flags=registered) as (leader, follower, _),
+            loraserve_process(standby, env=with_test_xla_flags(), timeout=300) as other,
+            loraserve_process(router) as r,
+        ):
+            wait_healthy(other.address, timeout=120)
+            wait_for_workers(reg.client, 2)
+            with Client(leader.address) as client:  # the group holds the adapter: a placement of its own
+                assert client.complete([5, 17], adapter="steady", max_tokens=2).adapter == "steady@1"
+            settled(lambda: _placed(reg), lambda placed: leader.address in placed, timeout=20, interval=0.1)
+            follower.send_signal(signal.SIGSTOP)  # hung: alive, silent
+            stopped = time.monotonic()
+            seen = settled(
+                lambda: _health(leader.address), lambda s: s != "SERVING", timeout=30, interval=0.1
+            )
+            noticed = time.monotonic() - stopped
+            code = leader.wait(timeout=30)
+            log = "".join(leader.log)
+            (left,) = wait_for_workers(reg.client, 1)
+            with Client(r.address) as client:
+                outs = [client.complete([5, 6, 7], adapter="steady", max_tokens=2) for _ in range(3)]
+            # the group's placement is gone and the worker left holds the adapter (its next heartbeat)
+            placed = settled(lambda: _placed(reg), lambda placed: placed == {other.address}, timeout=20)
     # the timeout (less the up to timeout / 4 since its last ping), not at once
     assert seen in ("NOT_SERVING", "UNAVAILABLE") and 2.0 < noticed < 15
     assert code == EXIT_PEER_LOST
     assert re.search(r"process 1 \(127\.0\.0\.1\) sent nothing for \d+\.\d s", log), log[-2000:]
+    assert left.address == other.address and placed == {other.address}
+    assert [o.adapter for o in outs] == ["steady@1"] * 3
+
+
+def _placed(reg) -> set[str]:
+    """The addresses of the workers the registry's database records placements for."""
+    from sqlalchemy import select
+
+    from loraserve.registry.db import PlacementRow, WorkerRow
+
+    with reg.registry.catalog.sessions() as s:
+        rows = s.execute(select(WorkerRow.address).join(PlacementRow, PlacementRow.worker_id == WorkerRow.id))
+        return set(rows.scalars().all())
 
 
 def test_a_dead_leader_takes_the_followers_down(llama_dir, tmp_path) -> None:
