@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 import threading
+from typing import TYPE_CHECKING
 
 from loraserve.common.config import (
     add_config_flags,
@@ -23,6 +24,9 @@ from loraserve.common.config import (
 )
 from loraserve.common.errors import InvalidArgument
 from loraserve.worker.config import ENV_PREFIX, WorkerConfig
+
+if TYPE_CHECKING:  # loraserve --help imports no JAX
+    from loraserve.worker.multihost import Cluster, FollowerChannel, LeaderChannel
 
 log = logging.getLogger("loraserve.worker")
 LOST_EXIT_AFTER_S = 10.0  # a multi-host leader that lost a process drains (NOT_SERVING), then exits by then
@@ -54,24 +58,10 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     cluster = multihost.cluster_from(
         config.coordinator, config.num_processes, config.process_id, config.multihost_timeout
     )
-    channel, lost = None, []
-    if (
-        cluster is not None
-    ):  # the step channel first: its handshake refuses what jax.distributed would abort on
-        digest = multihost.checkpoint_digest(config.model)
-        if cluster.leader:
-            stop = stop or asyncio.Event()
-            loop = asyncio.get_running_loop()
-
-            def on_lost(reason: str) -> None:  # NOT_SERVING (the drain), then exit whatever still runs
-                lost.append(reason)
-                loop.call_soon_threadsafe(stop.set)
-                threading.Timer(LOST_EXIT_AFTER_S, os._exit, (multihost.EXIT_PEER_LOST,)).start()
-
-            channel = multihost.LeaderChannel(cluster, digest, on_lost)
-        else:
-            channel = multihost.FollowerChannel(cluster, digest, lost=_exit_lost)
-        multihost.initialize(cluster)
+    channel, lost = None, []  # lost: why a multi-host leader stopped, when a process of its group was lost
+    if cluster is not None:
+        stop = stop or asyncio.Event()
+        channel = _join_cluster(cluster, config.model, stop, lost)
     # a model split over devices stays on the host until the runner puts each device's shards there
     split = engine_config.tensor_parallel_size > 1 or cluster is not None
     checkpoint = load_checkpoint(
@@ -148,6 +138,31 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
         log.error("multi-host: exiting %d: %s", multihost.EXIT_PEER_LOST, lost[0])
         return multihost.EXIT_PEER_LOST
     return 0
+
+
+def _join_cluster(
+    cluster: Cluster, model: str, stop: asyncio.Event, lost: list[str]
+) -> LeaderChannel | FollowerChannel:
+    """A multi-host worker's step channel (``worker.multihost``), then ``jax.distributed``: the channel's
+    handshake first, as it refuses by name what jax.distributed would abort the process on. A leader that
+    loses a process appends the reason to ``lost`` and sets ``stop`` (the drain: NOT_SERVING), then exits
+    whatever still runs after ``LOST_EXIT_AFTER_S``; a follower exits at once."""
+    from loraserve.worker import multihost
+
+    digest = multihost.checkpoint_digest(model)
+    if cluster.leader:
+        loop = asyncio.get_running_loop()
+
+        def on_lost(reason: str) -> None:
+            lost.append(reason)
+            loop.call_soon_threadsafe(stop.set)
+            threading.Timer(LOST_EXIT_AFTER_S, os._exit, (multihost.EXIT_PEER_LOST,)).start()
+
+        channel = multihost.LeaderChannel(cluster, digest, on_lost)
+    else:
+        channel = multihost.FollowerChannel(cluster, digest, lost=_exit_lost)
+    multihost.initialize(cluster)
+    return channel
 
 
 def _exit_lost(reason: str) -> None:
