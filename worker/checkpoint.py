@@ -1,28 +1,39 @@
 """Load a Hugging Face Llama-family (Llama, Mistral, Qwen2/3, Gemma 2/3 text, and the mixture-of-experts
-Qwen3-MoE, Mixtral, Qwen2-MoE) checkpoint folder (local path or fsspec URL) into stacked JAX arrays.
+Qwen3-MoE, Mixtral, Qwen2-MoE) checkpoint folder (local path or fsspec URL) into JAX arrays.
 
 The folder holds ``config.json`` and one or many ``*.safetensors`` (sharded checkpoints carry a
 ``model.safetensors.index.json``). Matrices stay in Hugging Face's ``[out, in]`` layout, one dict per layer
 (see ``worker.model`` for why not stacked), and q/k/v and gate/up are fused into one matmul each.
+
+Nothing is read whole. :func:`open_checkpoint` reads the files' safetensors headers only and returns each
+parameter as a :class:`Deferred`: its shape and how to read any rows and column ranges of it, byte ranges
+straight from the files (:class:`TensorFiles`). :func:`load_checkpoint` reads them all, one tensor at a time
+(the host never holds the whole model in f32); a model split over devices (``sharding.shard_params``) reads
+only the rows and columns each of this process's devices holds, so the hosts of a multi-host worker each read
+their share of the checkpoint, not all of it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import math
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
 import jax
 import jax.numpy as jnp
 import numpy as np
+from fsspec.implementations.local import LocalFileSystem
 
-from loraserve.adapters.peft import safetensors_to_numpy
 from loraserve.common.errors import InvalidArgument
 from loraserve.worker.model_config import ModelConfig
 
 Params = dict[str, Any]
+Rest = tuple[slice, ...]  # slices of a parameter's dimensions after the first
 
 
 class CheckpointError(InvalidArgument, ValueError):
@@ -31,13 +42,16 @@ class CheckpointError(InvalidArgument, ValueError):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A loaded base model: its config, its parameters and where it came from."""
+    """A base model: its config, its parameters and where it came from. ``params`` leaves are device (or
+    host) arrays from :func:`load_checkpoint`, :class:`Deferred` reads from :func:`open_checkpoint`;
+    ``files`` counts the bytes read from the checkpoint."""
 
     config: ModelConfig
     params: Params
     source: str
     dtype: str
     quantization: str = "none"  # worker.quant: "int8" = the projections are Int8Weights
+    files: TensorFiles | None = field(default=None, compare=False, repr=False)
 
 
 def _open_folder(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -66,96 +80,308 @@ def _weight_files(fs: fsspec.AbstractFileSystem, root: str) -> list[str]:
     return files
 
 
-def _iter_tensors(url: str) -> Iterator[tuple[str, np.ndarray]]:
-    fs, root = _open_folder(url)
-    for path in _weight_files(fs, root):
-        with fs.open(path, "rb") as f:
-            tensors = _load_any_dtype(f.read())
-        yield from tensors.items()
+# ------------------------------------------------------------------------------------- reading files
+
+# safetensors dtype -> how its bytes read; BF16 is widened to float32 (exact: a bf16 is an f32's top half)
+_STORED = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4", "I16": "<i2"}
+_STORED |= {"I8": "i1", "U8": "u1", "BOOL": "?"}
+MAX_HEADER = 100 << 20  # a safetensors header larger than this is refused, not read
+# byte ranges this close are read as one, up to MAX_BLOCK: from object storage (a request costs more than
+# reading through the gap), and from a local disk (a page)
+REMOTE_GAP, LOCAL_GAP = 256 << 10, 4 << 10
+MAX_BLOCK = 64 << 20
 
 
-def _load_any_dtype(data: bytes) -> dict[str, np.ndarray]:
-    """safetensors bytes -> numpy arrays; bf16 tensors come back as float32 (exact)."""
-    return safetensors_to_numpy(data)
+@dataclass(frozen=True)
+class Stored:
+    """One tensor of a safetensors file: where its bytes start and how they read."""
+
+    path: str
+    dtype: str  # the safetensors name: "BF16", "F32", "I8", ...
+    shape: tuple[int, ...]
+    offset: int  # of its first byte in the file
+
+    @property
+    def itemsize(self) -> int:
+        return np.dtype(_STORED[self.dtype]).itemsize
 
 
-def _take(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
-    try:
-        t = tensors.pop(name)
-    except KeyError as exc:
-        raise CheckpointError(f"checkpoint lacks tensor {name}") from exc
-    if tuple(t.shape) != shape:
-        raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
-    return np.asarray(t, dtype=np.float32)
+class TensorFiles:
+    """The safetensors files of a checkpoint folder, read by rows and column ranges (byte-range reads,
+    through fsspec: a local folder, GCS, memory). ``bytes_read`` counts what was read, ``total_bytes`` the
+    tensors' bytes in all."""
+
+    def __init__(self, url: str) -> None:
+        self.fs, root = _open_folder(url)
+        self.url, self.local = url, isinstance(self.fs, LocalFileSystem)
+        self.tensors: dict[str, Stored] = {}
+        for path in _weight_files(self.fs, root):
+            self.tensors.update(self._header(path))
+        self.total_bytes = sum(s.itemsize * math.prod(s.shape) for s in self.tensors.values())
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+
+    def _header(self, path: str) -> dict[str, Stored]:
+        name = path.rsplit("/", 1)[-1]
+        size = self.fs.size(path)
+        with self.fs.open(path, "rb") as f:
+            head = f.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 2 <= n <= min(MAX_HEADER, size - 8):
+                raise CheckpointError(
+                    f"{name} is not a safetensors file (header length {n}, file {size} bytes)"
+                )
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as exc:
+                raise CheckpointError(f"{name} is not a safetensors file: its header is not JSON") from exc
+        out = {}
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            try:
+                dtype, shape, (begin, end) = (
+                    info["dtype"],
+                    tuple(int(d) for d in info["shape"]),
+                    info["data_offsets"],
+                )
+            except (TypeError, KeyError, ValueError) as exc:
+                raise CheckpointError(f"{name}: tensor {key}'s header entry is malformed") from exc
+            if dtype not in _STORED:
+                raise CheckpointError(f"tensor {key} has dtype {dtype}, which is not served")
+            stored = Stored(path, dtype, shape, 8 + n + int(begin))
+            if int(end) - int(begin) != stored.itemsize * math.prod(shape) or 8 + n + int(end) > size:
+                raise CheckpointError(
+                    f"{name}: tensor {key}'s bytes do not match its shape {shape} and dtype"
+                )
+            out[key] = stored
+        return out
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def read(self, name: str, rows: np.ndarray | None = None, cols: slice | None = None) -> np.ndarray:
+        """Tensor ``name``'s ``rows`` (of its first dimension; all when None), with ``cols`` of its second
+        (a 2-d tensor); floats as float32, integers as they are stored."""
+        s = self.tensors[name]
+        shape = s.shape or (1,)
+        rows = np.arange(shape[0]) if rows is None else np.asarray(rows, np.int64).reshape(-1)
+        row_items = math.prod(shape[1:])
+        width = (0, row_items)
+        if cols is not None and len(shape) == 2:
+            c0, c1, step = cols.indices(shape[1])
+            assert step == 1, "column ranges only"
+            width = (c0, c1)
+        item = s.itemsize
+        if width == (0, row_items):  # whole rows: one range per run of consecutive rows
+            breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+            runs = [(int(r[0]), int(r[-1]) + 1) for r in np.split(rows, breaks) if len(r)]
+            ranges = [(s.offset + a * row_items * item, s.offset + b * row_items * item) for a, b in runs]
+        else:
+            ranges = [
+                (
+                    s.offset + (int(r) * row_items + width[0]) * item,
+                    s.offset + (int(r) * row_items + width[1]) * item,
+                )
+                for r in rows
+            ]
+        data = self._ranges(s.path, ranges)
+        values = np.frombuffer(data, _STORED[s.dtype])
+        if s.dtype == "BF16":
+            values = (values.astype("<u4") << 16).view("<f4")
+        elif values.dtype.kind == "f":
+            values = values.astype(np.float32)
+        out_shape = (len(rows), width[1] - width[0]) if width != (0, row_items) else (len(rows), *shape[1:])
+        return values.reshape(out_shape if s.shape else ())
+
+    def _ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> bytes:
+        """The bytes of ``ranges`` (in their order), read in blocks that join ranges closer than
+        LOCAL_GAP (a local file) or REMOTE_GAP (object storage)."""
+        if not ranges:
+            return b""
+        gap = LOCAL_GAP if self.local else REMOTE_GAP
+        blocks: list[list[int]] = []
+        for a, b in sorted(set(ranges)):
+            if blocks and a - blocks[-1][1] <= gap and b - blocks[-1][0] <= MAX_BLOCK:
+                blocks[-1][1] = max(blocks[-1][1], b)
+            else:
+                blocks.append([a, b])
+        if self.local:  # one open file, a seek a block
+            got = []
+            with open(path, "rb") as f:
+                for a, b in blocks:
+                    f.seek(a)
+                    got.append((a, f.read(b - a)))
+        else:  # a request a block (object stores fetch them concurrently), no read-ahead past it
+            data = self.fs.cat_ranges([path] * len(blocks), [a for a, _ in blocks], [b for _, b in blocks])
+            got = [(a, bytes(d)) for (a, _), d in zip(blocks, data, strict=True)]
+        with self._lock:
+            self.bytes_read += sum(len(d) for _, d in got)
+        starts = [a for a, _ in got]
+        out = bytearray()
+        for a, b in ranges:
+            k = int(np.searchsorted(starts, a, side="right")) - 1
+            base, data = got[k]
+            out += data[a - base : b - base]
+        return bytes(out)
 
 
-def convert_hf_weights(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-    """HF tensor dict -> our layout (float32 numpy, ``[out, in]`` matrices, ``layers``: one dict per layer)."""
+# ------------------------------------------------------------------------------------- deferred params
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A parameter of the loaded layout, not read yet: its shape, the numpy dtype it reads as, and
+    ``read(rows, rest)``: the values at ``rows`` (an index array into the first dimension) and ``rest``
+    (slices of the others)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    reader: Callable[[np.ndarray, Rest], np.ndarray] = field(repr=False)
+    model_dtype: bool = True  # floats placed in the model's dtype; False: kept as read (quantization scales)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def read(self, rows: np.ndarray | None = None, rest: Rest = ()) -> np.ndarray:
+        rows = np.arange(self.shape[0]) if rows is None else np.asarray(rows, np.int64)
+        return self.reader(rows, tuple(rest))
+
+
+def _tail(values: np.ndarray, rest: Rest) -> np.ndarray:
+    return values[(slice(None), *rest)] if rest else values
+
+
+def _tensor(files: TensorFiles, name: str, shape: tuple[int, ...]) -> Deferred:
+    """One stored tensor, checked to exist with ``shape``."""
+    if not files.has(name):
+        raise CheckpointError(f"checkpoint lacks tensor {name}")
+    s = files.tensors[name]
+    if s.shape != shape:
+        raise CheckpointError(f"tensor {name} has shape {s.shape}, expected {shape}")
+    kind = np.dtype(_STORED[s.dtype])
+    dtype = np.dtype(np.float32) if s.dtype == "BF16" or kind.kind == "f" else kind
+
+    def read(rows: np.ndarray, rest: Rest) -> np.ndarray:
+        if len(shape) == 2 and rest:
+            return files.read(name, rows, rest[0])
+        return _tail(files.read(name, rows), rest)
+
+    return Deferred(shape, dtype, read)
+
+
+def _concat(parts: Sequence[Deferred]) -> Deferred:
+    """``parts`` side by side along the first dimension (q|k|v rows, gate|up rows)."""
+    if len(parts) == 1:
+        return parts[0]
+    bounds = np.cumsum([0] + [p.shape[0] for p in parts])
+    shape = (int(bounds[-1]), *parts[0].shape[1:])
+
+    def read(rows: np.ndarray, rest: Rest) -> np.ndarray:
+        which = np.searchsorted(bounds, rows, side="right") - 1
+        pieces, where = [], []
+        for k, part in enumerate(parts):
+            mine = np.flatnonzero(which == k)
+            if len(mine):
+                pieces.append(part.read(rows[mine] - bounds[k], rest))
+                where.append(mine)
+        if len(pieces) == 1:
+            return pieces[0]
+        out = np.empty((len(rows), *pieces[0].shape[1:]), pieces[0].dtype)
+        for mine, piece in zip(where, pieces, strict=True):
+            out[mine] = piece
+        return out
+
+    return Deferred(shape, parts[0].dtype, read)
+
+
+def _rows(parts: Sequence[Any]) -> Any:
+    """:func:`_concat`, of quantized weights too (values and scales side by side, row for row)."""
+    from loraserve.worker.quant import Quantized
+
+    if isinstance(parts[0], Quantized):
+        return type(parts[0])(_concat([p.q for p in parts]), _concat([p.scale for p in parts]))
+    return _concat(parts)
+
+
+def _experts_t(per_expert: Sequence[Deferred] | None, fused: Deferred | None) -> Deferred:
+    """Experts ``[E, a, b]`` stored ``[E, b, a]`` (fused) or as E ``[b, a]`` tensors: transposed to ``[E, a, b]``
+    (input-major per expert), read by expert."""
+    src = fused.shape[1:] if fused is not None else per_expert[0].shape
+    e = fused.shape[0] if fused is not None else len(per_expert)
+
+    def read(rows: np.ndarray, rest: Rest) -> np.ndarray:
+        if fused is not None:
+            values = fused.read(rows)
+        else:
+            values = np.stack([per_expert[int(r)].read() for r in rows]) if len(rows) else np.empty((0, *src))
+        return _tail(np.ascontiguousarray(values.transpose(0, 2, 1)), rest)
+
+    return Deferred((e, src[1], src[0]), np.dtype(np.float32), read)
+
+
+def is_deferred(x: Any) -> bool:
+    return isinstance(x, Deferred)
+
+
+def plan_params(
+    cfg: ModelConfig, files: TensorFiles, projection: Callable[[str, tuple[int, int]], Any] | None = None
+) -> Params:
+    """The checkpoint's tensors -> our layout as :class:`Deferred` params (``[out, in]`` matrices, fused
+    q|k|v and gate|up, ``layers``: one dict per layer), every tensor checked to exist with its shape;
+    ``projection(name, (out, in))`` reads a layer's linear weight where it is not a float tensor (a quantized
+    checkpoint's values and scales)."""
     h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    tensors = dict(tensors)
-    out: dict[str, np.ndarray] = {"embed": _take(tensors, "model.embed_tokens.weight", (cfg.vocab_size, h))}
-    out["final_norm"] = _take(tensors, "model.norm.weight", (h,))
-    if "lm_head.weight" in tensors and not cfg.tie_word_embeddings:
-        out["lm_head"] = _take(tensors, "lm_head.weight", (cfg.vocab_size, h))
-    layers: dict[str, list[np.ndarray]] = {}
 
-    def add(key: str, value: np.ndarray) -> None:
-        layers.setdefault(key, []).append(value)
+    def t(name: str, shape: tuple[int, ...]) -> Deferred:
+        return _tensor(files, name, shape)
 
+    w = projection or t
+
+    out: Params = {"embed": t("model.embed_tokens.weight", (cfg.vocab_size, h))}
+    out["final_norm"] = t("model.norm.weight", (h,))
+    if files.has("lm_head.weight") and not cfg.tie_word_embeddings:
+        out["lm_head"] = t("lm_head.weight", (cfg.vocab_size, h))
+    layers = []
     for n in range(cfg.num_layers):
         p = f"model.layers.{n}."
-        add("attn_norm", _take(tensors, p + "input_layernorm.weight", (h,)))
+        layer = {"attn_norm": t(p + "input_layernorm.weight", (h,))}
         if cfg.sandwich_norms:  # Gemma: post_attention_layernorm norms the attention output
-            add("post_attn_norm", _take(tensors, p + "post_attention_layernorm.weight", (h,)))
-            add("mlp_norm", _take(tensors, p + "pre_feedforward_layernorm.weight", (h,)))
-            add("post_mlp_norm", _take(tensors, p + "post_feedforward_layernorm.weight", (h,)))
+            layer["post_attn_norm"] = t(p + "post_attention_layernorm.weight", (h,))
+            layer["mlp_norm"] = t(p + "pre_feedforward_layernorm.weight", (h,))
+            layer["post_mlp_norm"] = t(p + "post_feedforward_layernorm.weight", (h,))
         else:
-            add("mlp_norm", _take(tensors, p + "post_attention_layernorm.weight", (h,)))
+            layer["mlp_norm"] = t(p + "post_attention_layernorm.weight", (h,))
         if cfg.qk_norm:
-            add("q_norm", _take(tensors, p + "self_attn.q_norm.weight", (cfg.head_dim,)))
-            add("k_norm", _take(tensors, p + "self_attn.k_norm.weight", (cfg.head_dim,)))
-        wq = _take(tensors, p + "self_attn.q_proj.weight", (q, h))
-        wk = _take(tensors, p + "self_attn.k_proj.weight", (kv, h))
-        wv = _take(tensors, p + "self_attn.v_proj.weight", (kv, h))
-        add("wqkv", np.concatenate([wq, wk, wv], axis=0))
+            layer["q_norm"] = t(p + "self_attn.q_norm.weight", (cfg.head_dim,))
+            layer["k_norm"] = t(p + "self_attn.k_norm.weight", (cfg.head_dim,))
+        a = p + "self_attn."
+        layer["wqkv"] = _rows(
+            [w(a + "q_proj.weight", (q, h)), w(a + "k_proj.weight", (kv, h)), w(a + "v_proj.weight", (kv, h))]
+        )
         if cfg.qkv_bias:
-            add(
-                "bqkv",
-                np.concatenate(
-                    [
-                        _take(tensors, p + "self_attn.q_proj.bias", (q,)),
-                        _take(tensors, p + "self_attn.k_proj.bias", (kv,)),
-                        _take(tensors, p + "self_attn.v_proj.bias", (kv,)),
-                    ]
-                ),
+            layer["bqkv"] = _concat(
+                [t(a + "q_proj.bias", (q,)), t(a + "k_proj.bias", (kv,)), t(a + "v_proj.bias", (kv,))]
             )
-        add("wo", _take(tensors, p + "self_attn.o_proj.weight", (h, q)))
+        layer["wo"] = w(a + "o_proj.weight", (h, q))
         if cfg.o_bias:
-            add("bo", _take(tensors, p + "self_attn.o_proj.bias", (h,)))
+            layer["bo"] = t(a + "o_proj.bias", (h,))
         if cfg.is_moe:
-            for key, value in _experts(cfg, tensors, p).items():
-                add(key, value)
-            continue
-        wg = _take(tensors, p + "mlp.gate_proj.weight", (i, h))
-        wu = _take(tensors, p + "mlp.up_proj.weight", (i, h))
-        add("w_gate_up", np.concatenate([wg, wu], axis=0))
-        add("w_down", _take(tensors, p + "mlp.down_proj.weight", (h, i)))
-        if cfg.mlp_bias:
-            add(
-                "b_gate_up",
-                np.concatenate(
-                    [
-                        _take(tensors, p + "mlp.gate_proj.bias", (i,)),
-                        _take(tensors, p + "mlp.up_proj.bias", (i,)),
-                    ]
-                ),
-            )
-            add("b_down", _take(tensors, p + "mlp.down_proj.bias", (h,)))
-    out["layers"] = [{k: v[n] for k, v in layers.items()} for n in range(cfg.num_layers)]
+            layer.update(_experts(cfg, files, p))
+        else:
+            m = p + "mlp."
+            layer["w_gate_up"] = _rows([w(m + "gate_proj.weight", (i, h)), w(m + "up_proj.weight", (i, h))])
+            layer["w_down"] = w(m + "down_proj.weight", (h, i))
+            if cfg.mlp_bias:
+                layer["b_gate_up"] = _concat([t(m + "gate_proj.bias", (i,)), t(m + "up_proj.bias", (i,))])
+                layer["b_down"] = t(m + "down_proj.bias", (h,))
+        layers.append(layer)
+    out["layers"] = layers
     return out
 
 
-def _experts(cfg: ModelConfig, tensors: dict[str, np.ndarray], p: str) -> dict[str, np.ndarray]:
+def _experts(cfg: ModelConfig, files: TensorFiles, p: str) -> dict[str, Deferred]:
     """One sparse layer's router and experts (and shared expert): ``router [E, H]``, ``experts_gate_up
     [E, H, 2I]`` and ``experts_down [E, I, H]`` (input-major per expert: the grouped matmul's right-hand
     side), ``shared_gate_up``/``shared_down``/``shared_gate [1, H]`` for Qwen2-MoE's shared expert.
@@ -165,12 +391,16 @@ def _experts(cfg: ModelConfig, tensors: dict[str, np.ndarray], p: str) -> dict[s
     ``block_sparse_moe.experts.<e>.{w1,w3,w2}`` and ``block_sparse_moe.gate``).
     """
     h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-    out: dict[str, np.ndarray] = {}
-    block = p + ("mlp." if p + "mlp.gate.weight" in tensors else "block_sparse_moe.")
-    out["router"] = _take(tensors, block + "gate.weight", (e, h))
-    if block + "experts.gate_up_proj" in tensors:
-        gate_up = _take(tensors, block + "experts.gate_up_proj", (e, 2 * i, h))
-        down = _take(tensors, block + "experts.down_proj", (e, h, i))
+
+    def t(name: str, shape: tuple[int, ...]) -> Deferred:
+        return _tensor(files, name, shape)
+
+    out: dict[str, Deferred] = {}
+    block = p + ("mlp." if files.has(p + "mlp.gate.weight") else "block_sparse_moe.")
+    out["router"] = t(block + "gate.weight", (e, h))
+    if files.has(block + "experts.gate_up_proj"):
+        out["experts_gate_up"] = _experts_t(None, t(block + "experts.gate_up_proj", (e, 2 * i, h)))
+        out["experts_down"] = _experts_t(None, t(block + "experts.down_proj", (e, h, i)))
     else:
         names = (
             ("w1", "w3", "w2")
@@ -178,63 +408,77 @@ def _experts(cfg: ModelConfig, tensors: dict[str, np.ndarray], p: str) -> dict[s
             else ("gate_proj", "up_proj", "down_proj")
         )
         per = [block + f"experts.{x}." for x in range(e)]
-        gate_up = np.stack(
-            [
-                np.concatenate(
-                    [
-                        _take(tensors, q + f"{names[0]}.weight", (i, h)),
-                        _take(tensors, q + f"{names[1]}.weight", (i, h)),
-                    ]
-                )
-                for q in per
-            ]
-        )
-        down = np.stack([_take(tensors, q + f"{names[2]}.weight", (h, i)) for q in per])
-    out["experts_gate_up"] = np.ascontiguousarray(gate_up.transpose(0, 2, 1))
-    out["experts_down"] = np.ascontiguousarray(down.transpose(0, 2, 1))
+        gate_up = [
+            _concat([t(q + f"{names[0]}.weight", (i, h)), t(q + f"{names[1]}.weight", (i, h))]) for q in per
+        ]
+        out["experts_gate_up"] = _experts_t(gate_up, None)
+        out["experts_down"] = _experts_t([t(q + f"{names[2]}.weight", (h, i)) for q in per], None)
     if cfg.shared_expert_size:
         s, q = cfg.shared_expert_size, block + "shared_expert."
-        wg, wu = _take(tensors, q + "gate_proj.weight", (s, h)), _take(tensors, q + "up_proj.weight", (s, h))
-        out["shared_gate_up"] = np.concatenate([wg, wu], axis=0)
-        out["shared_down"] = _take(tensors, q + "down_proj.weight", (h, s))
-        out["shared_gate"] = _take(tensors, block + "shared_expert_gate.weight", (1, h))
+        out["shared_gate_up"] = _concat([t(q + "gate_proj.weight", (s, h)), t(q + "up_proj.weight", (s, h))])
+        out["shared_down"] = t(q + "down_proj.weight", (h, s))
+        out["shared_gate"] = t(block + "shared_expert_gate.weight", (1, h))
     return out
 
 
-def load_checkpoint(
-    url: str, dtype: str = "float32", quantization: str = "none", place: bool = True
-) -> Checkpoint:
-    """Read ``config.json`` + safetensors from ``url`` and place the stacked weights on the device (``place``
-    False: keep them host arrays of ``dtype``, for a runner that splits them over a mesh, so that no device
-    ever holds the whole model);
-    ``quantization="int8"`` stores the layers' projections as int8 with per-channel scales, ``"int4"`` as
-    packed int4 with a scale per group of inputs (worker.quant). A checkpoint ``loraserve quantize`` wrote
-    (``worker.quantize_cmd``) is served as it was written whatever ``quantization`` says: its values and
-    scales are taken as they are (checked: every scale present, of its shape, finite and positive), not
-    quantized again.
-
-    Semantics: the returned params compute exactly what transformers' ``*ForCausalLM`` of the family computes
-    (quantized: what it computes with those weights dequantized).
-    """
-    from loraserve.worker.quant import QUANTIZATIONS, QUANTIZED, quantize_layers
+def open_checkpoint(url: str, dtype: str = "float32", quantization: str = "none") -> Checkpoint:
+    """The checkpoint at ``url`` with its params :class:`Deferred` (nothing read but the headers and, of a
+    ``loraserve quantize`` checkpoint, the scales, which are checked); quantization as :func:`load_checkpoint`."""
+    from loraserve.worker.quant import QUANTIZATIONS, QUANTIZED, deferred_quantized
 
     if quantization not in QUANTIZATIONS:
         raise InvalidArgument(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     hf_config = read_config(url)
     cfg = ModelConfig.from_hf(hf_config)
+    files = TensorFiles(url)
     written = _prequantized(hf_config)
-    put = jax.device_put if place else _host
     if written:
-        return _load_prequantized(cfg, url, dtype, written, put)
-    host = convert_hf_weights(cfg, dict(_iter_tensors(url)))
+        params, quantization = _plan_prequantized(cfg, files, written), written
+    else:
+        params = plan_params(cfg, files)
+        if quantization != "none":
+            for layer in params["layers"]:
+                for key in QUANTIZED:
+                    if key in layer:
+                        layer[key] = deferred_quantized(layer[key], quantization)
     jdtype = jnp.dtype(dtype)
-    skip = set(QUANTIZED) if quantization != "none" else set()
-    floats = {k: v for k, v in host.items() if k != "layers"}
-    floats["layers"] = [{k: v for k, v in layer.items() if k not in skip} for layer in host["layers"]]
-    params = jax.tree.map(lambda v: put(v.astype(jdtype)), floats)
-    if skip:
-        params["layers"] = quantize_layers(params["layers"], host["layers"], quantization, put)
-    return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name, quantization=quantization)
+    return Checkpoint(cfg, params, url, jdtype.name, quantization, files)
+
+
+def load_checkpoint(
+    url: str, dtype: str = "float32", quantization: str = "none", place: bool = True
+) -> Checkpoint:
+    """Read ``config.json`` + safetensors from ``url`` and place the weights on the device (``place`` False:
+    keep them host arrays of ``dtype``), one tensor at a time;
+    ``quantization="int8"`` stores the layers' projections as int8 with per-channel scales, ``"int4"`` as
+    packed int4 with a scale per group of inputs (worker.quant). A checkpoint ``loraserve quantize`` wrote
+    (``worker.quantize_cmd``) is served as it was written whatever ``quantization`` says: its values and
+    scales are taken as they are (checked: every scale present, of its shape, finite and positive), not
+    quantized again. A model split over devices is opened with :func:`open_checkpoint` instead, which reads
+    nothing until ``sharding.shard_params`` reads each device's shard.
+
+    Semantics: the returned params compute exactly what transformers' ``*ForCausalLM`` of the family computes
+    (quantized: what it computes with those weights dequantized).
+    """
+    checkpoint = open_checkpoint(url, dtype, quantization)
+    params = read_params(checkpoint, jax.device_put if place else _host)
+    return Checkpoint(
+        checkpoint.config, params, url, checkpoint.dtype, checkpoint.quantization, checkpoint.files
+    )
+
+
+def read_params(checkpoint: Checkpoint, put: Callable[[Any], Any] = jax.device_put) -> Params:
+    """Every :class:`Deferred` param of ``checkpoint`` read whole, in the model's dtype, through ``put``
+    (one tensor at a time); params already read are put as they are."""
+    jdtype = jnp.dtype(checkpoint.dtype)
+
+    def leaf(value: Any) -> Any:
+        if not isinstance(value, Deferred):
+            return put(value)
+        values = value.read()
+        return put(values.astype(jdtype) if value.dtype.kind == "f" and value.model_dtype else values)
+
+    return jax.tree.map(leaf, checkpoint.params, is_leaf=is_deferred)
 
 
 def _host(value: np.ndarray) -> np.ndarray:
@@ -260,70 +504,58 @@ def _prequantized(hf_config: dict[str, Any]) -> str:
     return written
 
 
-# each fused projection's HF modules, in the order convert_hf_weights stacks their rows
-_FUSED = {
-    "wqkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "wo": ("self_attn.o_proj",),
-    "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "w_down": ("mlp.down_proj",),
-}
-
-
-def _load_prequantized(
-    cfg: ModelConfig, url: str, dtype: str, quantization: str, put: Callable[[Any], Any]
-) -> Checkpoint:
+def _plan_prequantized(cfg: ModelConfig, files: TensorFiles, quantization: str) -> Params:
     """A ``loraserve quantize`` checkpoint: each projection's int8 (or packed int4) values with their
-    ``_scale`` (checked and named when wrong), fused as ``convert_hf_weights`` fuses the float weights (rows
-    side by side, each row's scales with it); the rest as any checkpoint."""
-    from loraserve.worker.quant import QUANTIZED, Int4Weight, Int8Weight, int4_group, pack_int4, unpack_int4
+    ``_scale`` (checked and named when wrong: every scale is read here, a small share of the bytes), fused as
+    the float weights are (rows side by side, each row's scales with it); the rest as any checkpoint."""
+    from loraserve.worker.quant import Int4Weight, Int8Weight, int4_group
     from loraserve.worker.quantize_cmd import PROJECTION, SCALE_SUFFIX
 
     int4 = quantization == "int4"
-    stored = np.uint8 if int4 else np.int8
-    tensors = dict(_iter_tensors(url))
-    scales: dict[str, np.ndarray] = {}
-    for name in [k for k in tensors if PROJECTION.match(k)]:
-        q = tensors[name]
-        if q.dtype != stored or q.ndim != 2:
+    stored = "U8" if int4 else "I8"
+    for name in [k for k in files.tensors if PROJECTION.match(k)]:
+        q = files.tensors[name]
+        if q.dtype != stored or len(q.shape) != 2:
+            dtype = "bfloat16" if q.dtype == "BF16" else np.dtype(_STORED[q.dtype]).name
             raise CheckpointError(
-                f"tensor {name} is {q.dtype} of shape {tuple(q.shape)}; an {quantization} checkpoint stores it as a "
-                f"2-d {np.dtype(stored).name} matrix"
+                f"tensor {name} is {dtype} of shape {q.shape}; an {quantization} checkpoint stores it as a "
+                f"2-d {np.dtype(_STORED[stored]).name} matrix"
             )
-        scale = tensors.pop(name + SCALE_SUFFIX, None)
-        if scale is None:
+        if not files.has(name + SCALE_SUFFIX):
             raise CheckpointError(f"checkpoint lacks tensor {name + SCALE_SUFFIX} (the scales of {name})")
+        scale = files.tensors[name + SCALE_SUFFIX]
         inputs = 2 * q.shape[1] if int4 else q.shape[1]
         want = (q.shape[0], inputs // int4_group(inputs)) if int4 else (q.shape[0],)
         if scale.shape != want:
-            packed = f" for {name} {tuple(q.shape)} (packed: {inputs} inputs)" if int4 else ""
+            packed = f" for {name} {q.shape} (packed: {inputs} inputs)" if int4 else ""
             raise CheckpointError(
-                f"tensor {name + SCALE_SUFFIX} has shape {tuple(scale.shape)}, expected {want}{packed}"
+                f"tensor {name + SCALE_SUFFIX} has shape {scale.shape}, expected {want}{packed}"
             )
-        if not (np.isfinite(scale).all() and (scale > 0).all()):
+        values = files.read(name + SCALE_SUFFIX)
+        if not (np.isfinite(values).all() and (values > 0).all()):
             raise CheckpointError(
                 f"tensor {name + SCALE_SUFFIX} holds a scale that is not finite and positive"
             )
-        scales[name] = np.asarray(scale, np.float32)
-        # exact as floats: convert_hf_weights checks and fuses them as it does float weights
-        tensors[name] = (unpack_int4(q) if int4 else q).astype(np.float32)
-    stray = sorted(k for k in tensors if k.endswith(SCALE_SUFFIX))
+    bases = {k: k[: -len(SCALE_SUFFIX)] for k in files.tensors if k.endswith(SCALE_SUFFIX)}
+    stray = sorted(k for k, base in bases.items() if not (PROJECTION.match(base) and files.has(base)))
     if stray:
         raise CheckpointError(f"tensor {stray[0]} scales no {quantization} projection of this checkpoint")
-    host = convert_hf_weights(cfg, tensors)
-    jdtype = jnp.dtype(dtype)
-    floats = {k: v for k, v in host.items() if k != "layers"}
-    floats["layers"] = [{k: v for k, v in layer.items() if k not in QUANTIZED} for layer in host["layers"]]
-    params = jax.tree.map(lambda v: put(v.astype(jdtype)), floats)
-    for n, (layer, values) in enumerate(zip(params["layers"], host["layers"], strict=True)):
-        for key in QUANTIZED:
-            if key not in values:
-                continue
-            modules = [f"model.layers.{n}.{m}.weight" for m in _FUSED[key]]
-            missing = [m for m in modules if m not in scales]
-            if missing:
-                raise CheckpointError(f"tensor {missing[0]} is not {quantization} in a quantized checkpoint")
-            scale = np.concatenate([scales[m] for m in modules])
-            q = values[key].astype(np.int8)
-            weight = Int4Weight(pack_int4(q), scale) if int4 else Int8Weight(q, scale)
-            layer[key] = jax.tree.map(put, weight)
-    return Checkpoint(config=cfg, params=params, source=url, dtype=jdtype.name, quantization=quantization)
+
+    def projection(name: str, shape: tuple[int, int]) -> Any:
+        out, inputs = shape
+        if not files.has(name):
+            raise CheckpointError(f"checkpoint lacks tensor {name}")
+        if int4:
+            values = _tensor(files, name, (out, inputs // 2))
+            scale = _tensor(files, name + SCALE_SUFFIX, (out, inputs // int4_group(inputs)))
+            weight: Any = Int4Weight(values, scale)
+        else:
+            weight = Int8Weight(_tensor(files, name, shape), _tensor(files, name + SCALE_SUFFIX, (out,)))
+        return type(weight)(weight.q, _unscaled(weight.scale))
+
+    return plan_params(cfg, files, projection)
+
+
+def _unscaled(d: Deferred) -> Deferred:
+    """``d`` kept in float32 whatever the model's dtype (quantization scales)."""
+    return Deferred(d.shape, d.dtype, d.reader, model_dtype=False)

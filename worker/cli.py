@@ -42,7 +42,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     from loraserve.adapters.sources import LocalAdapterSource
     from loraserve.common.server import run_server
     from loraserve.worker import multihost
-    from loraserve.worker.checkpoint import load_checkpoint, read_config
+    from loraserve.worker.checkpoint import load_checkpoint, open_checkpoint, read_config
     from loraserve.worker.config import resolve_engine_config
     from loraserve.worker.engine import Engine
     from loraserve.worker.jax_runner import JaxRunner
@@ -62,11 +62,11 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     if cluster is not None:
         stop = stop or asyncio.Event()
         channel = _join_cluster(cluster, config.model, stop, lost)
-    # a model split over devices stays on the host until the runner puts each device's shards there
+    # a model split over devices is read shard by shard as the runner places it: each process reads the
+    # rows and columns its devices hold, and no device (nor host) ever holds the whole model
     split = engine_config.tensor_parallel_size > 1 or cluster is not None
-    checkpoint = load_checkpoint(
-        config.model, dtype=engine_config.dtype, quantization=config.quantization, place=not split
-    )
+    load = open_checkpoint if split else load_checkpoint
+    checkpoint = load(config.model, dtype=engine_config.dtype, quantization=config.quantization)
     if cluster is not None and not cluster.leader:  # a follower replays the leader's device calls
         multihost.follow(JaxRunner(checkpoint, engine_config), channel)
         return 0

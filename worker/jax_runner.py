@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from loraserve import kernels
 from loraserve.adapters.peft import LoraWeights
-from loraserve.common.errors import FailedPrecondition
+from loraserve.common.errors import FailedPrecondition, LoraserveError
 from loraserve.kernels.attention import DecodeAttention, resolve_attention
 from loraserve.kernels.backends import LoraBackend
 from loraserve.kernels.linear import resolve_backend as resolve_linear
@@ -27,7 +27,7 @@ from loraserve.kernels.linear import traced_with
 from loraserve.kernels.sharded import ShardedBackend
 from loraserve.worker import model as M
 from loraserve.worker import sharding
-from loraserve.worker.checkpoint import Checkpoint
+from loraserve.worker.checkpoint import Checkpoint, read_params
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.multihost import fields_of, slot_values_arrays
@@ -43,7 +43,14 @@ from loraserve.worker.sampling import (
     sample,
     seed_row,
 )
-from loraserve.worker.slot_pools import SlotPools, SlotValues, base_weights, check_slot_values, slot_arrays
+from loraserve.worker.slot_pools import (
+    SlotPools,
+    SlotValues,
+    base_weights,
+    check_slot_values,
+    is_scaled,
+    slot_arrays,
+)
 from loraserve.worker.step import (
     DONATED,
     Array,
@@ -206,7 +213,7 @@ class JaxRunner:
         self.multiprocess = jax.process_count() > 1  # every process runs this constructor (worker.multihost)
         if n == 1 and not self.multiprocess:  # host params (load_checkpoint(place=False)) go to the device
             self.model_config, self.backend = checkpoint.config, backend
-            self.params = jax.device_put(checkpoint.params)
+            self.params = read_params(checkpoint)  # one tensor at a time onto the device
             out_shardings = None
         else:
             sharding.check_tensor_parallel(checkpoint.config, n, len(jax.devices()))
@@ -217,11 +224,23 @@ class JaxRunner:
                 )
             self.mesh = sharding.make_mesh(n)
             self.model_config = sharding.tp_model_config(checkpoint.config, n)
-            self.params = sharding.shard_params(checkpoint.config, checkpoint.params, self.mesh)
+            self.params = sharding.shard_params(
+                checkpoint.config, checkpoint.params, self.mesh, checkpoint.dtype
+            )
             self.backend = ShardedBackend(backend, self.mesh)
             cache = NamedSharding(self.mesh, sharding.CACHE_SPEC)
             self._cache_shardings = [(cache, cache)] * self.model_config.num_layers
             out_shardings = (NamedSharding(self.mesh, P()), self._cache_shardings)
+        if checkpoint.files is not None and checkpoint.files.bytes_read:
+            log.info(
+                "checkpoint %s: read %.2f MiB of its %.2f MiB (%.0f%%; process %d of %d)",
+                checkpoint.source,
+                checkpoint.files.bytes_read / 2**20,
+                checkpoint.files.total_bytes / 2**20,
+                100 * checkpoint.files.bytes_read / max(1, checkpoint.files.total_bytes),
+                jax.process_index(),
+                jax.process_count(),
+            )
         # decode attention over the pages: the TPU kernel runs per device of the mesh (kernels.attention)
         self.attention = DecodeAttention(resolve_attention(config.attention_backend), self.mesh)
         log.info(
@@ -330,8 +349,19 @@ class JaxRunner:
         return values
 
     def write_slot(self, index: int, values: SlotValues) -> None:
+        """Write one slot. Across processes DoRA's scales are computed here (``prepare`` could not) and
+        checked as ``prepare`` checks them on one host: every process computes the same replicated scales
+        and so makes the same decision; refused values leave the slot empty (zeros) on every process and
+        raise INVALID_ARGUMENT naming the layer and pool (the residency fails the load)."""
         if self.channel is not None:
             self._tell("write", {"index": np.asarray(index, np.int32), **slot_values_arrays(values)})
+        if self.multiprocess and not is_scaled(values):
+            values = self.pools.with_scales(values)
+            try:
+                check_slot_values(values)
+            except LoraserveError:
+                self.pools.zero(index)
+                raise
         self.pools.write(index, values)
 
     def zero_slot(self, index: int) -> None:

@@ -43,7 +43,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from loraserve.common.errors import FailedPrecondition, InvalidArgument
+from loraserve.common.errors import FailedPrecondition, InvalidArgument, LoraserveError
 
 log = logging.getLogger("loraserve.worker.multihost")
 
@@ -477,7 +477,12 @@ def follow(runner: Any, channel: FollowerChannel) -> int:
         elif op == "seed":
             runner.seed_arrays(**arrays)
         elif op == "write":
-            runner.write_slot(int(arrays["index"]), slot_values_from(arrays))
+            try:
+                runner.write_slot(int(arrays["index"]), slot_values_from(arrays))
+            except LoraserveError as exc:  # refused on the leader too (the same scales): the slot is empty
+                log.info(
+                    "multi-host follower: slot %d refused as on the leader: %s", int(arrays["index"]), exc
+                )
         elif op == "zero":
             runner.zero_slot(int(arrays["index"]))
         elif op == "warmup":

@@ -25,7 +25,6 @@ devices the column-parallel projections split ``q`` and ``scale`` by rows, the r
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,29 +187,58 @@ def _kernel_available() -> bool:
     return cpu.available()
 
 
-def quantize(values: np.ndarray, quantization: str, put: Callable[[Any], Any] = jax.device_put) -> Quantized:
-    """An f32 host ``[out, in]`` weight as ``quantization`` ("int8" | "int4"), its arrays through ``put``
-    (the default device; ``load_checkpoint(place=False)``: left on the host)."""
-    if quantization == "int4":
-        q, s = quantize_int4(values)
-        return Int4Weight(put(q), put(s))
-    q, s = quantize_int8(values)
-    return Int8Weight(put(q), put(s))
+def deferred_quantized(src: Any, quantization: str) -> Quantized:
+    """A float ``[out, in]`` weight still to be read (``worker.checkpoint.Deferred``) as ``quantization``
+    weights still to be read: each read of values or scales reads the float rows it needs (int8: whole rows,
+    its scale is the row's maximum; int4: the groups the columns asked for) and quantizes them, exactly as
+    ``quantize_int8`` / ``quantize_int4`` quantize the whole weight. Values and scales of the same rows are
+    quantized once."""
+    from loraserve.worker.checkpoint import Deferred
 
+    out, inputs = src.shape
+    int4 = quantization == "int4"
+    group = int4_group(inputs) if int4 else inputs
+    memo: dict[tuple[bytes, int, int], tuple[np.ndarray, np.ndarray]] = {}
 
-def quantize_layers(
-    layers: list[dict[str, Any]],
-    host: list[dict[str, np.ndarray]],
-    quantization: str = "int8",
-    put: Callable[[Any], Any] = jax.device_put,
-) -> list[dict[str, Any]]:
-    """Each layer with its QUANTIZED projections replaced by ``quantization`` weights made from the f32
-    ``host`` arrays (placed by ``put``, as :func:`quantize`)."""
-    out = []
-    for layer, values in zip(layers, host, strict=True):
-        layer = dict(layer)
-        for key in QUANTIZED:
-            if key in values:
-                layer[key] = quantize(values[key], quantization, put)
-        out.append(layer)
-    return out
+    def quantized(rows: np.ndarray, g0: int, g1: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``rows``' groups g0..g1 (int8: the one group of the whole row) quantized."""
+        key = (rows.tobytes(), g0, g1)
+        if key not in memo:
+            if len(memo) > 8:
+                memo.clear()
+            floats = src.read(rows, (slice(g0 * group, g1 * group),))
+            memo[key] = quantize_int4(floats, group) if int4 else quantize_int8(floats)
+        return memo[key]
+
+    def groups(cols: slice, per_group: int, width: int) -> tuple[int, int, slice]:
+        c0, c1, _ = cols.indices(width)
+        g0, g1 = c0 // per_group, -(-c1 // per_group)
+        return g0, g1, slice(c0 - g0 * per_group, c1 - g0 * per_group)
+
+    if int4:
+        packed, n_groups = inputs // 2, inputs // group
+
+        def read_q(rows: np.ndarray, rest: tuple[slice, ...]) -> np.ndarray:
+            g0, g1, local = groups(rest[0] if rest else slice(None), group // 2, packed)
+            return quantized(rows, g0, g1)[0][:, local]
+
+        def read_scale(rows: np.ndarray, rest: tuple[slice, ...]) -> np.ndarray:
+            g0, g1, local = groups(rest[0] if rest else slice(None), 1, n_groups)
+            return quantized(rows, g0, g1)[1][:, local]
+
+        return Int4Weight(
+            Deferred((out, packed), np.dtype(np.uint8), read_q),
+            Deferred((out, n_groups), np.dtype(np.float32), read_scale, model_dtype=False),
+        )
+
+    def read_q8(rows: np.ndarray, rest: tuple[slice, ...]) -> np.ndarray:
+        values = quantized(rows, 0, 1)[0]
+        return values[:, rest[0]] if rest else values
+
+    def read_scale8(rows: np.ndarray, rest: tuple[slice, ...]) -> np.ndarray:
+        return quantized(rows, 0, 1)[1]
+
+    return Int8Weight(
+        Deferred((out, inputs), np.dtype(np.int8), read_q8),
+        Deferred((out,), np.dtype(np.float32), read_scale8, model_dtype=False),
+    )

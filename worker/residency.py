@@ -251,7 +251,15 @@ class Residency:
                     continue
                 if evicted:
                     log.info("evicted adapter %s from slot %d for %s", evicted, index, p.key)
-                self.runner.write_slot(index, p.values)
+                try:
+                    self.runner.write_slot(index, p.values)
+                except LoraserveError as exc:  # a multi-host runner checks DoRA's scales as it writes them
+                    self.table.clear(index)  # the runner left it empty
+                    self.host_tier.drop(p.key)
+                    for future, _ in self._loads.pop(p.ref, []):
+                        self._later(future, exc)
+                    yield LoadFailed(p.ref, exc)
+                    continue
                 self.table.mark_loaded(index)
                 self.adapter_loads += 1
             self._settle(p.ref, p.key)

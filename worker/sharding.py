@@ -20,7 +20,6 @@ N = 1 uses none of this: the runner keeps its single-device path.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -126,32 +125,6 @@ def _repeat_kv_rows(w: np.ndarray, cfg: ModelConfig, r: int) -> np.ndarray:
     return np.concatenate([w[:q], k.reshape(-1, *w.shape[1:]), v.reshape(-1, *w.shape[1:])])
 
 
-def host_layer_params(cfg: ModelConfig, layer: dict[str, Any], n: int) -> dict[str, np.ndarray]:
-    """One layer's params (``worker.checkpoint`` layout) -> host arrays in the N-device layout."""
-    from loraserve.worker.quant import Quantized
-
-    tcfg, r = tp_model_config(cfg, n), kv_repeat(cfg, n)
-
-    def host(v: Any) -> Any:  # a quantized projection's values and scales move together, row for row
-        if isinstance(v, Quantized):
-            return type(v)(np.asarray(v.q), np.asarray(v.scale))
-        return np.asarray(v)
-
-    def rows(v: Any, fn: Callable[[np.ndarray], np.ndarray]) -> Any:
-        return type(v)(fn(v.q), fn(v.scale)) if isinstance(v, Quantized) else fn(v)
-
-    out = {k: host(v) for k, v in layer.items()}
-    qkv_order = fuse_order((tcfg.q_size, tcfg.kv_size, tcfg.kv_size), n)
-    gu_order = fuse_order((cfg.intermediate_size,) * 2, n)
-    for key in ("wqkv", "bqkv"):
-        if key in out:
-            out[key] = rows(out[key], lambda w: _repeat_kv_rows(w, cfg, r)[qkv_order])
-    for key in ("w_gate_up", "b_gate_up"):
-        if key in out:
-            out[key] = rows(out[key], lambda w: w[gu_order])
-    return out
-
-
 def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int) -> dict[str, Any]:
     """The PartitionSpec tree of ``params`` (same structure; leaves arrays or shape tuples) for N devices."""
     vocab = P(AXIS, None) if cfg.vocab_size % n == 0 else P()
@@ -173,27 +146,108 @@ def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int) -> dict[str, A
     return top
 
 
-def shard_params(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
+def shard_params(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh, dtype: Any = None) -> dict[str, Any]:
     """Checkpoint params -> device arrays in the Megatron layout over ``mesh`` (fused rows re-ordered,
-    KV heads repeated when fewer than N)."""
+    KV heads repeated when fewer than N: :func:`layer_row_order`), each device's shard put straight from the
+    host, so that no device ever holds a whole split tensor. Params still to be read
+    (``checkpoint.open_checkpoint``'s ``Deferred``) are read shard by shard: each process reads only the rows
+    and columns its own devices hold. Floats are placed in ``dtype`` (default: the embedding's)."""
+    from loraserve.worker.checkpoint import Deferred, is_deferred
+    from loraserve.worker.quant import Quantized
+
+    def deferred(v: Any, model_dtype: bool = True) -> Any:
+        if isinstance(v, Quantized):
+            return type(v)(deferred(v.q), deferred(v.scale, model_dtype=False))
+        if is_deferred(v):
+            return v
+        a = np.asarray(v)
+        return Deferred(a.shape, a.dtype, lambda rows, rest: a[rows][(slice(None), *rest)], model_dtype)
+
+    params = jax.tree.map(deferred, params, is_leaf=lambda x: is_deferred(x) or isinstance(x, Quantized))
+    if dtype is None:
+        embed = params["embed"]
+        dtype = embed.dtype if embed.dtype.kind == "f" else jnp.float32
+    return _read_shards(cfg, params, mesh, jnp.dtype(dtype))
+
+
+def layer_row_order(cfg: ModelConfig, key: str, rows: int, n: int) -> np.ndarray | None:
+    """The N-device layout's rows of a layer param as rows of its checkpoint layout: ``wqkv``'s rows with
+    each KV head's repeated ``kv_repeat`` times, then ``wqkv`` and ``w_gate_up`` (and their biases) in
+    :func:`fuse_order`; None: the same rows. A quantized projection's scales follow their rows."""
+    if key in ("wqkv", "bqkv"):
+        tcfg = tp_model_config(cfg, n)
+        order = fuse_order((tcfg.q_size, tcfg.kv_size, tcfg.kv_size), n)
+        return _repeat_kv_rows(np.arange(rows), cfg, kv_repeat(cfg, n))[order]
+    if key in ("w_gate_up", "b_gate_up"):
+        return np.arange(rows)[fuse_order((cfg.intermediate_size,) * 2, n)]
+    return None
+
+
+def _read_shards(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh, dtype: Any) -> dict[str, Any]:
+    """:func:`shard_params` of ``Deferred`` params: every device's shard read by
+    ``jax.make_array_from_callback`` (called for this process's devices only), each distinct shard once."""
     from loraserve.worker.quant import Quantized
 
     n = mesh.size
-    dtype = params["embed"].dtype
-    host = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
-    host["layers"] = [host_layer_params(cfg, layer, n) for layer in params["layers"]]
-    specs = param_specs(cfg, host, n)
 
-    def put(v: Any, spec: Any) -> Any:
-        if isinstance(v, Quantized):  # quantized values and f32 scales keep their dtypes
-            return type(v)(
-                jax.device_put(v.q, NamedSharding(mesh, spec.q)),
-                jax.device_put(v.scale, NamedSharding(mesh, spec.scale)),
-            )
-        # from the host straight to each device's shard: no device ever holds the whole tensor
-        return jax.device_put(np.asarray(v).astype(dtype, copy=False), NamedSharding(mesh, spec))
+    def placed(d: Any, order: np.ndarray | None, spec: P) -> jax.Array:
+        shape = (len(order) if order is not None else d.shape[0], *d.shape[1:])
+        cast = dtype if jnp.issubdtype(d.dtype, jnp.floating) and d.model_dtype else d.dtype
+        sharding = NamedSharding(mesh, spec)
+        # this process's devices' shards read together, once: their rows (each checkpoint row once, even
+        # when KV heads repeat) and the span of their other dimensions; each device's shard cut from it
+        local = list(sharding.addressable_devices_indices_map(shape).values())
+        rows = np.unique(np.concatenate([np.arange(shape[0])[index[0]] for index in local]))
+        spans = [
+            (min(i[k].indices(shape[k])[0] for i in local), max(i[k].indices(shape[k])[1] for i in local))
+            for k in range(1, len(shape))
+        ]
+        source = rows if order is None else order[rows]
+        unique, back = np.unique(source, return_inverse=True)
+        block = d.read(unique, tuple(slice(a, b) for a, b in spans))[back.reshape(-1)].astype(cast)
 
-    return jax.tree.map(put, host, specs, is_leaf=lambda x: isinstance(x, np.ndarray | Quantized))
+        def shard(index: tuple[slice, ...]) -> np.ndarray:
+            at = np.searchsorted(rows, np.arange(shape[0])[index[0]])
+            cut = [
+                slice(s.indices(shape[k + 1])[0] - a, s.indices(shape[k + 1])[1] - a)
+                for k, (s, (a, _)) in enumerate(zip(index[1:], spans, strict=True))
+            ]
+            return block[(at, *cut)]
+
+        return jax.make_array_from_callback(shape, sharding, shard)
+
+    def global_shape(d: Any, order: np.ndarray | None) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((len(order) if order is not None else d.shape[0], *d.shape[1:]), d.dtype)
+
+    def orders(layer: dict[str, Any]) -> dict[str, np.ndarray | None]:
+        return {k: layer_row_order(cfg, k, v.shape[0], n) for k, v in layer.items()}
+
+    shapes = {k: global_shape(v, None) for k, v in params.items() if k != "layers"}
+    shapes["layers"] = []
+    for layer in params["layers"]:
+        rows = orders(layer)
+        shapes["layers"].append(
+            {
+                k: type(v)(global_shape(v.q, rows[k]), global_shape(v.scale, rows[k]))
+                if isinstance(v, Quantized)
+                else global_shape(v, rows[k])
+                for k, v in layer.items()
+            }
+        )
+    specs = param_specs(cfg, shapes, n)
+    out = {k: placed(v, None, specs[k]) for k, v in params.items() if k != "layers"}
+    out["layers"] = []
+    for layer, spec in zip(params["layers"], specs["layers"], strict=True):
+        rows = orders(layer)
+        out["layers"].append(
+            {
+                k: type(v)(placed(v.q, rows[k], spec[k].q), placed(v.scale, rows[k], spec[k].scale))
+                if isinstance(v, Quantized)
+                else placed(v, rows[k], spec[k])
+                for k, v in layer.items()
+            }
+        )
+    return out
 
 
 def check_int4_groups(key: str, scale_shape: tuple[int, ...], n: int) -> None:

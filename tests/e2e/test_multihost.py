@@ -6,6 +6,7 @@ compiles after warm-up on either process; stopping the leader stops the follower
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -24,6 +25,7 @@ from loraserve.adapters.mixes import is_mix, parse_mix
 from loraserve.client.sdk import Client
 from loraserve.common.processes import start_server
 from loraserve.registry.config import RegistryConfig
+from loraserve.worker.checkpoint import TensorFiles
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.multihost import EXIT_PEER_LOST
 from tests.conftest import with_test_xla_flags
@@ -107,6 +109,18 @@ def test_two_processes_serve_one_mesh(llama_dir, adapter_dirs, dora_dirs, tmp_pa
             if follower.poll() is None:
                 follower.kill()
     assert float(re.search(r"^loraserve_preemptions(?:_total)? (\S+)$", scrape, re.M)[1]) > 0
+    # each process read its devices' half of the checkpoint, and of the row-parallel o/down projections
+    # whole rows (their halves of a row, 128 and 320 bytes apart, are closer than a page: read through);
+    # the norms every device holds
+    files = TensorFiles(str(llama_dir))
+    whole = ("o_proj.weight", "down_proj.weight", "norm.weight")
+    share = sum(
+        s.itemsize * math.prod(s.shape) // (1 if name.endswith(whole) else 2)
+        for name, s in files.tensors.items()
+    )
+    for text, k in (("".join(w.log), 0), (follower_log.read_text(), 1)):
+        read = re.search(rf"read [\d.]+ MiB of its [\d.]+ MiB \((\d+)%; process {k} of 2\)", text)
+        assert read and abs(int(read[1]) - 100 * share / files.total_bytes) <= 0.5, read
     assert served[0] > 0 and _compiles("".join(w.log[: served[1]])) > 0  # the count is live: warm-up compiled
     assert _compiles(follower_log.read_text()) == served[0], "the follower compiled while serving"
     assert _compiles("".join(after)) == 0, "the leader compiled while serving"

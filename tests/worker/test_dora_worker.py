@@ -211,3 +211,35 @@ def test_the_worker_checks_what_a_slot_will_hold(model_dirs, dora_dirs) -> None:
         runner.prepare(big)
     assert "slot value dora_scale_qkv of layer 0" in str(exc.value) and "over the bound" in str(exc.value)
     assert not any(np.asarray(pool).any() for pool in runner.pools.pools.layers[1].values() if pool.ndim == 3)
+
+
+def test_a_multi_host_runner_checks_dora_scales_as_it_writes_them(model_dirs, dora_dirs) -> None:
+    """Across processes ``prepare`` cannot compute DoRA's scales (every device call keeps one order on every
+    process), so ``write_slot`` computes and checks them: the same refusal as on one host, raised when the slot
+    is written, and the slot left empty; a healthy DoRA adapter is written with the one-host values."""
+    import dataclasses
+
+    from loraserve.adapters.peft import MAX_SLOT_VALUE
+    from loraserve.worker.config import EngineConfig
+    from loraserve.worker.jax_runner import JaxRunner
+
+    ck = load_checkpoint(str(model_dirs["llama"]))
+    runner = JaxRunner(ck, EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=2, max_lora_rank=RANK))
+    weights = _weights(ck.config, dora_dirs("llama")["dora-all-r4"])
+    one_host = runner.prepare(weights)
+    runner.multiprocess = True  # what jax.process_count() > 1 sets
+    m, mask = weights.magnitudes["q_proj"]
+    big = dataclasses.replace(
+        weights, magnitudes={**weights.magnitudes, "q_proj": (m * 0 + MAX_SLOT_VALUE, mask)}
+    )
+    values = runner.prepare(big)  # the magnitudes pass; their scales are not computed yet
+    with pytest.raises(AdapterError) as exc:
+        runner.write_slot(1, values)
+    assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "slot value dora_scale_qkv of layer 0" in str(exc.value) and "over the bound" in str(exc.value)
+    assert not any(
+        np.asarray(pool[1]).any() for pool in runner.pools.pools.layers[0].values() if pool.ndim == 3
+    )
+    runner.write_slot(1, runner.prepare(weights))
+    for name, want in one_host[0].items():
+        np.testing.assert_allclose(runner.pools.read(1)[0][name], want, rtol=1e-6, atol=1e-7, err_msg=name)

@@ -276,3 +276,36 @@ def test_distinct_mixes_leave_bounded_state() -> None:
     finally:
         residency.MAX_RESOLVED = limit
     assert sorted(h.source.fetches) == ["a", "b"]  # the parts came from the host tier every time after
+
+
+def test_a_slot_write_the_runner_refuses_fails_that_load_only() -> None:
+    """A multi-host runner computes DoRA's scales as it writes the slot and may refuse them then
+    (``JaxRunner.write_slot``): that adapter's requests fail with the runner's INVALID_ARGUMENT, the slot is
+    free again (the adapter it evicted too: the runner left the slot zeroed), and the next load is served."""
+    from loraserve.adapters.errors import AdapterError
+
+    h = Harness(config(), source_of("a", "bad"))
+    refuse, write = threading.Event(), h.runner.write_slot
+
+    def write_slot(index: int, values: str) -> None:
+        if refuse.is_set():
+            h.runner.zeroed.append(index)
+            raise AdapterError("slot value dora_scale_qkv of layer 0 is over the bound once scaled; refused")
+        write(index, values)
+
+    h.runner.write_slot = write_slot
+    first = h.submit("a", max_tokens=1)
+    h.run(first)
+    refuse.set()
+    bad, waiting = h.submit("bad", max_tokens=1), h.submit("bad", max_tokens=1)
+    h.run(bad, waiting)
+    for c in (bad, waiting):
+        assert isinstance(c.end, Failed) and c.end.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "dora_scale_qkv of layer 0 is over the bound" in c.end.message
+    snap = h.scheduler.snapshot()
+    assert snap.free_slots == 1 and snap.slots[0].adapter == "" and h.runner.zeroed == [0]
+    refuse.clear()
+    again = h.submit("a", max_tokens=1)
+    h.run(again)
+    assert again.end == Finished("length", 1, 1, token_id=7)
+    assert [i for i, _ in h.runner.writes] == [0, 0]
