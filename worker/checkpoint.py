@@ -194,7 +194,7 @@ class TensorFiles:
         out_shape = (len(rows), width[1] - width[0]) if width != (0, row_items) else (len(rows), *shape[1:])
         return values.reshape(out_shape if s.shape else ())
 
-    def _ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> bytes:
+    def _ranges(self, path: str, ranges: Sequence[tuple[int, int]]) -> bytes | bytearray:
         """The bytes of ``ranges`` (in their order), read in blocks that join ranges closer than
         LOCAL_GAP (a local file) or REMOTE_GAP (object storage)."""
         if not ranges:
@@ -217,13 +217,16 @@ class TensorFiles:
             got = [(a, bytes(d)) for (a, _), d in zip(blocks, data, strict=True)]
         with self._lock:
             self.bytes_read += sum(len(d) for _, d in got)
+        if len(ranges) == 1 and len(got) == 1:  # a whole tensor or one run of rows: the block itself
+            return got[0][1]
         starts = [a for a, _ in got]
-        out = bytearray()
+        views = [memoryview(data) for _, data in got]
+        out, at = bytearray(sum(b - a for a, b in ranges)), 0  # each byte copied once
         for a, b in ranges:
             k = int(np.searchsorted(starts, a, side="right")) - 1
-            base, data = got[k]
-            out += data[a - base : b - base]
-        return bytes(out)
+            out[at : at + b - a] = views[k][a - got[k][0] : b - got[k][0]]
+            at += b - a
+        return out
 
 
 # ------------------------------------------------------------------------------------- deferred params
