@@ -150,7 +150,8 @@ class TensorFiles:
             if dtype not in _STORED:
                 raise CheckpointError(f"tensor {key} has dtype {dtype}, which is not served")
             stored = Stored(path, dtype, shape, 8 + n + int(begin))
-            if int(end) - int(begin) != stored.itemsize * math.prod(shape) or 8 + n + int(end) > size:
+            bad = min(shape, default=0) < 0 or not 0 <= int(begin) <= int(end)
+            if bad or int(end) - int(begin) != stored.itemsize * math.prod(shape) or 8 + n + int(end) > size:
                 raise CheckpointError(
                     f"{name}: tensor {key}'s bytes do not match its shape {shape} and dtype"
                 )

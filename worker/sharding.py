@@ -219,34 +219,31 @@ def _read_shards(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh, dtype: An
     def global_shape(d: Any, order: np.ndarray | None) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((len(order) if order is not None else d.shape[0], *d.shape[1:]), d.dtype)
 
-    def orders(layer: dict[str, Any]) -> dict[str, np.ndarray | None]:
-        return {k: layer_row_order(cfg, k, v.shape[0], n) for k, v in layer.items()}
-
+    # the N-device rows of each layer param as checkpoint rows (None: the same), computed once
+    orders = [
+        {k: layer_row_order(cfg, k, v.shape[0], n) for k, v in layer.items()} for layer in params["layers"]
+    ]
     shapes = {k: global_shape(v, None) for k, v in params.items() if k != "layers"}
-    shapes["layers"] = []
-    for layer in params["layers"]:
-        rows = orders(layer)
-        shapes["layers"].append(
-            {
-                k: type(v)(global_shape(v.q, rows[k]), global_shape(v.scale, rows[k]))
-                if isinstance(v, Quantized)
-                else global_shape(v, rows[k])
-                for k, v in layer.items()
-            }
-        )
+    shapes["layers"] = [
+        {
+            k: type(v)(global_shape(v.q, rows[k]), global_shape(v.scale, rows[k]))
+            if isinstance(v, Quantized)
+            else global_shape(v, rows[k])
+            for k, v in layer.items()
+        }
+        for layer, rows in zip(params["layers"], orders, strict=True)
+    ]
     specs = param_specs(cfg, shapes, n)
     out = {k: placed(v, None, specs[k]) for k, v in params.items() if k != "layers"}
-    out["layers"] = []
-    for layer, spec in zip(params["layers"], specs["layers"], strict=True):
-        rows = orders(layer)
-        out["layers"].append(
-            {
-                k: type(v)(placed(v.q, rows[k], spec[k].q), placed(v.scale, rows[k], spec[k].scale))
-                if isinstance(v, Quantized)
-                else placed(v, rows[k], spec[k])
-                for k, v in layer.items()
-            }
-        )
+    out["layers"] = [
+        {
+            k: type(v)(placed(v.q, rows[k], spec[k].q), placed(v.scale, rows[k], spec[k].scale))
+            if isinstance(v, Quantized)
+            else placed(v, rows[k], spec[k])
+            for k, v in layer.items()
+        }
+        for layer, rows, spec in zip(params["layers"], orders, specs["layers"], strict=True)
+    ]
     return out
 
 

@@ -173,12 +173,16 @@ def _file(header: dict, data: int) -> bytes:
             "tensor w's bytes do not match its shape (4,) and dtype",
         ),
         (
+            _file({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [4, 0]}}, 8),
+            "tensor w's bytes do not match its shape (-1,) and dtype",
+        ),
+        (
             _file({"w": {"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}}, 2),
             "tensor w has dtype F8_E4M3, which is not served",
         ),
         (_file({"w": {"dtype": "F32", "shape": 3}}, 0), "tensor w's header entry is malformed"),
     ],
-    ids=["short", "huge-header", "not-json", "past-the-end", "wrong-size", "dtype", "malformed"],
+    ids=["short", "huge-header", "not-json", "past-the-end", "wrong-size", "negative", "dtype", "malformed"],
 )
 def test_a_broken_file_is_refused_naming_it(tmp_path, data: bytes, words: str) -> None:
     (tmp_path / "model.safetensors").write_bytes(data)
