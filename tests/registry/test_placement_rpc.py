@@ -24,8 +24,12 @@ def _register(reg, address, shapes, slots=4, model=TINY_MODEL) -> str:
             for m, (i, o, n) in shapes.items()
         ],
     )
+    asked = time.time()
     resp = reg.client.placement.RegisterWorker(req)
-    assert resp.lease_seconds == 2 and resp.lease_expires_at.seconds > time.time()
+    # the lease runs from the registration: it ends after we asked (whole and fractional seconds; a loaded
+    # machine may take longer than the 2 s lease to answer, so "after the answer" would be flaky)
+    expires = resp.lease_expires_at.seconds + resp.lease_expires_at.nanos / 1e9
+    assert resp.lease_seconds == 2 and expires > asked
     return resp.worker_id
 
 
