@@ -30,13 +30,13 @@ LoRA on the experts and the router (``adapters.peft_experts``; pools of ``expert
 every mixture-of-experts model): a token with adapter slot s that chose expert e adds ``(x A[e, s]) B[e, s]``
 to that expert's gate/up output, and ``(act A'[e, s]) B'[e, s]`` to its down output, before the weighting;
 its router logits gain ``(x RA[s]) RB[s]``. The expert pools are expert-major, ``[E, S, …]``: on CPU a
-decode step's pairs gather their own ``A[e, s]`` and ``B[e, s]`` (small next to an expert's weights), a
-prefill's run as tiles of one (expert, slot); the grouped path sorts the pairs
-by ``e * S + s`` (an order also sorted by expert, so the base's groups stay the same) and runs the shrink
-and expand as grouped matmuls over the ``E * S`` (expert, slot) groups: a step reads only the experts and
-slots its tokens chose. Dtypes as
-the dense backends': the shrink accumulates in f32 and rounds to the model's dtype, the expand accumulates
-in f32 into the expert's f32 output. A token without an adapter (slot -1) computes slot 0's delta times an
+decode step's pairs run through the ``cpu`` backend's grouped C++ kernels with the pools seen as ``E * S``
+slots (each (expert, slot)'s A and B read once, in place; where the kernels do not run, each pair gathers
+its own ``A[e, s]`` and ``B[e, s]``), a prefill's run as tiles of one (expert, slot); the grouped path
+sorts the pairs by ``e * S + s`` (an order also sorted by expert, so the base's groups stay the same) and
+runs the shrink and expand as grouped matmuls over the ``E * S`` (expert, slot) groups: a step reads only
+the experts and slots its tokens chose. Dtypes as the dense backends': the shrink accumulates in f32 and
+rounds to the model's dtype, the expand accumulates in f32 into the expert's f32 output. A token without an adapter (slot -1) computes slot 0's delta times an
 exact zero, so its rows are its own whatever the others hold; the router's delta is a one-hot sum over
 slots, each other slot's term exactly zero.
 """
@@ -287,9 +287,12 @@ def _grouped(
 
 def _lora(pools: Pools, group: str, xs: Array, e: Array, s: Array, rows: int) -> Array:
     """``[pairs, out]`` f32: each pair's LoRA of its expert ``e`` and slot ``s`` (-1: an exact zero). Up to
-    ``GATHER_LORA_PAIRS`` pairs (a decode step) each gathers its own A and B, small next to an expert's
-    weights; past that (a prefill) tiles of one (expert, slot) run it (:func:`_grouped`)."""
+    ``GATHER_LORA_PAIRS`` pairs (a decode step): the C++ grouped kernels where they run
+    (:func:`_kernel_delta`), else each pair gathers its own A and B; past that (a prefill) tiles of one
+    (expert, slot) run it (:func:`_grouped`)."""
     if xs.shape[0] <= GATHER_LORA_PAIRS:
+        if _kernels_serve(pools[f"EA_{group}"].dtype):
+            return _kernel_delta(pools, group, xs, e, s)
         return _gathered_delta(pools, group, xs[:, None, :], e[:, None], s)[:, 0]
     n_slots = pools[f"EA_{group}"].shape[1]
     key = e * n_slots + jnp.maximum(s, 0)
@@ -300,6 +303,30 @@ def _lora(pools: Pools, group: str, xs: Array, e: Array, s: Array, rows: int) ->
 
     d = _grouped(fn, xs, key, pools[f"EA_{group}"].shape[0] * n_slots, out, rows)
     return d * (s >= 0).astype(jnp.float32)[:, None]
+
+
+def _kernels_serve(pool_dtype: Any) -> bool:
+    """Whether :func:`_kernel_delta` runs here: the C++ kernels build and load, and take the pools' dtype."""
+    from loraserve.kernels import cpu
+
+    return jnp.dtype(pool_dtype) in cpu.POOL_DTYPES and cpu.available()
+
+
+def _kernel_delta(pools: Pools, group: str, xs: Array, e: Array, s: Array) -> Array:
+    """``[pairs, out]`` f32: :func:`_gathered_delta`'s values through the ``cpu`` backend's grouped shrink and
+    expand (``kernels/csrc/lora.cc``) over the pools seen as ``E * S`` slots, pair ``(e, s)`` reading slot
+    ``e * S + s``: the kernels group the pairs by it and read each (expert, slot)'s A and B once, in place,
+    where the gathered path copies them for every pair (a decode step of the bench's MoE: ~64 pairs, most of
+    them distinct). The shrink is rounded to the activations' dtype between the two, as on the other paths; a
+    pair without an adapter (``s = -1``) gets an exact zero."""
+    from loraserve.kernels import cpu
+
+    a, b = pools[f"EA_{group}"], pools[f"EB_{group}"]  # [E, S, in, R], [E, S, R, out]
+    n_slots = a.shape[1]
+    idx = jnp.where(s >= 0, e * n_slots + s, -1).astype(jnp.int32)
+    t = cpu.lora_shrink(xs, a.reshape(-1, *a.shape[2:]), idx)  # [pairs, R] in xs's dtype
+    zeros = jnp.zeros((xs.shape[0], b.shape[-1]), jnp.float32)
+    return cpu.lora_expand(t, b.reshape(-1, *b.shape[2:]), idx, zeros)
 
 
 def _tile_delta(pools: Pools, group: str, x: Array, e: Array, s: Array) -> Array:

@@ -157,31 +157,36 @@ def _random_pools(cfg, slots: int, rng) -> dict:
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_the_gathered_and_grouped_paths_agree_and_rows_keep_their_bits(served, family) -> None:
-    """With expert and router LoRA in three slots: the CPU's gathered path equals the TPU's (expert, slot)
-    grouped matmuls within 1e-5; a row's result is bit-for-bit the same whatever the other rows' slots
-    (base rows included) and tokens, on both paths."""
+    """With expert and router LoRA in three slots: the gathered path (the reference), the CPU's tiled one
+    (decode-sized: the C++ grouped kernels over (expert, slot); prefill-sized: tiles of one (expert, slot))
+    and the TPU's (expert, slot) grouped matmuls agree within 1e-5; a row's result is bit-for-bit the same
+    whatever the other rows' slots (base rows included) and tokens, on every path."""
     ck = load_checkpoint(str(served(family)[0]))
     cfg, lp = ck.config, ck.params["layers"][0]
     rng = np.random.default_rng(0)
     ll = _random_pools(cfg, 3, rng)
-    for tokens in (5, 40):  # under and over a gather chunk
+    paths = ("gather", "tiled", "ragged")
+    # under and over a gather chunk; the last one's pairs past GATHER_LORA_PAIRS (the tiled path's prefill way)
+    for tokens in (5, 40, moe.GATHER_LORA_PAIRS // cfg.experts_per_token + 3):
         x = jnp.asarray(rng.standard_normal((tokens, cfg.hidden_size)), jnp.float32)
         slots = jnp.asarray(rng.integers(-1, 3, tokens), jnp.int32).at[0].set(1)
-        out = {p: moe.moe_mlp(cfg, lp, x, path=p, ll=ll, slots=slots) for p in ("gather", "ragged")}
-        np.testing.assert_allclose(np.asarray(out["gather"]), np.asarray(out["ragged"]), atol=1e-5, rtol=1e-5)
+        out = {p: moe.moe_mlp(cfg, lp, x, path=p, ll=ll, slots=slots) for p in paths}
+        for path in paths[1:]:
+            np.testing.assert_allclose(np.asarray(out[path]), np.asarray(out["gather"]), atol=1e-5, rtol=1e-5)
         base = moe.moe_mlp(cfg, lp, x, path="gather")
         assert np.abs(np.asarray(out["gather"])[0] - np.asarray(base)[0]).max() > 1e-2  # slot 1 moves row 0
         others = x.at[1:].set(jnp.asarray(rng.standard_normal((tokens - 1, x.shape[1])), jnp.float32))
         other_slots = slots.at[1:].set(jnp.asarray(rng.integers(-1, 3, tokens - 1), jnp.int32))
-        for path in ("gather", "ragged"):
+        for path in paths:
             after = moe.moe_mlp(cfg, lp, others, path=path, ll=ll, slots=other_slots)
             np.testing.assert_array_equal(np.asarray(after)[0], np.asarray(out[path])[0])
         # a base row (-1) computes what the model without any LoRA computes, bit for bit
-        no_lora = np.asarray(moe.moe_mlp(cfg, lp, x, path="gather"))
-        as_base = np.asarray(
-            moe.moe_mlp(cfg, lp, x, path="gather", ll=ll, slots=jnp.full(tokens, -1, jnp.int32))
-        )
-        np.testing.assert_array_equal(as_base, no_lora)
+        for path in ("gather", "tiled"):
+            no_lora = np.asarray(moe.moe_mlp(cfg, lp, x, path=path))
+            as_base = np.asarray(
+                moe.moe_mlp(cfg, lp, x, path=path, ll=ll, slots=jnp.full(tokens, -1, jnp.int32))
+            )
+            np.testing.assert_array_equal(as_base, no_lora)
 
 
 def test_expert_adapter_swaps_after_warmup_compile_nothing(served) -> None:
