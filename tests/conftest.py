@@ -141,11 +141,8 @@ EXCLUSIVE_MARK = r"mark\.exclusive\b"
 
 def _check_exclusive_files(items: list[pytest.Item]) -> None:
     """A usage error when an ``exclusive`` test's file does not match :data:`EXCLUSIVE_MARK`."""
-    unmarked = {
-        str(item.path)
-        for item in items
-        if item.get_closest_marker("exclusive") and not re.search(EXCLUSIVE_MARK, Path(item.path).read_text())
-    }
+    files = {Path(item.path) for item in items if item.get_closest_marker("exclusive")}
+    unmarked = {str(path) for path in files if not re.search(EXCLUSIVE_MARK, path.read_text())}
     if unmarked:
         raise pytest.UsageError(
             f"{sorted(unmarked)} mark tests exclusive in a way the Makefile's grep ({EXCLUSIVE_MARK}) does not "
