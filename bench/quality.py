@@ -3,6 +3,7 @@
     python bench/quality.py                          # the decode bench model, int8 and int4
     python bench/quality.py --tiny                   # the tiny model (seconds)
     python bench/quality.py --dtype bfloat16 --quantization int4 --prompts 16 --steps 64
+    python bench/quality.py --model /models/Llama-3.1-8B --dtype bfloat16   # a real checkpoint's numbers
 
 Each of ``--prompts`` random prompts is prefilled into its own row, then the unquantized model decodes
 ``--steps`` greedy tokens (all rows in one batch). Every quantized model is run on the very same tokens
@@ -11,8 +12,9 @@ quantized model's argmax is the token the unquantized one picked) and the mean K
 of the next-token distributions (nats). The model is the random decode bench model (bench/decode.py's
 ``--shape``), whose weights are Hugging Face's random initialisation: its next-token distributions are
 nearly flat (the median top-1 margin and probability are reported), so top-1 agreement there measures how
-often a near-tie flips, a harsher test than a trained model's peaked distributions. One JSON object is
-printed last.
+often a near-tie flips, a harsher test than a trained model's peaked distributions. ``--model`` compares a
+checkpoint folder instead (a trained model's numbers, read through the worker's loader; its prompts are
+random token ids of ``--prompt-len``). One JSON object is printed last.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="rows (random prompts of the shape's length)")
     parser.add_argument("--steps", type=int, default=32, help="greedy decode steps a row")
     parser.add_argument("--workdir", help="build the model here, reuse it when there (bench/decode.py's)")
+    parser.add_argument("--model", help="a checkpoint folder to compare instead of the bench model")
+    parser.add_argument("--prompt-len", type=int, help="tokens a prompt (default: the shape's prompt length)")
     args = parser.parse_args()
     from decode import SHAPES, build_or_reuse  # this folder's; tests import the functions above alone
 
@@ -114,12 +118,19 @@ def main() -> None:
         if q not in ("int8", "int4"):
             parser.error(f"unknown quantization {q!r}")
 
-    from loraserve.worker.checkpoint import load_checkpoint
+    from loraserve.worker.checkpoint import load_checkpoint, open_checkpoint
 
     with tempfile.TemporaryDirectory() as scratch:
-        workdir = Path(args.workdir or scratch)
-        base, _ = build_or_reuse(workdir, w, args.dtype, direct=shape != "tiny")
-        prompts = np.random.default_rng(0).integers(3, w["vocab_size"], (args.prompts, w["prompt"]))
+        if args.model:
+            base = Path(args.model)
+            cfg = open_checkpoint(str(base), dtype=args.dtype).config  # headers only
+            w = dict(w, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                     num_hidden_layers=cfg.num_layers, vocab_size=cfg.vocab_size)  # fmt: skip
+            shape = str(base)
+        else:
+            base, _ = build_or_reuse(Path(args.workdir or scratch), w, args.dtype, direct=shape != "tiny")
+        length = args.prompt_len or w["prompt"]
+        prompts = np.random.default_rng(0).integers(3, w["vocab_size"], (args.prompts, length))
         prompts = prompts.astype(np.int32)
         started = time.perf_counter()
         full, fed = run(load_checkpoint(str(base), dtype=args.dtype), prompts, None, args.steps)

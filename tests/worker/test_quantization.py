@@ -150,6 +150,41 @@ def test_quality_against_the_unquantized_model(tiny, family) -> None:
         assert 1e-4 < got["max_abs_logit_diff"] < most_diff  # quantized (the logits moved), and not by much
 
 
+@pytest.mark.slow
+def test_the_quality_script_compares_a_checkpoint_folder(tiny) -> None:
+    """``bench/quality.py --model DIR`` (a user's trained checkpoint): the numbers its functions give in this
+    process for the same prompts (random ids of ``--prompt-len``, seed 0), and the folder's own sizes."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import with_test_xla_flags
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "bench/quality.py", "--model", str(tiny["llama"]), "--quantization", "int8",
+         "--prompts", "3", "--prompt-len", "6", "--steps", "5"],
+        cwd=root, env=with_test_xla_flags(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    quality = _bench_quality()
+    ck = load_checkpoint(str(tiny["llama"]))
+    prompts = np.random.default_rng(0).integers(3, ck.config.vocab_size, (3, 6)).astype(np.int32)
+    full, fed = quality.run(ck, prompts, None, 5)
+    int8 = load_checkpoint(str(tiny["llama"]), quantization="int8")
+    want = quality.compare(full, fed, quality.run(int8, prompts, fed, 5)[0])
+    assert report["quality"] == {"int8": want} and want["positions"] == 18
+    assert report["shape"] == str(tiny["llama"])
+    assert report["model"] == {
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "vocab_size": 384,
+    }
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_an_adapter_computes_on_x_whatever_the_base_weight(tiny, quantization) -> None:
     """A layer's q/k/v with a LoRA delta D(x) added: the delta a quantized base gets is the float base's (the
