@@ -134,8 +134,8 @@ def _longest_first(items: list[pytest.Item]) -> None:
     items.sort(key=key)  # stable: collection order within a file and among the rest
 
 
-# How a file marks `exclusive` tests, as the Makefile's EXCLUSIVE_FILES greps for it: `make test`'s exclusive run
-# reads only the files that match (a test marked another way would be run by neither of its two runs).
+# How a file marks `exclusive` tests, as the Makefile's EXCLUSIVE_FILES greps for it: `make test`'s exclusive
+# run reads only the files that match (a test marked another way would be run by neither of its two runs).
 EXCLUSIVE_MARK = r"mark\.exclusive\b"
 
 
@@ -145,8 +145,8 @@ def _check_exclusive_files(items: list[pytest.Item]) -> None:
     unmarked = {str(path) for path in files if not re.search(EXCLUSIVE_MARK, path.read_text())}
     if unmarked:
         raise pytest.UsageError(
-            f"{sorted(unmarked)} mark tests exclusive in a way the Makefile's grep ({EXCLUSIVE_MARK}) does not "
-            "find: write `pytest.mark.exclusive` in the file"
+            f"{sorted(unmarked)} mark tests exclusive in a way the Makefile's grep ({EXCLUSIVE_MARK}) "
+            "does not find: write `pytest.mark.exclusive` in the file"
         )
 
 

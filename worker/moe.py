@@ -36,9 +36,9 @@ its own ``A[e, s]`` and ``B[e, s]``), a prefill's run as tiles of one (expert, s
 sorts the pairs by ``e * S + s`` (an order also sorted by expert, so the base's groups stay the same) and
 runs the shrink and expand as grouped matmuls over the ``E * S`` (expert, slot) groups: a step reads only
 the experts and slots its tokens chose. Dtypes as the dense backends': the shrink accumulates in f32 and
-rounds to the model's dtype, the expand accumulates in f32 into the expert's f32 output. A token without an adapter (slot -1) computes slot 0's delta times an
-exact zero, so its rows are its own whatever the others hold; the router's delta is a one-hot sum over
-slots, each other slot's term exactly zero.
+rounds to the model's dtype, the expand accumulates in f32 into the expert's f32 output. A token without an
+adapter (slot -1) computes slot 0's delta times an exact zero, so its rows are its own whatever the others
+hold; the router's delta is a one-hot sum over slots, each other slot's term exactly zero.
 """
 
 from __future__ import annotations
