@@ -45,7 +45,7 @@ from loraserve.kernels.shapes import ACC_DTYPE, check_expand, check_shrink, chec
 CSRC = Path(__file__).with_name("csrc")
 # one library from one source per kernel family, and the header they share
 SOURCES = (CSRC / "lora.cc", CSRC / "attention.cc", CSRC / "linear.cc")
-HEADERS = (CSRC / "common.h",)
+HEADERS = (CSRC / "common.h", CSRC / "amx.h")
 TARGETS = {
     "loraserve_lora_delta": "LoraDelta",
     "loraserve_lora_shrink": "LoraShrink",
@@ -156,8 +156,9 @@ def bf16_dot() -> bool:
 
 @functools.cache
 def amx() -> bool:
-    """True when the CPU has AMX tiles (the build's ``-march=native`` says so), where XLA:CPU's own bf16
-    GEMMs may use them: ``kernels.linear``'s ``auto`` keeps XLA there (not measured against the kernel)."""
+    """True when the projections' kernels (:func:`linear_bf16`, and :func:`linear_int8` for bf16 x) multiply on
+    AMX tiles (``kernels/csrc/amx.h``): the build has them (``-march=native`` on such a CPU), Linux granted the
+    process their state, and ``LORASERVE_KERNEL_AMX`` is not ``0``. Up to 64 rows then cost about what one does."""
     return available() and bool(_register().LoraserveCpuAmx())
 
 

@@ -90,6 +90,19 @@ void parallel_items(ffi::ThreadPool& pool, int64_t n_items, Fn item) {
   while (progress->done.load(std::memory_order_acquire) < n_items) std::this_thread::yield();
 }
 
+// n values in v from a 64-byte boundary (a vector load of a line-aligned row then never splits two lines:
+// malloc aligns to 16); zeroed when zero is set.
+template <class T>
+T* aligned64(std::vector<T>& v, int64_t n, bool zero) {
+  const int64_t pad = 64 / sizeof(T);
+  if (zero)
+    v.assign(n + pad, T(0));
+  else
+    v.resize(n + pad);
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(v.data()) + 63) / 64 * 64;
+  return reinterpret_cast<T*>(a);
+}
+
 inline bool is_f32(const ffi::AnyBuffer& b) { return b.element_type() == ffi::DataType::F32; }
 
 }  // namespace

@@ -4,7 +4,9 @@ Tolerance: the kernel sums bf16 products in f32 (exact products, f32 rounding of
 16-lane partials), so against a float64 product of the same bf16 inputs the error stays below
 ``1e-5 * sqrt(K) * max|y|`` on standard-normal inputs (seen: ~5e-7 scaled). Both code paths run on every
 x86 CI machine: the AVX-512 BF16 one where the CPU has it (native build), the f32-widening one in a child
-process built for ``x86-64-v3`` (``LORASERVE_KERNEL_MARCH``).
+process built for ``x86-64-v3`` (``LORASERVE_KERNEL_MARCH``). On a CPU with AMX tiles the native build
+multiplies on them (f32 sums of 32-element steps, the same bound) and a child runs the AVX-512 path
+(``LORASERVE_KERNEL_AMX=0``, tests/kernels/test_linear_quant.py).
 """
 
 from __future__ import annotations
@@ -43,6 +45,18 @@ def test_linear_bf16_matches_float64(M: int, K: int, N: int) -> None:
     _check(M, K, N)
 
 
+def test_a_rows_bits_do_not_depend_on_the_batch() -> None:
+    """Batch invariance: each x row's outputs are the same bits alone and among 3, 16, 17 or 24 rows (one and
+    two 16-row groups on AMX tiles; one and several 4-row tiles elsewhere)."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((24, 200)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((300, 200)), jnp.bfloat16)
+    full = np.asarray(jax.jit(cpu.linear_bf16)(x, w))
+    for m in (1, 3, 16, 17):
+        np.testing.assert_array_equal(np.asarray(jax.jit(cpu.linear_bf16)(x[:m], w)), full[:, :m])
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu.linear_bf16)(x[23:], w))[:, 0], full[:, 23])
+
+
 def test_linear_bf16_empty_and_bad_shapes() -> None:
     x = jnp.zeros((3, 0), jnp.bfloat16)
     assert (
@@ -76,8 +90,8 @@ def test_backend_choice_decides_the_lowering() -> None:
     assert got.shape == want.shape == (2, 3, 300)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
     with L.use_backend("auto"):
-        assert _kernel_calls(L.linear, x, w) == (1 if cpu.bf16_dot() and not cpu.amx() else 0)
-    assert L.resolve_backend("auto") == ("cpu" if cpu.bf16_dot() and not cpu.amx() else "xla")
+        assert _kernel_calls(L.linear, x, w) == (1 if cpu.bf16_dot() else 0)  # AMX CPUs have bf16 dot too
+    assert L.resolve_backend("auto") == ("cpu" if cpu.bf16_dot() else "xla")
     assert L.resolve_backend("xla") == "xla"
 
 

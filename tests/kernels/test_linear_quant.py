@@ -30,7 +30,7 @@ from loraserve.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ kernels unavailable (test_cpu fails then)")
 
-ROWS = (1, 3, 5, 16)
+ROWS = (1, 3, 5, 16, 17, 40)  # 17, 40: two and three 16-row groups of x on AMX tiles
 INT8_SHAPES = [(517, 1024), (517, 1027), (8, 64), (3, 9)]  # (N, K)
 # (N, K, G): G = 128 and the tiny models' 32 / 16; G = 40 and 2 leave a masked tail in every group
 INT4_SHAPES = [(517, 1024, 128), (8, 64, 32), (3, 16, 16), (7, 200, 40), (9, 40, 2)]
@@ -172,7 +172,7 @@ from loraserve.kernels import cpu
 from test_linear import SHAPES, _check
 from test_linear_quant import check_all
 worst_bf16 = max(_check(*s) for s in SHAPES)
-print(json.dumps({{"bf16_dot": cpu.bf16_dot(), "worst": check_all(), "worst_bf16": worst_bf16}}))
+print(json.dumps({{"bf16_dot": cpu.bf16_dot(), "amx": cpu.amx(), "worst": check_all(), "worst_bf16": worst_bf16}}))
 """
 
 
@@ -190,3 +190,18 @@ def test_the_avx2_build(tmp_path: Path) -> None:
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["bf16_dot"] is False and out["worst"] < 2e-5 and out["worst_bf16"] < 1e-5
     assert [p.name[:9] for p in tmp_path.iterdir()] == ["lora_cpu-"]
+
+
+def test_the_avx512_paths_on_an_amx_cpu() -> None:
+    """Where the kernels multiply on AMX tiles (kernels/csrc/amx.h), every case above, and linear_bf16's, once
+    more with the tiles switched off (``LORASERVE_KERNEL_AMX=0``, read when the library first asks for them):
+    the AVX-512 BF16 paths that CPUs without AMX run, from the same build, in one child process."""
+    if not cpu.amx():
+        pytest.skip("no AMX tiles here: the tests above ran the AVX-512 / AVX2 paths")
+    env = {**os.environ, "LORASERVE_KERNEL_AMX": "0"}
+    code = _CHILD.format(tests=str(Path(__file__).parent))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=480)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["bf16_dot"] is True and out["amx"] is False
+    assert out["worst"] < 2e-5 and out["worst_bf16"] < 1e-5

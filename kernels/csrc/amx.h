@@ -1,0 +1,195 @@
+// AMX tiles for the decode projections (linear.cc): on CPUs with AMX-BF16 (Intel Sapphire Rapids and
+// later: the cloud's C3/C4/M3 machines) a few rows against a weight matrix are bound by the tiles' bf16
+// products no longer: one TDPBF16PS multiplies a 16 x 32 block of weights by 32 x 16 of x (8192 products)
+// where vdpbf16ps does 32, so 16 rows cost about what one does and the weights stream at DRAM's rate.
+//
+// The product y [N, M] = w [N, K] . x [M, K]^T (weights-first, as linear.cc): A tiles are 16 weight rows x
+// 32 elements of K (bf16, loaded straight from the matrix, or from a block the caller converted, e.g. int8
+// to bf16), B tiles x packed once per call (amx_pack_x: for each 32 elements of K, 16 pairs of elements x 16
+// rows of x, zeros past M and K), C tiles 16 weight rows x 16 x rows of f32 sums. Each output is one chain of
+// TDPBF16PS over K in order, 32 elements a step, whatever M and whichever tiles share the step: a row's bits
+// do not depend on the other rows (batch-invariant). The tiles' own rounding inside a step (products exact,
+// f32 sums, denormals flushed) differs from vdpbf16ps's, so on an AMX CPU these kernels give other bits than
+// on an AVX-512 BF16 one, within the same tolerance of the exact product.
+//
+// Linux hands a process the tiles' 8 KiB of state only on request (arch_prctl ARCH_REQ_XCOMP_PERM):
+// amx_ready() asks once; where the kernel refuses (or LORASERVE_KERNEL_AMX=0), the kernels use their
+// AVX-512 paths.
+#pragma once
+
+#include "common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
+#define LORASERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+
+namespace {
+
+constexpr int64_t kAmxSegment = 16;  // steps of 32 converted (int8, int4) into L1 at a time: even
+constexpr int64_t kAmxMaxRows = 64;  // x rows a call takes on the tiles (4 groups of 16); more: AVX-512
+
+inline bool amx_ready() {
+  static const bool ready = [] {
+    const char* env = std::getenv("LORASERVE_KERNEL_AMX");
+    if (env != nullptr && env[0] == '0') return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // <asm/prctl.h>, the XTILEDATA state component
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ready;
+}
+
+// Every tile 16 rows of 64 bytes (palette 1): A and B 16 x 32 bf16, C 16 x 16 f32.
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  AmxConfig() {
+    for (int t = 0; t < 8; ++t) colsb[t] = 64, rows[t] = 16;
+  }
+};
+
+// Loads the tile configuration on the calling thread for its lifetime in scope, releases the tiles after
+// (XLA's pool threads then carry no tile state into other work).
+struct AmxScope {
+  AmxScope() {
+    static const AmxConfig config;
+    _tile_loadconfig(&config);
+  }
+  ~AmxScope() { _tile_release(); }
+  AmxScope(const AmxScope&) = delete;
+  AmxScope& operator=(const AmxScope&) = delete;
+};
+
+// x [M, K] bf16 (rows ldx apart) packed as B tiles: group g (x rows 16 g .. 16 g + 15), step c (K elements
+// 32 c .. 32 c + 31): a 16 x 16 array of 32-bit pairs, pair p of row n at [p][n] (x[16 g + n][32 c + 2 p],
+// then + 1), zeros past M and K. Tile (g, c) starts at out + (g * steps + c) * 512.
+inline void amx_pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* out) {
+  const int64_t steps = (K + 31) / 32, groups = (M + 15) / 16;
+  std::memset(out, 0, sizeof(uint16_t) * groups * steps * 512);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* row = x + m * ldx;
+    uint32_t* tiles = reinterpret_cast<uint32_t*>(out) + (m / 16) * steps * 256;
+    for (int64_t k = 0; k < K; k += 2) {
+      const uint32_t lo = row[k], hi = k + 1 < K ? row[k + 1] : 0;
+      tiles[(k / 32) * 256 + ((k % 32) / 2) * 16 + m % 16] = lo | (hi << 16);
+    }
+  }
+}
+
+inline int64_t amx_packed_size(int64_t M, int64_t K) { return (M + 15) / 16 * ((K + 31) / 32) * 512; }
+
+// 16 weight rows as A tiles: step c at a + 32 c (rows lda bytes apart), except that `tail` (when not null: K
+// not a multiple of 32) is the last step's zero-padded 16 x 32 block (rows 64 bytes apart).
+struct AmxBlock {
+  const uint16_t* a = nullptr;
+  int64_t lda = 0;
+  const uint16_t* tail = nullptr;
+};
+
+// The R row blocks of one amx_tiles call.
+template <int R>
+struct AmxA {
+  AmxBlock block[R];
+};
+
+// R row blocks x G groups of x, steps [c0, c1) of the `steps` steps of 32 (A's pointers at step c0): the C
+// tiles zeroed first when c0 is 0, and stored to out [R * 16][G * 16] (f32, row-major, 16 G floats a row)
+// after the last step; in between they stay in the tiles. Tiles (an AMX instruction's tile numbers are
+// immediates): C in 0 .. 3 (row block r, or group g), A in 4 and 5, B in 6 and 7, alternating.
+template <int R, int G>
+void amx_tiles(const AmxA<R>& A, const uint16_t* xb, int64_t steps, int64_t c0, int64_t c1, float* out) {
+  static_assert(G >= 1 && G <= 4 && (G == 1 ? R >= 1 && R <= 2 : R == 1));
+  if (c0 == 0) {
+    _tile_zero(0);
+    if constexpr (R * G > 1) _tile_zero(1);
+    if constexpr (G > 2) _tile_zero(2);
+    if constexpr (G > 3) _tile_zero(3);
+  }
+  const bool tail = A.block[0].tail != nullptr && c1 == steps;  // the same K for every block
+  auto step = [&](const uint16_t* const a[R], int64_t stride, int64_t c) {
+    const uint16_t* b = xb + c * 512;  // group g's tile: + g * steps * 512
+    if constexpr (G == 1) {
+      _tile_loadd(6, b, 64);
+      _tile_loadd(4, a[0], stride);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (R > 1) {
+        _tile_loadd(5, a[1], stride);
+        _tile_dpbf16ps(1, 5, 6);
+      }
+    } else {
+      _tile_loadd(4, a[0], stride);
+      _tile_loadd(6, b, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b + steps * 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      if constexpr (G > 2) {
+        _tile_loadd(6, b + 2 * steps * 512, 64);
+        _tile_dpbf16ps(2, 4, 6);
+      }
+      if constexpr (G > 3) {
+        _tile_loadd(7, b + 3 * steps * 512, 64);
+        _tile_dpbf16ps(3, 4, 7);
+      }
+    }
+  };
+  const uint16_t* a[R];
+  const int64_t full = tail ? c1 - 1 : c1;
+  for (int64_t c = c0; c < full; ++c) {
+    for (int r = 0; r < R; ++r) a[r] = A.block[r].a + 32 * (c - c0);
+    step(a, A.block[0].lda, c);
+  }
+  if (tail) {
+    for (int r = 0; r < R; ++r) a[r] = A.block[r].tail;
+    step(a, 64, steps - 1);
+  }
+  if (c1 < steps) return;
+  if constexpr (G == 1) {  // tile r: rows 16 r ..
+    _tile_stored(0, out, 64);
+    if constexpr (R > 1) _tile_stored(1, out + 256, 64);
+  } else {  // tile g: columns 16 g ..
+    _tile_stored(0, out, 64 * G);
+    _tile_stored(1, out + 16, 64 * G);
+    if constexpr (G > 2) _tile_stored(2, out + 32, 64 * G);
+    if constexpr (G > 3) _tile_stored(3, out + 48, 64 * G);
+  }
+}
+
+// Runs amx_tiles over `rows` (a multiple of 16) weight rows from o0, as many row blocks a call as the x
+// groups allow, `seg` steps of K at a time (all of them where the weights are bf16 in memory; a few, which
+// a_of converts into L1, where they are not); `a_of(o, r, c0, c1)` gives rows o .. o + 15's steps [c0, c1)
+// as the call's block r (AmxBlock, pointing at step c0; a tail of its own for each r), `emit(o, out, ld)`
+// takes those rows' sums (out: 16 rows of ld floats, column m = x row m).
+template <class AOf, class Emit>
+void amx_rows(int64_t o0, int64_t rows, int64_t M, const uint16_t* xb, int64_t steps, int64_t seg, AOf a_of,
+              Emit emit) {
+  alignas(64) float out[4 * 16 * 16];
+  auto run = [&](auto r_const, auto g_const, int64_t o) {
+    constexpr int R = decltype(r_const)::value, G = decltype(g_const)::value;
+    AmxA<R> A;
+    for (int64_t c0 = 0; c0 < steps; c0 += seg) {
+      const int64_t c1 = std::min(steps, c0 + seg);
+      for (int r = 0; r < R; ++r) A.block[r] = a_of(o + 16 * r, r, c0, c1);
+      amx_tiles<R, G>(A, xb, steps, c0, c1, out);
+    }
+    for (int r = 0; r < R; ++r) emit(o + 16 * r, out + r * 16 * 16 * G, 16 * G);
+  };
+  using std::integral_constant;
+  const int64_t groups = (M + 15) / 16, end = o0 + rows;
+  int64_t o = o0;
+  if (groups == 1) {  // two blocks of 16 rows a call (measured: even with one, well ahead of four)
+    for (; o + 32 <= end; o += 32) run(integral_constant<int, 2>{}, integral_constant<int, 1>{}, o);
+    for (; o < end; o += 16) run(integral_constant<int, 1>{}, integral_constant<int, 1>{}, o);
+  } else if (groups == 2) {
+    for (; o < end; o += 16) run(integral_constant<int, 1>{}, integral_constant<int, 2>{}, o);
+  } else if (groups == 3) {
+    for (; o < end; o += 16) run(integral_constant<int, 1>{}, integral_constant<int, 3>{}, o);
+  } else {
+    for (; o < end; o += 16) run(integral_constant<int, 1>{}, integral_constant<int, 4>{}, o);
+  }
+}
+
+}  // namespace
+#endif
