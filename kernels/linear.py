@@ -8,8 +8,9 @@ runs it faster as ``w @ x.T`` (the narrow side of the GEMM in the kernel's favou
 A bf16 model's decode step is a few rows against every weight, and XLA:CPU streams bf16 weights at a
 fraction of what DRAM gives (1.6 GB/s at one row, 11-13 GB/s at 4-16 on the bench model): there, up to
 :data:`KERNEL_MAX_ROWS` rows, the product is the C++ kernel ``kernels.cpu.linear_bf16`` (prefetched
-weights, AVX-512 BF16 dot products, or AMX tiles where the CPU has them), in the same ``[out, rows]`` layout. Which one runs is the *linear
-backend* (:data:`LINEAR_BACKENDS`), chosen while a program is traced (:func:`use_backend`).
+weights, AVX-512 BF16 dot products, or AMX tiles where the CPU has them), in the same ``[out, rows]``
+layout. Which one runs is the *linear backend* (:data:`LINEAR_BACKENDS`), chosen while a program is traced
+(:func:`use_backend`).
 """
 
 from __future__ import annotations
@@ -34,11 +35,11 @@ WEIGHTS_FIRST_MAX_ROWS = 64
 KERNEL_MAX_ROWS = 24
 
 # auto: the kernel where it wins (kernels.cpu.bf16_dot: a CPU with AVX-512 BF16, the kernel on AMX tiles
-# where it has them: 4096 x 4096 streamed from memory, 2 cores of a Xeon with AMX, 2026-12-06, XLA vs kernel
-# 18.7 vs 1.2 ms at 1 row, 1.52 vs 1.31 ms at 16); cpu: the kernel for every bf16 product of
-# up to KERNEL_MAX_ROWS rows on the CPU (its f32-widening path where the CPU lacks bf16 dot products;
-# raises if the kernels do not build); xla: XLA's dot only (what sharded programs need: a custom call
-# would make GSPMD gather the weights).
+# where it has them: 4096 x 4096 from a set of 8, 2 cores of a Xeon with AMX, 2026-12-06, XLA vs kernel in
+# the same process 19-25 vs 1.2-1.8 ms at 1 row, even at 16 (1.5-2.0 each)); cpu: the kernel for every
+# bf16 product of up to KERNEL_MAX_ROWS rows on the CPU (its f32-widening path where the CPU lacks bf16
+# dot products; raises if the kernels do not build); xla: XLA's dot only (what sharded programs need: a
+# custom call would make GSPMD gather the weights).
 LINEAR_BACKENDS = ("auto", "xla", "cpu")
 
 _backend: contextvars.ContextVar[str] = contextvars.ContextVar("loraserve_linear_backend", default="auto")

@@ -120,7 +120,8 @@ void lin_rows(const LinearProblem& p, int64_t lo, int64_t hi) {
 #ifdef LORASERVE_AMX
 // Weight rows [lo, hi) (whole blocks of 16) on the tiles (amx.h), A straight from the matrix; the last step's
 // zero-padded 16 x 32 blocks built in scratch when K is not a multiple of 32.
-void lin_amx_rows(const LinearProblem& p, const uint16_t* xb, int64_t lo, int64_t hi, std::vector<float>& scratch) {
+void lin_amx_rows(const LinearProblem& p, const uint16_t* xb, int64_t lo, int64_t hi,
+                  std::vector<float>& scratch) {
   const AmxScope tiles;
   const int64_t K = p.K, steps = (K + 31) / 32, K32 = K / 32 * 32;
   uint16_t* tails = nullptr;
@@ -130,7 +131,8 @@ void lin_amx_rows(const LinearProblem& p, const uint16_t* xb, int64_t lo, int64_
     if (tails != nullptr) {
       b.tail = tails + r * 512;
       for (int i = 0; i < 16; ++i)
-        for (int64_t k = 0; k < 32; ++k) tails[r * 512 + i * 32 + k] = K32 + k < K ? p.w[(o + i) * K + K32 + k] : 0;
+        for (int64_t k = 0; k < 32; ++k)
+          tails[r * 512 + i * 32 + k] = K32 + k < K ? p.w[(o + i) * K + K32 + k] : uint16_t(0);
     }
     return b;
   };
@@ -162,7 +164,8 @@ ffi::Error LinearBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
     auto xb = std::make_shared<std::vector<uint16_t>>(amx_packed_size(p->M, p->K));
     amx_pack_x(p->x, p->K, p->M, p->K, xb->data());
     parallel_items(pool, items, [p, xb](int64_t k, std::vector<float>& scratch) {
-      const int64_t lo = k * kLinItemRows, hi = std::min(p->N, (k + 1) * kLinItemRows), amx_hi = lo + (hi - lo) / 16 * 16;
+      const int64_t lo = k * kLinItemRows, hi = std::min(p->N, (k + 1) * kLinItemRows);
+      const int64_t amx_hi = lo + (hi - lo) / 16 * 16;
       lin_amx_rows(*p, xb->data(), lo, amx_hi, scratch);
       if (amx_hi < hi) lin_rows(*p, amx_hi, hi);  // rows past the last 16 (no model has them)
     });
@@ -180,7 +183,8 @@ ffi::Error LinearBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 // weight-only int8 base (worker.quant): the weights stream at a byte an element (a quarter of f32's), are
 // widened to f32 in registers (vpmovsxbd + vcvtdq2ps) and multiplied with x (f32, or bf16 widened); bf16 x on
 // CPUs with AVX-512 BF16 instead meets the weights converted to bf16 in registers, multiplied with vdpbf16ps
-// (Int8Bf16), or on AMX tiles where the CPU has them (converted a few steps of K at a time into L1). Each output is one chain of 16-lane (AVX-512) or 8-lane partial sums over K in order, whatever
+// (Int8Bf16), or on AMX tiles where the CPU has them (converted a few steps of K at a time into L1). Each
+// output is one chain of 16-lane (AVX-512) or 8-lane partial sums over K in order, or of tile steps, whatever
 // the tile: batch-invariant.
 //   loraserve_linear_int8 (x [M, K] f32|bf16, w [N, K] s8, scale [N] f32) -> [N, M] f32
 template <class X>
@@ -506,7 +510,8 @@ void q8h_rows(const Int8Bf16Problem& p, int64_t lo, int64_t hi, std::vector<floa
 // Weight rows [lo, hi) (whole blocks of 16) on the tiles: kAmxSegment steps of K at a time, each block's 16
 // rows converted to bf16 (Q8Bf16's order, zeros to a whole 64 of K) into L1, then multiplied there; the sums
 // times the rows' scales.
-void q8_amx_rows(const Int8Bf16Problem& p, const uint16_t* xb, int64_t lo, int64_t hi, std::vector<float>& scratch) {
+void q8_amx_rows(const Int8Bf16Problem& p, const uint16_t* xb, int64_t lo, int64_t hi,
+                 std::vector<float>& scratch) {
   const AmxScope tiles;
   const int64_t K = p.K, steps = (K + 63) / 64 * 2;
   // two blocks of 16 rows x kAmxSegment steps of bf16: 32 KiB, in L1 from conversion to tile load
@@ -521,7 +526,7 @@ void q8_amx_rows(const Int8Bf16Problem& p, const uint16_t* xb, int64_t lo, int64
       __m512bh w0, w1;
       int64_t k = k0;
       for (; k + 64 <= k1; k += 64) {
-        __builtin_prefetch(w + k + 512, 0, 1);  // a step ahead of the hardware's stream (measured: 1.17 -> 1.11 ms)
+        __builtin_prefetch(w + k + 512, 0, 1);  // ahead of the hardware's stream (measured: 1.17 -> 1.11 ms)
         cv.convert(w + k, w0, w1);
         _mm512_store_si512(row + k - k0, (__m512i)w0);
         _mm512_store_si512(row + k - k0 + 32, (__m512i)w1);
@@ -563,7 +568,8 @@ ffi::Error Int8Bf16(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::A
     auto xb = std::make_shared<std::vector<uint16_t>>(amx_packed_size(p->M, K64));
     amx_pack_x(xp, p->ld, p->M, K64, xb->data());
     parallel_items(pool, items, [p, xb](int64_t k, std::vector<float>& scratch) {
-      const int64_t lo = k * kLinItemRows, hi = std::min(p->N, (k + 1) * kLinItemRows), amx_hi = lo + (hi - lo) / 16 * 16;
+      const int64_t lo = k * kLinItemRows, hi = std::min(p->N, (k + 1) * kLinItemRows);
+      const int64_t amx_hi = lo + (hi - lo) / 16 * 16;
       q8_amx_rows(*p, xb->data(), lo, amx_hi, scratch);
       if (amx_hi < hi) q8h_rows(*p, amx_hi, hi, scratch);  // rows past the last 16 (no model has them)
     });
