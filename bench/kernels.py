@@ -174,7 +174,8 @@ def bench_quant(shape: str) -> dict:
     march = os.environ.get("LORASERVE_KERNEL_MARCH") or "native"
     print(
         f"kernels bench --quant: N={N} K={K} int4 group={group}, bf16 x, build -march={march} "
-        f"(bf16 dot products: {cpu.bf16_dot()}), {os.cpu_count()} CPUs, jax {jax.__version__}"
+        f"(bf16 dot products: {cpu.bf16_dot()}, AMX tiles: {cpu.amx()}), {os.cpu_count()} CPUs, "
+        f"jax {jax.__version__}"
     )
     print("speedup = bf16 ms / quantized ms; GB/s = the weights' bytes (scales included) / time")
     rows = []
@@ -203,6 +204,7 @@ def bench_quant(shape: str) -> dict:
             "x_dtype": "bfloat16",
             "march": march,
             "bf16_dot": cpu.bf16_dot(),
+            "amx": cpu.amx(),
             "weight_bytes": weight_bytes,
         },
         "platform": {"backend": jax.default_backend(), "cpus": os.cpu_count(), "machine": platform.machine()},
