@@ -7,10 +7,10 @@ runs it faster as ``w @ x.T`` (the narrow side of the GEMM in the kernel's favou
 
 A bf16 model's decode step is a few rows against every weight, and XLA:CPU streams bf16 weights at a
 fraction of what DRAM gives (1.6 GB/s at one row, 11-13 GB/s at 4-16 on the bench model): there, up to
-:data:`KERNEL_MAX_ROWS` rows, the product is the C++ kernel ``kernels.cpu.linear_bf16`` (prefetched
-weights, AVX-512 BF16 dot products, or AMX tiles where the CPU has them), in the same ``[out, rows]``
-layout. Which one runs is the *linear backend* (:data:`LINEAR_BACKENDS`), chosen while a program is traced
-(:func:`use_backend`).
+:func:`kernel_max_rows` rows (24; 64 on AMX tiles), the product is the C++ kernel
+``kernels.cpu.linear_bf16`` (prefetched weights, AVX-512 BF16 dot products, or AMX tiles where the CPU has
+them), in the same ``[out, rows]`` layout. Which one runs is the *linear backend* (:data:`LINEAR_BACKENDS`),
+chosen while a program is traced (:func:`use_backend`).
 """
 
 from __future__ import annotations
@@ -33,11 +33,15 @@ WEIGHTS_FIRST_MAX_ROWS = 64
 # 13.8 at 1 row, 20.2 vs 13.5 at 4, 22.5 vs 17.5 at 8, 19.7 vs 17.5 at 16, 37.2 vs 23.5 at 24; even at 32
 # (30.5 vs 30.4), and XLA's GEMM ahead at 64 (the kernel's tiles reuse x less than a real GEMM's).
 KERNEL_MAX_ROWS = 24
+# On AMX tiles (kernels.cpu.amx) up to 64 rows cost about what one does, and the kernel stays ahead of
+# XLA's GEMM (4096 x 4096, 2-core Xeon, 2026-12-06, XLA vs kernel in ms: 2.8 vs 2.2 at 32 rows, 3.7 vs 2.4
+# at 48, 4.1 vs 2.6 at 64; even at 24).
+AMX_KERNEL_MAX_ROWS = 64
 
 # auto: the kernel where it wins (kernels.cpu.bf16_dot: a CPU with AVX-512 BF16, the kernel on AMX tiles
 # where it has them: 4096 x 4096 from a set of 8, 2 cores of a Xeon with AMX, 2026-12-06, XLA vs kernel in
 # the same process 19-25 vs 1.2-1.8 ms at 1 row, even at 16 (1.5-2.0 each)); cpu: the kernel for every
-# bf16 product of up to KERNEL_MAX_ROWS rows on the CPU (its f32-widening path where the CPU lacks bf16
+# bf16 product of up to kernel_max_rows() rows on the CPU (its f32-widening path where the CPU lacks bf16
 # dot products; raises if the kernels do not build); xla: XLA's dot only (what sharded programs need: a
 # custom call would make GSPMD gather the weights).
 LINEAR_BACKENDS = ("auto", "xla", "cpu")
@@ -134,15 +138,23 @@ def _kernel(x2: jax.Array, w: jax.Array) -> jax.Array:  # [out, rows] f32
 @_kernel.def_vmap
 def _kernel_vmap(axis_size: int, in_batched: list[bool], x2: jax.Array, w: jax.Array):
     """Under ``jax.vmap`` (``add_segments``' map over packed prompts): one call over every example's
-    rows when the weights are shared (XLA's dot past :data:`KERNEL_MAX_ROWS` rows), one call per
+    rows when the weights are shared (XLA's dot past :func:`kernel_max_rows` rows), one call per
     example when each has its own."""
     x_batched, w_batched = in_batched
     if w_batched:
         xs = x2 if x_batched else jnp.broadcast_to(x2, (axis_size, *x2.shape))
         return jax.lax.map(lambda xw: _kernel(*xw), (xs, w)), True
     flat = x2.reshape(-1, x2.shape[-1])
-    y = _kernel(flat, w) if flat.shape[0] <= KERNEL_MAX_ROWS else _xla_weights_first(flat, w)
+    y = _kernel(flat, w) if flat.shape[0] <= kernel_max_rows() else _xla_weights_first(flat, w)
     return jnp.moveaxis(y.reshape(w.shape[0], axis_size, x2.shape[-2]), 1, 0), True
+
+
+def kernel_max_rows() -> int:
+    """Rows up to which a bf16 product may take the kernel here: :data:`AMX_KERNEL_MAX_ROWS` where it runs on
+    AMX tiles, else :data:`KERNEL_MAX_ROWS`."""
+    from loraserve.kernels import cpu
+
+    return AMX_KERNEL_MAX_ROWS if jax.default_backend() == "cpu" and cpu.amx() else KERNEL_MAX_ROWS
 
 
 def _weights_first(rows: int) -> bool:
@@ -151,7 +163,7 @@ def _weights_first(rows: int) -> bool:
 
 def _use_kernel(x2: jax.Array, w: jax.Array) -> bool:
     name = _backend.get()
-    if name == "xla" or not 0 < x2.shape[0] <= KERNEL_MAX_ROWS or jax.default_backend() != "cpu":
+    if name == "xla" or jax.default_backend() != "cpu" or not 0 < x2.shape[0] <= kernel_max_rows():
         return False
     if x2.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or w.ndim != 2 or _sharded(w) or _sharded(x2):
         return False

@@ -22,10 +22,11 @@ from loraserve.worker.config import EngineConfig
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ kernels unavailable (test_cpu fails then)")
 
-# M: 1..KERNEL_MAX_ROWS rows and the 4-column tile tails; K: the 32-element step and its masked tail; N:
-# the 4-row weight blocks, their 1-row tail and the 256-row work items split over threads.
+# M: 1..64 rows (AMX_KERNEL_MAX_ROWS) and the 4-column tile tails; K: the 32-element step and its masked
+# tail; N: the 4-row weight blocks, their 1-row tail and the 256-row work items split over threads.
 SHAPES = [(1, 1, 1), (1, 31, 3), (2, 32, 4), (3, 33, 5), (4, 100, 255), (5, 768, 257), (7, 1000, 600)]
 SHAPES += [(8, 64, 513), (13, 257, 9), (16, 1024, 1030), (17, 96, 64), (24, 130, 300)]
+SHAPES += [(40, 100, 70), (64, 33, 48)]  # three and four 16-row groups of x on AMX tiles
 
 
 def _check(M: int, K: int, N: int, seed: int = 0) -> float:
@@ -46,15 +47,15 @@ def test_linear_bf16_matches_float64(M: int, K: int, N: int) -> None:
 
 
 def test_a_rows_bits_do_not_depend_on_the_batch() -> None:
-    """Batch invariance: each x row's outputs are the same bits alone and among 3, 16, 17 or 24 rows (one and
-    two 16-row groups on AMX tiles; one and several 4-row tiles elsewhere)."""
+    """Batch invariance: each x row's outputs are the same bits alone and among 3, 16, 17, 24, 40 or 64 rows
+    (one to four 16-row groups on AMX tiles; one and several 4-row tiles elsewhere)."""
     rng = np.random.default_rng(1)
-    x = jnp.asarray(rng.standard_normal((24, 200)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((64, 200)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((300, 200)), jnp.bfloat16)
     full = np.asarray(jax.jit(cpu.linear_bf16)(x, w))
-    for m in (1, 3, 16, 17):
+    for m in (1, 3, 16, 17, 24, 40):
         np.testing.assert_array_equal(np.asarray(jax.jit(cpu.linear_bf16)(x[:m], w)), full[:, :m])
-    np.testing.assert_array_equal(np.asarray(jax.jit(cpu.linear_bf16)(x[23:], w))[:, 0], full[:, 23])
+    np.testing.assert_array_equal(np.asarray(jax.jit(cpu.linear_bf16)(x[63:], w))[:, 0], full[:, 63])
 
 
 def test_linear_bf16_empty_and_bad_shapes() -> None:
@@ -74,11 +75,12 @@ def _kernel_calls(fn, *args) -> int:
 
 
 def test_backend_choice_decides_the_lowering() -> None:
-    """cpu lowers bf16 products of up to KERNEL_MAX_ROWS rows to the kernel, xla never; f32, more rows
+    """cpu lowers bf16 products of up to kernel_max_rows() rows to the kernel, xla never; f32, more rows
     and auto on a CPU without bf16 dot products stay XLA's. Values agree with XLA's within bf16 sums."""
     w = jnp.asarray(np.random.default_rng(1).standard_normal((300, 128)), jnp.bfloat16)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 3, 128)), jnp.bfloat16)  # 6 rows
-    big = jnp.zeros((L.KERNEL_MAX_ROWS + 1, 128), jnp.bfloat16)
+    assert L.kernel_max_rows() == (L.AMX_KERNEL_MAX_ROWS if cpu.amx() else L.KERNEL_MAX_ROWS)
+    big = jnp.zeros((L.kernel_max_rows() + 1, 128), jnp.bfloat16)
     with L.use_backend("cpu"):
         assert _kernel_calls(L.linear, x, w) == 1
         assert _kernel_calls(L.linear, big, w) == 0
@@ -183,7 +185,8 @@ def test_bf16_runner_decodes_through_the_kernel(llama_dir) -> None:
 
 
 @pytest.mark.parametrize("per_example_w", [False, True])
-@pytest.mark.parametrize("segments", [2, 8])  # 8 x 4 rows: past KERNEL_MAX_ROWS, XLA's dot in the batch rule
+# 8 x 4 rows: past 24, XLA's dot in the batch rule (on AMX tiles 17 x 4: past 64)
+@pytest.mark.parametrize("segments", [2, 8, 17])
 def test_vmap_over_segments(per_example_w: bool, segments: int) -> None:
     """``jax.vmap`` of a kernel product (the packed prefill's map over prompts) equals XLA's."""
     rng = np.random.default_rng(5)
