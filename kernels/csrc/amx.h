@@ -66,20 +66,28 @@ struct AmxScope {
 // x [M, K] bf16 (rows ldx apart) packed as B tiles: group g (x rows 16 g .. 16 g + 15), step c (K elements
 // 32 c .. 32 c + 31): a 16 x 16 array of 32-bit pairs, pair p of row n at [p][n] (x[16 g + n][32 c + 2 p],
 // then + 1), zeros past M and K. Tile (g, c) starts at out + (g * steps + c) * 512.
+// Each row's 32 elements of a step (one 64-byte load, zeros past K) scattered to its column of the tile; a
+// last group of fewer than 16 rows zeroed first (the columns past M).
 inline void amx_pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* out) {
   const int64_t steps = (K + 31) / 32, groups = (M + 15) / 16;
-  std::memset(out, 0, sizeof(uint16_t) * groups * steps * 512);
+  if (M % 16 != 0) std::memset(out + (groups - 1) * steps * 512, 0, sizeof(uint16_t) * steps * 512);
+  const __m512i pair_rows = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(16));
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* row = x + m * ldx;
-    uint32_t* tiles = reinterpret_cast<uint32_t*>(out) + (m / 16) * steps * 256;
-    for (int64_t k = 0; k < K; k += 2) {
-      const uint32_t lo = row[k], hi = k + 1 < K ? row[k + 1] : 0;
-      tiles[(k / 32) * 256 + ((k % 32) / 2) * 16 + m % 16] = lo | (hi << 16);
+    int32_t* tiles = reinterpret_cast<int32_t*>(out) + (m / 16) * steps * 256 + m % 16;
+    for (int64_t c = 0; c < steps; ++c) {
+      const int64_t n = std::min<int64_t>(32, K - 32 * c);
+      const __mmask32 mask = n == 32 ? ~__mmask32(0) : (__mmask32(1) << n) - 1;
+      _mm512_i32scatter_epi32(tiles + c * 256, pair_rows, _mm512_maskz_loadu_epi16(mask, row + 32 * c), 4);
     }
   }
 }
 
-inline int64_t amx_packed_size(int64_t M, int64_t K) { return (M + 15) / 16 * ((K + 31) / 32) * 512; }
+// Room for amx_pack_x's tiles, left uninitialised (it writes every element).
+inline std::shared_ptr<uint16_t[]> amx_packed(int64_t M, int64_t K) {
+  return std::shared_ptr<uint16_t[]>(new uint16_t[(M + 15) / 16 * ((K + 31) / 32) * 512]);
+}
 
 // 16 weight rows as A tiles: step c at a + 32 c (rows lda bytes apart), except that `tail` (when not null: K
 // not a multiple of 32) is the last step's zero-padded 16 x 32 block (rows 64 bytes apart).

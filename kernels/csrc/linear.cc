@@ -161,12 +161,12 @@ ffi::Error LinearBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   const int64_t items = (p->N + kLinItemRows - 1) / kLinItemRows;
 #ifdef LORASERVE_AMX
   if (p->M <= kAmxMaxRows && amx_ready()) {
-    auto xb = std::make_shared<std::vector<uint16_t>>(amx_packed_size(p->M, p->K));
-    amx_pack_x(p->x, p->K, p->M, p->K, xb->data());
+    auto xb = amx_packed(p->M, p->K);
+    amx_pack_x(p->x, p->K, p->M, p->K, xb.get());
     parallel_items(pool, items, [p, xb](int64_t k, std::vector<float>& scratch) {
       const int64_t lo = k * kLinItemRows, hi = std::min(p->N, (k + 1) * kLinItemRows);
       const int64_t amx_hi = lo + (hi - lo) / 16 * 16;
-      lin_amx_rows(*p, xb->data(), lo, amx_hi, scratch);
+      lin_amx_rows(*p, xb.get(), lo, amx_hi, scratch);
       if (amx_hi < hi) lin_rows(*p, amx_hi, hi);  // rows past the last 16 (no model has them)
     });
     return ffi::Error::Success();
@@ -565,12 +565,12 @@ ffi::Error Int8Bf16(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::A
   if (p->M <= kAmxMaxRows && amx_ready()) {
     // x in the converted weights' order (permute64), zeros to a whole 64 of K: B tiles over K64 = ld's share
     const int64_t K64 = (p->K + 63) / 64 * 64;
-    auto xb = std::make_shared<std::vector<uint16_t>>(amx_packed_size(p->M, K64));
-    amx_pack_x(xp, p->ld, p->M, K64, xb->data());
+    auto xb = amx_packed(p->M, K64);
+    amx_pack_x(xp, p->ld, p->M, K64, xb.get());
     parallel_items(pool, items, [p, xb](int64_t k, std::vector<float>& scratch) {
       const int64_t lo = k * kLinItemRows, hi = std::min(p->N, (k + 1) * kLinItemRows);
       const int64_t amx_hi = lo + (hi - lo) / 16 * 16;
-      q8_amx_rows(*p, xb->data(), lo, amx_hi, scratch);
+      q8_amx_rows(*p, xb.get(), lo, amx_hi, scratch);
       if (amx_hi < hi) q8h_rows(*p, amx_hi, hi, scratch);  // rows past the last 16 (no model has them)
     });
     return ffi::Error::Success();
