@@ -28,7 +28,7 @@
 
 namespace {
 
-constexpr int64_t kAmxSegment = 16;  // steps of 32 converted (int8, int4) into L1 at a time: even
+constexpr int64_t kAmxSegment = 16;  // steps of 32 of int8 weights converted into L1 at a time: even
 constexpr int64_t kAmxMaxRows = 64;  // x rows a call takes on the tiles (4 groups of 16); more: AVX-512
 
 inline bool amx_ready() {

@@ -125,7 +125,7 @@ void lin_amx_rows(const LinearProblem& p, const uint16_t* xb, int64_t lo, int64_
   const AmxScope tiles;
   const int64_t K = p.K, steps = (K + 31) / 32, K32 = K / 32 * 32;
   uint16_t* tails = nullptr;
-  if (K32 < K) tails = reinterpret_cast<uint16_t*>(aligned64(scratch, 4 * 512 / 2, true));
+  if (K32 < K) tails = reinterpret_cast<uint16_t*>(aligned64(scratch, 2 * 512 / 2, true));  // <= 2 blocks a call
   auto a_of = [&](int64_t o, int r, int64_t, int64_t) {  // all steps at once
     AmxBlock b{p.w + o * K, 2 * K, nullptr};
     if (tails != nullptr) {
