@@ -162,6 +162,14 @@ def amx() -> bool:
     return available() and bool(_register().LoraserveCpuAmx())
 
 
+@functools.cache
+def int8_register_rows() -> int:
+    """Where :func:`linear_int8` multiplies bf16 ``x`` on AMX tiles: the row count up to which it keeps the weights
+    in registers instead (faster at a row or two); a row's bits then agree among batches of up to this many rows
+    and among larger ones, not across the two. 0 where the tiles are not used (one path for every batch)."""
+    return int(_register().LoraserveInt8RegisterRows()) if available() else 0
+
+
 def _prepare(pool_dtype) -> None:
     if jnp.dtype(pool_dtype) not in POOL_DTYPES:
         raise ValueError(f"the cpu backend takes float32 or bfloat16 pools, got {jnp.dtype(pool_dtype)}")

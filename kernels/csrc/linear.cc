@@ -547,6 +547,14 @@ void q8_amx_rows(const Int8Bf16Problem& p, const uint16_t* xb, int64_t lo, int64
 }
 #endif
 
+// Up to this many x rows the int8 weights meet bf16 x in registers (q8h_rows) even where AMX tiles are used for
+// more: converting into L1 and loading tiles costs more than it saves at a row or two (the bench model's int8
+// decode step at one row: 6.0 ms in registers, 8.2 on the tiles; the bf16 model's on the tiles: 8.0-9.3; a
+// 5632 x 1024 matrix at 1, 2, 3 rows in registers 0.22, 0.28, 0.34 ms, on the tiles 0.31 at any). A row's bits
+// are the same in every batch of 1-2 rows and in every batch of 3-64, not across the two: the tiles sum in
+// another order (docs/kernels.md).
+constexpr int64_t kInt8RegisterRows = 2;
+
 ffi::Error Int8Bf16(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                     const ffi::AnyBuffer& scale, ffi::Result<ffi::AnyBuffer>& y) {
   auto p = std::make_shared<Int8Bf16Problem>();
@@ -562,7 +570,7 @@ ffi::Error Int8Bf16(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::A
   p->x = xp;
   const int64_t items = (p->N + kLinItemRows - 1) / kLinItemRows;
 #ifdef LORASERVE_AMX
-  if (p->M <= kAmxMaxRows && amx_ready()) {
+  if (p->M > kInt8RegisterRows && p->M <= kAmxMaxRows && amx_ready()) {
     // x in the converted weights' order (permute64), zeros to a whole 64 of K: B tiles over K64 = ld's share
     const int64_t K64 = (p->K + 63) / 64 * 64;
     auto xb = amx_packed(p->M, K64);
@@ -1080,6 +1088,11 @@ extern "C" int LoraserveLinearBf16Dot() { return kLinBf16Dot ? 1 : 0; }
 extern "C" int LoraserveCpuAmx() { return amx_ready() ? 1 : 0; }
 #else
 extern "C" int LoraserveCpuAmx() { return 0; }
+#endif
+#if defined(LORASERVE_AMX) && defined(LORASERVE_QUANT_BF16DOT)
+extern "C" int LoraserveInt8RegisterRows() { return amx_ready() ? static_cast<int>(kInt8RegisterRows) : 0; }
+#else
+extern "C" int LoraserveInt8RegisterRows() { return 0; }
 #endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearBf16, LinearBf16Impl,

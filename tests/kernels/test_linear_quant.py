@@ -9,7 +9,8 @@ bf16 dot products, each product exact in f32: the same bound holds (seen: ~2e-7)
 over threads, 4-column tiles of x rows and their tails (M = 1, 3, 5, 16: one tile, whose int8 weights are
 converted in registers, or several, sharing them converted once), the masked tail of K (int8: K % 64, K % 16,
 K % 8) and of an int4 group (G / 2 bytes not a multiple of 32, 16 or 8). A row's result is the same bits
-whatever the batch around it. The native build runs here; the AVX2 build (``x86-64-v3``) in one child process.
+whatever the batch around it (int8 with bf16 x on AMX tiles: in every batch of up to
+``cpu.int8_register_rows()`` rows, and in every larger one). The native build runs here; the AVX2 build (``x86-64-v3``) in one child process.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from loraserve.kernels import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ kernels unavailable (test_cpu fails then)")
 
-ROWS = (1, 3, 5, 16, 17, 40)  # 17, 40: two and three 16-row groups of x on AMX tiles
+ROWS = (1, 2, 3, 5, 16, 17, 40)  # 17, 40: two and three 16-row groups of x on AMX tiles
 INT8_SHAPES = [(517, 1024), (517, 1027), (8, 64), (3, 9)]  # (N, K)
 # (N, K, G): G = 128 and the tiny models' 32 / 16; G = 40 and 2 leave a masked tail in every group
 INT4_SHAPES = [(517, 1024, 128), (8, 64, 32), (3, 16, 16), (7, 200, 40), (9, 40, 2)]
@@ -48,9 +49,11 @@ def _x(rng, K: int, dtype: str):
     return jnp.asarray(rng.standard_normal((max(ROWS), K)), jnp.float32).astype(dtype)
 
 
-def _compare(fn, x, weights: tuple, want_all: np.ndarray) -> float:
+def _compare(fn, x, weights: tuple, want_all: np.ndarray, split: int = 0) -> float:
     """``fn`` on the first M rows of x for each M in ROWS against ``want_all`` [N, max(ROWS)]; a row's bits are
-    the same in every batch (row 0 in each, the last row of the largest alone). Returns the worst error / max|y|."""
+    the same in every batch (row 0 in each, the last row of the largest alone) or, given ``split``
+    (``cpu.int8_register_rows()``), in every batch of up to ``split`` rows and in every larger one (the last row
+    of the largest in a batch of ``split + 1``). Returns the worst error / max|y|."""
     worst, first = 0.0, {}
     for m in ROWS:
         got = np.asarray(jax.jit(fn)(x[:m], *weights))
@@ -61,9 +64,9 @@ def _compare(fn, x, weights: tuple, want_all: np.ndarray) -> float:
         worst = max(worst, err)
         first[m] = got[:, 0]
     for m in ROWS:
-        np.testing.assert_array_equal(first[m], first[1])
+        np.testing.assert_array_equal(first[m], first[1 if m <= split else split + 1])
     last = max(ROWS) - 1
-    alone = np.asarray(jax.jit(fn)(x[last:], *weights))[:, 0]
+    alone = np.asarray(jax.jit(fn)(x[last - split :], *weights))[:, -1]
     np.testing.assert_array_equal(alone, got[:, last])
     return worst
 
@@ -75,7 +78,8 @@ def check_int8(N: int, K: int, dtype: str, seed: int = 0, qmin: int = -127) -> f
     x = _x(rng, K, dtype)
     w64 = q.astype(np.float64) * scale[:, None].astype(np.float64)
     want = w64 @ np.asarray(x.astype(jnp.float32), np.float64).T
-    return _compare(cpu.linear_int8, x, (jnp.asarray(q), jnp.asarray(scale)), want)
+    split = cpu.int8_register_rows() if dtype == "bfloat16" else 0
+    return _compare(cpu.linear_int8, x, (jnp.asarray(q), jnp.asarray(scale)), want, split)
 
 
 def check_int4(N: int, K: int, G: int, dtype: str, seed: int = 0) -> float:
