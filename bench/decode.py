@@ -696,6 +696,27 @@ def roofline_ms(w: dict, peaks: dict[str, float], pool_itemsize: int = 4, weight
     return 1000 * max(flops / (peaks["peak_gflops"] * 1e9), bytes_ / (peaks["peak_gbs"] * 1e9))
 
 
+def base_bytes_read(w: dict, quantization: str, itemsize: int) -> int:
+    """Bytes one base decode step (no adapters) reads: the layers' projections and the head, quantized as
+    ``quantization`` says (QUANTIZED_ROWS: int8 a byte a value + an f32 scale a row, int4 half a byte + an f32
+    scale per group of 128 inputs; ``_head``: the head so too, else in ``itemsize``), and the KV cache."""
+    h, i, L, v = w["hidden_size"], w["intermediate_size"], w["num_hidden_layers"], w["vocab_size"]
+    kv = h // w["num_attention_heads"] * w["num_key_value_heads"]
+    shapes = [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)]  # [out, in]
+
+    def matrix(out: int, inputs: int, q: str) -> int:
+        if q == "int8":
+            return out * inputs + 4 * out
+        if q == "int4":
+            return out * inputs // 2 + 4 * out * -(-inputs // 128)
+        return itemsize * out * inputs
+
+    method, _, head = quantization.partition("_")
+    layers = L * sum(matrix(o, n, method) for o, n in shapes)
+    seq = w["prompt"] + w["new"] // 2
+    return layers + matrix(v, h, method if head else "") + itemsize * 2 * w["batch"] * L * seq * kv
+
+
 def adapter_ratio_bound(
     base_step_ms: float, w: dict, peaks: dict[str, float], pool_itemsize: int = 4
 ) -> float:
@@ -767,7 +788,13 @@ def summarize(
         ratios["base_vs_base_xla_linear"] = round(dec["base"] / dec["base_xla_linear"], 3)
     if "" in ran:
         ratios["one_adapter_vs_base"] = round(dec["one_adapter"] / dec["base"], 3)
-    for q in ("int8", "int4"):  # a quantized base ÷ the same rows on the unquantized one
+    for q in ("", *QUANTIZED_ROWS):  # a base step's bytes at the measured read rate ÷ its time
+        if "base" + (q and "_" + q) in ours and dense:
+            roof = 1000 * base_bytes_read(w, q, size) / (peaks["peak_gbs"] * 1e9)
+            result[f"base{q and '_' + q}_roofline_fraction"] = round(
+                roof / ours["base" + (q and "_" + q)]["step_ms"], 3
+            )
+    for q in QUANTIZED_ROWS:  # a quantized base ÷ the same rows on the unquantized one
         if "base_" + q in dec and "base" in dec:
             ratios[f"base_{q}_vs_base"] = round(dec["base_" + q] / dec["base"], 3)
             ratios[f"distinct_adapters_{q}_vs_base_{q}"] = round(
@@ -809,12 +836,17 @@ def platform_info() -> dict[str, str]:
     }
 
 
+QUANTIZED_ROWS = ("int8", "int4", "int8_head", "int4_head")  # <q>_head: --quantize-lm-head too
+
+
 def _quantizations(text: str) -> tuple[str, ...]:
-    """--quantization: "none", or a comma-separated list of int8 and int4."""
+    """--quantization: "none", or a comma-separated list of QUANTIZED_ROWS."""
     names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip() and t.strip() != "none"))
-    bad = [n for n in names if n not in ("int8", "int4")]
+    bad = [n for n in names if n not in QUANTIZED_ROWS]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown quantization {bad[0]!r} (none, int8, int4 or int8,int4)")
+        raise argparse.ArgumentTypeError(
+            f"unknown quantization {bad[0]!r} (none or a list of {QUANTIZED_ROWS})"
+        )
     return names
 
 
@@ -844,8 +876,8 @@ def main() -> None:
         "--quantization",
         default="none",
         type=_quantizations,
-        help="also run the default engine over the base quantized so: int8, int4 or both (int8,int4); rows "
-        "<name>_int8, <name>_int4",
+        help="also run the default engine over the base quantized so: a comma list of int8, int4, int8_head,"
+        " int4_head (_head: the head quantized too, --quantize-lm-head); rows <name>_<each>",
     )
     parser.add_argument("--skip-ttft", action="store_true", help="skip the cold vs warm TTFT")
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers/peft peers")
@@ -921,7 +953,10 @@ def main() -> None:
                 )
                 mine.update({name + suffix: r for name, r in runs.items()})
             for quantization in args.quantization:  # the default engine over the quantized base, same rows
-                quantized = load_checkpoint(str(base), dtype=args.dtype, quantization=quantization)
+                method, _, head = quantization.partition("_")
+                quantized = load_checkpoint(
+                    str(base), dtype=args.dtype, quantization=method, quantize_lm_head=head == "head"
+                )
                 runs = run_engine(
                     base, adapters[: w["adapters"]], w, args.rounds, ttft=False, checkpoint=quantized,
                     dtype=args.dtype, lazy=args.lazy_compile,

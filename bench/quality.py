@@ -1,6 +1,7 @@
 """What a quantized base costs in quality: top-1 agreement and mean KL against the unquantized model (#34).
 
     python bench/quality.py                          # the decode bench model, int8 and int4
+    python bench/quality.py --quantization int8_head,int4_head   # the head quantized too
     python bench/quality.py --tiny                   # the tiny model (seconds)
     python bench/quality.py --dtype bfloat16 --quantization int4 --prompts 16 --steps 64
     python bench/quality.py --model /models/Llama-3.1-8B --dtype bfloat16   # a real checkpoint's numbers
@@ -102,7 +103,11 @@ def main() -> None:
     parser.add_argument("--shape", choices=("bench", "tiny"), default="bench", help="bench/decode.py's model")
     parser.add_argument("--tiny", action="store_true", help="--shape tiny")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--quantization", default="int8,int4", help="comma-separated: int8, int4")
+    parser.add_argument(
+        "--quantization",
+        default="int8,int4",
+        help="comma-separated: int8, int4, int8_head, int4_head (_head: the head quantized too)",
+    )
     parser.add_argument("--prompts", type=int, default=8, help="rows (random prompts of the shape's length)")
     parser.add_argument("--steps", type=int, default=32, help="greedy decode steps a row")
     parser.add_argument("--workdir", help="build the model here, reuse it when there (bench/decode.py's)")
@@ -115,7 +120,7 @@ def main() -> None:
     w = dict(SHAPES[shape], adapters=1)
     quantizations = [q for q in args.quantization.split(",") if q]
     for q in quantizations:
-        if q not in ("int8", "int4"):
+        if q not in ("int8", "int4", "int8_head", "int4_head"):
             parser.error(f"unknown quantization {q!r}")
 
     from loraserve.worker.checkpoint import load_checkpoint, open_checkpoint
@@ -136,9 +141,11 @@ def main() -> None:
         full, fed = run(load_checkpoint(str(base), dtype=args.dtype), prompts, None, args.steps)
         results = {}
         for q in quantizations:
-            got, _ = run(
-                load_checkpoint(str(base), dtype=args.dtype, quantization=q), prompts, fed, args.steps
+            method, _, head = q.partition("_")
+            ck = load_checkpoint(
+                str(base), dtype=args.dtype, quantization=method, quantize_lm_head=head == "head"
             )
+            got, _ = run(ck, prompts, fed, args.steps)
             results[q] = compare(full, fed, got)
             print(f"{q}: {results[q]}", flush=True)
     about = {k: w[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")}

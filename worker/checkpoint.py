@@ -53,6 +53,13 @@ class Checkpoint:
     quantization: str = "none"  # worker.quant: "int8" = the projections are Int8Weights
     files: TensorFiles | None = field(default=None, compare=False, repr=False)
 
+    @property
+    def quantized_head(self) -> bool:
+        """The head is quantized too (``--quantize-lm-head``, or a checkpoint written with it)."""
+        from loraserve.worker.quant import Quantized
+
+        return isinstance(self.params.get("lm_head"), Quantized)
+
 
 def _open_folder(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     fs, path = fsspec.core.url_to_fs(url)
@@ -330,12 +337,15 @@ def is_deferred(x: Any) -> bool:
 
 
 def plan_params(
-    cfg: ModelConfig, files: TensorFiles, projection: Callable[[str, tuple[int, int]], Any] | None = None
+    cfg: ModelConfig,
+    files: TensorFiles,
+    projection: Callable[[str, tuple[int, int]], Any] | None = None,
+    float_head: bool = True,
 ) -> Params:
     """The checkpoint's tensors -> our layout as :class:`Deferred` params (``[out, in]`` matrices, fused
     q|k|v and gate|up, ``layers``: one dict per layer), every tensor checked to exist with its shape;
     ``projection(name, (out, in))`` reads a layer's linear weight where it is not a float tensor (a quantized
-    checkpoint's values and scales)."""
+    checkpoint's values and scales); ``float_head`` False: no ``lm_head`` (the caller reads a quantized one)."""
     h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
 
     def t(name: str, shape: tuple[int, ...]) -> Deferred:
@@ -345,7 +355,7 @@ def plan_params(
 
     out: Params = {"embed": t("model.embed_tokens.weight", (cfg.vocab_size, h))}
     out["final_norm"] = t("model.norm.weight", (h,))
-    if files.has("lm_head.weight") and not cfg.tie_word_embeddings:
+    if float_head and files.has("lm_head.weight") and not cfg.tie_word_embeddings:
         out["lm_head"] = t("lm_head.weight", (cfg.vocab_size, h))
     layers = []
     for n in range(cfg.num_layers):
@@ -425,10 +435,12 @@ def _experts(cfg: ModelConfig, files: TensorFiles, p: str) -> dict[str, Deferred
     return out
 
 
-def open_checkpoint(url: str, dtype: str = "float32", quantization: str = "none") -> Checkpoint:
+def open_checkpoint(
+    url: str, dtype: str = "float32", quantization: str = "none", quantize_lm_head: bool = False
+) -> Checkpoint:
     """The checkpoint at ``url`` with its params :class:`Deferred` (nothing read but the headers and, of a
     ``loraserve quantize`` checkpoint, the scales, which are checked); quantization as :func:`load_checkpoint`."""
-    from loraserve.worker.quant import QUANTIZATIONS, QUANTIZED, deferred_quantized
+    from loraserve.worker.quant import QUANTIZATIONS, QUANTIZED, deferred_quantized, quantized_head
 
     if quantization not in QUANTIZATIONS:
         raise InvalidArgument(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -437,7 +449,8 @@ def open_checkpoint(url: str, dtype: str = "float32", quantization: str = "none"
     files = TensorFiles(url)
     written = _prequantized(hf_config)
     if written:
-        params, quantization = _plan_prequantized(cfg, files, written), written
+        head = bool((hf_config.get("quantization_config") or {}).get("lm_head"))
+        params, quantization = _plan_prequantized(cfg, files, written, head), written
     else:
         params = plan_params(cfg, files)
         if quantization != "none":
@@ -445,12 +458,18 @@ def open_checkpoint(url: str, dtype: str = "float32", quantization: str = "none"
                 for key in QUANTIZED:
                     if key in layer:
                         layer[key] = deferred_quantized(layer[key], quantization)
+    if quantize_lm_head:
+        quantized_head(params, quantization)
     jdtype = jnp.dtype(dtype)
     return Checkpoint(cfg, params, url, jdtype.name, quantization, files)
 
 
 def load_checkpoint(
-    url: str, dtype: str = "float32", quantization: str = "none", place: bool = True
+    url: str,
+    dtype: str = "float32",
+    quantization: str = "none",
+    place: bool = True,
+    quantize_lm_head: bool = False,
 ) -> Checkpoint:
     """Read ``config.json`` + safetensors from ``url`` and place the weights on the device (``place`` False:
     keep them host arrays of ``dtype``), one tensor at a time;
@@ -458,13 +477,14 @@ def load_checkpoint(
     packed int4 with a scale per group of inputs (worker.quant). A checkpoint ``loraserve quantize`` wrote
     (``worker.quantize_cmd``) is served as it was written whatever ``quantization`` says: its values and
     scales are taken as they are (checked: every scale present, of its shape, finite and positive), not
-    quantized again. A model split over devices is opened with :func:`open_checkpoint` instead, which reads
+    quantized again. ``quantize_lm_head`` quantizes the head as well (``worker.quant.quantized_head``). A
+    model split over devices is opened with :func:`open_checkpoint` instead, which reads
     nothing until ``sharding.shard_params`` reads each device's shard.
 
     Semantics: the returned params compute exactly what transformers' ``*ForCausalLM`` of the family computes
     (quantized: what it computes with those weights dequantized).
     """
-    checkpoint = open_checkpoint(url, dtype, quantization)
+    checkpoint = open_checkpoint(url, dtype, quantization, quantize_lm_head)
     params = read_params(checkpoint, jax.device_put if place else _host)
     return Checkpoint(
         checkpoint.config, params, url, checkpoint.dtype, checkpoint.quantization, checkpoint.files
@@ -508,16 +528,20 @@ def _prequantized(hf_config: dict[str, Any]) -> str:
     return written
 
 
-def _plan_prequantized(cfg: ModelConfig, files: TensorFiles, quantization: str) -> Params:
+def _plan_prequantized(cfg: ModelConfig, files: TensorFiles, quantization: str, head: bool = False) -> Params:
     """A ``loraserve quantize`` checkpoint: each projection's int8 (or packed int4) values with their
     ``_scale`` (checked and named when wrong: every scale is read here, a small share of the bytes), fused as
-    the float weights are (rows side by side, each row's scales with it); the rest as any checkpoint."""
+    the float weights are (rows side by side, each row's scales with it); ``head`` (written with ``--lm-head``):
+    ``lm_head.weight`` too, served as the head even where the model ties it to the embedding; the rest as any
+    checkpoint."""
     from loraserve.worker.quant import Int4Weight, Int8Weight, int4_group
-    from loraserve.worker.quantize_cmd import PROJECTION, SCALE_SUFFIX
+    from loraserve.worker.quantize_cmd import HEAD, SCALE_SUFFIX, quantized_name
 
     int4 = quantization == "int4"
     stored = "U8" if int4 else "I8"
-    for name in [k for k in files.tensors if PROJECTION.match(k)]:
+    if head and not files.has(HEAD):
+        raise CheckpointError(f"checkpoint lacks tensor {HEAD} (its config says the head is quantized)")
+    for name in [k for k in files.tensors if quantized_name(k, head)]:
         q = files.tensors[name]
         if q.dtype != stored or len(q.shape) != 2:
             dtype = "bfloat16" if q.dtype == "BF16" else np.dtype(_STORED[q.dtype]).name
@@ -541,7 +565,7 @@ def _plan_prequantized(cfg: ModelConfig, files: TensorFiles, quantization: str) 
                 f"tensor {name + SCALE_SUFFIX} holds a scale that is not finite and positive"
             )
     bases = {k: k[: -len(SCALE_SUFFIX)] for k in files.tensors if k.endswith(SCALE_SUFFIX)}
-    stray = sorted(k for k, base in bases.items() if not (PROJECTION.match(base) and files.has(base)))
+    stray = sorted(k for k, base in bases.items() if not (quantized_name(base, head) and files.has(base)))
     if stray:
         raise CheckpointError(f"tensor {stray[0]} scales no {quantization} projection of this checkpoint")
 
@@ -557,7 +581,10 @@ def _plan_prequantized(cfg: ModelConfig, files: TensorFiles, quantization: str) 
             weight = Int8Weight(_tensor(files, name, shape), _tensor(files, name + SCALE_SUFFIX, (out,)))
         return type(weight)(weight.q, _unscaled(weight.scale))
 
-    return plan_params(cfg, files, projection)
+    params = plan_params(cfg, files, projection, float_head=not head)
+    if head:
+        params["lm_head"] = projection(HEAD, (cfg.vocab_size, cfg.hidden_size))
+    return params
 
 
 def _unscaled(d: Deferred) -> Deferred:

@@ -66,7 +66,12 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     # rows and columns its devices hold, and no device (nor host) ever holds the whole model
     split = engine_config.tensor_parallel_size > 1 or cluster is not None
     load = open_checkpoint if split else load_checkpoint
-    checkpoint = load(config.model, dtype=engine_config.dtype, quantization=config.quantization)
+    checkpoint = load(
+        config.model,
+        dtype=engine_config.dtype,
+        quantization=config.quantization,
+        quantize_lm_head=config.quantize_lm_head,
+    )
     if cluster is not None and not cluster.leader:  # a follower replays the leader's device calls
         multihost.follow(JaxRunner(checkpoint, engine_config), channel)
         return 0

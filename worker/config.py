@@ -358,6 +358,13 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
         " by `loraserve quantize` is served as written",
         MODEL,
     )
+    quantize_lm_head: bool = opt(
+        False,
+        "with --quantization int8|int4, quantize the head (lm_head) too, the same way: a decode step reads it at"
+        " a quarter (int8) or an eighth (int4) of f32's bytes; a model that ties the head to its embedding keeps"
+        " the embedding for the lookup and adds the quantized head",
+        MODEL,
+    )
     host: str = opt("127.0.0.1", "address to bind", SERVING)
     port: int = opt(50061, "gRPC port to bind (0 picks a free one)", SERVING)
     adapter_dir: str = opt(

@@ -203,7 +203,8 @@ def logits_from_hidden(
     row's lm_head LoRA (``vocab`` pools, ``slots`` [G], ``worker.embed_lora``) where given, then the final
     soft-cap where the config has one (Gemma 2)."""
     x = _norm(cfg, h, params["final_norm"])
-    logits = linear(x, params["lm_head"] if "lm_head" in params else params["embed"])
+    head = params["lm_head"] if "lm_head" in params else params["embed"]
+    logits = qlinear(x, head) if isinstance(head, Quantized) else linear(x, head)
     if vocab is not None and slots is not None and "A_lm_head" in vocab:
         logits = apply_lm_head(logits, x, vocab, slots)
     return _softcap(logits, cfg.final_logit_softcap)

@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("none", "int8", "int4"),
         help="the worker's --quantization: int8 projections with per-channel scales, int4 with per-group scales",
     )
+    parser.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="the worker's --quantize-lm-head: the head quantized too (a tied model keeps its embedding beside)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--verify",
@@ -94,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         lora_dtype=args.lora_dtype,
         quantization=args.quantization,
+        quantize_lm_head=args.quantize_lm_head,
     )
     out = result.as_dict()
     if args.verify:

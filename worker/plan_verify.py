@@ -66,6 +66,7 @@ def compiled_decode_memory(
     dtype: str,
     lora_dtype: str,
     quantization: str = "none",
+    quantize_lm_head: bool = False,
 ) -> dict[str, int]:
     """Per-device bytes of the compiled decode step (``Compiled.memory_analysis``), nothing allocated."""
     import jax
@@ -94,7 +95,9 @@ def compiled_decode_memory(
     )
     sharding.check_tensor_parallel(cfg, tp, len(jax.devices()))
     mesh = sharding.make_mesh(tp)
-    st = sharding.abstract_state(cfg, config, mesh, XlaOneHotBackend(), quantization=quantization)
+    st = sharding.abstract_state(
+        cfg, config, mesh, XlaOneHotBackend(), quantization=quantization, quantize_lm_head=quantize_lm_head
+    )
     tcfg, backend = st["model_config"], st["backend"]
     rep = NamedSharding(mesh, P())
 
@@ -151,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=settings["dtype"],
         lora_dtype=settings["lora_dtype"],
         quantization=settings.get("quantization", "none"),
+        quantize_lm_head=settings.get("quantize_lm_head", False),
     )
     print(json.dumps(result))
     return 0

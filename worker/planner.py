@@ -141,10 +141,13 @@ def vocab_rows_per_device(cfg: ModelConfig, tp: int) -> int:
     return cfg.vocab_size // tp if cfg.vocab_size % tp == 0 else cfg.vocab_size
 
 
-def weight_bytes(cfg: ModelConfig, tp: int, dtype: str, quantization: str = "none") -> int:
+def weight_bytes(
+    cfg: ModelConfig, tp: int, dtype: str, quantization: str = "none", quantize_lm_head: bool = False
+) -> int:
     """One device's base weights; with ``quantization="int8"`` the layers' projections at one byte an
     element plus an f32 scale per output channel, with ``"int4"`` at half a byte plus an f32 scale per group
-    of inputs (worker.quant), the rest in ``dtype``."""
+    of inputs (worker.quant), the rest in ``dtype``; ``quantize_lm_head``: the head too, by vocab rows (a tied
+    model keeps its embedding in ``dtype`` beside the quantized head)."""
     size = DTYPE_BYTES[dtype]
     projections = sum(i * o for i, o in _module_shapes_per_device(cfg, tp).values())
     per_layer = projections if quantization == "none" else 0
@@ -156,12 +159,24 @@ def weight_bytes(cfg: ModelConfig, tp: int, dtype: str, quantization: str = "non
         per_layer += cfg.hidden_size
     norms = cfg.hidden_size * (4 if cfg.model_type.startswith("gemma") else 2)  # replicated
     norms += 2 * cfg.head_dim if cfg.qk_norm else 0
-    vocab = vocab_rows_per_device(cfg, tp) * cfg.hidden_size
-    embeddings = vocab * (1 if cfg.tie_word_embeddings else 2)
+    rows = vocab_rows_per_device(cfg, tp)
+    embeddings = rows * cfg.hidden_size * (1 if cfg.tie_word_embeddings or quantize_lm_head else 2)
     floats = size * (cfg.num_layers * (per_layer + norms) + embeddings + cfg.hidden_size)
     if quantization == "none":
         return floats
-    return floats + cfg.num_layers * quantized_projection_bytes(cfg, tp, quantization)
+    head = quantized_matrix_bytes(rows, cfg.hidden_size, quantization) if quantize_lm_head else 0
+    return floats + head + cfg.num_layers * quantized_projection_bytes(cfg, tp, quantization)
+
+
+def quantized_matrix_bytes(out: int, inputs: int, quantization: str, group_of: int | None = None) -> int:
+    """``out`` rows of ``inputs`` quantized (worker.quant's layouts): int8 a byte a value and an f32 scale a
+    row; int4 half a byte a value and an f32 scale per group (of ``group_of`` inputs' group size, default
+    ``inputs``)."""
+    from loraserve.worker.quant import int4_group
+
+    if quantization == "int4":
+        return out * inputs // 2 + 4 * out * (inputs // int4_group(group_of or inputs))
+    return out * inputs + 4 * out
 
 
 def check_int4_split(cfg: ModelConfig, tp: int) -> None:
@@ -180,15 +195,12 @@ def check_int4_split(cfg: ModelConfig, tp: int) -> None:
 
 def quantized_projection_bytes(cfg: ModelConfig, tp: int, quantization: str) -> int:
     """One layer's quantized projections on one device: values and f32 scales (worker.quant's layouts)."""
-    from loraserve.worker.quant import int4_group
-
     full = cfg.module_shapes()
     total = 0
     for module, (i, o) in _module_shapes_per_device(cfg, tp).items():
-        if quantization == "int4":  # two values a byte; a scale per group of the full input's group size
-            total += i * o // 2 + 4 * o * (i // int4_group(full[module][0]))
-        else:  # a byte a value, a scale per output row
-            total += i * o + 4 * o
+        total += quantized_matrix_bytes(
+            o, i, quantization, full[module][0]
+        )  # groups of the full input's size
     return total
 
 
@@ -249,6 +261,7 @@ def plan(
     dtype: str = "bfloat16",
     lora_dtype: str = "",
     quantization: str = "none",
+    quantize_lm_head: bool = False,
 ) -> Plan:
     if chip not in CHIPS:
         raise InvalidArgument(f"unknown chip {chip!r}; known: {', '.join(CHIPS)}")
@@ -261,6 +274,8 @@ def plan(
         raise InvalidArgument(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization == "int4":
         check_int4_split(cfg, tp)
+    if quantize_lm_head and quantization == "none":
+        raise FailedPrecondition("--quantize-lm-head needs --quantization int8 or int4")
     spec = CHIPS[chip]
     return Plan(
         model=model,
@@ -268,7 +283,7 @@ def plan(
         tp=tp,
         hosts=spec.hosts(tp),
         dtype=dtype,
-        weights=weight_bytes(cfg, tp, dtype, quantization),
+        weights=weight_bytes(cfg, tp, dtype, quantization, quantize_lm_head),
         kv_cache=kv_bytes(cfg, tp, batch, context, dtype),
         lora_pools=pool_bytes(cfg, tp, max_loras, max_lora_rank, lora_dtype or dtype),
         sampling_history=history_bytes(batch, cfg.vocab_size),

@@ -3,10 +3,16 @@
 Each of a layer's fused projections (``wqkv``, ``wo``, ``w_gate_up``, ``w_down``, ``[out, in]``) becomes an
 :class:`Int8Weight`: symmetric per-output-channel int8 values ``q = round(w / s)`` in [-127, 127] with
 ``s = max|w_row| / 127`` (f32), quantized once when the checkpoint is loaded. Activations, the KV cache,
-norms, embeddings, the head and every adapter pool stay in the model's dtype; a mixture of experts keeps its
+norms, embeddings, the head (unless ``--quantize-lm-head``) and every adapter pool stay in the model's dtype; a mixture of experts keeps its
 experts and router unquantized (attention is quantized). Split over devices (tensor parallelism) ``q`` is
 split like the float weight and the scales with their output channels (column-parallel projections: split;
 row-parallel ``wo`` / ``w_down``: whole), and the product is XLA's dot, which GSPMD partitions.
+
+With ``--quantize-lm-head`` the head (``lm_head [vocab, hidden]``) is quantized the same way (int8: a scale per
+vocabulary row; int4: per group of hidden inputs), split over devices like the float head (by vocabulary rows,
+its scales with them). A model that ties its head to the embedding keeps the embedding in the model's dtype
+for the lookup and gains a quantized copy for the head (:func:`quantized_head`): a byte (int8) or half a byte
+(int4) more a vocabulary entry's hidden value, and a decode step that reads that instead of the float matrix.
 
 *Semantics:* ``qlinear(x, w) = (x @ q.T) * s`` with f32 accumulation (XLA's dot, or on a CPU for a
 decode step's rows the C++ kernel ``kernels.cpu.linear_int8``, which reads the weights as bytes): "dequantize, then the same-dtype
@@ -185,6 +191,18 @@ def _kernel_available() -> bool:
     from loraserve.kernels import cpu
 
     return cpu.available()
+
+
+def quantized_head(params: dict[str, Any], quantization: str) -> None:
+    """``params["lm_head"]`` (still to be read) as ``quantization`` weights, in place; a tied model's head from
+    its embedding (which stays as it is, for the lookup)."""
+    if quantization not in ("int8", "int4"):
+        raise FailedPrecondition(
+            f"--quantize-lm-head needs --quantization int8 or int4, got {quantization!r}"
+        )
+    head = params.get("lm_head", params["embed"])
+    if not isinstance(head, Quantized):  # a `loraserve quantize --lm-head` checkpoint's head is already
+        params["lm_head"] = deferred_quantized(head, quantization)
 
 
 def deferred_quantized(src: Any, quantization: str) -> Quantized:

@@ -9,7 +9,9 @@ channel); with ``int4``, a ``U8`` tensor ``[out, in / 2]`` of packed int4 values
 shard by shard (the index, if any, names the new scales), and ``config.json`` gains
 ``"quantization_config": {"quant_method": "loraserve-int8" | "loraserve-int4", ...}`` (``QUANT_METHODS``),
 with which ``worker.checkpoint.load_checkpoint`` takes the values and scales as they are instead of
-quantizing at start-up. Tokenizer and other files are copied. Local folders or fsspec URLs on both sides.
+quantizing at start-up. ``--lm-head`` quantizes ``lm_head.weight`` too (``"lm_head": true`` in that
+``quantization_config``); a model that ties its head to the embedding keeps ``model.embed_tokens.weight`` as it is
+and gains a quantized ``lm_head.weight`` (and its scale), which the worker serves as the head. Tokenizer and other files are copied. Local folders or fsspec URLs on both sides.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ PROJECTION = re.compile(
     r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight$"
 )
 SCALE_SUFFIX = "_scale"
+HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"  # --lm-head: the head quantized as well
+
+
+def quantized_name(name: str, head: bool) -> bool:
+    """A tensor a checkpoint written with (``head``: and with ``--lm-head``) stores quantized."""
+    return bool(PROJECTION.match(name)) or (head and name == HEAD)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,21 +46,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="int8",
         help="what to write: int8 (a scale per output channel) or int4 (two a byte, a scale per 128 inputs)",
     )
+    parser.add_argument(
+        "--lm-head",
+        action="store_true",
+        help="quantize the head too (the worker's --quantize-lm-head); a model that ties it to its embedding"
+        " keeps the embedding and gains a quantized lm_head.weight",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    written = quantize_checkpoint(args.src, args.dst, args.quantization)
+    written = quantize_checkpoint(args.src, args.dst, args.quantization, lm_head=args.lm_head)
     seconds = time.perf_counter() - started
     print(
-        f"wrote {args.dst}: {written['quantized']} {args.quantization} projections, "
+        f"wrote {args.dst}: {written['quantized']} {args.quantization} projections"
+        f"{' (the head among them)' if args.lm_head else ''}, "
         f"{written['bytes'] / 1e6:.1f} MB in {seconds:.1f} s"
     )
     return 0
 
 
-def quantize_checkpoint(src: str, dst: str, quantization: str = "int8") -> dict[str, int]:
-    """SRC -> DST as the module doc says; returns counts (``quantized`` tensors, ``bytes`` written)."""
+def quantize_checkpoint(
+    src: str, dst: str, quantization: str = "int8", lm_head: bool = False
+) -> dict[str, int]:
+    """SRC -> DST as the module doc says (``lm_head``: the head too, written beside the embedding's shard for a
+    tied model); returns counts (``quantized`` tensors, ``bytes`` written)."""
     from safetensors.numpy import save
 
     from loraserve.adapters.peft import safetensors_to_numpy
@@ -84,8 +102,12 @@ def quantize_checkpoint(src: str, dst: str, quantization: str = "int8") -> dict[
         with sfs.open(path, "rb") as f:
             tensors = safetensors_to_numpy(f.read())  # bf16 widened to f32 (exact)
         out = {}
+        if lm_head and EMBED in tensors and config.get("tie_word_embeddings"):
+            tensors[HEAD] = tensors[
+                EMBED
+            ]  # the tied head, quantized below beside the embedding kept as it is
         for key, value in tensors.items():
-            if PROJECTION.match(key):
+            if quantized_name(key, lm_head):
                 q, scale = quantize_int4(value) if quantization == "int4" else quantize_int8(value)
                 out[key], out[key + SCALE_SUFFIX] = q, scale
                 quantized += 1
@@ -100,7 +122,9 @@ def quantize_checkpoint(src: str, dst: str, quantization: str = "int8") -> dict[
         index = {"metadata": {"total_size": written}, "weight_map": weight_map}
         with dfs.open(f"{droot}/model.safetensors.index.json", "w") as f:
             json.dump(index, f, indent=2)
-    config["quantization_config"] = {"quant_method": method, "symmetric": True, "scale_suffix": SCALE_SUFFIX}
+    config["quantization_config"] = {
+        "quant_method": method, "symmetric": True, "scale_suffix": SCALE_SUFFIX, "lm_head": lm_head
+    }  # fmt: skip
     if quantization == "int4":
         config["quantization_config"].update(
             bits=4, granularity="per_group", max_group_size=INT4_GROUP, packing="low_nibble_first"

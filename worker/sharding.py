@@ -127,10 +127,15 @@ def _repeat_kv_rows(w: np.ndarray, cfg: ModelConfig, r: int) -> np.ndarray:
 
 def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int) -> dict[str, Any]:
     """The PartitionSpec tree of ``params`` (same structure; leaves arrays or shape tuples) for N devices."""
+    from loraserve.worker.quant import Int4Weight, Int8Weight
+
     vocab = P(AXIS, None) if cfg.vocab_size % n == 0 else P()
     top = {k: (vocab if k in ("embed", "lm_head") else P()) for k in params if k != "layers"}
-
-    from loraserve.worker.quant import Int4Weight, Int8Weight
+    head = params.get("lm_head")
+    if isinstance(head, Int8Weight | Int4Weight):  # a quantized head: values by vocab rows, scales with them
+        split = vocab != P()
+        scale = (P(AXIS) if split else P()) if isinstance(head, Int8Weight) else vocab
+        top["lm_head"] = type(head)(vocab, scale)
 
     def layer_spec(key: str, value: Any) -> Any:
         dim = LAYER_SPLIT_DIM.get(key)
@@ -223,7 +228,15 @@ def _read_shards(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh, dtype: An
     orders = [
         {k: layer_row_order(cfg, k, v.shape[0], n) for k, v in layer.items()} for layer in params["layers"]
     ]
-    shapes = {k: global_shape(v, None) for k, v in params.items() if k != "layers"}
+
+    def top_shape(v: Any) -> Any:  # a quantized head (worker.quant) or a float tensor
+        return (
+            type(v)(global_shape(v.q, None), global_shape(v.scale, None))
+            if isinstance(v, Quantized)
+            else (global_shape(v, None))
+        )
+
+    shapes = {k: top_shape(v) for k, v in params.items() if k != "layers"}
     shapes["layers"] = [
         {
             k: type(v)(global_shape(v.q, rows[k]), global_shape(v.scale, rows[k]))
@@ -234,7 +247,13 @@ def _read_shards(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh, dtype: An
         for layer, rows in zip(params["layers"], orders, strict=True)
     ]
     specs = param_specs(cfg, shapes, n)
-    out = {k: placed(v, None, specs[k]) for k, v in params.items() if k != "layers"}
+    out = {
+        k: type(v)(placed(v.q, None, specs[k].q), placed(v.scale, None, specs[k].scale))
+        if isinstance(v, Quantized)
+        else placed(v, None, specs[k])
+        for k, v in params.items()
+        if k != "layers"
+    }
     out["layers"] = [
         {
             k: type(v)(placed(v.q, rows[k], spec[k].q), placed(v.scale, rows[k], spec[k].scale))
@@ -359,6 +378,7 @@ def abstract_state(
     params: dict[str, Any] | None = None,
     platform: str | None = None,
     quantization: str = "none",
+    quantize_lm_head: bool = False,
 ) -> dict[str, Any]:
     """Abstract params, KV cache and slot pools (``jax.ShapeDtypeStruct`` carrying their shardings) of the
     model ``cfg`` served with ``config`` (an ``EngineConfig``) over ``mesh``, for lowering the jitted
@@ -409,6 +429,17 @@ def abstract_state(
                 layer[k] = Int4Weight(
                     sds((out, inputs // 2), jnp.uint8, spec), sds(groups, jnp.float32, scale_spec)
                 )
+    if quantize_lm_head:  # worker.quant.quantized_head: by vocab rows like the float head, scales with them
+        from loraserve.worker.quant import quantized_head
+
+        vocab, hidden = shapes.get("lm_head", shapes["embed"])
+        head = {"embed": jax.ShapeDtypeStruct((vocab, hidden), jnp.float32)}
+        quantized_head(head, quantization)  # the quantized types and shapes, nothing read
+        hs = param_specs(cfg, {"lm_head": head["lm_head"], "layers": []}, n)["lm_head"]
+        aparams["lm_head"] = type(head["lm_head"])(
+            sds(head["lm_head"].q.shape, head["lm_head"].q.dtype, hs.q),
+            sds(head["lm_head"].scale.shape, jnp.float32, hs.scale),
+        )
     pages = config.num_kv_pages(kv_page_bytes(cfg, config.kv_page_size, dtype))
     page_shape = (tcfg.num_kv_heads, pages, config.kv_page_size, tcfg.head_dim)
     stored = kv_storage_dtype(dtype, platform)

@@ -38,7 +38,7 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
     # --lazy-compile: each engine compiles the shapes its rows run, not every bucket (55 -> 33 s alone;
     # the warm-up path itself is tests/worker's)
     result = _last_json(
-        ["bench/decode.py", "--tiny", "--rounds", "1", "--lazy-compile", "--quantization", "int8"]
+        ["bench/decode.py", "--tiny", "--rounds", "1", "--lazy-compile", "--quantization", "int8_head"]
     )
     assert result["bench"] == "decode"
     engines = {
@@ -54,9 +54,9 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
         "distinct_dora_bf16_pools",
         "distinct_mixes_bf16_pools",
         "distinct_adapters_json",
-        "base_int8",
-        "one_adapter_int8",
-        "distinct_adapters_int8",
+        "base_int8_head",
+        "one_adapter_int8_head",
+        "distinct_adapters_int8_head",
     }
     assert all(v > 0 for v in result["decode_tok_s"].values())
     ratios = {
@@ -74,8 +74,8 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
         "distinct_adapters_xla_vs_base",
         "distinct_adapters_bf16_pools_vs_peft_mixed",
         "distinct_adapters_json_vs_distinct_adapters",
-        "base_int8_vs_base",
-        "distinct_adapters_int8_vs_base_int8",
+        "base_int8_head_vs_base",
+        "distinct_adapters_int8_head_vs_base_int8_head",
     }
     assert ratios <= set(result["ratios"])
     # base / (base + pool read time): below 1, but the tiny model's pools read in microseconds, so the
@@ -83,6 +83,8 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
     assert 0 < result["ratios"]["distinct_adapters_vs_base_serial_bound"] <= 1
     assert 0 < result["ratios"]["distinct_adapters_bf16_pools_vs_base_serial_bound"] <= 1
     assert result["ttft_ms"]["cold"] > 0 and result["ttft_ms"]["warm"] > 0
+    # a base step's bytes (int8 projections and head here) at the measured read rate ÷ its time
+    assert result["base_roofline_fraction"] > 0 and result["base_int8_head_roofline_fraction"] > 0
 
 
 @pytest.mark.slow

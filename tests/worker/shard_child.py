@@ -59,8 +59,9 @@ def check(path: str, n: int, dtype: str, quantization: str) -> list[str]:
     from loraserve.worker.checkpoint import load_checkpoint, open_checkpoint
     from loraserve.worker.quant import Quantized
 
-    whole = load_checkpoint(path, dtype, quantization, place=False)
-    opened = open_checkpoint(path, dtype, quantization)
+    quantization, _, head = quantization.partition("+")  # "int8+head": --quantize-lm-head too
+    whole = load_checkpoint(path, dtype, quantization, place=False, quantize_lm_head=head == "head")
+    opened = open_checkpoint(path, dtype, quantization, quantize_lm_head=head == "head")
     cfg = whole.config
     mesh = sharding.make_mesh(n)
     placed = sharding.shard_params(cfg, opened.params, mesh, opened.dtype)

@@ -13,6 +13,7 @@ models have small top-2 margins (a flip needs ~0.05), so the bounds are 90 % (in
 from __future__ import annotations
 
 import dataclasses
+import re
 import uuid
 
 import jax
@@ -150,6 +151,31 @@ def test_quality_against_the_unquantized_model(tiny, family) -> None:
         assert 1e-4 < got["max_abs_logit_diff"] < most_diff  # quantized (the logits moved), and not by much
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2 ties its head to the embedding
+def test_a_quantized_head_is_its_dequantized_matrix(tiny, tmp_path, family, quantization) -> None:
+    """``--quantize-lm-head``: the head is quantized as the projections are (int8 a scale per vocab row, int4
+    per group of hidden inputs), the embedding stays float for the lookup (a tied model's too), and the
+    model's logits are those of the same model with the head replaced by its dequantized matrix (f32, within
+    1e-5 of the logits' scale: the head's product and its scaling round differently)."""
+    path = tiny.get(family) or save_model(tmp_path / family, family, seed=3)
+    ck = load_checkpoint(str(path), quantization=quantization, quantize_lm_head=True)
+    head = ck.params["lm_head"]
+    assert isinstance(head, Int8Weight if quantization == "int8" else Int4Weight)
+    assert (
+        head.shape == (ck.config.vocab_size, ck.config.hidden_size)
+        and ck.params["embed"].dtype == jnp.float32
+    )
+    fp = load_checkpoint(str(path), quantization=quantization)
+    np.testing.assert_array_equal(np.asarray(ck.params["embed"]), np.asarray(fp.params["embed"]))
+    deq = dataclasses.replace(ck, params={**ck.params, "lm_head": head.dequantize(jnp.float32)})
+    refs = [(list(p) + [5 + i for i in range(STEPS)], None) for p in PROMPTS]
+    got, want = np.asarray(run_model(ck, refs, "float32")), np.asarray(run_model(deq, refs, "float32"))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    unquantized_head = np.asarray(run_model(fp, refs, "float32"))
+    assert np.abs(unquantized_head - got).max() > 1e-4  # the head's quantization moved the logits
+
+
 @pytest.mark.slow
 def test_the_quality_script_compares_a_checkpoint_folder(tiny) -> None:
     """``bench/quality.py --model DIR`` (a user's trained checkpoint): the numbers its functions give in this
@@ -213,11 +239,12 @@ def test_an_adapter_computes_on_x_whatever_the_base_weight(tiny, quantization) -
     np.testing.assert_allclose(deltas[1], deltas[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_the_engine_serves_a_quantized_base_as_the_model_computes_it(tiny, quantization) -> None:
+@pytest.mark.parametrize(("quantization", "head"), [("int8", False), ("int4", False), ("int8", True)])
+def test_the_engine_serves_a_quantized_base_as_the_model_computes_it(tiny, quantization, head) -> None:
     path = tiny["llama"]
     config = EngineConfig(max_batch_size=4, max_seq_len=32, max_loras=1, max_lora_rank=8, prefill_chunk=4)
-    ck = load_checkpoint(str(path), quantization=quantization)
+    ck = load_checkpoint(str(path), quantization=quantization, quantize_lm_head=head)
+    assert ck.quantized_head is head
     with started_engine(ck, config, warmup=False) as engine:
         collectors = [Collector() for _ in PROMPTS]
         for p, c in zip(PROMPTS, collectors, strict=True):
@@ -249,8 +276,16 @@ def test_the_planner_counts_int8_weights_as_loaded(tiny) -> None:
         ck = load_checkpoint(str(tiny[family]), quantization="int8")
         loaded = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(ck.params))
         assert planner.weight_bytes(ck.config, 1, "float32", "int8") == loaded
+    for family in ("llama", "gemma2"):  # --quantize-lm-head; gemma2 ties the head: its embedding stays beside
+        root = tiny["llama"].parent
+        path = tiny.get(family) or save_model(root / family, family, seed=3)
+        ck = load_checkpoint(str(path), quantization="int8", quantize_lm_head=True)
+        loaded = sum(np.asarray(leaf).nbytes for leaf in jax.tree.leaves(ck.params))
+        assert ck.quantized_head and planner.weight_bytes(ck.config, 1, "float32", "int8", True) == loaded
     _, cfg = planner.load_model_config("llama-3-8b")
     bf16, int8 = planner.weight_bytes(cfg, 1, "bfloat16"), planner.weight_bytes(cfg, 1, "bfloat16", "int8")
+    head = planner.weight_bytes(cfg, 1, "bfloat16", "int8", quantize_lm_head=True)
+    assert int8 - head == 128256 * 4096 - 4 * 128256  # its head: 2 bytes a value -> 1, plus a scale a row
     assert 0.55 < int8 / bf16 < 0.6  # 6.98B projection parameters at 1 byte, 1.05B embedding/head at 2
     # split over 2 devices (tests/worker/test_tensor_parallel.py serves it): each holds half the int8 values,
     # its column-parallel scales' half, the row-parallel scales whole
@@ -315,11 +350,17 @@ def test_the_cpu_int8_kernel_equals_xla_and_is_batch_invariant(dtype) -> None:
             np.testing.assert_array_equal(rows[m], rows[1 if m <= split else 3])
 
 
-@pytest.mark.parametrize(("quantization", "tp"), [("int8", 1), ("int8", 2), ("int4", 2)])
-def test_plan_verify_compiles_a_quantized_decode_step_to_the_byte(quantization, tp, tmp_path, capsys) -> None:
+@pytest.mark.parametrize(
+    ("quantization", "tp", "head"),
+    [("int8", 1, False), ("int8", 2, True), ("int4", 2, False), ("int4", 1, True)],
+)
+def test_plan_verify_compiles_a_quantized_decode_step_to_the_byte(
+    quantization, tp, head, tmp_path, capsys
+) -> None:
     """``plan --quantization int8|int4 --verify``: the compiled decode step's arguments are the estimate's
     quantized weights (and scales) + KV + pools + history + the step's small inputs, exactly; split over
-    devices too (the values split like the weights, the scales with their rows or groups)."""
+    devices too (the values split like the weights, the scales with their rows or groups); with
+    ``--quantize-lm-head`` the head at its quantized size."""
     import json
 
     from loraserve.cli import main
@@ -344,8 +385,15 @@ def test_plan_verify_compiles_a_quantized_decode_step_to_the_byte(quantization, 
         str(tp),
     ]
     args += ["--max-loras", "4", "--max-lora-rank", "8", "--dtype", "float32", "--quantization", quantization]
+    args += ["--quantize-lm-head"] if head else []
     assert main([*args, "--json", "--verify"]) == 0
     out = json.loads(capsys.readouterr().out)
+    from loraserve.worker import planner
+
+    cfg = planner.load_model_config(str(path))[1]
+    rows = 4096 // tp  # the head's vocab rows a device holds, f32 -> quantized (int4: groups of 32 here)
+    saved = rows * 256 * 4 - planner.quantized_matrix_bytes(rows, 256, quantization)
+    assert planner.weight_bytes(cfg, tp, "float32", quantization) - out["weights"] == (saved if head else 0)
     estimate = out["weights"] + out["kv_cache"] + out["lora_pools"] + out["sampling_history"]
     assert out["compiled"]["argument_bytes"] == estimate + out["compiled"]["small_input_bytes"]
 
@@ -379,15 +427,24 @@ def test_dora_scales_on_a_quantized_base_use_its_dequantized_weight(tiny, quanti
 
 
 @pytest.mark.parametrize(
-    ("family", "quantization"), [("llama", "int8"), ("qwen3_moe", "int8"), ("llama", "int4")]
+    ("family", "quantization", "head"),
+    [
+        ("llama", "int8", False),
+        ("qwen3_moe", "int8", False),
+        ("llama", "int4", False),
+        ("llama", "int4", True),
+        ("gemma2", "int8", True),  # ties its head to the embedding
+    ],
 )
 def test_a_quantized_checkpoint_loads_the_same_weights_without_quantizing(
-    tmp_path, family, quantization
+    tmp_path, family, quantization, head
 ) -> None:
     """``loraserve quantize SRC DST`` writes I8 projections with F32 ``_scale`` vectors (int8), or U8 packed
     int4 projections with F32 ``_scale [out, in / group]`` (int4) — attention's only on a mixture of experts
     — copies the rest in the checkpoint's dtype and the tokenizer; loading DST gives bit for bit the values
-    and scales ``--quantization`` computes from SRC at start-up, and the same logits."""
+    and scales ``--quantization`` computes from SRC at start-up, and the same logits. ``--lm-head``: the head
+    too (a tied model's written as ``lm_head.weight`` beside its float embedding), as ``--quantize-lm-head``
+    quantizes it."""
     import json
 
     from safetensors import safe_open
@@ -395,10 +452,11 @@ def test_a_quantized_checkpoint_loads_the_same_weights_without_quantizing(
     from loraserve.cli import main
 
     src = save_model(tmp_path / "src", family, seed=1)
-    assert main(["quantize", str(src), str(tmp_path / "dst"), "--quantization", quantization]) == 0
+    flags = ["--lm-head"] if head else []
+    assert main(["quantize", str(src), str(tmp_path / "dst"), "--quantization", quantization, *flags]) == 0
     dst = tmp_path / "dst"
     written = json.loads((dst / "config.json").read_text())["quantization_config"]
-    assert written["quant_method"] == f"loraserve-{quantization}"
+    assert written["quant_method"] == f"loraserve-{quantization}" and written["lm_head"] is head
     assert (dst / "tokenizer.json").exists()
     hidden = json.loads((src / "config.json").read_text())["hidden_size"]
     with safe_open(str(dst / "model.safetensors"), "np") as f:
@@ -412,10 +470,16 @@ def test_a_quantized_checkpoint_loads_the_same_weights_without_quantizing(
         assert q.dtype == np.uint8 and q.shape[1] == hidden // 2
         assert scale.shape == (q.shape[0], hidden // int4_group(hidden)) and written["bits"] == 4
     assert "model.layers.1.self_attn.o_proj.weight_scale" in keys
-    assert ("model.layers.0.mlp.down_proj.weight_scale" in keys) == (family == "llama")
-    made = load_checkpoint(str(src), quantization=quantization)
+    assert ("model.layers.0.mlp.down_proj.weight_scale" in keys) == (family != "qwen3_moe")
+    assert ("lm_head.weight_scale" in keys) is head and "model.embed_tokens.weight_scale" not in keys
+    made = load_checkpoint(str(src), quantization=quantization, quantize_lm_head=head)
     loaded = load_checkpoint(str(dst))  # quantized whatever --quantization says: the checkpoint is
-    assert loaded.quantization == quantization
+    assert loaded.quantization == quantization and loaded.quantized_head is made.quantized_head is head
+    if head:
+        for part in ("q", "scale"):
+            want, got = (np.asarray(getattr(c.params["lm_head"], part)) for c in (made, loaded))
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.asarray(loaded.params["embed"]), np.asarray(made.params["embed"]))
     for a, b in zip(made.params["layers"], loaded.params["layers"], strict=True):
         assert a.keys() == b.keys()
         for key in a:
@@ -463,8 +527,6 @@ BAD_CHECKPOINTS = {  # name -> (edit, the message's start; {q}: the quantization
 def test_a_broken_quantized_checkpoint_is_refused_naming_the_tensor(
     tiny, tmp_path, name, quantization
 ) -> None:
-    import re
-
     from loraserve.worker.checkpoint import CheckpointError
     from loraserve.worker.quantize_cmd import quantize_checkpoint
 
@@ -480,6 +542,41 @@ def test_a_broken_quantized_checkpoint_is_refused_naming_the_tensor(
     with pytest.raises(CheckpointError, match="^" + re.escape(message)) as err:
         load_checkpoint(str(tmp_path / "q"))
     assert err.value.code.name == "INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop("lm_head.weight_scale"), "checkpoint lacks tensor lm_head.weight_scale"),
+        (
+            lambda t: t["lm_head.weight_scale"].__setitem__(3, np.inf),
+            "tensor lm_head.weight_scale holds a scale",
+        ),
+        (lambda t: t.pop("lm_head.weight"), "checkpoint lacks tensor lm_head.weight (its config says"),
+    ],
+)
+def test_a_broken_quantized_head_is_refused_naming_the_tensor(tiny, tmp_path, edit, message) -> None:
+    """A ``--lm-head`` checkpoint whose head lacks its scales, holds a non-finite one, or lacks the head."""
+    from loraserve.worker.checkpoint import CheckpointError
+    from loraserve.worker.quantize_cmd import quantize_checkpoint
+
+    quantize_checkpoint(str(tiny["llama"]), str(tmp_path / "q"), "int8", lm_head=True)
+    _edit(tmp_path / "q", edit)
+    with pytest.raises(CheckpointError, match="^" + re.escape(message)):
+        load_checkpoint(str(tmp_path / "q"))
+
+
+def test_quantize_lm_head_needs_a_quantization(tiny) -> None:
+    from loraserve.common.errors import FailedPrecondition
+    from loraserve.worker import planner
+
+    with pytest.raises(FailedPrecondition, match="--quantize-lm-head needs --quantization int8 or int4"):
+        load_checkpoint(str(tiny["llama"]), quantize_lm_head=True)
+    cfg = load_checkpoint(str(tiny["llama"])).config
+    with pytest.raises(FailedPrecondition, match="--quantize-lm-head needs --quantization int8 or int4"):
+        planner.plan(
+            "x", cfg, "v5e", 1, max_loras=1, max_lora_rank=8, batch=1, context=64, quantize_lm_head=True
+        )
 
 
 def test_quantize_refuses_what_it_cannot_write(tiny, tmp_path) -> None:

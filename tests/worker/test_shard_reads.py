@@ -79,11 +79,14 @@ def models(tmp_path_factory) -> dict:
     for q in ("int8", "int4"):
         quantize_checkpoint(str(out["llama"]), str(root / f"llama-{q}"), q)
         out[f"llama-{q}"] = root / f"llama-{q}"
+    quantize_checkpoint(str(out["llama"]), str(root / "llama-int4-head"), "int4", lm_head=True)
+    out["llama-int4-head"] = root / "llama-int4-head"
     return out
 
 
 # name, model, N, dtype, quantization at load: KV heads repeated (llama at 4, gemma3's one KV head), qkv
-# bias, sandwich norms, experts fused and per expert, a shared expert, int8 and int4 at load and as written
+# bias, sandwich norms, experts fused and per expert, a shared expert, int8 and int4 at load and as written,
+# a quantized head (+head: --quantize-lm-head; gemma3 ties it to the embedding) at load and as written
 CASES = [
     ("llama", "llama", 2, "float32", "none"),
     ("llama", "llama", 4, "float32", "none"),
@@ -97,6 +100,8 @@ CASES = [
     ("int4-at-load", "llama", 4, "float32", "int4"),
     ("int8-written", "llama-int8", 2, "float32", "none"),
     ("int4-written", "llama-int4", 4, "bfloat16", "none"),
+    ("int8-head-at-load", "gemma3_text", 2, "bfloat16", "int8+head"),
+    ("int4-head-written", "llama-int4-head", 4, "float32", "none"),
 ]
 
 

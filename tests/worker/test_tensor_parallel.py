@@ -99,14 +99,15 @@ F32_RUNS = {
 
 
 # --quantization int8 and int4 (cpu backend) at N = 1 and 4: N = 4 splits and repeats the KV heads' rows and
-# their scales, and splits int4's groups (8 and 16 inputs a group here) with the row-parallel inputs
+# their scales, and splits int4's groups (8 and 16 inputs a group here) with the row-parallel inputs; the int4
+# runs quantize the head too (--quantize-lm-head: split by vocab rows, its group scales with them)
 
 
 @pytest.fixture(scope="module")
 def f32_runs(tp_model) -> dict:
     model, adapters = tp_model
     runs = " ".join(f"{b}={','.join(map(str, sizes))}" for b, sizes in F32_RUNS.items())
-    runs += " cpu:int8=1,4 cpu:int4=1,4"
+    runs += " cpu:int8=1,4 cpu:int4+head=1,4"
     return run_child(
         "--model", str(model), "--adapters", ",".join(map(str, adapters)), "--runs", runs,
         "--steps", "4", "--swaps", "200", "--dtype", "float32",
@@ -316,6 +317,9 @@ QUANTIZED_SPECS = {
 }
 
 
+RUNS = {"int8": "cpu:int8", "int4": "cpu:int4+head"}  # the f32_runs key of each quantization
+
+
 @pytest.mark.parametrize("quantization", list(QUANTIZED_SPECS))
 def test_a_quantized_base_splits_with_its_scales_and_serves_the_same_tokens(f32_runs, quantization) -> None:
     """--quantization int8|int4 at N = 4 (worker.quant): the quantized values split like the float weights,
@@ -325,7 +329,7 @@ def test_a_quantized_base_splits_with_its_scales_and_serves_the_same_tokens(f32_
     compile nothing."""
     import numpy as np
 
-    out = f32_runs[f"cpu:{quantization}"]
+    out = f32_runs[RUNS[quantization]]
     ref, got = out["1"], out["4"]
     assert got["tokens"] == ref["tokens"]
     np.testing.assert_allclose(np.array(got["logits"]), np.array(ref["logits"]), atol=ATOL, rtol=0)
@@ -336,11 +340,15 @@ def test_a_quantized_base_splits_with_its_scales_and_serves_the_same_tokens(f32_
     assert params["wqkv"] == params["w_gate_up"] == column
     assert params["wo"] == params["w_down"] == row
     assert ref["shardings"]["params"]["wqkv"] == "single/single"
+    # the int4 run quantizes the tied head too (a copy beside the float embedding): values and group scales
+    # split by vocab rows; int8's head is the embedding itself
+    assert got["shardings"]["lm_head"] == (f"{SPLIT}/{SPLIT}" if quantization == "int4" else None)
+    assert got["shardings"]["embed"] == SPLIT
 
 
 def test_int4_is_its_own_model(f32_runs) -> None:
     """The int4 and int8 runs are different models (the int4 test cannot pass on int8's logits)."""
     import numpy as np
 
-    int4, int8 = (np.array(f32_runs[f"cpu:{q}"]["1"]["logits"]) for q in ("int4", "int8"))
+    int4, int8 = (np.array(f32_runs[RUNS[q]]["1"]["logits"]) for q in ("int4", "int8"))
     assert np.abs(int4 - int8).max() > 10 * ATOL

@@ -59,7 +59,8 @@ def serve(
     dtype: str = "float32",
     quantization: str = "none",
 ) -> dict:
-    ck = load_checkpoint(model, dtype=dtype, quantization=quantization)
+    quantization, _, head = quantization.partition("+")  # "int4+head": --quantize-lm-head too
+    ck = load_checkpoint(model, dtype=dtype, quantization=quantization, quantize_lm_head=head == "head")
     config = EngineConfig(
         max_batch_size=len(PROMPTS), max_seq_len=32, max_loras=SLOTS, max_lora_rank=RANK,
         kernel_backend=backend, tensor_parallel_size=n, min_prefill_bucket=32, dtype=dtype,
@@ -107,13 +108,21 @@ def serve(
     shardings = {
         "params": {k: _spec(v) for k, v in layer.items()},
         "embed": _spec(runner.params["embed"]),
+        "lm_head": _spec(runner.params["lm_head"]) if "lm_head" in runner.params else None,
         "cache": [_spec(runner.cache[0][0]), _spec(runner.cache[0][1])],
         "pools": {k: _spec(v) for k, v in first_layer_pools.items()},
         "pool_shapes": {k: list(v.addressable_shards[0].data.shape) for k, v in first_layer_pools.items()},
     }
     abstract = {}
     if runner.mesh is not None:  # what the planner lowers on must be what the runner allocates
-        st = sharding.abstract_state(cfg, config, runner.mesh, runner.backend, quantization=quantization)
+        st = sharding.abstract_state(
+            cfg,
+            config,
+            runner.mesh,
+            runner.backend,
+            quantization=quantization,
+            quantize_lm_head=head == "head",
+        )
         real = {"params": runner.params, "cache": runner.cache, "pools": runner.pools.pools}
         abstract = {k: _signature(st[k]) == _signature(v) for k, v in real.items()}
     mixes = [[0, 1, 2, 3, -1, 4], [-1] * 6, [4] * 6, [2, 2, 0, -1, 1, 3]]
