@@ -163,11 +163,12 @@ def amx() -> bool:
 
 
 @functools.cache
-def int8_register_rows() -> int:
-    """Where :func:`linear_int8` multiplies bf16 ``x`` on AMX tiles: the row count up to which it keeps the weights
-    in registers instead (faster at a row or two); a row's bits then agree among batches of up to this many rows
-    and among larger ones, not across the two. 0 where the tiles are not used (one path for every batch)."""
-    return int(_register().LoraserveInt8RegisterRows()) if available() else 0
+def quant_register_rows() -> int:
+    """Where :func:`linear_int8` (and :func:`linear_int4`, for groups of a multiple of 32) multiply bf16 ``x`` on
+    AMX tiles: the row count up to which they keep the weights in registers instead (faster at a row or two); a
+    row's bits then agree among batches of up to this many rows and among larger ones, not across the two. 0
+    where the tiles are not used (one path for every batch)."""
+    return int(_register().LoraserveQuantRegisterRows()) if available() else 0
 
 
 def _prepare(pool_dtype) -> None:

@@ -104,13 +104,15 @@ struct AmxA {
 };
 
 // R row blocks x G groups of x, steps [c0, c1) of the `steps` steps of 32 (A's pointers at step c0): the C
-// tiles zeroed first when c0 is 0, and stored to out [R * 16][G * 16] (f32, row-major, 16 G floats a row)
-// after the last step; in between they stay in the tiles. Tiles (an AMX instruction's tile numbers are
-// immediates): C in 0 .. 3 (row block r, or group g), A in 4 and 5, B in 6 and 7, alternating.
+// tiles zeroed first when `zero`, and stored to out [R * 16][G * 16] (f32, row-major, 16 G floats a row)
+// after step c1 - 1 when `store`; in between they stay in the tiles (amx_rows: zeroed at step 0, stored
+// after the last; an int4 group's steps: both). Tiles (an AMX instruction's tile numbers are immediates): C
+// in 0 .. 3 (row block r, or group g), A in 4 and 5, B in 6 and 7, alternating.
 template <int R, int G>
-void amx_tiles(const AmxA<R>& A, const uint16_t* xb, int64_t steps, int64_t c0, int64_t c1, float* out) {
+void amx_tiles(const AmxA<R>& A, const uint16_t* xb, int64_t steps, int64_t c0, int64_t c1, float* out, bool zero,
+               bool store) {
   static_assert(G >= 1 && G <= 4 && (G == 1 ? R >= 1 && R <= 2 : R == 1));
-  if (c0 == 0) {
+  if (zero) {
     _tile_zero(0);
     if constexpr (R * G > 1) _tile_zero(1);
     if constexpr (G > 2) _tile_zero(2);
@@ -153,7 +155,7 @@ void amx_tiles(const AmxA<R>& A, const uint16_t* xb, int64_t steps, int64_t c0, 
     for (int r = 0; r < R; ++r) a[r] = A.block[r].tail;
     step(a, 64, steps - 1);
   }
-  if (c1 < steps) return;
+  if (!store) return;
   if constexpr (G == 1) {  // tile r: rows 16 r ..
     _tile_stored(0, out, 64);
     if constexpr (R > 1) _tile_stored(1, out + 256, 64);
@@ -170,20 +172,10 @@ void amx_tiles(const AmxA<R>& A, const uint16_t* xb, int64_t steps, int64_t c0, 
 // a_of converts into L1, where they are not); `a_of(o, r, c0, c1)` gives rows o .. o + 15's steps [c0, c1)
 // as the call's block r (AmxBlock, pointing at step c0; a tail of its own for each r), `emit(o, out, ld)`
 // takes those rows' sums (out: 16 rows of ld floats, column m = x row m).
-template <class AOf, class Emit>
-void amx_rows(int64_t o0, int64_t rows, int64_t M, const uint16_t* xb, int64_t steps, int64_t seg, AOf a_of,
-              Emit emit) {
-  alignas(64) float out[4 * 16 * 16];
-  auto run = [&](auto r_const, auto g_const, int64_t o) {
-    constexpr int R = decltype(r_const)::value, G = decltype(g_const)::value;
-    AmxA<R> A;
-    for (int64_t c0 = 0; c0 < steps; c0 += seg) {
-      const int64_t c1 = std::min(steps, c0 + seg);
-      for (int r = 0; r < R; ++r) A.block[r] = a_of(o + 16 * r, r, c0, c1);
-      amx_tiles<R, G>(A, xb, steps, c0, c1, out);
-    }
-    for (int r = 0; r < R; ++r) emit(o + 16 * r, out + r * 16 * 16 * G, 16 * G);
-  };
+// Calls run(integral_constant R, integral_constant G, o) over `rows` (a multiple of 16) weight rows from o0:
+// R row blocks of 16 a call, G = the groups of 16 x rows (M rows).
+template <class Run>
+void amx_blocks(int64_t o0, int64_t rows, int64_t M, Run run) {
   using std::integral_constant;
   const int64_t groups = (M + 15) / 16, end = o0 + rows;
   int64_t o = o0;
@@ -197,6 +189,22 @@ void amx_rows(int64_t o0, int64_t rows, int64_t M, const uint16_t* xb, int64_t s
   } else {
     for (; o < end; o += 16) run(integral_constant<int, 1>{}, integral_constant<int, 4>{}, o);
   }
+}
+
+template <class AOf, class Emit>
+void amx_rows(int64_t o0, int64_t rows, int64_t M, const uint16_t* xb, int64_t steps, int64_t seg, AOf a_of,
+              Emit emit) {
+  alignas(64) float out[4 * 16 * 16];
+  amx_blocks(o0, rows, M, [&](auto r_const, auto g_const, int64_t o) {
+    constexpr int R = decltype(r_const)::value, G = decltype(g_const)::value;
+    AmxA<R> A;
+    for (int64_t c0 = 0; c0 < steps; c0 += seg) {
+      const int64_t c1 = std::min(steps, c0 + seg);
+      for (int r = 0; r < R; ++r) A.block[r] = a_of(o + 16 * r, r, c0, c1);
+      amx_tiles<R, G>(A, xb, steps, c0, c1, out, c0 == 0, c1 == steps);
+    }
+    for (int r = 0; r < R; ++r) emit(o + 16 * r, out + r * 16 * 16 * G, 16 * G);
+  });
 }
 
 }  // namespace

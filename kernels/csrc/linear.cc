@@ -547,13 +547,13 @@ void q8_amx_rows(const Int8Bf16Problem& p, const uint16_t* xb, int64_t lo, int64
 }
 #endif
 
-// Up to this many x rows the int8 weights meet bf16 x in registers (q8h_rows) even where AMX tiles are used for
-// more: converting into L1 and loading tiles costs more than it saves at a row or two (the bench model's int8
-// decode step at one row: 6.0 ms in registers, 8.2 on the tiles; the bf16 model's on the tiles: 8.0-9.3; a
-// 5632 x 1024 matrix at 1, 2, 3 rows in registers 0.22, 0.28, 0.34 ms, on the tiles 0.31 at any). A row's bits
-// are the same in every batch of 1-2 rows and in every batch of 3-64, not across the two: the tiles sum in
-// another order (docs/kernels.md).
-constexpr int64_t kInt8RegisterRows = 2;
+// Up to this many x rows the int8 (and int4) weights meet bf16 x in registers (q8h_rows, q4h_rows) even where
+// AMX tiles are used for more: converting into L1 and loading tiles costs more than it saves at a row or two
+// (the bench model's int8 decode step at one row: 6.0 ms in registers, 8.2 on the tiles; the bf16 model's on
+// the tiles: 8.0-9.3; int8, a 5632 x 1024 matrix at 1, 2, 3 rows in registers 0.22, 0.28, 0.34 ms, on the
+// tiles 0.31 at any; int4 about even at 2). A row's bits are the same in every batch of 1-2 rows and in every
+// batch of 3-64, not across the two: the tiles sum in another order (docs/kernels.md).
+constexpr int64_t kQuantRegisterRows = 2;
 
 ffi::Error Int8Bf16(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                     const ffi::AnyBuffer& scale, ffi::Result<ffi::AnyBuffer>& y) {
@@ -570,7 +570,7 @@ ffi::Error Int8Bf16(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::A
   p->x = xp;
   const int64_t items = (p->N + kLinItemRows - 1) / kLinItemRows;
 #ifdef LORASERVE_AMX
-  if (p->M > kInt8RegisterRows && p->M <= kAmxMaxRows && amx_ready()) {
+  if (p->M > kQuantRegisterRows && p->M <= kAmxMaxRows && amx_ready()) {
     // x in the converted weights' order (permute64), zeros to a whole 64 of K: B tiles over K64 = ld's share
     const int64_t K64 = (p->K + 63) / 64 * 64;
     auto xb = amx_packed(p->M, K64);
@@ -1013,6 +1013,87 @@ void q4h_rows(const Int4Problem& p, int64_t lo, int64_t hi, std::vector<float>&)
   }
   for (; o < hi; ++o) q4h_cols<1>(p, o, pf_end, 0, 0);
 }
+
+#ifdef LORASERVE_AMX
+// int4 on AMX tiles (bf16 x, groups of a multiple of 32): per group, each 16-row block's G weights a row
+// converted to bf16 (Q4Bf16: exact) into L1, multiplied into zeroed C tiles, the f32 sums stored and added to
+// the rows' totals times the group's scale: q4h_tile's semantics (a group's exact products summed in f32, times
+// its scale, the groups added in order), its f32 sums in another order. Within a group the tiles' K order is
+// chunk by chunk of cb = min(32, G / 2) bytes: a chunk's low nibbles (its even elements), then its high ones;
+// q4_amx_x puts x in that order.
+inline int64_t q4_amx_chunk(int64_t G) { return std::min<int64_t>(32, G / 2); }
+
+void q4_amx_x(const uint16_t* x, int64_t M, int64_t K, int64_t G, uint16_t* out) {
+  const int64_t cb = q4_amx_chunk(G);
+  alignas(64) uint16_t ie[32], io[32], i16[32];
+  for (int i = 0; i < 32; ++i)
+    ie[i] = static_cast<uint16_t>(2 * i), io[i] = static_cast<uint16_t>(2 * i + 1),
+    i16[i] = static_cast<uint16_t>(i < 16 ? 2 * i : 2 * (i - 16) + 1);
+  const __m512i even = _mm512_load_si512(ie), odd = _mm512_load_si512(io), split = _mm512_load_si512(i16);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* xm = x + m * K;
+    uint16_t* o = out + m * K;
+    for (int64_t c = 0; c < K; c += 2 * cb) {  // K is a multiple of G, G of 32
+      if (cb == 32) {
+        const __m512i a = _mm512_loadu_si512(xm + c), b = _mm512_loadu_si512(xm + c + 32);
+        _mm512_storeu_si512(o + c, _mm512_permutex2var_epi16(a, even, b));
+        _mm512_storeu_si512(o + c + 32, _mm512_permutex2var_epi16(a, odd, b));
+      } else {
+        _mm512_storeu_si512(o + c, _mm512_permutexvar_epi16(split, _mm512_loadu_si512(xm + c)));
+      }
+    }
+  }
+}
+
+void q4_amx_rows(const Int4Problem& p, const uint16_t* xb, int64_t lo, int64_t hi, std::vector<float>& scratch) {
+  const AmxScope tiles;
+  const int64_t K = p.K, G = p.G, row = K / 2, groups = K / G, gsteps = G / 32, steps = K / 32;
+  const int64_t cb = q4_amx_chunk(G), Mp = (p.M + 15) / 16 * 16;
+  float* base = aligned64(scratch, 16 * G + 32 * Mp, false);
+  uint16_t* blk = reinterpret_cast<uint16_t*>(base);  // two blocks of 16 rows x G bf16: a group, converted
+  float* tot = base + 16 * G;                          // two blocks' rows' totals, Mp apart
+  const Q4Bf16 cv;
+  alignas(64) float out[4 * 16 * 16];
+  amx_blocks(lo, hi - lo, p.M, [&](auto r_const, auto g_const, int64_t o) {
+    constexpr int R = decltype(r_const)::value, XG = decltype(g_const)::value;
+    std::memset(tot, 0, sizeof(float) * R * 16 * Mp);
+    AmxA<R> A;
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int r = 0; r < R; ++r) {
+        uint16_t* b = blk + r * 16 * G;
+        for (int i = 0; i < 16; ++i) {
+          const uint8_t* w = p.w + (o + 16 * r + i) * row + g * (G / 2);
+          __builtin_prefetch(w + 512, 0, 1);  // this row a few groups ahead (one line a group at G = 128)
+          uint16_t* dst = b + i * G;
+          for (int64_t j = 0; j < G / 2; j += cb) {
+            __m512bh lo8, hi8;
+            if (cb == 32) {
+              cv.convert(w + j, lo8, hi8);
+              _mm512_store_si512(dst + 2 * j, (__m512i)lo8);
+              _mm512_store_si512(dst + 2 * j + 32, (__m512i)hi8);
+            } else {  // 16 bytes: their 16 even elements, then the 16 odd ones
+              cv.convert(w + j, static_cast<__mmask32>(0xFFFF), lo8, hi8);
+              _mm512_store_si512(dst + 2 * j,
+                                 _mm512_inserti64x4((__m512i)lo8, _mm512_castsi512_si256((__m512i)hi8), 1));
+            }
+          }
+        }
+        A.block[r] = AmxBlock{b, 2 * G, nullptr};
+      }
+      amx_tiles<R, XG>(A, xb, steps, g * gsteps, (g + 1) * gsteps, out, true, true);
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 16; ++i) {
+          const __m512 sv = _mm512_set1_ps(p.scale[(o + 16 * r + i) * groups + g]);
+          const float* sums = out + r * 256 * XG + i * 16 * XG;
+          float* t = tot + (r * 16 + i) * Mp;
+          for (int64_t m = 0; m < Mp; m += 16)
+            _mm512_store_ps(t + m, _mm512_fmadd_ps(_mm512_load_ps(sums + m), sv, _mm512_load_ps(t + m)));
+        }
+    }
+    for (int r = 0; r < R * 16; ++r) std::memcpy(p.y + (o + r) * p.M, tot + r * Mp, sizeof(float) * p.M);
+  });
+}
+#endif
 #endif
 #else
 // Portable: one output at a time, each group's sum in element order, in scalar f32.
@@ -1060,8 +1141,24 @@ ffi::Error LinearInt4Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
   p->G = p->K / sd[1];
 #ifdef LORASERVE_QUANT_BF16DOT
   if (!is_f32(x)) {
-    deinterleave_bf16(static_cast<const uint16_t*>(x.untyped_data()), *p);
     const int64_t items = (p->N + kLinItemRows - 1) / kLinItemRows;
+#ifdef LORASERVE_AMX
+    if (p->M > kQuantRegisterRows && p->M <= kAmxMaxRows && p->G % 32 == 0 && amx_ready()) {
+      auto xo = std::shared_ptr<uint16_t[]>(new uint16_t[p->M * p->K]);
+      q4_amx_x(static_cast<const uint16_t*>(x.untyped_data()), p->M, p->K, p->G, xo.get());
+      auto xb = amx_packed(p->M, p->K);
+      amx_pack_x(xo.get(), p->K, p->M, p->K, xb.get());
+      if (p->N % 16 != 0) deinterleave_bf16(static_cast<const uint16_t*>(x.untyped_data()), *p);
+      parallel_items(pool, items, [p, xb](int64_t k, std::vector<float>& scratch) {
+        const int64_t lo = k * kLinItemRows, hi = std::min(p->N, (k + 1) * kLinItemRows);
+        const int64_t amx_hi = lo + (hi - lo) / 16 * 16;
+        q4_amx_rows(*p, xb.get(), lo, amx_hi, scratch);
+        if (amx_hi < hi) q4h_rows(*p, amx_hi, hi, scratch);  // rows past the last 16
+      });
+      return ffi::Error::Success();
+    }
+#endif
+    deinterleave_bf16(static_cast<const uint16_t*>(x.untyped_data()), *p);
     parallel_items(pool, items, [p](int64_t k, std::vector<float>& scratch) {
       q4h_rows(*p, k * kLinItemRows, std::min(p->N, (k + 1) * kLinItemRows), scratch);
     });
@@ -1090,9 +1187,9 @@ extern "C" int LoraserveCpuAmx() { return amx_ready() ? 1 : 0; }
 extern "C" int LoraserveCpuAmx() { return 0; }
 #endif
 #if defined(LORASERVE_AMX) && defined(LORASERVE_QUANT_BF16DOT)
-extern "C" int LoraserveInt8RegisterRows() { return amx_ready() ? static_cast<int>(kInt8RegisterRows) : 0; }
+extern "C" int LoraserveQuantRegisterRows() { return amx_ready() ? static_cast<int>(kQuantRegisterRows) : 0; }
 #else
-extern "C" int LoraserveInt8RegisterRows() { return 0; }
+extern "C" int LoraserveQuantRegisterRows() { return 0; }
 #endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearBf16, LinearBf16Impl,

@@ -10,7 +10,7 @@ over threads, 4-column tiles of x rows and their tails (M = 1, 3, 5, 16: one til
 converted in registers, or several, sharing them converted once), the masked tail of K (int8: K % 64, K % 16,
 K % 8) and of an int4 group (G / 2 bytes not a multiple of 32, 16 or 8). A row's result is the same bits
 whatever the batch around it (int8 with bf16 x on AMX tiles: in every batch of up to
-``cpu.int8_register_rows()`` rows, and in every larger one). The native build runs here; the AVX2 build (``x86-64-v3``) in one child process.
+``cpu.quant_register_rows()`` rows, and in every larger one). The native build runs here; the AVX2 build (``x86-64-v3``) in one child process.
 """
 
 from __future__ import annotations
@@ -34,7 +34,17 @@ pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ kernels unavail
 ROWS = (1, 2, 3, 5, 16, 17, 40)  # 17, 40: two and three 16-row groups of x on AMX tiles
 INT8_SHAPES = [(517, 1024), (517, 1027), (8, 64), (3, 9)]  # (N, K)
 # (N, K, G): G = 128 and the tiny models' 32 / 16; G = 40 and 2 leave a masked tail in every group
-INT4_SHAPES = [(517, 1024, 128), (8, 64, 32), (3, 16, 16), (7, 200, 40), (9, 40, 2)]
+# (40, 96, 32), (33, 192, 64): on AMX tiles, groups of one 16-byte chunk and of one 32-byte chunk, 16-row
+# blocks and their rest
+INT4_SHAPES = [
+    (517, 1024, 128),
+    (8, 64, 32),
+    (3, 16, 16),
+    (7, 200, 40),
+    (9, 40, 2),
+    (40, 96, 32),
+    (33, 192, 64),
+]
 DTYPES = ("float32", "bfloat16")
 
 
@@ -52,7 +62,7 @@ def _x(rng, K: int, dtype: str):
 def _compare(fn, x, weights: tuple, want_all: np.ndarray, split: int = 0) -> float:
     """``fn`` on the first M rows of x for each M in ROWS against ``want_all`` [N, max(ROWS)]; a row's bits are
     the same in every batch (row 0 in each, the last row of the largest alone) or, given ``split``
-    (``cpu.int8_register_rows()``), in every batch of up to ``split`` rows and in every larger one (the last row
+    (``cpu.quant_register_rows()``), in every batch of up to ``split`` rows and in every larger one (the last row
     of the largest in a batch of ``split + 1``). Returns the worst error / max|y|."""
     worst, first = 0.0, {}
     for m in ROWS:
@@ -78,7 +88,7 @@ def check_int8(N: int, K: int, dtype: str, seed: int = 0, qmin: int = -127) -> f
     x = _x(rng, K, dtype)
     w64 = q.astype(np.float64) * scale[:, None].astype(np.float64)
     want = w64 @ np.asarray(x.astype(jnp.float32), np.float64).T
-    split = cpu.int8_register_rows() if dtype == "bfloat16" else 0
+    split = cpu.quant_register_rows() if dtype == "bfloat16" else 0
     return _compare(cpu.linear_int8, x, (jnp.asarray(q), jnp.asarray(scale)), want, split)
 
 
@@ -89,7 +99,8 @@ def check_int4(N: int, K: int, G: int, dtype: str, seed: int = 0) -> float:
     x = _x(rng, K, dtype)
     w64 = (q.astype(np.float64).reshape(N, K // G, G) * scale[:, :, None].astype(np.float64)).reshape(N, K)
     want = w64 @ np.asarray(x.astype(jnp.float32), np.float64).T
-    return _compare(cpu.linear_int4, x, (jnp.asarray(pack_int4(q)), jnp.asarray(scale)), want)
+    split = cpu.quant_register_rows() if dtype == "bfloat16" and G % 32 == 0 else 0
+    return _compare(cpu.linear_int4, x, (jnp.asarray(pack_int4(q)), jnp.asarray(scale)), want, split)
 
 
 def check_all() -> float:

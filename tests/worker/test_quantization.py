@@ -328,7 +328,7 @@ def test_the_planner_counts_int4_weights_as_loaded(tiny) -> None:
 def test_the_cpu_int8_kernel_equals_xla_and_is_batch_invariant(dtype) -> None:
     """``kernels.cpu.linear_int8`` (a decode step's rows on a CPU) against XLA's int8 dot, over odd sizes that
     reach every tile and tail; a row's result is the same bits in a batch of 1, 3, 5 or 16 rows (bf16 on AMX
-    tiles: of 1-2 rows, kept in registers, and of 3-16 on the tiles; ``cpu.int8_register_rows()``)."""
+    tiles: of 1-2 rows, kept in registers, and of 3-16 on the tiles; ``cpu.quant_register_rows()``)."""
     from loraserve.kernels import cpu
     from loraserve.worker import quant
 
@@ -345,7 +345,7 @@ def test_the_cpu_int8_kernel_equals_xla_and_is_batch_invariant(dtype) -> None:
             want = np.asarray(quant._xla(x[:m], q, s))
             np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.abs(want).max())
             rows[m] = got[0]
-        split = cpu.int8_register_rows() if dtype == jnp.bfloat16 else 0
+        split = cpu.quant_register_rows() if dtype == jnp.bfloat16 else 0
         for m in (3, 5, 16):
             np.testing.assert_array_equal(rows[m], rows[1 if m <= split else 3])
 
