@@ -932,8 +932,69 @@ struct Q4Bf16 {
 // weights; converting a block once into memory for all the tiles measured slower), the totals (each group's
 // sums times its scale, added up) in registers: hence tiles of 2 weight rows. npf prefetches a step, pf_step
 // bytes apart.
+// Groups of 4 to 32 elements (2 to 16 bytes: G / 2 even, dividing 32): 32 bytes a step hold 32 / (G / 2) whole
+// groups, and a vdpbf16ps lane (2 bytes) one group's; each step's sums (zeroed per step: a step is its groups'
+// whole sums) times a vector of the lanes' scales are added to the totals. The same semantics as a group at a
+// time, without a masked step and a scale per group of 16 bytes (groups of 32 elements: the bench model's
+// 2816-input down_proj, 1024 x 2816 at one row 0.14 -> 0.09 ms).
+inline bool q4h_packs_groups(int64_t G) { return G / 2 % 2 == 0 && 32 % (G / 2) == 0; }
+
+// Full 32-byte steps a tile of the rows takes (the prefetch slots of q4h_rows / q4h_cols).
+inline int64_t q4h_steps(const Int4Problem& p) {
+  if (q4h_packs_groups(p.G)) return std::max<int64_t>(1, p.K / 2 / 32);
+  return std::max<int64_t>(1, p.K / p.G * (p.G / 2 / 32));
+}
+
+template <int TO, int TC>
+void q4h_tile_packed(const Int4Problem& p, int64_t o0, int64_t r0, uintptr_t pf, int64_t npf, int64_t pf_step) {
+  const Q4Bf16 cv;
+  const int64_t ld = p.ld, odd = p.odd, row = p.K / 2, groups = p.K / p.G, gb = p.G / 2, per = 32 / gb;
+  const int64_t full = row / 32 * 32;
+  alignas(64) int32_t lane_group[16];
+  for (int l = 0; l < 16; ++l) lane_group[l] = static_cast<int32_t>(2 * l / gb);
+  const __m512i idx = _mm512_load_si512(lane_group);
+  const uint8_t* w = p.w + o0 * row;
+  const uint16_t* x = p.xh + r0 * ld;
+  const float* s = p.scale + o0 * groups;
+  __m512 tot[TO][TC];
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) tot[a][b] = _mm512_setzero_ps();
+  auto step = [&](int64_t j, __mmask32 bytes, __mmask16 scales, bool masked) {
+    __m512bh lo[TO], hi[TO];
+    __m512 sv[TO];
+    for (int a = 0; a < TO; ++a) {
+      if (masked)
+        cv.convert(w + a * row + j, bytes, lo[a], hi[a]);
+      else
+        cv.convert(w + a * row + j, lo[a], hi[a]);
+      sv[a] = _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(scales, s + a * groups + j / gb));
+    }
+    for (int b = 0; b < TC; ++b) {
+      const __m512bh xe = in_register((__m512bh)_mm512_maskz_loadu_epi16(bytes, x + b * ld + j));
+      const __m512bh xo = in_register((__m512bh)_mm512_maskz_loadu_epi16(bytes, x + b * ld + odd + j));
+      for (int a = 0; a < TO; ++a) {
+        const __m512 acc = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), lo[a], xe), hi[a], xo);
+        tot[a][b] = _mm512_fmadd_ps(acc, sv[a], tot[a][b]);
+      }
+    }
+  };
+  const __mmask16 all = static_cast<__mmask16>((1u << per) - 1);
+  for (int64_t j = 0; j < full; j += 32) {
+    for (int64_t i = 0; i < npf; ++i, pf += pf_step) __builtin_prefetch(reinterpret_cast<const void*>(pf), 0, 1);
+    step(j, ~__mmask32(0), all, false);
+  }
+  if (full < row) {  // whole groups: row and 32 are multiples of gb
+    const int64_t rest = row - full;
+    step(full, static_cast<__mmask32>((uint64_t(1) << rest) - 1), static_cast<__mmask16>((1u << (rest / gb)) - 1),
+         true);
+  }
+  for (int a = 0; a < TO; ++a)
+    for (int b = 0; b < TC; ++b) p.y[(o0 + a) * p.M + r0 + b] = _mm512_reduce_add_ps(tot[a][b]);
+}
+
 template <int TO, int TC>
 void q4h_tile(const Int4Problem& p, int64_t o0, int64_t r0, uintptr_t pf, int64_t npf, int64_t pf_step) {
+  if (q4h_packs_groups(p.G)) return q4h_tile_packed<TO, TC>(p, o0, r0, pf, npf, pf_step);
   constexpr int L = 32;
   const Q4Bf16 cv;
   const int64_t ld = p.ld, odd = p.odd, row = p.K / 2, groups = p.K / p.G, full = p.G / 2 / L * L;
@@ -984,7 +1045,7 @@ void q4h_tile(const Int4Problem& p, int64_t o0, int64_t r0, uintptr_t pf, int64_
 template <int TO>
 void q4h_cols(const Int4Problem& p, int64_t o0, uintptr_t pf, int64_t npf, int64_t pf_step) {
   constexpr int TC = kQ4Cols;
-  const int64_t span = std::max<int64_t>(1, p.K / p.G * (p.G / 2 / 32)) * npf * pf_step;  // a tile prefetches
+  const int64_t span = q4h_steps(p) * npf * pf_step;  // bytes a tile prefetches
   int64_t r = 0;
   for (; r + TC <= p.M; r += TC, pf += span) q4h_tile<TO, TC>(p, o0, r, pf, npf, pf_step);
   switch (p.M - r) {
@@ -1000,7 +1061,7 @@ void q4h_cols(const Int4Problem& p, int64_t o0, uintptr_t pf, int64_t npf, int64
 // tiles together cover the block's lines.
 void q4h_rows(const Int4Problem& p, int64_t lo, int64_t hi, std::vector<float>&) {
   constexpr int64_t TO = kQ4Rows;
-  const int64_t row = p.K / 2, steps = std::max<int64_t>(1, p.K / p.G * (p.G / 2 / 32));
+  const int64_t row = p.K / 2, steps = q4h_steps(p);
   const int64_t slots = (p.M + kQ4Cols - 1) / kQ4Cols * steps, lines = (TO * row + 63) / 64;
   const int64_t npf = (lines + slots - 1) / slots;
   const int64_t pf_step = npf > 1 ? 64 : std::max<int64_t>(1, lines * 64 / slots);
