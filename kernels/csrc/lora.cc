@@ -24,6 +24,39 @@ namespace {
 
 constexpr int kMaxSlices = 8;
 
+// The vectors the shrink and expand blocks use: 16 lanes on AVX-512 builds (half the instructions of 8; each
+// lane is one output column with the same chain of operations either way, so the results are the same bits),
+// 8 elsewhere; a block of 8 columns left over after the 16-wide ones takes 8-lane vectors.
+struct Lanes8 {
+  using T = v8f;
+  static constexpr int W = 8;
+  template <class X>
+  static T load(const X* p) {
+    return load8(p);
+  }
+  static void store(float* p, T v) { store8(p, v); }
+};
+#ifdef __AVX512F__
+using v16f = float __attribute__((vector_size(64)));
+struct Lanes16 {
+  using T = v16f;
+  static constexpr int W = 16;
+  static T load(const float* p) {
+    T v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  static T load(const uint16_t* p) {  // bf16 -> f32: the bits shifted into the high half
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return reinterpret_cast<T>(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+  }
+  static void store(float* p, T v) { std::memcpy(p, &v, sizeof v); }
+};
+using Lanes = Lanes16;
+#else
+using Lanes = Lanes8;
+#endif
+
 struct Item {
   int32_t slot;
   int32_t row_begin, row_end;  // into Problem::rows
@@ -50,46 +83,51 @@ struct Problem {
 // sits among them: batch invariance (tests/kernels/test_row_isolation.py).
 constexpr int kChains = 2;
 
-template <class W, int RB, int NV>
+template <class V, class W, int RB, int NV>
 void shrink_block(const W* A, int64_t in, int64_t nR, int64_t c, const float* const* xr, float* h) {
-  v8f acc[kChains][RB][NV] = {};
+  typename V::T acc[kChains][RB][NV] = {};
   int64_t k = 0;
   for (; k + kChains <= in; k += kChains)
     for (int u = 0; u < kChains; ++u)
       for (int v = 0; v < NV; ++v) {
-        const v8f a = load8(A + (k + u) * nR + c + 8 * v);
+        const typename V::T a = V::load(A + (k + u) * nR + c + V::W * v);
         for (int g = 0; g < RB; ++g) acc[u][g][v] += xr[g][k + u] * a;
       }
   for (; k < in; ++k)
     for (int v = 0; v < NV; ++v) {
-      const v8f a = load8(A + k * nR + c + 8 * v);
+      const typename V::T a = V::load(A + k * nR + c + V::W * v);
       for (int g = 0; g < RB; ++g) acc[0][g][v] += xr[g][k] * a;
     }
   for (int g = 0; g < RB; ++g)
     for (int v = 0; v < NV; ++v) {
-      v8f sum = acc[0][g][v];
+      typename V::T sum = acc[0][g][v];
       for (int u = 1; u < kChains; ++u) sum += acc[u][g][v];
-      store8(h + g * nR + c + 8 * v, sum);
+      V::store(h + g * nR + c + V::W * v, sum);
     }
 }
 
-// The last `blocks` (< NV + 1) blocks of 8 columns as one pass over A.
-template <class W, int RB, int NV>
+// The last `blocks` (< NV + 1) blocks of V::W columns as one pass over A.
+template <class V, class W, int RB, int NV>
 void shrink_rest(const Problem<W>& p, const W* A, int64_t c, int64_t blocks, const float* const* xr, float* h) {
   if constexpr (NV >= 1) {
-    if (blocks == NV) return shrink_block<W, RB, NV>(A, p.in, p.nR, c, xr, h);
-    shrink_rest<W, RB, NV - 1>(p, A, c, blocks, xr, h);
+    if (blocks == NV) return shrink_block<V, W, RB, NV>(A, p.in, p.nR, c, xr, h);
+    shrink_rest<V, W, RB, NV - 1>(p, A, c, blocks, xr, h);
   }
 }
 
 template <class W, int RB>
 void shrink_rows(const Problem<W>& p, const W* A, const float* const* xr, float* h) {
-  constexpr int NV = 8 / RB;  // kChains * RB * NV = 16 accumulators: one pass over A for nR <= 64 / RB
+  constexpr int NV = 8 / RB;  // kChains * RB * NV = 16 accumulators: one pass over A for nR <= W * 8 / RB
+  constexpr int L = Lanes::W;
   int64_t c = 0;
-  for (; c + 8 * NV <= p.nR; c += 8 * NV) shrink_block<W, RB, NV>(A, p.in, p.nR, c, xr, h);
-  const int64_t blocks = (p.nR - c) / 8;
-  shrink_rest<W, RB, NV - 1>(p, A, c, blocks, xr, h);
-  for (c += 8 * blocks; c < p.nR; ++c)  // the last nR % 8 columns: one chain each, for any RB
+  for (; c + L * NV <= p.nR; c += L * NV) shrink_block<Lanes, W, RB, NV>(A, p.in, p.nR, c, xr, h);
+  const int64_t blocks = (p.nR - c) / L;
+  shrink_rest<Lanes, W, RB, NV - 1>(p, A, c, blocks, xr, h);
+  c += L * blocks;
+  if constexpr (L > 8) {
+    if (c + 8 <= p.nR) shrink_block<Lanes8, W, RB, 1>(A, p.in, p.nR, c, xr, h), c += 8;
+  }
+  for (; c < p.nR; ++c)  // the last nR % 8 columns: one chain each, for any RB
     for (int g = 0; g < RB; ++g) {
       float s = 0;
       for (int64_t k = 0; k < p.in; ++k) s += xr[g][k] * widen(A[k * p.nR + c]);
@@ -114,28 +152,29 @@ void shrink(const Problem<W>& p, const Item& it, float* h) {
   }
 }
 
-// o[row_g, c0:c0+8NV] = h[g, slice] @ B[:, col:col+8NV] for RB rows; B is one slot's [R, out]
-template <class W, int RB, int NV>
+// o[row_g, c0:c0+W NV] = h[g, slice] @ B[:, col:col+W NV] for RB rows; B is one slot's [R, out]
+template <class V, class W, int RB, int NV>
 void expand_block(const Problem<W>& p, const W* B, int64_t out, int64_t col, int64_t c0,
                   const float* const* hr, const int64_t* row) {
-  v8f acc[RB][NV] = {};
+  typename V::T acc[RB][NV] = {};
   for (int64_t j = 0; j < p.R; ++j)
     for (int v = 0; v < NV; ++v) {
-      const v8f b = load8(B + j * out + col + 8 * v);
+      const typename V::T b = V::load(B + j * out + col + V::W * v);
       for (int g = 0; g < RB; ++g) acc[g][v] += hr[g][j] * b;
     }
   for (int g = 0; g < RB; ++g)
-    for (int v = 0; v < NV; ++v) store8(p.o + row[g] * p.D + c0 + 8 * v, acc[g][v]);
+    for (int v = 0; v < NV; ++v) V::store(p.o + row[g] * p.D + c0 + V::W * v, acc[g][v]);
 }
 
 template <class W, int RB>
 void expand_rows(const Problem<W>& p, int i, const W* B, int64_t lo, int64_t hi, const float* const* hr,
                  const int64_t* row) {
-  constexpr int NV = RB == 1 ? 8 : 4;  // 8 accumulators either way
+  constexpr int NV = RB == 1 ? 8 : 4, L = Lanes::W;  // 8 accumulators either way
   const int64_t out = p.out[i], off = p.off[i];
   int64_t c = lo;
-  for (; c + 8 * NV <= hi; c += 8 * NV) expand_block<W, RB, NV>(p, B, out, c - off, c, hr, row);
-  for (; c + 8 <= hi; c += 8) expand_block<W, RB, 1>(p, B, out, c - off, c, hr, row);
+  for (; c + L * NV <= hi; c += L * NV) expand_block<Lanes, W, RB, NV>(p, B, out, c - off, c, hr, row);
+  for (; c + L <= hi; c += L) expand_block<Lanes, W, RB, 1>(p, B, out, c - off, c, hr, row);
+  for (; c + 8 <= hi; c += 8) expand_block<Lanes8, W, RB, 1>(p, B, out, c - off, c, hr, row);
   for (; c < hi; ++c)
     for (int g = 0; g < RB; ++g) {
       float s = 0;
