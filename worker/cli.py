@@ -14,7 +14,7 @@ import asyncio
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loraserve.common.config import (
     add_config_flags,
@@ -61,7 +61,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     channel, lost = None, []  # lost: why a multi-host leader stopped, when a process of its group was lost
     if cluster is not None:
         stop = stop or asyncio.Event()
-        channel = _join_cluster(cluster, config.model, stop, lost)
+        channel = _join_cluster(cluster, config.model, stop, lost, serving_settings(config, engine_config))
     # a model split over devices is read shard by shard as the runner places it: each process reads the
     # rows and columns its devices hold, and no device (nor host) ever holds the whole model
     split = engine_config.tensor_parallel_size > 1 or cluster is not None
@@ -145,8 +145,29 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     return 0
 
 
+# the resolved engine settings that shape the compiled programs a multi-host worker's followers replay (the
+# leader's own scheduling, adapter cache and events may differ between hosts)
+PROGRAM_SETTINGS = (
+    "max_batch_size", "max_seq_len", "max_loras", "max_lora_rank", "max_mix", "prefill_per_step",
+    "max_prefill_tokens", "prefill_chunk", "min_prefill_bucket", "kernel_backend", "dtype", "lora_dtype",
+    "tensor_parallel_size", "attention_backend", "linear_backend", "kv_page_size", "kv_pages", "kv_cache_bytes",
+)  # fmt: skip
+
+
+def serving_settings(config: Any, engine_config: Any) -> dict[str, str]:
+    """The flags every host of a multi-host worker must share, as the step channel's handshake compares them:
+    the resolved engine's PROGRAM_SETTINGS and how the checkpoint is quantized at load."""
+    out = {name: str(getattr(engine_config, name)) for name in PROGRAM_SETTINGS}
+    out.update(quantization=str(config.quantization), quantize_lm_head=str(config.quantize_lm_head))
+    return out
+
+
 def _join_cluster(
-    cluster: Cluster, model: str, stop: asyncio.Event, lost: list[str]
+    cluster: Cluster,
+    model: str,
+    stop: asyncio.Event,
+    lost: list[str],
+    settings: dict[str, str] | None = None,
 ) -> LeaderChannel | FollowerChannel:
     """A multi-host worker's step channel (``worker.multihost``), then ``jax.distributed``: the channel's
     handshake first, as it refuses by name what jax.distributed would abort the process on. A leader that
@@ -163,9 +184,9 @@ def _join_cluster(
             loop.call_soon_threadsafe(stop.set)
             threading.Timer(LOST_EXIT_AFTER_S, os._exit, (multihost.EXIT_PEER_LOST,)).start()
 
-        channel = multihost.LeaderChannel(cluster, digest, on_lost)
+        channel = multihost.LeaderChannel(cluster, digest, on_lost, settings)
     else:
-        channel = multihost.FollowerChannel(cluster, digest, lost=_exit_lost)
+        channel = multihost.FollowerChannel(cluster, digest, lost=_exit_lost, settings=settings)
     multihost.initialize(cluster)
     return channel
 

@@ -16,7 +16,8 @@ followers warm up when the leader does) and nothing compiles after it.
 
 The step channel is one TCP connection per follower to the leader's ``coordinator port + 1``. It comes up
 *before* ``jax.distributed`` (whose client aborts the process when a peer never answers): the handshake checks
-process ids, the process count and a digest of the checkpoint (:func:`checkpoint_digest`), and refuses with
+process ids, the process count, a digest of the checkpoint (:func:`checkpoint_digest`) and the flags that shape
+the compiled programs (``settings``: the engine's, ``--quantization``, ``--quantize-lm-head``), and refuses with
 FAILED_PRECONDITION / INVALID_ARGUMENT naming what differs. After it, both sides send a ping every
 ``timeout / 4`` seconds; a peer that closes its connection or stays silent for ``--multihost-timeout``
 seconds is lost: the leader reports NOT_SERVING and exits :data:`EXIT_PEER_LOST` (the LeaderWorkerSet
@@ -291,8 +292,14 @@ class _Watch:
 class LeaderChannel:
     """The leader's end: accepts every follower, checks them, then broadcasts each device call."""
 
-    def __init__(self, cluster: Cluster, digest: str, lost: Callable[[str], None]) -> None:
-        self.cluster = cluster
+    def __init__(
+        self,
+        cluster: Cluster,
+        digest: str,
+        lost: Callable[[str], None],
+        settings: Mapping[str, str] | None = None,
+    ) -> None:
+        self.cluster, self.settings = cluster, dict(settings or {})
         port = cluster.step_address[1]
         server = socket.create_server(("", port), reuse_port=False)
         server.settimeout(cluster.timeout_s)
@@ -357,6 +364,17 @@ class LeaderChannel:
                 f"process {pid} loaded a different checkpoint (digest {meta.get('digest', '')[:12]}, the"
                 f" leader's {digest[:12]}): every host must serve the same --model"
             )
+        try:
+            theirs = json.loads(meta.get("settings", "{}"))
+        except ValueError:
+            return f"process {pid} sent settings that are not JSON"
+        for key in sorted(set(theirs) | set(self.settings)):
+            if theirs.get(key) != self.settings.get(key):
+                flag = "--" + key.replace("_", "-")
+                return (
+                    f"process {pid} was started with {flag} {theirs.get(key, '(unset)')}, the leader with"
+                    f" {self.settings.get(key, '(unset)')}: every host must serve with the same flags"
+                )
         return ""
 
     def _read(self, peer: _Peer) -> None:
@@ -392,7 +410,13 @@ class LeaderChannel:
 class FollowerChannel:
     """A follower's end: connects (retrying until the timeout), says hello, then yields the leader's calls."""
 
-    def __init__(self, cluster: Cluster, digest: str, lost: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        digest: str,
+        lost: Callable[[str], None] | None = None,
+        settings: Mapping[str, str] | None = None,
+    ) -> None:
         host, port = cluster.step_address
         deadline = time.monotonic() + cluster.timeout_s
         while True:
@@ -409,6 +433,7 @@ class FollowerChannel:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(cluster.timeout_s)
         hello = {"process_id": str(cluster.process_id), "num_processes": str(cluster.num_processes)}
+        hello["settings"] = json.dumps(dict(settings or {}), sort_keys=True)
         sock.sendall(encode("hello", {}, {**hello, "digest": digest}))
         try:
             op, _, meta = recv_message(sock)

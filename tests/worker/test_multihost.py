@@ -72,10 +72,12 @@ def _cluster(port: int, pid: int, n: int = 2, timeout: float = 5.0) -> Cluster:
     return Cluster(f"127.0.0.1:{port}", n, pid, timeout)
 
 
-def _lead(cluster: Cluster, digest: str, out: dict) -> threading.Thread:
+def _lead(cluster: Cluster, digest: str, out: dict, settings: dict | None = None) -> threading.Thread:
     def run() -> None:
         try:
-            out["leader"] = LeaderChannel(cluster, digest, lambda reason: out.setdefault("lost", reason))
+            out["leader"] = LeaderChannel(
+                cluster, digest, lambda reason: out.setdefault("lost", reason), settings
+            )
         except Exception as exc:  # the test reads it
             out["error"] = exc
 
@@ -117,6 +119,25 @@ def test_a_follower_of_another_checkpoint_is_refused_by_name() -> None:
     assert isinstance(out["error"], FailedPrecondition) and "process 1 loaded a different checkpoint" in str(
         out["error"]
     )
+
+
+def test_a_follower_started_with_other_flags_is_refused_by_name() -> None:
+    """The flags that shape the compiled programs (worker.cli.serving_settings) must match on every host: a
+    follower quantizing the base differently would compile other programs than the leader's it replays."""
+    from loraserve.worker.cli import serving_settings
+    from loraserve.worker.config import WorkerConfig
+
+    leader_config = WorkerConfig(quantization="int8")
+    settings = serving_settings(leader_config, leader_config.engine_config())
+    assert settings["quantization"] == "int8" and settings["quantize_lm_head"] == "False"
+    assert settings["max_batch_size"] == str(leader_config.engine_config().max_batch_size)
+    port, out = free_port_pair(), {}
+    t = _lead(_cluster(port, 0), "d", out, settings)
+    theirs = {**settings, "quantize_lm_head": "True"}
+    with pytest.raises(FailedPrecondition, match="--quantize-lm-head True, the leader with False"):
+        FollowerChannel(_cluster(port, 1), "d", settings=theirs)
+    t.join(10)
+    assert "every host must serve with the same flags" in str(out["error"])
 
 
 def test_a_follower_started_for_another_group_size_is_refused() -> None:
