@@ -8,9 +8,11 @@ bf16 dot products, each product exact in f32: the same bound holds (seen: ~2e-7)
 4-row weight blocks (2-row for int4 with bf16 dot products) and their 1-row tail, the 256-row work items split
 over threads, 4-column tiles of x rows and their tails (M = 1, 3, 5, 16: one tile, whose int8 weights are
 converted in registers, or several, sharing them converted once), the masked tail of K (int8: K % 64, K % 16,
-K % 8) and of an int4 group (G / 2 bytes not a multiple of 32, 16 or 8). A row's result is the same bits
-whatever the batch around it (int8 with bf16 x on AMX tiles: in every batch of up to
-``cpu.quant_register_rows()`` rows, and in every larger one). The native build runs here; the AVX2 build (``x86-64-v3``) in one child process.
+K % 8) and of an int4 group (G / 2 bytes not a multiple of 32, 16 or 8), int4 groups of 4-32 elements packed
+several to a step, and on AMX tiles int4 groups of one 16- or 32-byte chunk. A row's result is the same bits
+whatever the batch around it (bf16 x on AMX tiles, int8 and int4 in groups of a multiple of 32: in every batch
+of up to ``cpu.quant_register_rows()`` rows, and in every larger one). The native build runs here; the AVX2
+build (``x86-64-v3``) in one child process.
 """
 
 from __future__ import annotations
