@@ -367,7 +367,9 @@ class LeaderChannel:
         try:
             theirs = json.loads(meta.get("settings", "{}"))
         except ValueError:
-            return f"process {pid} sent settings that are not JSON"
+            theirs = None
+        if not isinstance(theirs, dict):
+            return f"process {pid} sent settings that are not a JSON object of flags"
         for key in sorted(set(theirs) | set(self.settings)):
             if theirs.get(key) != self.settings.get(key):
                 flag = "--" + key.replace("_", "-")

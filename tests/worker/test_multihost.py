@@ -266,6 +266,14 @@ def test_strangers_on_the_step_port_are_dropped_not_fatal() -> None:
         ({"process_id": "0", "num_processes": "2"}, "process id 0 is taken or not a follower's"),
         ({"process_id": "5", "num_processes": "2"}, "process id 5 is taken or not a follower's"),
         ({"process_id": "1", "num_processes": "2"}, "process 1 loaded a different checkpoint"),
+        (
+            {"process_id": "1", "num_processes": "2", "digest": "d", "settings": "[1]"},
+            "not a JSON object of flags",
+        ),
+        (
+            {"process_id": "1", "num_processes": "2", "digest": "d", "settings": "{"},
+            "not a JSON object of flags",
+        ),
     ],
 )
 def test_a_hello_the_leader_cannot_take_is_refused_by_name(meta, words) -> None:
@@ -273,7 +281,9 @@ def test_a_hello_the_leader_cannot_take_is_refused_by_name(meta, words) -> None:
     t = _lead(_cluster(port, 0), "d", out)
     time.sleep(0.1)
     with socket.create_connection(("127.0.0.1", port + 1)) as sock:
-        sock.sendall(mh.encode("hello", {}, meta))  # no digest: a different checkpoint if it gets that far
+        sock.sendall(
+            mh.encode("hello", {}, meta)
+        )  # no digest ("d"): a different checkpoint if it gets that far
         op, _, answer = mh.recv_message(sock)
     t.join(10)
     assert op == "refuse" and words in answer["reason"] and words in str(out["error"])
