@@ -5,6 +5,7 @@
     python bench/quality.py --tiny                   # the tiny model (seconds)
     python bench/quality.py --dtype bfloat16 --quantization int4 --prompts 16 --steps 64
     python bench/quality.py --model /models/Llama-3.1-8B --dtype bfloat16   # a real checkpoint's numbers
+    python bench/quality.py --trained                # a small model trained here first (~5 min on 2 cores)
 
 Each of ``--prompts`` random prompts is prefilled into its own row, then the unquantized model decodes
 ``--steps`` greedy tokens (all rows in one batch). Every quantized model is run on the very same tokens
@@ -15,7 +16,10 @@ of the next-token distributions (nats). The model is the random decode bench mod
 nearly flat (the median top-1 margin and probability are reported), so top-1 agreement there measures how
 often a near-tie flips, a harsher test than a trained model's peaked distributions. ``--model`` compares a
 checkpoint folder instead (a trained model's numbers, read through the worker's loader; its prompts are
-random token ids of ``--prompt-len``). One JSON object is printed last.
+random token ids of ``--prompt-len``). ``--trained`` trains a small byte-level Llama on this repository's own
+text first (no download: the text is the clone's ``.py`` and ``.md`` files; cached in ``--workdir``) and
+prompts it with held-out text, so its greedy steps have the peaked distributions of a model that learned
+something. One JSON object is printed last.
 """
 
 from __future__ import annotations
@@ -71,6 +75,85 @@ def run(
     return np.stack([np.stack(lg) for lg in logits]), fed
 
 
+TRAINED = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,  # bytes
+    prompt=96,
+)
+
+
+def corpus(root: Path) -> bytes:
+    """The repository's own text: every ``.py`` and ``.md`` file under ``root`` (virtual environments and
+    hidden folders skipped), in sorted path order."""
+    skip = {".venv", "node_modules", "__pycache__"}
+    files = sorted(
+        f
+        for f in root.rglob("*")
+        if f.suffix in (".py", ".md")
+        and f.is_file()
+        and not any(part in skip or part.startswith(".") for part in f.relative_to(root).parts[:-1])
+    )
+    return b"\n".join(f.read_bytes() for f in files)
+
+
+def train_byte_model(
+    out: Path, text: bytes, steps: int, batch: int = 16, seq: int = 128, seed: int = 0, **shape: int
+) -> dict:
+    """Train a byte-level Llama (:data:`TRAINED`'s shape, overridable) on the first 90 % of ``text`` with
+    AdamW (warm-up, then cosine decay) and save it to ``out`` as a Hugging Face checkpoint. Returns the
+    training loss (nats a byte, the mean of the last 20 steps) and the held-out loss."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    w = {k: v for k, v in {**TRAINED, **shape}.items() if k != "prompt"}
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        **w, max_position_embeddings=512, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False
+    )
+    model = LlamaForCausalLM(config)
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    split = len(data) * 9 // 10
+    train, held = data[:split], data[split:]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.95))
+    warm = max(1, steps // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warm) * 0.5 * (1 + np.cos(np.pi * min(i, steps) / steps))
+    )
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    model.train()
+    for _ in range(steps):
+        starts = torch.randint(0, len(train) - seq - 1, (batch,), generator=gen)
+        x = torch.stack([train[s : s + seq + 1] for s in starts])
+        loss = model(input_ids=x, labels=x.clone()).loss  # the model shifts the labels itself
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+        if len(losses) % 100 == 0:
+            print(f"step {len(losses)}: loss {np.mean(losses[-100:]):.3f} nats a byte", flush=True)
+    model.eval()
+    with torch.no_grad():
+        starts = torch.arange(0, len(held) - seq - 1, max(1, (len(held) - seq - 1) // 32))[:32]
+        x = torch.stack([held[s : s + seq] for s in starts])
+        held_loss = float(model(input_ids=x, labels=x.clone()).loss)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return {"train_loss": round(float(np.mean(losses[-20:])), 3), "held_out_loss": round(held_loss, 3)}
+
+
+def held_out_prompts(text: bytes, rows: int, length: int) -> np.ndarray:
+    """``rows`` prompts of ``length`` bytes from the held-out last 10 % of ``text``, evenly spaced."""
+    held = np.frombuffer(text[len(text) * 9 // 10 :], np.uint8).astype(np.int32)
+    starts = np.linspace(0, len(held) - length - 1, rows).astype(int)
+    return np.stack([held[s : s + length] for s in starts])
+
+
 def compare(full: np.ndarray, fed: np.ndarray, quant: np.ndarray) -> dict:
     """Top-1 agreement and mean KL(full ‖ quant) over every position but the last of each row (the last
     position's token is not fed, so it is compared too: all 1 + steps)."""
@@ -113,6 +196,13 @@ def main() -> None:
     parser.add_argument("--workdir", help="build the model here, reuse it when there (bench/decode.py's)")
     parser.add_argument("--model", help="a checkpoint folder to compare instead of the bench model")
     parser.add_argument("--prompt-len", type=int, help="tokens a prompt (default: the shape's prompt length)")
+    parser.add_argument(
+        "--trained",
+        action="store_true",
+        help="train (or reuse from --workdir) a small byte-level model on this repository's text; "
+        "prompts are held-out text",
+    )
+    parser.add_argument("--train-steps", type=int, default=600, help="--trained's optimiser steps")
     args = parser.parse_args()
     from decode import SHAPES, build_or_reuse  # this folder's; tests import the functions above alone
 
@@ -125,8 +215,24 @@ def main() -> None:
 
     from loraserve.worker.checkpoint import load_checkpoint, open_checkpoint
 
+    training = None
     with tempfile.TemporaryDirectory() as scratch:
-        if args.model:
+        if args.trained:
+            text = corpus(Path(__file__).resolve().parents[1])
+            base = Path(args.workdir or scratch) / f"trained-{args.train_steps}"
+            marker = base / "training.json"
+            if marker.exists():
+                training = json.loads(marker.read_text())
+            else:
+                began = time.perf_counter()
+                training = train_byte_model(base, text, args.train_steps)
+                training.update(steps=args.train_steps, corpus_bytes=len(text))
+                training["seconds"] = round(time.perf_counter() - began, 1)
+                marker.write_text(json.dumps(training))
+            print(f"trained: {training}", flush=True)
+            w = dict(TRAINED)
+            shape = "trained"
+        elif args.model:
             base = Path(args.model)
             cfg = open_checkpoint(str(base), dtype=args.dtype).config  # headers only
             w = dict(w, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -135,8 +241,11 @@ def main() -> None:
         else:
             base, _ = build_or_reuse(Path(args.workdir or scratch), w, args.dtype, direct=shape != "tiny")
         length = args.prompt_len or w["prompt"]
-        prompts = np.random.default_rng(0).integers(3, w["vocab_size"], (args.prompts, length))
-        prompts = prompts.astype(np.int32)
+        if args.trained:
+            prompts = held_out_prompts(text, args.prompts, length)
+        else:
+            prompts = np.random.default_rng(0).integers(3, w["vocab_size"], (args.prompts, length))
+            prompts = prompts.astype(np.int32)
         started = time.perf_counter()
         full, fed = run(load_checkpoint(str(base), dtype=args.dtype), prompts, None, args.steps)
         results = {}
@@ -159,6 +268,7 @@ def main() -> None:
                 "prompts": args.prompts,
                 "steps": args.steps,
                 "quality": results,
+                **({"training": training} if training else {}),
                 "seconds": round(time.perf_counter() - started, 1),
             }
         )
