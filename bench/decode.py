@@ -806,6 +806,10 @@ def summarize(
             ratios[f"distinct_adapters_{q}_vs_base_{q}"] = round(
                 dec["distinct_adapters_" + q] / dec["base_" + q], 3
             )
+            if dense:  # the same bound as the unquantized rows': the quantized base step + the pools' bytes
+                ratios[f"distinct_adapters_{q}_vs_base_{q}_serial_bound"] = round(
+                    adapter_ratio_bound(ours["base_" + q]["step_ms"], w, peaks, pool[""]), 3
+                )
     if "distinct_adapters_json" in dec:  # structured outputs: masked rows ÷ the same rows unmasked
         ratios["distinct_adapters_json_vs_distinct_adapters"] = round(
             dec["distinct_adapters_json"] / dec["distinct_adapters"], 3

@@ -76,12 +76,14 @@ def test_decode_bench_tiny_prints_its_json_last() -> None:
         "distinct_adapters_json_vs_distinct_adapters",
         "base_int8_head_vs_base",
         "distinct_adapters_int8_head_vs_base_int8_head",
+        "distinct_adapters_int8_head_vs_base_int8_head_serial_bound",
     }
     assert ratios <= set(result["ratios"])
     # base / (base + pool read time): below 1, but the tiny model's pools read in microseconds, so the
     # ratio rounded to 3 digits can be 1.0 when the base step is slow (CI: once in a run)
     assert 0 < result["ratios"]["distinct_adapters_vs_base_serial_bound"] <= 1
     assert 0 < result["ratios"]["distinct_adapters_bf16_pools_vs_base_serial_bound"] <= 1
+    assert 0 < result["ratios"]["distinct_adapters_int8_head_vs_base_int8_head_serial_bound"] <= 1
     assert result["ttft_ms"]["cold"] > 0 and result["ttft_ms"]["warm"] > 0
     # a base step's bytes (int8 projections and head here) at the measured read rate ÷ its time
     assert result["base_roofline_fraction"] > 0 and result["base_int8_head_roofline_fraction"] > 0
