@@ -21,6 +21,9 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #define LORASERVE_AMX 1
+#if defined(__AMX_INT8__)
+#define LORASERVE_AMX_INT8 1
+#endif
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -108,7 +111,21 @@ struct AmxA {
 // after step c1 - 1 when `store`; in between they stay in the tiles (amx_rows: zeroed at step 0, stored
 // after the last; an int4 group's steps: both). Tiles (an AMX instruction's tile numbers are immediates): C
 // in 0 .. 3 (row block r, or group g), A in 4 and 5, B in 6 and 7, alternating.
-template <int R, int G>
+// One tile product C += A . B: bf16 pairs to f32 (TDPBF16PS) or, I8, signed int8 weights times unsigned bytes
+// to int32 (TDPBSUD; amx_pack_fixed's planes). A macro: the intrinsics take the tile numbers as literals.
+#ifdef LORASERVE_AMX_INT8
+#define LORASERVE_AMX_DP(I8, C, A, B) \
+  do {                                \
+    if constexpr (I8)                 \
+      _tile_dpbsud(C, A, B);          \
+    else                              \
+      _tile_dpbf16ps(C, A, B);        \
+  } while (0)
+#else
+#define LORASERVE_AMX_DP(I8, C, A, B) _tile_dpbf16ps(C, A, B)
+#endif
+
+template <int R, int G, bool I8 = false>
 void amx_tiles(const AmxA<R>& A, const uint16_t* xb, int64_t steps, int64_t c0, int64_t c1, float* out, bool zero,
                bool store) {
   static_assert(G >= 1 && G <= 4 && (G == 1 ? R >= 1 && R <= 2 : R == 1));
@@ -124,24 +141,24 @@ void amx_tiles(const AmxA<R>& A, const uint16_t* xb, int64_t steps, int64_t c0, 
     if constexpr (G == 1) {
       _tile_loadd(6, b, 64);
       _tile_loadd(4, a[0], stride);
-      _tile_dpbf16ps(0, 4, 6);
+      LORASERVE_AMX_DP(I8, 0, 4, 6);
       if constexpr (R > 1) {
         _tile_loadd(5, a[1], stride);
-        _tile_dpbf16ps(1, 5, 6);
+        LORASERVE_AMX_DP(I8, 1, 5, 6);
       }
     } else {
       _tile_loadd(4, a[0], stride);
       _tile_loadd(6, b, 64);
-      _tile_dpbf16ps(0, 4, 6);
+      LORASERVE_AMX_DP(I8, 0, 4, 6);
       _tile_loadd(7, b + steps * 512, 64);
-      _tile_dpbf16ps(1, 4, 7);
+      LORASERVE_AMX_DP(I8, 1, 4, 7);
       if constexpr (G > 2) {
         _tile_loadd(6, b + 2 * steps * 512, 64);
-        _tile_dpbf16ps(2, 4, 6);
+        LORASERVE_AMX_DP(I8, 2, 4, 6);
       }
       if constexpr (G > 3) {
         _tile_loadd(7, b + 3 * steps * 512, 64);
-        _tile_dpbf16ps(3, 4, 7);
+        LORASERVE_AMX_DP(I8, 3, 4, 7);
       }
     }
   };
@@ -191,7 +208,7 @@ void amx_blocks(int64_t o0, int64_t rows, int64_t M, Run run) {
   }
 }
 
-template <class AOf, class Emit>
+template <bool I8 = false, class AOf, class Emit>
 void amx_rows(int64_t o0, int64_t rows, int64_t M, const uint16_t* xb, int64_t steps, int64_t seg, AOf a_of,
               Emit emit) {
   alignas(64) float out[4 * 16 * 16];
@@ -201,11 +218,83 @@ void amx_rows(int64_t o0, int64_t rows, int64_t M, const uint16_t* xb, int64_t s
     for (int64_t c0 = 0; c0 < steps; c0 += seg) {
       const int64_t c1 = std::min(steps, c0 + seg);
       for (int r = 0; r < R; ++r) A.block[r] = a_of(o + 16 * r, r, c0, c1);
-      amx_tiles<R, G>(A, xb, steps, c0, c1, out, c0 == 0, c1 == steps);
+      amx_tiles<R, G, I8>(A, xb, steps, c0, c1, out, c0 == 0, c1 == steps);
     }
     for (int r = 0; r < R; ++r) emit(o + 16 * r, out + r * 16 * 16 * G, 16 * G);
   });
 }
+
+#ifdef LORASERVE_AMX_INT8
+// ------------------------------------------------------------------ bf16 rows as exact fixed point, int8 tiles
+// An int8 weight matrix times bf16 rows without converting a weight: each row of x becomes 24-bit fixed point
+// (q = x * 2^s, s = 22 - floor(log2 max|x|), so |q| < 2^23), exact for every element within 16 binades of the
+// row's largest (a bf16 has 8 significant bits) and rounded to 2^-s, at most 2^-23 of the row's max|x|,
+// below that. q's three bytes are three planes of x: u0 = q & 255, u1 = (q >> 8) & 255, u2 = (q >> 16) + 128
+// (the top byte, signed, made unsigned), each a column of B tiles that TDPBSUD multiplies with the weights
+// (signed int8 A tiles straight from the matrix, 16 rows x 64 elements of K a step) into exact int32 sums;
+// one more column of ones sums the weights (R). Then w . q = P0 + 2^8 P1 + 2^16 (P2 - 128 R) exactly, in
+// int64, and y = that * scale * 2^-s, rounded once. 64 columns (4 B tiles) hold 21 rows: one TDPBSUD per 16
+// columns multiplies 16 x 64 weights, 16 times vdpbf16ps's products, so even 21 rows stay bound by reading
+// the weights, each read once at a byte an element. A row's sums are exact integers: its bits do not depend
+// on the other rows, their count, or the order of the steps.
+constexpr int64_t kFixedMaxRows = 21;    // 3 M + 1 columns <= 64: the 4 B tiles amx_tiles takes
+constexpr int64_t kFixedMaxK = 65536;    // |P| <= 255 * 128 * K stays below 2^31
+
+// Column (j M + m, plane j of row m; 3 M the ones) of the B tiles, as amx_pack_x's layout in bytes: tile (g,
+// c) at out + (g * steps + c) * 1024 holds columns 16 g .. 16 g + 15 and K elements 64 c .. 64 c + 63, element
+// 64 c + 4 d + i of column 16 g + n at byte d * 64 + n * 4 + i.
+inline void fixed_column(uint8_t* out, int64_t steps, int64_t col, int64_t c, __m512i bytes) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(16));
+  int32_t* tile = reinterpret_cast<int32_t*>(out + ((col / 16) * steps + c) * 1024) + col % 16;
+  _mm512_i32scatter_epi32(tile, rows, bytes, 4);
+}
+
+// The bytes of lanes (q >> shift) of four vectors of 16, in order: 64 elements of one plane.
+inline __m512i fixed_plane(const __m512i q[4], int shift, uint8_t flip) {
+  __m512i v = _mm512_castsi128_si512(_mm512_cvtepi32_epi8(_mm512_srai_epi32(q[0], shift)));
+  v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(_mm512_srai_epi32(q[1], shift)), 1);
+  v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(_mm512_srai_epi32(q[2], shift)), 2);
+  v = _mm512_inserti32x4(v, _mm512_cvtepi32_epi8(_mm512_srai_epi32(q[3], shift)), 3);
+  return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(flip)));
+}
+
+// x [M, K] bf16 (M <= kFixedMaxRows, K a multiple of 64, <= kFixedMaxK) as the planes above in out
+// ((3 M + 16) / 16 * K / 64 tiles of 1024 bytes); shift[m] = s of row m, or kFixedNonFinite where the row holds
+// inf or NaN (its planes then zeros: the caller makes that row's outputs NaN, the other rows' are untouched).
+constexpr int32_t kFixedNonFinite = -(1 << 30);
+inline void amx_pack_fixed(const uint16_t* x, int64_t M, int64_t K, uint8_t* out, int32_t* shift) {
+  const int64_t steps = K / 64, groups = (3 * M + 16) / 16;
+  if ((3 * M + 1) % 16 != 0)  // the columns past the ones: zeros (their sums are never read)
+    std::memset(out + (groups - 1) * steps * 1024, 0, steps * 1024);
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* row = x + m * K;
+    __m512i top = _mm512_setzero_si512();  // |x| as bits: ordered like the values
+    for (int64_t k = 0; k < K; k += 32)
+      top = _mm512_max_epu16(top, _mm512_and_si512(_mm512_loadu_si512(row + k), _mm512_set1_epi16(0x7FFF)));
+    alignas(64) uint16_t lanes[32];
+    _mm512_store_si512(lanes, top);
+    const uint16_t big = *std::max_element(lanes, lanes + 32);
+    const bool finite = big < 0x7F80;
+    const int s = big == 0 || !finite ? 0 : 22 - std::ilogb(widen(big));
+    shift[m] = finite ? s : kFixedNonFinite;
+    const __m512 scale = _mm512_set1_ps(static_cast<float>(s));
+    const __mmask16 keep = finite ? __mmask16(0xFFFF) : __mmask16(0);
+    for (int64_t c = 0; c < steps; ++c) {
+      __m512i q[4];
+      for (int v = 0; v < 4; ++v) {  // bf16 -> f32 (the high half), times 2^s exactly, to the nearest integer
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 64 * c + 16 * v));
+        const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        q[v] = _mm512_maskz_cvtps_epi32(keep, _mm512_scalef_ps(f, scale));
+      }
+      fixed_column(out, steps, m, c, fixed_plane(q, 0, 0));
+      fixed_column(out, steps, M + m, c, fixed_plane(q, 8, 0));
+      fixed_column(out, steps, 2 * M + m, c, fixed_plane(q, 16, 0x80));
+    }
+  }
+  for (int64_t c = 0; c < steps; ++c) fixed_column(out, steps, 3 * M, c, _mm512_set1_epi8(1));
+}
+#endif
 
 }  // namespace
 #endif

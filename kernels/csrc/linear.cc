@@ -547,6 +547,73 @@ void q8_amx_rows(const Int8Bf16Problem& p, const uint16_t* xb, int64_t lo, int64
 }
 #endif
 
+#ifdef LORASERVE_AMX_INT8
+// Weight rows [lo, hi) on the int8 tiles against x in fixed point (amx.h's amx_pack_fixed: xb, shift): A tiles
+// straight from the matrix (the last rows, past a whole 16, copied zero-padded into scratch); each output the
+// exact integer sum of its row's planes, times scale * 2^-shift, rounded once (in double, then to f32).
+void q8_fixed_rows(const Int8Bf16Problem& p, const uint8_t* xb, const int32_t* shift, int64_t lo, int64_t hi,
+                   std::vector<float>& scratch) {
+  const AmxScope tiles;
+  const int64_t K = p.K, steps = K / 64, ones = 3 * p.M, full = lo + (hi - lo) / 16 * 16;
+  int8_t* tail = nullptr;
+  if (full < hi) {
+    tail = reinterpret_cast<int8_t*>(aligned64(scratch, 16 * K / 4, true));
+    std::memcpy(tail, p.w + full * K, (hi - full) * K);
+  }
+  auto a_of = [&](int64_t o, int, int64_t, int64_t) {  // all steps at once
+    const int8_t* a = o < full ? p.w + o * K : tail;
+    return AmxBlock{reinterpret_cast<const uint16_t*>(a), K, nullptr};
+  };
+  alignas(64) double unit[24] = {};  // 2^-shift[m], zeros past M (to a whole 8)
+  for (int64_t m = 0; m < p.M; ++m)  // a row of x holding inf or NaN: NaN outputs (the bf16 matmul's are inf or NaN)
+    unit[m] = shift[m] == kFixedNonFinite ? std::numeric_limits<double>::quiet_NaN() : std::ldexp(1.0, -shift[m]);
+  const __mmask8 last = static_cast<__mmask8>((1u << (p.M % 8 == 0 ? 8 : p.M % 8)) - 1);
+  auto emit = [&](int64_t o, const float* out, int64_t ld) {  // 8 rows of x at a time, in double
+    for (int64_t i = 0; i < std::min<int64_t>(16, hi - o); ++i) {
+      alignas(64) int32_t c[64 + 8];  // the planes' sums: columns j M + m, the ones at 3 M
+      std::memcpy(c, out + i * ld, sizeof(int32_t) * 64);
+      const __m512d r = _mm512_set1_pd(-128.0 * c[ones]), scale = _mm512_set1_pd(p.scale[o + i]);
+      float* y = p.y + (o + i) * p.M;
+      for (int64_t m = 0; m < p.M; m += 8) {
+        const __mmask8 k = m + 8 <= p.M ? __mmask8(0xFF) : last;
+        auto plane = [&](int j) { return _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(c + j * p.M + m))); };
+        __m512d sum = _mm512_fmadd_pd(_mm512_add_pd(plane(2), r), _mm512_set1_pd(65536.0),  // exact: < 2^53
+                                      _mm512_fmadd_pd(plane(1), _mm512_set1_pd(256.0), plane(0)));
+        sum = _mm512_mul_pd(_mm512_mul_pd(sum, scale), _mm512_load_pd(unit + m));
+        _mm256_mask_storeu_ps(y + m, k, _mm512_cvtpd_ps(sum));
+      }
+    }
+  };
+  amx_rows<true>(lo, (hi - lo + 15) / 16 * 16, ones + 1, reinterpret_cast<const uint16_t*>(xb), steps, steps,
+                 a_of, emit);
+}
+
+// Whether Int8Bf16 takes the fixed-point path (LORASERVE_KERNEL_AMX_INT8=0 switches it off, e.g. to measure
+// the tiles' bf16 path it replaces).
+inline bool fixed_ready() {
+  static const bool ready = [] {
+    const char* env = std::getenv("LORASERVE_KERNEL_AMX_INT8");
+    return amx_ready() && !(env != nullptr && env[0] == '0');
+  }();
+  return ready;
+}
+
+// Int8Bf16 through q8_fixed_rows where the shape allows (a row count of at most kFixedMaxRows, K a multiple of
+// 64 up to kFixedMaxK); false (nothing written) otherwise.
+bool int8_fixed(ffi::ThreadPool& pool, std::shared_ptr<Int8Bf16Problem> p, const uint16_t* x) {
+  if (p->M > kFixedMaxRows || p->K == 0 || p->K % 64 != 0 || p->K > kFixedMaxK || !fixed_ready()) return false;
+  const int64_t steps = p->K / 64, groups = (3 * p->M + 16) / 16;
+  std::shared_ptr<uint8_t[]> xb(new uint8_t[groups * steps * 1024]);
+  auto shift = std::make_shared<std::vector<int32_t>>(p->M);
+  amx_pack_fixed(x, p->M, p->K, xb.get(), shift->data());
+  const int64_t items = (p->N + kLinItemRows - 1) / kLinItemRows;
+  parallel_items(pool, items, [p, xb, shift](int64_t k, std::vector<float>& scratch) {
+    q8_fixed_rows(*p, xb.get(), shift->data(), k * kLinItemRows, std::min(p->N, (k + 1) * kLinItemRows), scratch);
+  });
+  return true;
+}
+#endif
+
 // Up to this many x rows the int8 (and int4) weights meet bf16 x in registers (q8h_rows, q4h_rows) even where
 // AMX tiles are used for more: converting into L1 and loading tiles costs more than it saves at a row or two
 // (the bench model's int8 decode step at one row: 6.0 ms in registers, 8.2 on the tiles; the bf16 model's on
@@ -564,6 +631,9 @@ ffi::Error Int8Bf16(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::A
   p->y = static_cast<float*>(y->untyped_data());
   if (p->M == 0 || p->N == 0) return ffi::Error::Success();
   const uint16_t* xs = static_cast<const uint16_t*>(x.untyped_data());
+#ifdef LORASERVE_AMX_INT8
+  if (int8_fixed(pool, p, xs)) return ffi::Error::Success();
+#endif
   p->ld = padded_row_bf16(p->K);
   uint16_t* xp = aligned64(p->xs, p->M * p->ld, true);
   for (int64_t m = 0; m < p->M; ++m) permute64(xs + m * p->K, p->K, xp + m * p->ld);
@@ -1251,6 +1321,11 @@ extern "C" int LoraserveCpuAmx() { return 0; }
 extern "C" int LoraserveQuantRegisterRows() { return amx_ready() ? static_cast<int>(kQuantRegisterRows) : 0; }
 #else
 extern "C" int LoraserveQuantRegisterRows() { return 0; }
+#endif
+#ifdef LORASERVE_AMX_INT8
+extern "C" int LoraserveQuantFixedRows() { return fixed_ready() ? static_cast<int>(kFixedMaxRows) : 0; }
+#else
+extern "C" int LoraserveQuantFixedRows() { return 0; }
 #endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearBf16, LinearBf16Impl,

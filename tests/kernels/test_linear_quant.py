@@ -64,8 +64,8 @@ def _x(rng, K: int, dtype: str):
 def _compare(fn, x, weights: tuple, want_all: np.ndarray, split: int = 0) -> float:
     """``fn`` on the first M rows of x for each M in ROWS against ``want_all`` [N, max(ROWS)]; a row's bits are
     the same in every batch (row 0 in each, the last row of the largest alone) or, given ``split``
-    (``cpu.quant_register_rows()``), in every batch of up to ``split`` rows and in every larger one (the last row
-    of the largest in a batch of ``split + 1``). Returns the worst error / max|y|."""
+    (``int8_split``), in every batch of up to ``split`` rows and in every larger one (the last row of the largest
+    in a batch of ``split + 1``). Returns the worst error / max|y|."""
     worst, first = 0.0, {}
     for m in ROWS:
         got = np.asarray(jax.jit(fn)(x[:m], *weights))
@@ -76,7 +76,7 @@ def _compare(fn, x, weights: tuple, want_all: np.ndarray, split: int = 0) -> flo
         worst = max(worst, err)
         first[m] = got[:, 0]
     for m in ROWS:
-        np.testing.assert_array_equal(first[m], first[1 if m <= split else split + 1])
+        np.testing.assert_array_equal(first[m], first[1 if m <= split else min(r for r in ROWS if r > split)])
     last = max(ROWS) - 1
     alone = np.asarray(jax.jit(fn)(x[last - split :], *weights))[:, -1]
     np.testing.assert_array_equal(alone, got[:, last])
@@ -90,8 +90,15 @@ def check_int8(N: int, K: int, dtype: str, seed: int = 0, qmin: int = -127) -> f
     x = _x(rng, K, dtype)
     w64 = q.astype(np.float64) * scale[:, None].astype(np.float64)
     want = w64 @ np.asarray(x.astype(jnp.float32), np.float64).T
-    split = cpu.quant_register_rows() if dtype == "bfloat16" else 0
-    return _compare(cpu.linear_int8, x, (jnp.asarray(q), jnp.asarray(scale)), want, split)
+    return _compare(cpu.linear_int8, x, (jnp.asarray(q), jnp.asarray(scale)), want, int8_split(K, dtype))
+
+
+def int8_split(K: int, dtype: str) -> int:
+    """The batch size up to which linear_int8 takes one path (a row's bits agree), then another (see _compare)."""
+    if dtype != "bfloat16":
+        return 0
+    fixed = 0 < K <= 65536 and K % 64 == 0 and cpu.quant_fixed_rows()
+    return cpu.quant_fixed_rows() if fixed else cpu.quant_register_rows()
 
 
 def check_int4(N: int, K: int, G: int, dtype: str, seed: int = 0) -> float:
@@ -131,6 +138,67 @@ def test_linear_int8_every_value(dtype: str) -> None:
     x = jnp.eye(200, dtype=dtype)[:5]  # row m picks column m: y = q[:, :5] exactly
     got = np.asarray(jax.jit(cpu.linear_int8)(x, jnp.asarray(q), jnp.ones(256, jnp.float32)))
     np.testing.assert_array_equal(got, q[:, :5].astype(np.float32))
+
+
+needs_fixed = pytest.mark.skipif(
+    not cpu.quant_fixed_rows(), reason="no AMX-INT8 tiles in use here: linear_int8 has no fixed-point path"
+)
+
+
+def fixed_point_product(q: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """What the fixed-point path defines, exactly: each row of bf16 x rounded (half to even) to multiples of
+    2^-s, s = 22 - floor(log2 max|x|), the integer products summed exactly, times scale in double, times 2^-s,
+    rounded to f32. ``[N, M]``; x f32 (bf16 values)."""
+    out = np.empty((q.shape[0], x.shape[0]), np.float32)
+    for m, row in enumerate(x.astype(np.float64)):
+        top = np.abs(row).max()
+        s = 0 if top == 0 else 22 - int(np.floor(np.log2(top)))
+        qx = np.rint(np.ldexp(row, s)).astype(np.int64)
+        exact = (q.astype(np.int64) @ qx).astype(np.float64)  # |sum| < 2^53: exact
+        out[:, m] = (exact * scale.astype(np.float64) * np.ldexp(1.0, -s)).astype(np.float32)
+    return out
+
+
+@needs_fixed
+def test_linear_int8_fixed_point_is_exactly_defined() -> None:
+    """On AMX-INT8 tiles a bf16 row's result is an exact integer sum scaled once: the same bits as
+    ``fixed_point_product`` for every batch of 1-21 rows, rows whose values span 40 binades (those more than 16
+    below the row's largest rounded to its grid), a block of weight rows past the last 16, and -128."""
+    rng = np.random.default_rng(3)
+    N, K = 70, 512
+    q = rng.integers(-128, 128, (N, K)).astype(np.int8)
+    scale = rng.uniform(0.5, 2.0, N).astype(np.float32) / 127
+    wide = rng.standard_normal((21, K)) * np.exp2(rng.integers(-30, 10, (21, K)))
+    x = jnp.asarray(wide, jnp.float32).astype(jnp.bfloat16)
+    x = x.at[3].set(0).at[4, :].set(jnp.bfloat16(-2.0**-120))  # a zero row, a row far below 1
+    want = fixed_point_product(q, scale, np.asarray(x.astype(jnp.float32)))
+    for m in (1, 2, 5, 6, 11, 16, 21):
+        got = np.asarray(jax.jit(cpu.linear_int8)(x[:m], jnp.asarray(q), jnp.asarray(scale)))
+        np.testing.assert_array_equal(got, want[:, :m])
+
+
+@needs_fixed
+def test_linear_int8_fixed_point_extremes() -> None:
+    """The largest K the int32 plane sums allow (65 536) with every weight -128 or 127 and rows at the top of
+    their grid (|q| = 2^23 - 2^15, the top plane +-127/-128): exact, no overflow; a row holding inf or NaN gives
+    NaN outputs and leaves the other rows' bits as they are."""
+    K = 65536
+    q = np.full((17, K), -128, np.int8)
+    q[1::2] = 127
+    v = float(jnp.bfloat16(1.9921875))  # bf16's largest mantissa
+    x = jnp.asarray(np.array([[v] * K, [-v] * K, [v, -v] * (K // 2)], np.float32)).astype(jnp.bfloat16)
+    got = np.asarray(jax.jit(cpu.linear_int8)(x, jnp.asarray(q), jnp.ones(17, jnp.float32)))
+    qs = q[:, 0].astype(np.float64)
+    np.testing.assert_array_equal(got, np.stack([qs * v * K, -qs * v * K, 0 * qs], 1).astype(np.float32))
+    rng = np.random.default_rng(4)
+    q = rng.integers(-127, 128, (48, 256)).astype(np.int8)
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.bfloat16)
+    args = (jnp.asarray(q), jnp.ones(48, jnp.float32))
+    clean = np.asarray(jax.jit(cpu.linear_int8)(x, *args))
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        got = np.asarray(jax.jit(cpu.linear_int8)(x.at[2, 7].set(bad), *args))
+        assert np.isnan(got[:, 2]).all()
+        np.testing.assert_array_equal(np.delete(got, 2, 1), np.delete(clean, 2, 1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
