@@ -107,7 +107,7 @@ struct AmxA {
 };
 
 // R row blocks x G groups of x, steps [c0, c1) of the `steps` steps of 32 (A's pointers at step c0): the C
-// tiles zeroed first when `zero`, and stored to out [R * 16][G * 16] (f32, row-major, 16 G floats a row)
+// tiles zeroed first when `zero` (else loaded from out when `load`), and stored to out [R * 16][G * 16] (f32, row-major, 16 G floats a row)
 // after step c1 - 1 when `store`; in between they stay in the tiles (amx_rows: zeroed at step 0, stored
 // after the last; an int4 group's steps: both). Tiles (an AMX instruction's tile numbers are immediates): C
 // in 0 .. 3 (row block r, or group g), A in 4 and 5, B in 6 and 7, alternating.
@@ -125,15 +125,41 @@ struct AmxA {
 #define LORASERVE_AMX_DP(I8, C, A, B) _tile_dpbf16ps(C, A, B)
 #endif
 
+// One step of G groups against one block of weights, its A tile AT (a literal, like the products' tiles).
+#define LORASERVE_AMX_GROUPS(AT)                \
+  _tile_loadd(AT, a[0], stride);                \
+  _tile_loadd(6, b, 64);                        \
+  LORASERVE_AMX_DP(I8, 0, AT, 6);               \
+  _tile_loadd(7, b + steps * 512, 64);          \
+  LORASERVE_AMX_DP(I8, 1, AT, 7);               \
+  if constexpr (G > 2) {                        \
+    _tile_loadd(6, b + 2 * steps * 512, 64);    \
+    LORASERVE_AMX_DP(I8, 2, AT, 6);             \
+  }                                             \
+  if constexpr (G > 3) {                        \
+    _tile_loadd(7, b + 3 * steps * 512, 64);    \
+    LORASERVE_AMX_DP(I8, 3, AT, 7);             \
+  }
+
 template <int R, int G, bool I8 = false>
 void amx_tiles(const AmxA<R>& A, const uint16_t* xb, int64_t steps, int64_t c0, int64_t c1, float* out, bool zero,
-               bool store) {
+               bool store, bool load = false) {
   static_assert(G >= 1 && G <= 4 && (G == 1 ? R >= 1 && R <= 2 : R == 1));
   if (zero) {
     _tile_zero(0);
     if constexpr (R * G > 1) _tile_zero(1);
     if constexpr (G > 2) _tile_zero(2);
     if constexpr (G > 3) _tile_zero(3);
+  } else if (load) {  // the sums so far, where an earlier call stored them (out's layout below)
+    if constexpr (G == 1) {
+      _tile_loadd(0, out, 64);
+      if constexpr (R > 1) _tile_loadd(1, out + 256, 64);
+    } else {
+      _tile_loadd(0, out, 64 * G);
+      _tile_loadd(1, out + 16, 64 * G);
+      if constexpr (G > 2) _tile_loadd(2, out + 32, 64 * G);
+      if constexpr (G > 3) _tile_loadd(3, out + 48, 64 * G);
+    }
   }
   const bool tail = A.block[0].tail != nullptr && c1 == steps;  // the same K for every block
   auto step = [&](const uint16_t* const a[R], int64_t stride, int64_t c) {
@@ -146,20 +172,10 @@ void amx_tiles(const AmxA<R>& A, const uint16_t* xb, int64_t steps, int64_t c0, 
         _tile_loadd(5, a[1], stride);
         LORASERVE_AMX_DP(I8, 1, 5, 6);
       }
+    } else if (c % 2 == 0) {  // A in tile 4 on even steps, 5 on odd ones: the next step's weights load while
+      LORASERVE_AMX_GROUPS(4);  // this step's products still read its tile (no renaming of tiles)
     } else {
-      _tile_loadd(4, a[0], stride);
-      _tile_loadd(6, b, 64);
-      LORASERVE_AMX_DP(I8, 0, 4, 6);
-      _tile_loadd(7, b + steps * 512, 64);
-      LORASERVE_AMX_DP(I8, 1, 4, 7);
-      if constexpr (G > 2) {
-        _tile_loadd(6, b + 2 * steps * 512, 64);
-        LORASERVE_AMX_DP(I8, 2, 4, 6);
-      }
-      if constexpr (G > 3) {
-        _tile_loadd(7, b + 3 * steps * 512, 64);
-        LORASERVE_AMX_DP(I8, 3, 4, 7);
-      }
+      LORASERVE_AMX_GROUPS(5);
     }
   };
   const uint16_t* a[R];
@@ -238,6 +254,12 @@ void amx_rows(int64_t o0, int64_t rows, int64_t M, const uint16_t* xb, int64_t s
 // the weights, each read once at a byte an element. A row's sums are exact integers: its bits do not depend
 // on the other rows, their count, or the order of the steps.
 constexpr int64_t kFixedMaxRows = 21;    // 3 M + 1 columns <= 64: the 4 B tiles amx_tiles takes
+// Measured (2-core Sapphire Rapids VM, 2026-12-06): up to 2 B tiles a step (10 rows) this path beats converting
+// the weights to bf16 for the tiles (q8_amx_rows) at every size; with 3-4 (11-21 rows) only where K >= 4096
+// (14336 x 4096 at 16 rows 1.7-1.9 vs 2.3-2.4 ms; 5632 x 1024 0.31-0.37 vs 0.32: a block's 16 steps of K
+// too few to hide the B tiles' reloads, each waiting on the product before it that reads that tile).
+constexpr int64_t kFixedRowsAnyK = 10, kFixedWideK = 4096;
+inline int64_t fixed_max_rows(int64_t K) { return K >= kFixedWideK ? kFixedMaxRows : kFixedRowsAnyK; }
 constexpr int64_t kFixedMaxK = 65536;    // |P| <= 255 * 128 * K stays below 2^31
 
 // Column (j M + m, plane j of row m; 3 M the ones) of the B tiles, as amx_pack_x's layout in bytes: tile (g,

@@ -554,8 +554,9 @@ void q8_amx_rows(const Int8Bf16Problem& p, const uint16_t* xb, int64_t lo, int64
 void q8_fixed_rows(const Int8Bf16Problem& p, const uint8_t* xb, const int32_t* shift, int64_t lo, int64_t hi,
                    std::vector<float>& scratch) {
   const AmxScope tiles;
-  const int64_t K = p.K, steps = K / 64, ones = 3 * p.M, full = lo + (hi - lo) / 16 * 16;
-  int8_t* tail = nullptr;
+  const int64_t K = p.K, steps = K / 64, ones = 3 * p.M, cols = ones + 1, full = lo + (hi - lo) / 16 * 16;
+  const int64_t blocks = (hi - lo + 15) / 16;
+  int8_t* tail = nullptr;  // the last rows past a whole 16, zero-padded to 16
   if (full < hi) {
     tail = reinterpret_cast<int8_t*>(aligned64(scratch, 16 * K / 4, true));
     std::memcpy(tail, p.w + full * K, (hi - full) * K);
@@ -584,8 +585,7 @@ void q8_fixed_rows(const Int8Bf16Problem& p, const uint8_t* xb, const int32_t* s
       }
     }
   };
-  amx_rows<true>(lo, (hi - lo + 15) / 16 * 16, ones + 1, reinterpret_cast<const uint16_t*>(xb), steps, steps,
-                 a_of, emit);
+  amx_rows<true>(lo, blocks * 16, cols, reinterpret_cast<const uint16_t*>(xb), steps, steps, a_of, emit);
 }
 
 // Whether Int8Bf16 takes the fixed-point path (LORASERVE_KERNEL_AMX_INT8=0 switches it off, e.g. to measure
@@ -598,10 +598,10 @@ inline bool fixed_ready() {
   return ready;
 }
 
-// Int8Bf16 through q8_fixed_rows where the shape allows (a row count of at most kFixedMaxRows, K a multiple of
-// 64 up to kFixedMaxK); false (nothing written) otherwise.
+// Int8Bf16 through q8_fixed_rows where the shape allows (at most fixed_max_rows(K) rows, K a multiple of 64 up
+// to kFixedMaxK); false (nothing written) otherwise.
 bool int8_fixed(ffi::ThreadPool& pool, std::shared_ptr<Int8Bf16Problem> p, const uint16_t* x) {
-  if (p->M > kFixedMaxRows || p->K == 0 || p->K % 64 != 0 || p->K > kFixedMaxK || !fixed_ready()) return false;
+  if (p->M > fixed_max_rows(p->K) || p->K == 0 || p->K % 64 != 0 || p->K > kFixedMaxK || !fixed_ready()) return false;
   const int64_t steps = p->K / 64, groups = (3 * p->M + 16) / 16;
   std::shared_ptr<uint8_t[]> xb(new uint8_t[groups * steps * 1024]);
   auto shift = std::make_shared<std::vector<int32_t>>(p->M);
@@ -1323,9 +1323,12 @@ extern "C" int LoraserveQuantRegisterRows() { return amx_ready() ? static_cast<i
 extern "C" int LoraserveQuantRegisterRows() { return 0; }
 #endif
 #ifdef LORASERVE_AMX_INT8
-extern "C" int LoraserveQuantFixedRows() { return fixed_ready() ? static_cast<int>(kFixedMaxRows) : 0; }
+extern "C" int LoraserveQuantFixedRows(int64_t K) {
+  const bool shape = K > 0 && K % 64 == 0 && K <= kFixedMaxK;
+  return fixed_ready() && shape ? static_cast<int>(fixed_max_rows(K)) : 0;
+}
 #else
-extern "C" int LoraserveQuantFixedRows() { return 0; }
+extern "C" int LoraserveQuantFixedRows(int64_t) { return 0; }
 #endif
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearBf16, LinearBf16Impl,

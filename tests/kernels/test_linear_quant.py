@@ -97,8 +97,7 @@ def int8_split(K: int, dtype: str) -> int:
     """The batch size up to which linear_int8 takes one path (a row's bits agree), then another (see _compare)."""
     if dtype != "bfloat16":
         return 0
-    fixed = 0 < K <= 65536 and K % 64 == 0 and cpu.quant_fixed_rows()
-    return cpu.quant_fixed_rows() if fixed else cpu.quant_register_rows()
+    return cpu.quant_fixed_rows(K) or cpu.quant_register_rows()
 
 
 def check_int4(N: int, K: int, G: int, dtype: str, seed: int = 0) -> float:
@@ -141,7 +140,7 @@ def test_linear_int8_every_value(dtype: str) -> None:
 
 
 needs_fixed = pytest.mark.skipif(
-    not cpu.quant_fixed_rows(), reason="no AMX-INT8 tiles in use here: linear_int8 has no fixed-point path"
+    not cpu.quant_fixed_rows(4096), reason="no AMX-INT8 tiles in use here: linear_int8 has no fixed-point path"
 )
 
 
@@ -165,7 +164,7 @@ def test_linear_int8_fixed_point_is_exactly_defined() -> None:
     ``fixed_point_product`` for every batch of 1-21 rows, rows whose values span 40 binades (those more than 16
     below the row's largest rounded to its grid), a block of weight rows past the last 16, and -128."""
     rng = np.random.default_rng(3)
-    N, K = 70, 512
+    N, K = 70, 4096
     q = rng.integers(-128, 128, (N, K)).astype(np.int8)
     scale = rng.uniform(0.5, 2.0, N).astype(np.float32) / 127
     wide = rng.standard_normal((21, K)) * np.exp2(rng.integers(-30, 10, (21, K)))
