@@ -174,11 +174,11 @@ def quant_register_rows() -> int:
 @functools.cache
 def quant_fixed_rows(K: int) -> int:
     """Where :func:`linear_int8` multiplies bf16 ``x`` on AMX-INT8 tiles with ``x`` as exact 24-bit fixed point
-    (``kernels/csrc/amx.h``): the most rows a call with ``K`` inputs takes that way (10, or 21 from K = 4096;
-    0 unless K is a positive multiple of 64 up to 65 536). Those calls read each int8 weight once and convert
-    none; their results are exact integer sums scaled once, so a row's bits agree among all batches of up to
-    this many rows (the register rows above do not apply there), and among larger ones. 0 where the build or
-    CPU lacks AMX-INT8 or ``LORASERVE_KERNEL_AMX_INT8=0``."""
+    (``kernels/csrc/amx.h``): the most rows a call with ``K`` inputs takes that way (10; 0 unless K is a positive
+    multiple of 64 up to 65 536). Those calls read each int8 weight once and convert none; their results are
+    exact integer sums scaled once, so a row's bits agree among all batches of up to this many rows (the
+    register rows above do not apply there), and among larger ones. 0 where the build or CPU lacks AMX-INT8 or
+    ``LORASERVE_KERNEL_AMX_INT8=0``."""
     return int(_register().LoraserveQuantFixedRows(ctypes.c_int64(K))) if available() else 0
 
 

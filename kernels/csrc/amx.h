@@ -248,18 +248,19 @@ void amx_rows(int64_t o0, int64_t rows, int64_t M, const uint16_t* xb, int64_t s
 // below that. q's three bytes are three planes of x: u0 = q & 255, u1 = (q >> 8) & 255, u2 = (q >> 16) + 128
 // (the top byte, signed, made unsigned), each a column of B tiles that TDPBSUD multiplies with the weights
 // (signed int8 A tiles straight from the matrix, 16 rows x 64 elements of K a step) into exact int32 sums;
-// one more column of ones sums the weights (R). Then w . q = P0 + 2^8 P1 + 2^16 (P2 - 128 R) exactly, in
-// int64, and y = that * scale * 2^-s, rounded once. 64 columns (4 B tiles) hold 21 rows: one TDPBSUD per 16
-// columns multiplies 16 x 64 weights, 16 times vdpbf16ps's products, so even 21 rows stay bound by reading
-// the weights, each read once at a byte an element. A row's sums are exact integers: its bits do not depend
-// on the other rows, their count, or the order of the steps.
-constexpr int64_t kFixedMaxRows = 21;    // 3 M + 1 columns <= 64: the 4 B tiles amx_tiles takes
-// Measured (2-core Sapphire Rapids VM, 2026-12-06): up to 2 B tiles a step (10 rows) this path beats converting
-// the weights to bf16 for the tiles (q8_amx_rows) at every size; with 3-4 (11-21 rows) only where K >= 4096
-// (14336 x 4096 at 16 rows 1.7-1.9 vs 2.3-2.4 ms; 5632 x 1024 0.31-0.37 vs 0.32: a block's 16 steps of K
-// too few to hide the B tiles' reloads, each waiting on the product before it that reads that tile).
-constexpr int64_t kFixedRowsAnyK = 10, kFixedWideK = 4096;
-inline int64_t fixed_max_rows(int64_t K) { return K >= kFixedWideK ? kFixedMaxRows : kFixedRowsAnyK; }
+// one more column of ones sums the weights (R). Then w . q = P0 + 2^8 P1 + 2^16 (P2 - 128 R) exactly (in
+// double: < 2^53), and y = that * scale * 2^-s, rounded once. One product multiplies 16 x 64 weights by 16
+// columns, 16 times vdpbf16ps's products: the weights are read once, at a byte an element, and never converted
+// (the bf16 path, q8_amx_rows, converts each into L1 first, which binds it below the memory's rate). A row's
+// sums are exact integers: its bits do not depend on the other rows, their count, or the order of the steps.
+//
+// Up to 10 rows (3 M + 1 <= 32 columns: 1-2 B tiles a step). Measured on a 2-core Sapphire Rapids VM
+// (2026-12-06), 14336 x 4096: 1 row 1.26-1.33 ms against 1.58-2.05 converting (bf16 weights 2.3), 6 rows 1.39
+// vs 2.10; with 3-4 B tiles a step (11-21 rows) no faster than converting (16 rows 1.7-2.5 vs 2.25-2.4 ms;
+// 5632 x 1024 0.32-0.37 vs 0.32), nor with the planes in three groups of their own (the top one signed,
+// TDPBSSD, no ones), the A tiles double-buffered, or the weights prefetched into L1: a step with one A tile
+// costs ~70-90 ns whether that tile comes from L2 or DRAM (two A tiles a step, as up to 5 rows take, ~90).
+constexpr int64_t kFixedMaxRows = 10;
 constexpr int64_t kFixedMaxK = 65536;    // |P| <= 255 * 128 * K stays below 2^31
 
 // Column (j M + m, plane j of row m; 3 M the ones) of the B tiles, as amx_pack_x's layout in bytes: tile (g,

@@ -565,7 +565,7 @@ void q8_fixed_rows(const Int8Bf16Problem& p, const uint8_t* xb, const int32_t* s
     const int8_t* a = o < full ? p.w + o * K : tail;
     return AmxBlock{reinterpret_cast<const uint16_t*>(a), K, nullptr};
   };
-  alignas(64) double unit[24] = {};  // 2^-shift[m], zeros past M (to a whole 8)
+  alignas(64) double unit[16] = {};  // 2^-shift[m], zeros past M (to a whole 8)
   for (int64_t m = 0; m < p.M; ++m)  // a row of x holding inf or NaN: NaN outputs (the bf16 matmul's are inf or NaN)
     unit[m] = shift[m] == kFixedNonFinite ? std::numeric_limits<double>::quiet_NaN() : std::ldexp(1.0, -shift[m]);
   const __mmask8 last = static_cast<__mmask8>((1u << (p.M % 8 == 0 ? 8 : p.M % 8)) - 1);
@@ -598,10 +598,10 @@ inline bool fixed_ready() {
   return ready;
 }
 
-// Int8Bf16 through q8_fixed_rows where the shape allows (at most fixed_max_rows(K) rows, K a multiple of 64 up
-// to kFixedMaxK); false (nothing written) otherwise.
+// Int8Bf16 through q8_fixed_rows where the shape allows (at most kFixedMaxRows rows, K a multiple of 64 up to
+// kFixedMaxK); false (nothing written) otherwise.
 bool int8_fixed(ffi::ThreadPool& pool, std::shared_ptr<Int8Bf16Problem> p, const uint16_t* x) {
-  if (p->M > fixed_max_rows(p->K) || p->K == 0 || p->K % 64 != 0 || p->K > kFixedMaxK || !fixed_ready()) return false;
+  if (p->M > kFixedMaxRows || p->K == 0 || p->K % 64 != 0 || p->K > kFixedMaxK || !fixed_ready()) return false;
   const int64_t steps = p->K / 64, groups = (3 * p->M + 16) / 16;
   std::shared_ptr<uint8_t[]> xb(new uint8_t[groups * steps * 1024]);
   auto shift = std::make_shared<std::vector<int32_t>>(p->M);
@@ -1325,7 +1325,7 @@ extern "C" int LoraserveQuantRegisterRows() { return 0; }
 #ifdef LORASERVE_AMX_INT8
 extern "C" int LoraserveQuantFixedRows(int64_t K) {
   const bool shape = K > 0 && K % 64 == 0 && K <= kFixedMaxK;
-  return fixed_ready() && shape ? static_cast<int>(fixed_max_rows(K)) : 0;
+  return fixed_ready() && shape ? static_cast<int>(kFixedMaxRows) : 0;
 }
 #else
 extern "C" int LoraserveQuantFixedRows(int64_t) { return 0; }
