@@ -619,7 +619,8 @@ bool int8_fixed(ffi::ThreadPool& pool, std::shared_ptr<Int8Bf16Problem> p, const
 // (the bench model's int8 decode step at one row: 6.0 ms in registers, 8.2 on the tiles; the bf16 model's on
 // the tiles: 8.0-9.3; int8, a 5632 x 1024 matrix at 1, 2, 3 rows in registers 0.22, 0.28, 0.34 ms, on the
 // tiles 0.31 at any; int4 about even at 2). A row's bits are the same in every batch of 1-2 rows and in every
-// batch of 3-64, not across the two: the tiles sum in another order (docs/kernels.md).
+// batch of 3-64, not across the two: the tiles sum in another order (docs/kernels.md). int8 with AMX-INT8 takes
+// neither for 1-10 rows where K allows (int8_fixed, first).
 constexpr int64_t kQuantRegisterRows = 2;
 
 ffi::Error Int8Bf16(ffi::ThreadPool& pool, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,

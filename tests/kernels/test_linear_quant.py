@@ -257,7 +257,8 @@ from loraserve.kernels import cpu
 from test_linear import SHAPES, _check
 from test_linear_quant import check_all
 worst_bf16 = max(_check(*s) for s in SHAPES)
-out = {{"bf16_dot": cpu.bf16_dot(), "amx": cpu.amx(), "worst": check_all(), "worst_bf16": worst_bf16}}
+out = {{"bf16_dot": cpu.bf16_dot(), "amx": cpu.amx(), "fixed_rows": cpu.quant_fixed_rows(64), "worst": check_all(),
+       "worst_bf16": worst_bf16}}
 print(json.dumps(out))
 """
 
@@ -278,16 +279,22 @@ def test_the_avx2_build(tmp_path: Path) -> None:
     assert [p.name[:9] for p in tmp_path.iterdir()] == ["lora_cpu-"]
 
 
-def test_the_avx512_paths_on_an_amx_cpu() -> None:
+@pytest.mark.parametrize("switch", ["LORASERVE_KERNEL_AMX", "LORASERVE_KERNEL_AMX_INT8"])
+def test_the_other_paths_on_an_amx_cpu(switch: str) -> None:
     """Where the kernels multiply on AMX tiles (kernels/csrc/amx.h), every case above, and linear_bf16's, once
     more with the tiles switched off (``LORASERVE_KERNEL_AMX=0``, read when the library first asks for them):
-    the AVX-512 BF16 paths that CPUs without AMX run, from the same build, in one child process."""
+    the AVX-512 BF16 paths that CPUs without AMX run, from the same build, in one child process; and with only
+    int8's fixed-point path off (``LORASERVE_KERNEL_AMX_INT8=0``): 1-2 rows in registers, 3-10 on the bf16 tiles,
+    as on AMX CPUs without AMX-INT8."""
     if not cpu.amx():
         pytest.skip("no AMX tiles in use here (none, or Linux refused them): the tests above ran the rest")
-    env = {**os.environ, "LORASERVE_KERNEL_AMX": "0"}
+    if switch.endswith("INT8") and not cpu.quant_fixed_rows(64):
+        pytest.skip("no fixed-point int8 path here: the tests above ran the others")
+    env = {**os.environ, switch: "0"}
     code = _CHILD.format(tests=str(Path(__file__).parent))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["bf16_dot"] is True and out["amx"] is False
+    assert out["bf16_dot"] is True and out["amx"] is (switch != "LORASERVE_KERNEL_AMX")
+    assert out["fixed_rows"] == 0
     assert out["worst"] < 2e-5 and out["worst_bf16"] < 1e-5
