@@ -29,7 +29,8 @@ for one projection (N = K = 4096; ``--shape 8b`` N = 14336, K = 4096; ``--shape 
 bf16 rows it times ``linear_bf16`` (bf16 w), ``linear_int8`` (int8 w, a scale per row) and ``linear_int4``
 (packed int4 w, a scale per 128 inputs) under ``jax.jit``: median ms, the weights' bytes (scales included)
 per second, and ``speedup_int8`` / ``speedup_int4`` = bf16 ms ÷ quantized ms. Its last line is one JSON
-object too (``"bench": "kernels_quant"``); ``LORASERVE_KERNEL_MARCH`` picks the build (e.g. ``x86-64-v3``).
+object too (``"bench": "kernels_quant"``); ``LORASERVE_KERNEL_MARCH`` picks the build (e.g. ``x86-64-v3``),
+``LORASERVE_KERNEL_AMX_INT8=0`` turns off int8's fixed-point path on AMX-INT8 CPUs (to measure what it replaces).
 """
 
 from __future__ import annotations
@@ -174,7 +175,8 @@ def bench_quant(shape: str) -> dict:
     march = os.environ.get("LORASERVE_KERNEL_MARCH") or "native"
     print(
         f"kernels bench --quant: N={N} K={K} int4 group={group}, bf16 x, build -march={march} "
-        f"(bf16 dot products: {cpu.bf16_dot()}, AMX tiles: {cpu.amx()}), {os.cpu_count()} CPUs, "
+        f"(bf16 dot products: {cpu.bf16_dot()}, AMX tiles: {cpu.amx()}, int8 fixed-point rows: "
+        f"{cpu.quant_fixed_rows(K)}), {os.cpu_count()} CPUs, "
         f"jax {jax.__version__}"
     )
     print("speedup = bf16 ms / quantized ms; GB/s = the weights' bytes (scales included) / time")
@@ -205,6 +207,7 @@ def bench_quant(shape: str) -> dict:
             "march": march,
             "bf16_dot": cpu.bf16_dot(),
             "amx": cpu.amx(),
+            "int8_fixed_rows": cpu.quant_fixed_rows(K),  # rows up to which int8 skips converting (AMX-INT8)
             "weight_bytes": weight_bytes,
         },
         "platform": {"backend": jax.default_backend(), "cpus": os.cpu_count(), "machine": platform.machine()},
