@@ -106,11 +106,6 @@ struct AmxA {
   AmxBlock block[R];
 };
 
-// R row blocks x G groups of x, steps [c0, c1) of the `steps` steps of 32 (A's pointers at step c0): the C
-// tiles zeroed first when `zero` (else loaded from out when `load`), and stored to out [R * 16][G * 16] (f32, row-major, 16 G floats a row)
-// after step c1 - 1 when `store`; in between they stay in the tiles (amx_rows: zeroed at step 0, stored
-// after the last; an int4 group's steps: both). Tiles (an AMX instruction's tile numbers are immediates): C
-// in 0 .. 3 (row block r, or group g), A in 4 and 5, B in 6 and 7, alternating.
 // One tile product C += A . B: bf16 pairs to f32 (TDPBF16PS) or, I8, signed int8 weights times unsigned bytes
 // to int32 (TDPBSUD; amx_pack_fixed's planes). A macro: the intrinsics take the tile numbers as literals.
 #ifdef LORASERVE_AMX_INT8
@@ -141,25 +136,21 @@ struct AmxA {
     LORASERVE_AMX_DP(I8, 3, AT, 7);             \
   }
 
+// R row blocks x G groups of x, steps [c0, c1) of the `steps` steps of 32 (A's pointers at step c0): the C
+// tiles zeroed first when `zero`, and stored to out [R * 16][G * 16] (f32, or int32 for I8; row-major, 16 G
+// a row) after step c1 - 1 when `store`; in between they stay in the tiles (amx_rows: zeroed at step 0, stored
+// after the last; an int4 group's steps: both). Tiles (an AMX instruction's tile numbers are immediates): C
+// in 0 .. 3 (row block r, or group g), A in 4 and 5 (two blocks; one block: alternating by step), B in 6 and
+// 7, alternating. I8: int8 weights against amx_pack_fixed's bytes (a step is 64 elements of K, 64 bytes too).
 template <int R, int G, bool I8 = false>
 void amx_tiles(const AmxA<R>& A, const uint16_t* xb, int64_t steps, int64_t c0, int64_t c1, float* out, bool zero,
-               bool store, bool load = false) {
+               bool store) {
   static_assert(G >= 1 && G <= 4 && (G == 1 ? R >= 1 && R <= 2 : R == 1));
   if (zero) {
     _tile_zero(0);
     if constexpr (R * G > 1) _tile_zero(1);
     if constexpr (G > 2) _tile_zero(2);
     if constexpr (G > 3) _tile_zero(3);
-  } else if (load) {  // the sums so far, where an earlier call stored them (out's layout below)
-    if constexpr (G == 1) {
-      _tile_loadd(0, out, 64);
-      if constexpr (R > 1) _tile_loadd(1, out + 256, 64);
-    } else {
-      _tile_loadd(0, out, 64 * G);
-      _tile_loadd(1, out + 16, 64 * G);
-      if constexpr (G > 2) _tile_loadd(2, out + 32, 64 * G);
-      if constexpr (G > 3) _tile_loadd(3, out + 48, 64 * G);
-    }
   }
   const bool tail = A.block[0].tail != nullptr && c1 == steps;  // the same K for every block
   auto step = [&](const uint16_t* const a[R], int64_t stride, int64_t c) {
@@ -173,7 +164,8 @@ void amx_tiles(const AmxA<R>& A, const uint16_t* xb, int64_t steps, int64_t c0, 
         LORASERVE_AMX_DP(I8, 1, 5, 6);
       }
     } else if (c % 2 == 0) {  // A in tile 4 on even steps, 5 on odd ones: the next step's weights load while
-      LORASERVE_AMX_GROUPS(4);  // this step's products still read its tile (no renaming of tiles)
+      LORASERVE_AMX_GROUPS(4);  // this step's products still read its tile (int8 fixed point, 6 rows, 14336 x
+                                // 4096: 1.55 -> 1.39 ms)
     } else {
       LORASERVE_AMX_GROUPS(5);
     }
@@ -258,8 +250,9 @@ void amx_rows(int64_t o0, int64_t rows, int64_t M, const uint16_t* xb, int64_t s
 // (2026-12-06), 14336 x 4096: 1 row 1.26-1.33 ms against 1.58-2.05 converting (bf16 weights 2.3), 6 rows 1.39
 // vs 2.10; with 3-4 B tiles a step (11-21 rows) no faster than converting (16 rows 1.7-2.5 vs 2.25-2.4 ms;
 // 5632 x 1024 0.32-0.37 vs 0.32), nor with the planes in three groups of their own (the top one signed,
-// TDPBSSD, no ones), the A tiles double-buffered, or the weights prefetched into L1: a step with one A tile
-// costs ~70-90 ns whether that tile comes from L2 or DRAM (two A tiles a step, as up to 5 rows take, ~90).
+// TDPBSSD, no ones), the A tiles double-buffered, the weights prefetched into L1, or copied 8-16 steps at a time
+// into L1 first (slower at every row count: 1 row 1.5-1.7 ms): a step with one A tile costs ~70-90 ns whether
+// that tile comes from L2 or DRAM (two A tiles a step, as up to 5 rows take, ~90).
 constexpr int64_t kFixedMaxRows = 10;
 constexpr int64_t kFixedMaxK = 65536;    // |P| <= 255 * 128 * K stays below 2^31
 

@@ -566,8 +566,8 @@ void q8_fixed_rows(const Int8Bf16Problem& p, const uint8_t* xb, const int32_t* s
     return AmxBlock{reinterpret_cast<const uint16_t*>(a), K, nullptr};
   };
   alignas(64) double unit[16] = {};  // 2^-shift[m], zeros past M (to a whole 8)
-  for (int64_t m = 0; m < p.M; ++m)  // a row of x holding inf or NaN: NaN outputs (the bf16 matmul's are inf or NaN)
-    unit[m] = shift[m] == kFixedNonFinite ? std::numeric_limits<double>::quiet_NaN() : std::ldexp(1.0, -shift[m]);
+  for (int64_t m = 0; m < p.M; ++m)  // a row of x holding inf or NaN: NaN outputs (bf16's would be inf or NaN)
+    unit[m] = shift[m] == kFixedNonFinite ? std::nan("") : std::ldexp(1.0, -shift[m]);
   const __mmask8 last = static_cast<__mmask8>((1u << (p.M % 8 == 0 ? 8 : p.M % 8)) - 1);
   auto emit = [&](int64_t o, const float* out, int64_t ld) {  // 8 rows of x at a time, in double
     for (int64_t i = 0; i < std::min<int64_t>(16, hi - o); ++i) {
@@ -577,7 +577,9 @@ void q8_fixed_rows(const Int8Bf16Problem& p, const uint8_t* xb, const int32_t* s
       float* y = p.y + (o + i) * p.M;
       for (int64_t m = 0; m < p.M; m += 8) {
         const __mmask8 k = m + 8 <= p.M ? __mmask8(0xFF) : last;
-        auto plane = [&](int j) { return _mm512_cvtepi32_pd(_mm256_loadu_si256((const __m256i*)(c + j * p.M + m))); };
+        auto plane = [&](int j) {
+          return _mm512_cvtepi32_pd(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + j * p.M + m)));
+        };
         __m512d sum = _mm512_fmadd_pd(_mm512_add_pd(plane(2), r), _mm512_set1_pd(65536.0),  // exact: < 2^53
                                       _mm512_fmadd_pd(plane(1), _mm512_set1_pd(256.0), plane(0)));
         sum = _mm512_mul_pd(_mm512_mul_pd(sum, scale), _mm512_load_pd(unit + m));
