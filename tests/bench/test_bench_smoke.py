@@ -103,6 +103,29 @@ def test_kernels_bench_prints_its_json_last() -> None:
 
 
 @pytest.mark.slow
+def test_kernels_bench_quant_prints_its_json_last() -> None:
+    """``--quant``: the base-weight kernels at 1 and 16 rows, each precision's time, rate and speed-up, and which
+    paths this CPU takes (the int8 fixed-point rows are what ``kernels.cpu`` reports here)."""
+    from loraserve.kernels import cpu
+
+    result = _last_json(["bench/kernels.py", "--quant", "--shape", "tiny"])
+    assert result["bench"] == "kernels_quant"
+    config = result["config"]
+    assert (config["N"], config["K"], config["group"]) == (128, 128, 128)
+    assert config["int8_fixed_rows"] == cpu.quant_fixed_rows(128) and config["amx"] == cpu.amx()
+    assert config["weight_bytes"] == {
+        "bf16": 128 * 128 * 2,
+        "int8": 128 * 128 + 128 * 4,
+        "int4": 128 * 64 + 128 * 4,
+    }
+    assert [row["M"] for row in result["rows"]] == [1, 16]
+    for row in result["rows"]:
+        assert all(row[f"{n}_ms"] > 0 and row[f"{n}_gb_s"] > 0 for n in ("bf16", "int8", "int4"))
+        # the ms are rounded to 0.1 us: at this tiny shape that moves the ratio by up to ~1 %
+        assert row["speedup_int8"] == pytest.approx(row["bf16_ms"] / row["int8_ms"], rel=2e-2)
+
+
+@pytest.mark.slow
 def test_kv_bench_tiny_prints_its_json_last() -> None:
     result = _last_json(["bench/kv.py", "--tiny"])
     assert result["bench"] == "kv"
