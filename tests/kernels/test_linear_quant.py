@@ -145,6 +145,18 @@ needs_fixed = pytest.mark.skipif(
 )
 
 
+def test_the_fixed_point_path_is_on_exactly_where_the_cpu_has_it() -> None:
+    """The fixed-point tests below skip where there is no such path: here, that it is there on every CPU with
+    AMX-INT8 tiles in use (a native build, not switched off), so the skips cannot hide a path gone missing,
+    and that it takes only the shapes it can (K a positive multiple of 64 up to 65 536)."""
+    flags = cpu._cpu_flags().split()
+    native = os.environ.get("LORASERVE_KERNEL_MARCH", "native") == "native"
+    switched_off = os.environ.get("LORASERVE_KERNEL_AMX_INT8", "").startswith("0")
+    expected = 10 if "amx_int8" in flags and cpu.amx() and native and not switched_off else 0
+    assert [cpu.quant_fixed_rows(K) for K in (64, 4096, 65536)] == [expected] * 3
+    assert [cpu.quant_fixed_rows(K) for K in (0, 63, 100, 65600)] == [0] * 4
+
+
 def fixed_point_product(q: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
     """What the fixed-point path defines, exactly: each row of bf16 x rounded (half to even) to multiples of
     2^-s, s = 22 - floor(log2 max|x|), the integer products summed exactly, times scale in double, times 2^-s,
