@@ -179,6 +179,24 @@ class FakeRunner:
             out[i] = next_token(int(tokens[i]), slot, self.vocab_size)
         return _output(out.tolist(), sampling, self.vocab_size)
 
+    chains = True  # async decode: the step runs at once; follow's tokens are this step's (host) inputs
+
+    def decode_start(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        page_tables: np.ndarray,
+        sampling: list[SamplingRow | None],
+        follow: StepOutput | None = None,
+    ) -> StepOutput:
+        return self.decode(
+            tokens if follow is None else follow.tokens, positions, slots, page_tables, sampling
+        )
+
+    def decode_finish(self, handle: StepOutput) -> StepOutput:
+        return handle
+
     # ----------------------------------------------------------------- the simulated cache
     def _content(self, slot: int) -> str:
         return "base" if slot < 0 else self.slot_contents[slot]

@@ -190,6 +190,13 @@ def _to_host(out: Sampled, logprobs: bool, targets: np.ndarray | None = None) ->
     )
 
 
+class _Dispatched(NamedTuple):
+    """A decode step dispatched to the device (``JaxRunner.decode_start``): its draw, still there."""
+
+    out: Sampled
+    logprobs: bool  # some row asked: decode_finish copies the logprob arrays too
+
+
 class JaxRunner:
     """The real device side (``worker.runner.Runner``) over one checkpoint and ``max_loras`` slot pools.
 
@@ -467,16 +474,36 @@ class JaxRunner:
         page_tables: np.ndarray,
         sampling: list[SamplingRow | None],
     ) -> StepOutput:
+        return self.decode_finish(self.decode_start(tokens, positions, slots, page_tables, sampling))
+
+    @property
+    def chains(self) -> bool:
+        """Async decode (``Runner.decode_start``'s ``follow``) in one process; across processes every call
+        sends its host arrays to the followers (worker.multihost), so each step reads its tokens first."""
+        return self.channel is None
+
+    def decode_start(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        page_tables: np.ndarray,
+        sampling: list[SamplingRow | None],
+        follow: _Dispatched | None = None,
+    ) -> _Dispatched:
         needed = int(np.max(positions)) // self.page_size + 1  # pages of the longest row
         width = next(w for w in self.page_buckets if w >= needed)
         out = self.decode_arrays(
-            np.asarray(tokens, np.int32),
+            np.asarray(tokens, np.int32) if follow is None else follow.out.tokens,  # still on the device
             np.asarray(positions, np.int32),
             np.asarray(slots, np.int32),
             np.array(page_tables[:, :width], np.int32),  # a copy: the caller rewrites its tables next step
             _sampling_arrays(sampling, list(range(len(sampling))), self.vocab_size),
         )
-        return _to_host(out, any(r is not None and r.logprobs for r in sampling))
+        return _Dispatched(out, any(r is not None and r.logprobs for r in sampling))
+
+    def decode_finish(self, handle: _Dispatched) -> StepOutput:
+        return _to_host(handle.out, handle.logprobs)
 
     def decode_arrays(
         self,

@@ -248,9 +248,10 @@ class SamplingRow:
     mask: np.ndarray | None = None  # [ceil(V / 32)] int32: the tokens its grammar allows (structured outputs)
 
     @classmethod
-    def of(cls, req: EngineRequest, drawn: bool = True) -> SamplingRow:
+    def of(cls, req: EngineRequest, drawn: bool = True, ahead: int = 0) -> SamplingRow:
         """``req``'s row; ``drawn`` False for a prefill chunk whose sample is dropped (not its prompt's
-        last): no grammar mask is computed for it."""
+        last): no grammar mask is computed for it. ``ahead``: tokens drawn for it that are not yet in
+        ``req.generated`` (async decode: the step before, still on the device)."""
         s = req.sampling
         top_k = min(
             s.top_k, INT32_MAX
@@ -260,7 +261,7 @@ class SamplingRow:
             top_k,
             s.top_p,
             req.seed,
-            len(req.generated),
+            len(req.generated) + ahead,
             s.logprobs is not None,
             s.presence_penalty,
             s.frequency_penalty,

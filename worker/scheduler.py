@@ -90,6 +90,16 @@ class Row:
     prefilled: int | None = None  # tokens computed while the prompt is chunked; None once it decodes
 
 
+@dataclass(frozen=True)
+class _InFlight:
+    """A decode step dispatched and not yet read (async decode, ``EngineConfig.async_decode``): the runner's
+    handle, the rows it computes (index, row) and the positions it writes."""
+
+    handle: object
+    rows: list[tuple[int, Row]]
+    positions: np.ndarray
+
+
 @dataclass
 class _Prefill:
     """One step's packed prefill as it is planned: the runner's inputs, whose rows they are, whether each
@@ -172,9 +182,14 @@ class Scheduler:
         self.tables = np.zeros((config.max_batch_size, config.pages_per_row), np.int32)
         self._admissions = 0
         self.steps = self.tokens_out = self.requests_done = self.preemptions = 0
+        self.chained = 0  # decode steps dispatched before the step in flight was read (async decode)
         self.outbox: list[Callable[[], None]] = []  # events, delivered by flush() after the snapshot
         self._queued = 0  # accepted, not yet in a row nor ended (guarded by _lock: accept runs anywhere)
         self._lock = threading.Lock()
+        # async decode: the next step is dispatched before this one's tokens are read, while the batch runs
+        # unchanged (_may_chain); anything else reads the step in flight first (_settle)
+        self._async = config.async_decode and getattr(runner, "chains", False)
+        self._inflight: _InFlight | None = None
 
     # ----------------------------------------------------------------- any thread
     def accept(self, req: EngineRequest) -> Submit:
@@ -204,6 +219,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- engine thread
     def handle(self, command: Submit | Cancel | Load | Unload | Prepared) -> None:
+        self._settle()  # a command may change the rows: the step in flight is read first
         match command:
             case Submit(req):
                 self._submit(req)
@@ -216,12 +232,17 @@ class Scheduler:
 
     def step(self) -> bool:
         """One round; returns whether a prefill or a decode step ran (False = idle)."""
+        if self._inflight is not None and (
+            self.ready or self.waiting or self._prefilling() or self._expiring()
+        ):
+            self._settle()
         self._apply(self.residency.place_pending())
         self._expire()
         prefilled = self._admit()
         return self._decode() or prefilled
 
     def fail_running(self, event: Failed) -> None:
+        self._inflight = None  # its step failed with the rest: nothing to read
         for i in range(len(self.rows)):
             self._finish(i, event)
 
@@ -333,6 +354,10 @@ class Scheduler:
     def _dequeued(self) -> None:
         with self._lock:
             self._queued -= 1
+
+    def _expiring(self) -> bool:
+        now = self.clock()
+        return any(row.req.deadline is not None and row.req.deadline <= now for _, row in self._running())
 
     def _expire(self) -> None:
         now = self.clock()
@@ -533,11 +558,16 @@ class Scheduler:
         self.preemptions += 1
 
     def _decode(self) -> bool:
-        """One decode step for every row past its prefill; returns whether one ran."""
-        self._grow()
+        """One decode step for every row past its prefill; returns whether one ran. With async decode the step
+        stays in flight and the one before it (if any) is read after this one is dispatched."""
+        chained = self._inflight is not None and self._may_chain()
+        if not chained:
+            self._settle()
+            self._grow()
         decoding = [(i, row) for i, row in self._running() if row.prefilled is None]
         if not decoding:
             return False
+        ahead = 1 if chained else 0  # the token the step in flight draws, not yet in generated
         b = self.config.max_batch_size
         tokens, positions, slots = np.zeros(b, np.int32), np.zeros(b, np.int32), np.full(b, -1, np.int32)
         sampling: list[SamplingRow | None] = [None] * b
@@ -547,18 +577,64 @@ class Scheduler:
             rows = [i for i, _ in decoding]
             tables[rows] = self.tables[rows]
         for i, row in decoding:
-            tokens[i] = row.req.generated[-1]
-            positions[i] = self._position(row.req)
+            tokens[i] = row.req.generated[-1]  # (chained: the step in flight's draw replaces it)
+            positions[i] = self._position(row.req) + ahead
             slots[i] = row.req.slot
-            sampling[i] = SamplingRow.of(row.req)
-        out = self.runner.decode(tokens, positions, slots, tables, sampling)
+            sampling[i] = SamplingRow.of(row.req, ahead=ahead)
+        before = self._inflight
+        follow = before.handle if chained and before is not None else None
+        handle = self.runner.decode_start(tokens, positions, slots, tables, sampling, follow)
         self.steps += 1
-        for i, row in decoding:
-            filled = int(positions[i]) + 1
+        self.chained += chained
+        self._inflight = _InFlight(handle, decoding, positions)
+        if before is not None:  # chained: its tokens are read while this step runs
+            self._read(before)
+        if not self._async:
+            self._settle()
+        return True
+
+    def _may_chain(self) -> bool:
+        """Whether the next step can be dispatched before the step in flight is read: async decode, the same
+        rows still decoding and none prefilling, no structured output (its mask needs the last token), no row
+        whose step in flight is its last by length, and every row's page for the position after it at hand
+        (no preemption)."""
+        assert self._inflight is not None
+        rows, running = self._inflight.rows, self._running()
+        if not self._async or len(running) != len(rows):
+            return False
+        for (i, row), (j, now) in zip(rows, running, strict=True):
+            req = row.req
+            if (
+                i != j
+                or now is not row
+                or req.grammar is not None
+                or len(req.generated) + 1 >= req.max_new_tokens
+            ):
+                return False
+        for i, row in rows:
+            grown = self.kv.grow(row.pages, self._position(row.req) + 2)
+            self._sync_table(i)
+            if not grown:
+                return False
+        return True
+
+    def _settle(self) -> None:
+        """Read the step in flight, if any."""
+        before, self._inflight = self._inflight, None
+        if before is not None:
+            self._read(before)
+
+    def _read(self, step: _InFlight) -> None:
+        """A dispatched step's tokens, to the rows it computed that still hold the same request (one that
+        ended or was preempted while its step ran drops the token)."""
+        out = self.runner.decode_finish(step.handle)
+        for i, row in step.rows:
+            if self.rows[i] is not row:
+                continue
+            filled = int(step.positions[i]) + 1
             if filled % self.kv.page_size == 0:  # this step filled a page: cache it
                 self.kv.register(row.pages, row.req.prompt + row.req.generated, filled)
             self._accept_token(i, out, i)
-        return True
 
     def _accept_token(self, row: int, out: StepOutput, i: int) -> None:
         """Row ``row``'s request takes the token of ``out``'s row ``i`` (and its logprobs if it asked)."""

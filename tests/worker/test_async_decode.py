@@ -1,0 +1,146 @@
+"""Async decode (``--async-decode``, ``EngineConfig.async_decode``): each decode step is dispatched before the
+step before it is read, its tokens taken from that step's output where it lies. A request's events must be
+exactly those of the synchronous scheduler, whatever happens to the batch meanwhile: requests ending by
+length, EOS and stop tokens, cancels and deadlines, preemption for pages, structured output, adapters, and
+newcomers joining. Over the FakeRunner (exact tokens, its simulated cache checks every read) and over the
+real JAX runner (greedy and seeded tokens, no compilation after warm-up)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from loraserve.worker.config import EngineConfig
+from loraserve.worker.scheduler import Cancel
+from tests.worker.fake_engine import Harness, source_of
+
+CFG = EngineConfig(max_batch_size=3, max_seq_len=32, max_loras=2, max_lora_rank=4, max_cpu_loras=2)
+
+
+def _harness(config: EngineConfig, on: bool) -> Harness:
+    return Harness(dataclasses.replace(config, async_decode=on), source_of("a", "b", "c"))
+
+
+def _script(h: Harness) -> list:
+    """A batch that changes under the steps: lengths, EOS, a stop token, adapters, a cancel, a deadline and
+    newcomers arriving mid-stream. Returns the collectors (in submission order)."""
+    out = [
+        h.submit(max_tokens=9),
+        h.submit("a", max_tokens=12),
+        h.submit(prompt=(44,), max_tokens=10),  # 45 .. 49 = EOS of TINY: ends by EOS
+    ]
+    h.step(4)
+    out.append(h.submit("b", prompt=(3, 5), max_tokens=7, stop_token_ids=(17,)))  # 8, 11, 14, 17: a stop
+    h.step(3)
+    victim = h.submit("a", prompt=(9,), max_tokens=20)
+    out.append(victim)
+    h.step(2)
+    h.post(Cancel(victim.request_id))
+    late = h.submit(prompt=(2, 3, 4), max_tokens=6, deadline=h.now + 5)
+    out.append(late)
+    h.step(2)
+    h.now += 10  # its deadline passes mid-stream
+    out.append(h.submit("c", max_tokens=8))
+    h.run(*out)
+    return out
+
+
+def _preempting(h: Harness) -> list:
+    """Two rows that outgrow a 5-page pool: the newest is preempted, then resumes (test_scheduler's case)."""
+    out = [h.submit(prompt=(1, 2, 3), max_tokens=12), h.submit("a", prompt=(10, 11, 12), max_tokens=12)]
+    h.run(*out)
+    return out
+
+
+PAGED = EngineConfig(max_batch_size=2, max_seq_len=16, max_loras=2, max_lora_rank=4, kv_page_size=4, kv_pages=6)
+
+
+@pytest.mark.parametrize(
+    ("config", "script"),
+    [(CFG, _script), (dataclasses.replace(CFG, max_batch_size=1), _script), (PAGED, _preempting)],
+    ids=["3 rows", "1 row", "preemption"],
+)
+def test_the_same_events_as_one_step_at_a_time(config: EngineConfig, script) -> None:
+    sync, chained = _harness(config, False), _harness(config, True)
+    want, got = script(sync), script(chained)
+    assert [c.events for c in got] == [c.events for c in want]
+    assert chained.scheduler.chained > 0 and sync.scheduler.chained == 0
+    for h in (sync, chained):  # every page back: none leaked by a step whose row ended while it ran
+        assert h.scheduler.kv.used == 0
+    assert chained.scheduler.snapshot().requests_done == sync.scheduler.snapshot().requests_done
+    if script is _preempting:  # the case it is there for, both ways
+        assert sync.scheduler.preemptions > 0 and chained.scheduler.preemptions > 0
+
+
+def test_a_step_in_flight_is_read_before_a_command_and_when_the_batch_empties() -> None:
+    h = _harness(CFG, True)
+    a = h.submit(max_tokens=6)
+    h.step(3)  # prefill (+ first decode dispatched), then chained steps
+    assert h.scheduler._inflight is not None
+    seen = list(a.tokens)
+    h.post(Cancel("nobody"))  # any command reads the step in flight first
+    h.step()
+    assert len(a.tokens) >= len(seen) + 1
+    h.run(a)
+    assert a.tokens == [6, 7, 8, 9, 10, 11] and a.end.reason == "length"
+    h.step(2)
+    assert h.scheduler._inflight is None  # nothing left in flight once the batch is empty
+
+
+def test_no_chaining_for_structured_output_or_a_last_step() -> None:
+    """A row under a grammar needs its last token for the next mask; a row whose step in flight is its last by
+    length needs no next step: the scheduler reads first there."""
+    h = _harness(CFG, True)
+    one = h.submit(max_tokens=1)  # its first token (the prefill's) is its last: no decode step at all
+    two = h.submit(max_tokens=2)
+    h.run(one, two)
+    assert h.scheduler.chained == 0 and two.tokens == [6, 7]
+
+
+def test_the_flag_and_its_environment_twin() -> None:
+    import argparse
+
+    from loraserve.common.config import config_from_args
+    from loraserve.worker.cli import add_arguments
+    from loraserve.worker.config import ENV_PREFIX, WorkerConfig
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flag = config_from_args(WorkerConfig, ENV_PREFIX, parser.parse_args(["--async-decode", "true"]))
+    assert flag.engine_config().async_decode is True
+    assert (
+        WorkerConfig.from_env({"LORASERVE_WORKER_ASYNC_DECODE": "true"}).engine_config().async_decode is True
+    )
+    assert WorkerConfig.from_env({}).async_decode is False
+
+
+def test_real_runner_same_tokens_and_no_compilation(llama_dir, adapter_dirs) -> None:
+    """The JAX runner: a step's tokens read from the device output of the step before, greedy and seeded
+    rows, adapters and the base in one batch, requests of different lengths: the tokens of the synchronous
+    engine, and no compilation after warm-up."""
+    from loraserve.kernels.testing import count_compilations
+    from tests.engines import started_engine
+    from tests.worker.test_engine import submit, wait
+
+    plans = [
+        ("", [5, 17, 33], dict(max_tokens=12)),
+        ("all-r4", [9, 8, 7, 6], dict(max_tokens=7)),
+        ("qv-r8-rslora", [100, 7], dict(max_tokens=10, temperature=0.8, seed=5)),
+        ("all-r4", [3], dict(max_tokens=15, top_p=0.9, temperature=1.0, seed=9)),
+    ]
+
+    def run(on: bool) -> tuple[list[list[int]], int, int]:
+        config = EngineConfig(
+            max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16, async_decode=on
+        )
+        with started_engine(llama_dir, config, adapter_dirs) as engine:
+            with count_compilations() as count:
+                collectors = [submit(engine, a, p, ignore_eos=True, **kw) for a, p, kw in plans]
+                wait(*collectors)
+            return [c.tokens for c in collectors], count.compilations, engine.scheduler.chained
+
+    (want, _, none), (got, compiled, chained) = run(False), run(True)
+    assert got == want and none == 0 and chained > 0
+    assert compiled == 0
+    assert [len(t) for t in got] == [12, 7, 10, 15]
