@@ -356,6 +356,9 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
     max_seq_len: int | Literal["auto"] = _auto("max_seq_len")
     dtype: Literal["auto", "float32", "bfloat16"] = _auto("dtype")
     prefill_chunk: int = _engine_field("prefill_chunk", WORKER_PREFILL_CHUNK)
+    # on in the worker process (its decode step's host dispatch hidden behind the device; EngineConfig, built in
+    # code by tests and benchmarks, keeps one step at a time, whose step counts the scheduler tests assert)
+    async_decode: bool = _engine_field("async_decode", True)
     model: str = opt("", "Hugging Face checkpoint folder or fsspec URL (config.json + *.safetensors)", MODEL)
     model_id: str = opt("", "model id reported to clients and the registry (empty: the model path)", MODEL)
     quantization: Literal["none", "int8", "int4"] = opt(

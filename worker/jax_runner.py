@@ -334,7 +334,7 @@ class JaxRunner:
             for plan in self.backend.warmup_plans(b, self.config.max_loras):
                 out, self.cache = self._steps.decode(
                     **self.state().fields(),
-                    batch=DecodeBatch(zeros, zeros, tables, plan),
+                    batch=DecodeBatch(self._decode_tokens(zeros), zeros, tables, plan),
                     sampling=SamplingArrays.empty(b, self.vocab_size),
                 )
                 self.history = out.history
@@ -494,7 +494,7 @@ class JaxRunner:
         needed = int(np.max(positions)) // self.page_size + 1  # pages of the longest row
         width = next(w for w in self.page_buckets if w >= needed)
         out = self.decode_arrays(
-            np.asarray(tokens, np.int32) if follow is None else follow.out.tokens,  # still on the device
+            self._decode_tokens(np.asarray(tokens, np.int32)) if follow is None else follow.out.tokens,
             np.asarray(positions, np.int32),
             np.asarray(slots, np.int32),
             np.array(page_tables[:, :width], np.int32),  # a copy: the caller rewrites its tables next step
@@ -504,6 +504,14 @@ class JaxRunner:
 
     def decode_finish(self, handle: _Dispatched) -> StepOutput:
         return _to_host(handle.out, handle.logprobs)
+
+    def _decode_tokens(self, tokens: np.ndarray) -> Any:
+        """A decode step's tokens as the step before's draw lies (async decode passes that on as is): on a
+        mesh, replicated over it (the steps' pinned output sharding), so both are one compiled signature;
+        across processes (no async decode there) host arrays, as every process replays them."""
+        if self.mesh is None or self.multiprocess:
+            return tokens
+        return jax.device_put(tokens, NamedSharding(self.mesh, P()))
 
     def decode_arrays(
         self,

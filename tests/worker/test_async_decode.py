@@ -53,7 +53,9 @@ def _preempting(h: Harness) -> list:
     return out
 
 
-PAGED = EngineConfig(max_batch_size=2, max_seq_len=16, max_loras=2, max_lora_rank=4, kv_page_size=4, kv_pages=6)
+PAGED = EngineConfig(
+    max_batch_size=2, max_seq_len=16, max_loras=2, max_lora_rank=4, kv_page_size=4, kv_pages=6
+)
 
 
 @pytest.mark.parametrize(
@@ -107,12 +109,14 @@ def test_the_flag_and_its_environment_twin() -> None:
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    flag = config_from_args(WorkerConfig, ENV_PREFIX, parser.parse_args(["--async-decode", "true"]))
-    assert flag.engine_config().async_decode is True
+    flag = config_from_args(WorkerConfig, ENV_PREFIX, parser.parse_args(["--async-decode", "false"]))
+    assert flag.engine_config().async_decode is False
     assert (
         WorkerConfig.from_env({"LORASERVE_WORKER_ASYNC_DECODE": "true"}).engine_config().async_decode is True
     )
-    assert WorkerConfig.from_env({}).async_decode is False
+    assert WorkerConfig.from_env({}).engine_config().async_decode is True  # on in the worker process
+    assert WorkerConfig.from_env({"LORASERVE_WORKER_ASYNC_DECODE": "false"}).engine_config().async_decode is False
+    assert EngineConfig().async_decode is False  # one step at a time where built in code
 
 
 def test_real_runner_same_tokens_and_no_compilation(llama_dir, adapter_dirs) -> None:
@@ -144,3 +148,50 @@ def test_real_runner_same_tokens_and_no_compilation(llama_dir, adapter_dirs) -> 
     assert got == want and none == 0 and chained > 0
     assert compiled == 0
     assert [len(t) for t in got] == [12, 7, 10, 15]
+
+
+_TP_CHILD = """
+import json, sys
+from loraserve.kernels.testing import count_compilations
+from loraserve.worker.config import EngineConfig
+from tests.engines import started_engine
+from tests.worker.test_engine import submit, wait
+
+def run(on):
+    config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=8, tensor_parallel_size=2,
+                          kernel_backend="cpu", async_decode=on)
+    with started_engine(sys.argv[1], config) as engine:
+        with count_compilations() as count:
+            rows = [submit(engine, "", [5, 6, 7 + i], max_tokens=9 + i, ignore_eos=True,
+                           temperature=0.7 if i % 2 else 0.0, seed=i) for i in range(4)]
+            wait(*rows)
+        return [r.tokens for r in rows], count.compilations + count.backend_compiles, engine.scheduler.chained
+
+print(json.dumps([run(False), run(True)]))
+"""
+
+
+def test_tensor_parallel_same_tokens_and_no_compilation(tmp_path) -> None:
+    """On a mesh (TP = 2 over two forced CPU devices) the step before's draw is replicated over it, as the
+    steps pin their output: a chained step is the same compiled program, and the tokens are the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from loraserve.testing import save_model
+    from tests.conftest import with_test_xla_flags
+
+    model = save_model(tmp_path / "llama", "llama", seed=3, num_attention_heads=4, num_key_value_heads=2)
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+    env = with_test_xla_flags({"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"})
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", _TP_CHILD, str(model)],
+        cwd=root, env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (want, _, none), (got, compiled, chained) = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == want and [len(t) for t in got] == [9, 10, 11, 12]
+    assert (none, compiled) == (0, 0) and chained > 0
