@@ -14,6 +14,8 @@ Prints human-readable lines, then ONE JSON object as the last line.
     python bench/decode.py --shape moe --engines default   # a mixture of experts, expert adapters (#33)
     python bench/decode.py --shape 8b-slice --dtype bfloat16 --batch 1 --engines default \
         --quantization int8_head,int4_head --skip-hf   # a quantized base at 8B widths, 4 layers (#34)
+    python bench/decode.py --dtype bfloat16 --batch 1,16 --engines default,async --skip-hf --no-extra \
+        --no-json   # async decode (as `loraserve worker` runs) against one step at a time
 
 On an accelerator (``bench/device.sh`` runs this): ``--shape 8b --dtype bfloat16`` builds an 8B-shaped
 random Llama (hidden 4096, 32 layers, intermediate 14336, 32/8 heads, vocab 128256) in bf16 on the
@@ -362,14 +364,16 @@ def _report(name: str, r: dict[str, float]) -> None:
     )
 
 
-# Engine configurations run in the same script: (kernel_backend, lora_dtype, linear_backend) and the suffix
-# of their keys. _xla_linear: the default with XLA's dot for every base projection (kernels.linear), the
-# peer of a bf16 model's C++ decode projections (not in the default --engines).
+# Engine configurations run in the same script: (kernel_backend, lora_dtype, linear_backend, async_decode) and
+# the suffix of their keys. _xla_linear: the default with XLA's dot for every base projection (kernels.linear),
+# the peer of a bf16 model's C++ decode projections; _async: the default with async decode, as `loraserve
+# worker` runs (each step dispatched before the last one's tokens are read); neither in the default --engines.
 ENGINES = {
-    "": ("auto", "", "auto"),
-    "_bf16_pools": ("auto", "bfloat16", "auto"),
-    "_xla": ("xla", "", "auto"),
-    "_xla_linear": ("auto", "", "xla"),
+    "": ("auto", "", "auto", False),
+    "_bf16_pools": ("auto", "bfloat16", "auto", False),
+    "_xla": ("xla", "", "auto", False),
+    "_xla_linear": ("auto", "", "xla", False),
+    "_async": ("auto", "", "auto", True),
 }
 
 
@@ -387,6 +391,7 @@ def run_engine(
     dtype: str = "float32",
     lazy: bool = False,
     grammars=None,
+    async_decode: bool = False,
 ) -> dict[str, dict[str, float]]:
     """loraserve's engine for base-only, 1 adapter and len(adapters) distinct adapters (+ TTFTs); with
     ``extra`` (:func:`build_extra`) also distinct DoRA adapters and distinct two-adapter mixes; with
@@ -420,9 +425,10 @@ def run_engine(
         dtype=dtype,
         lora_dtype=lora_dtype,
         linear_backend=linear_backend,
+        async_decode=async_decode,
     )
     engine = Engine(checkpoint or load_checkpoint(str(base), dtype=dtype), cfg, source=src)
-    label = f"loraserve[{engine.backend}, {cfg.pool_dtype} pools]"
+    label = f"loraserve[{engine.backend}, {cfg.pool_dtype} pools{', async' if async_decode else ''}]"
     engine.start(warmup=not lazy)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, w["vocab_size"], w["prompt"]).tolist() for _ in range(w["batch"])]
@@ -734,7 +740,13 @@ def adapter_ratio_bound(
 
 
 # --engines names -> ENGINES keys
-ENGINE_NAMES = {"default": "", "bf16_pools": "_bf16_pools", "xla": "_xla", "xla_linear": "_xla_linear"}
+ENGINE_NAMES = {
+    "default": "",
+    "bf16_pools": "_bf16_pools",
+    "xla": "_xla",
+    "xla_linear": "_xla_linear",
+    "async": "_async",
+}
 DEFAULT_ENGINES = "default,bf16_pools,xla"
 
 
@@ -753,7 +765,7 @@ def summarize(
     ttft = ours.pop("ttft", None)
     size = 2 if dtype == "bfloat16" else 4
     # bytes an element of each engine's slot pools
-    pool = {"": size, "_bf16_pools": 2, "_xla": size, "_xla_linear": size}
+    pool = {"": size, "_bf16_pools": 2, "_xla": size, "_xla_linear": size, "_async": size}
     ran = [s for s in ENGINES if "base" + s in ours]
     allruns = {**ours, **peers}
     dec = {k: v["decode_tok_s"] for k, v in allruns.items()}
@@ -794,6 +806,9 @@ def summarize(
         ratios["base_vs_base_xla_linear"] = round(dec["base"] / dec["base_xla_linear"], 3)
     if "" in ran:
         ratios["one_adapter_vs_base"] = round(dec["one_adapter"] / dec["base"], 3)
+    if "_async" in ran and "" in ran:  # async decode ÷ one step at a time, the same rows
+        for row in ("base", "one_adapter", "distinct_adapters"):
+            ratios[f"{row}_async_vs_{row}"] = round(dec[row + "_async"] / dec[row], 3)
     for q in ("", *QUANTIZED_ROWS):  # a base step's bytes at the measured read rate ÷ its time
         if "base" + (q and "_" + q) in ours and dense:
             roof = 1000 * base_bytes_read(w, q, size) / (peaks["peak_gbs"] * 1e9)
@@ -943,7 +958,7 @@ def main() -> None:
         grammars = None if args.no_json or shape == "moe" else build_grammars(workloads[0]["vocab_size"])
         ours: list[dict[str, dict[str, float]]] = [{} for _ in workloads]
         for w, mine in zip(workloads, ours, strict=True):
-            for suffix, (backend, lora_dtype, linear_backend) in engines.items():
+            for suffix, (backend, lora_dtype, linear_backend, async_decode) in engines.items():
                 runs = run_engine(
                     base,
                     adapters[: w["adapters"]],
@@ -952,6 +967,7 @@ def main() -> None:
                     backend,
                     lora_dtype,
                     linear_backend,
+                    async_decode=async_decode,
                     ttft=not suffix and not args.skip_ttft,
                     extra=extra
                     if suffix in ("", "_bf16_pools")
