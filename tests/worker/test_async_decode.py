@@ -115,7 +115,10 @@ def test_the_flag_and_its_environment_twin() -> None:
         WorkerConfig.from_env({"LORASERVE_WORKER_ASYNC_DECODE": "true"}).engine_config().async_decode is True
     )
     assert WorkerConfig.from_env({}).engine_config().async_decode is True  # on in the worker process
-    assert WorkerConfig.from_env({"LORASERVE_WORKER_ASYNC_DECODE": "false"}).engine_config().async_decode is False
+    assert (
+        WorkerConfig.from_env({"LORASERVE_WORKER_ASYNC_DECODE": "false"}).engine_config().async_decode
+        is False
+    )
     assert EngineConfig().async_decode is False  # one step at a time where built in code
 
 
