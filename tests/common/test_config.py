@@ -133,11 +133,11 @@ def test_worker_config_inherits_every_engine_field() -> None:
     worker_fields = {f.name: f for f in fields(WorkerConfig)}
     assert engine_fields.keys() <= worker_fields.keys()
     # the same defaults and the same help, but for `loraserve worker` dtype and max_seq_len are auto and
-    # chunked prefill is on
+    # chunked prefill and async decode are on
     other = {
         n: worker_fields[n].default for n, f in engine_fields.items() if worker_fields[n].default != f.default
     }
-    assert other == {"dtype": "auto", "max_seq_len": "auto", "prefill_chunk": 64}
+    assert other == {"dtype": "auto", "max_seq_len": "auto", "prefill_chunk": 64, "async_decode": True}
     assert all(worker_fields[n].metadata == f.metadata for n, f in engine_fields.items())
     declared_here = set(WorkerConfig.__annotations__)  # what WorkerConfig's own body declares
     assert declared_here & set(engine_fields) == set(other) and not declared_here & {
@@ -147,7 +147,12 @@ def test_worker_config_inherits_every_engine_field() -> None:
     overrides = {"max_batch_size": 3, "prefill_per_step": 1, "min_prefill_bucket": 8, "kernel_backend": "xla"}
     cfg = WorkerConfig.from_env({"LORASERVE_WORKER_DEFAULT_MAX_TOKENS": "5"}, **overrides)
     assert cfg.engine_config() == EngineConfig(
-        default_max_tokens=5, dtype="auto", max_seq_len="auto", prefill_chunk=64, **overrides
+        default_max_tokens=5,
+        dtype="auto",
+        max_seq_len="auto",
+        prefill_chunk=64,
+        async_decode=True,
+        **overrides,
     )
 
 
