@@ -152,9 +152,9 @@ class Runner(Protocol):
         Returns the next token per row (``tokens`` ``[B]`` int32), with logprobs when some row asks.
         """
 
-    # async decode (EngineConfig.async_decode): runners that can start a step before the previous one's tokens
-    # are read set ``chains`` and implement the two halves of ``decode``
-    chains: bool = False
+    # The scheduler calls ``decode`` as its two halves below; ``chains`` says whether ``decode_start`` takes
+    # ``follow`` (async decode, EngineConfig.async_decode)
+    chains: bool
 
     def decode_start(
         self,
@@ -168,8 +168,6 @@ class Runner(Protocol):
         """``decode``'s step, dispatched: returns a handle for :meth:`decode_finish`. ``follow``: the handle of
         the step before, not yet finished, whose drawn tokens are this step's ``tokens`` (every row: the batch
         is the same), read where they are (a device's output) instead of from ``tokens``."""
-        raise NotImplementedError
 
     def decode_finish(self, handle: Any) -> StepOutput:
         """The tokens (and logprobs) of a step :meth:`decode_start` dispatched, on the host."""
-        raise NotImplementedError

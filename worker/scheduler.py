@@ -188,7 +188,7 @@ class Scheduler:
         self._lock = threading.Lock()
         # async decode: the next step is dispatched before this one's tokens are read, while the batch runs
         # unchanged (_may_chain); anything else reads the step in flight first (_settle)
-        self._async = config.async_decode and getattr(runner, "chains", False)
+        self._async = config.async_decode and runner.chains
         self._inflight: _InFlight | None = None
 
     # ----------------------------------------------------------------- any thread
