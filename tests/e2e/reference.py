@@ -30,7 +30,7 @@ def reference_tokens(
     """Greedy tokens of each ``(adapter name, mix of names or "", prompt)``, served one at a time; adapters as
     ``name@1``."""
     paths = {f"{name}@1": path for name, path in adapters.items()}
-    with started_engine(model_dir, config, paths) as engine:
+    with started_engine(model_dir, config, paths, warmup=False) as engine:  # compiles what it runs
         outs = []
         for adapter, prompt in requests:
             collected = Collector()

@@ -139,8 +139,13 @@ def test_real_runner_same_tokens_and_no_compilation(llama_dir, adapter_dirs) -> 
 
     def run(on: bool) -> tuple[list[list[int]], int, int]:
         config = EngineConfig(
-            max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16, async_decode=on
-        )
+            max_batch_size=4,
+            max_seq_len=64,
+            max_loras=2,
+            max_lora_rank=16,
+            async_decode=on,
+            min_prefill_bucket=64,
+        )  # one prefill bucket: a shorter warm-up (bucketing itself: test_engine.py)
         with started_engine(llama_dir, config, adapter_dirs) as engine:
             with count_compilations() as count:
                 collectors = [submit(engine, a, p, ignore_eos=True, **kw) for a, p, kw in plans]

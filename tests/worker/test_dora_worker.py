@@ -42,7 +42,14 @@ def test_engine_serves_dora_and_bias_with_peft_s_greedy_tokens(model_dirs, dora_
     from tests.worker.fake_engine import Collector
 
     model_dir, dirs = model_dirs["llama"], dora_dirs("llama")
-    config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=RANK, max_cpu_loras=1)
+    config = EngineConfig(
+        max_batch_size=4,
+        max_seq_len=64,
+        max_loras=2,
+        max_lora_rank=RANK,
+        max_cpu_loras=1,
+        min_prefill_bucket=64,
+    )  # one prefill bucket: a shorter warm-up (bucketing itself: test_engine.py)
     prompts = {name: [5, 17, 33 + i, 100, 7] for i, name in enumerate(["", *NAMES])}
     with started_engine(model_dir, config, dirs) as engine:
         with count_compilations() as count:

@@ -41,7 +41,8 @@ def source(adapter_dirs) -> LocalAdapterSource:
 @pytest.fixture(scope="module")
 def engine(llama_dir, source):
     config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16, max_cpu_loras=1)
-    with started_engine(llama_dir, config, source=source) as eng:
+    # no warm-up: these tests compile the shapes they run (the zero-compilation test below warms its own)
+    with started_engine(llama_dir, config, source=source, warmup=False) as eng:
         yield eng
 
 
@@ -124,7 +125,7 @@ def test_lru_eviction_pinning_and_host_tier(engine) -> None:
 
 def test_too_large_adapter_fails_precondition(llama_dir, adapter_dirs) -> None:
     config = EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=1, max_lora_rank=8)
-    with started_engine(llama_dir, config, {"big": adapter_dirs["mlp-r16"]}) as eng:
+    with started_engine(llama_dir, config, {"big": adapter_dirs["mlp-r16"]}, warmup=False) as eng:
         c = submit(eng, "big", max_tokens=2)
         wait(c)
         assert c.end.code == grpc.StatusCode.FAILED_PRECONDITION

@@ -222,7 +222,7 @@ def test_engine_serves_gemma3_like_transformers_generates(model_dirs, family_ada
         want[name] = out[0, len(PROMPT) :].tolist()
     assert want[""] != want["all-r4"]
     config = EngineConfig(max_batch_size=2, max_seq_len=64, max_loras=1, max_lora_rank=16)
-    with started_engine(path, config, {"all-r4": adapter}) as engine:
+    with started_engine(path, config, {"all-r4": adapter}, warmup=False) as engine:
         got = {}
         for name in want:
             got[name] = Collector()

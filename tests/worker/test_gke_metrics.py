@@ -41,7 +41,9 @@ EPP_METRICS = {  # name -> (type, label names): what the EPP's flags point at
 @pytest.fixture(scope="module")
 def engine(llama_dir, adapter_dirs):
     """The suite's tiny Llama and PEFT adapters (tests/conftest.py), three of them for two slots."""
-    with started_engine(llama_dir, CONFIG, {name: adapter_dirs[name] for name in ADAPTERS}) as eng:
+    with started_engine(
+        llama_dir, CONFIG, {name: adapter_dirs[name] for name in ADAPTERS}, warmup=False
+    ) as eng:
         yield eng
 
 

@@ -39,7 +39,7 @@ def trained(llama_dir, tmp_path_factory):
 
 def test_every_request_gets_its_own_adapters_answer(llama_dir, trained) -> None:
     cfg = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=8)
-    with running_worker(llama_dir, cfg, trained) as worker:
+    with running_worker(llama_dir, cfg, trained, warmup=False) as worker:
         stub = inference_pb2_grpc.InferenceStub(worker.channel)
 
         def ask(adapter: str) -> tuple[str, str, int]:

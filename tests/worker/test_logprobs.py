@@ -29,7 +29,9 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def engine(llama_dir, adapter_dirs):
-    config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16)
+    config = EngineConfig(
+        max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16, min_prefill_bucket=64
+    )  # one prefill bucket: a shorter warm-up (bucketing itself: test_engine.py)
     adapters = {name: adapter_dirs[name] for name in ("all-r4", "mlp-r16")}
     with started_engine(llama_dir, config, adapters) as eng:
         yield eng

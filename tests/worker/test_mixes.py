@@ -171,7 +171,9 @@ def _engine(llama_dir, adapter_dirs, **kw):
     from loraserve.worker.config import EngineConfig
     from tests.engines import started_engine
 
-    config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=RANK, **kw)
+    config = EngineConfig(
+        max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=RANK, min_prefill_bucket=64, **kw
+    )  # one prefill bucket: a shorter warm-up (bucketing itself: test_engine.py)
     return started_engine(llama_dir, config, adapter_dirs)
 
 

@@ -28,7 +28,14 @@ TOP = 3
 
 @pytest.fixture(scope="module")
 def engine(llama_dir, adapter_dirs):
-    config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16, prefill_chunk=4)
+    config = EngineConfig(
+        max_batch_size=4,
+        max_seq_len=64,
+        max_loras=2,
+        max_lora_rank=16,
+        prefill_chunk=4,
+        min_prefill_bucket=64,
+    )  # one prefill bucket: a shorter warm-up (bucketing itself: test_engine.py)
     with started_engine(llama_dir, config, {"all-r4": adapter_dirs["all-r4"]}) as eng:
         yield eng
 

@@ -21,7 +21,7 @@ PROMPT = [5, 17, 33, 100, 7]
 def worker(llama_dir, adapter_dirs):
     cfg = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=16)
     with running_worker(
-        llama_dir, cfg, {"all-r4": adapter_dirs["all-r4"], "mlp-r16": adapter_dirs["mlp-r16"]}
+        llama_dir, cfg, {"all-r4": adapter_dirs["all-r4"], "mlp-r16": adapter_dirs["mlp-r16"]}, warmup=False
     ) as w:
         yield w
 

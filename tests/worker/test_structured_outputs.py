@@ -82,7 +82,14 @@ PROMPT = [5, 17, 33, 100, 7, 250, 3, 91]
 def served(llama_dir, adapter_dirs):
     from transformers import AutoTokenizer
 
-    config = EngineConfig(max_batch_size=8, max_seq_len=96, max_loras=2, max_lora_rank=16, prefill_chunk=4)
+    config = EngineConfig(
+        max_batch_size=8,
+        max_seq_len=96,
+        max_loras=2,
+        max_lora_rank=16,
+        prefill_chunk=4,
+        min_prefill_bucket=96,
+    )  # one prefill bucket: a shorter warm-up (bucketing itself: test_engine.py)
     adapters = {name: adapter_dirs[name] for name in ("all-r4", "mlp-r16")}
     tokenizer = AutoTokenizer.from_pretrained(str(llama_dir))
     with started_engine(llama_dir, config, adapters) as engine:
