@@ -67,7 +67,9 @@ def stack(llama_dir, adapter_dirs, tmp_path_factory) -> Iterator[RouterStack]:
         for name in ("all-r4", "qv-r8-rslora", "mlp-r16"):
             registry.client.push(adapter_dirs[name], name, TINY_MODEL)
         source = RegistryAdapterSource(registry.address, cache_dir=str(tmp / "cache"))
-        config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2)
+        config = EngineConfig(
+            max_batch_size=4, max_seq_len=64, max_loras=2, min_prefill_bucket=64
+        )  # one prefill bucket: a shorter warm-up
         engine = es.enter_context(started_engine(llama_dir, config, source=source))
         tokenizer = load_tokenizer(str(llama_dir))
         worker_side: dict[str, Any] = {}  # filled on the worker's event loop

@@ -110,7 +110,9 @@ def test_every_registry_rpc_needs_the_admin_token(tmp_path) -> None:
 
 
 def test_worker_inference_and_admin_tokens(llama_dir) -> None:
-    config = EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=1)
+    config = EngineConfig(
+        max_batch_size=2, max_seq_len=32, max_loras=1, min_prefill_bucket=32
+    )  # one prefill bucket: a shorter warm-up
     with started_engine(llama_dir, config) as engine:
 
         async def build():

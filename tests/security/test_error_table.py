@@ -71,7 +71,9 @@ def env(llama_dir, adapter_dirs, tmp_path_factory):
             e.admin.push(adapter_dirs[name], name, MODEL)
         e.cache_dir = tmp / "disk-cache"
         source = RegistryAdapterSource(e.registry_address, cache_dir=str(e.cache_dir), token=ADMIN)
-        config = EngineConfig(max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=8)
+        config = EngineConfig(
+            max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=8, min_prefill_bucket=64
+        )
         e.engine = es.enter_context(started_engine(llama_dir, config, source=source))
         tokenizer = load_tokenizer(str(llama_dir))
         both = ServerSecurity(inference_tokens=(INFER,), admin_tokens=(ADMIN,))

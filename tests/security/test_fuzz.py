@@ -68,7 +68,9 @@ def servers(llama_dir, adapter_dirs, tmp_path_factory):
         RegistryConfig(db=f"sqlite:///{tmp / 'r.db'}", storage=str(tmp / "s"), max_upload_bytes=1 << 16)
     )
 
-    config = EngineConfig(max_batch_size=4, max_seq_len=32, max_loras=1)
+    config = EngineConfig(
+        max_batch_size=4, max_seq_len=32, max_loras=1, min_prefill_bucket=32
+    )  # one prefill bucket: a shorter warm-up
     with started_engine(llama_dir, config, {"all-r4": adapter_dirs["all-r4"]}) as engine:
 
         async def worker():
