@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
@@ -24,10 +22,11 @@ def _register(reg, address, shapes, slots=4, model=TINY_MODEL) -> str:
             for m, (i, o, n) in shapes.items()
         ],
     )
-    asked = time.time()
+    asked = reg.registry.clock.now().timestamp()  # the registry's clock: a ManualClock stands still
     resp = reg.client.placement.RegisterWorker(req)
     # the lease runs from the registration: it ends after we asked (whole and fractional seconds; a loaded
-    # machine may take longer than the 2 s lease to answer, so "after the answer" would be flaky)
+    # machine may take longer than the 2 s lease to answer, so "after the answer" would be flaky; and on a
+    # registry's ManualClock, time.time() runs past its leases while fixtures set up on a loaded machine)
     expires = resp.lease_expires_at.seconds + resp.lease_expires_at.nanos / 1e9
     assert resp.lease_seconds == 2 and expires > asked
     return resp.worker_id
