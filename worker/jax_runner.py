@@ -7,7 +7,11 @@ one of the LoRA backend's ``warmup_plans`` variants, so after ``warmup`` nothing
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -131,16 +135,51 @@ def jit_steps(
     """Jit :func:`prefill_step` and :func:`decode_step` for ``cfg`` on ``backend``, each traced under the
     ``linear`` backend of the base projections (``kernels.linear``), the KV cache and history donated by
     name. ``out_shardings`` (tensor parallelism): ``(sampled, cache)`` shardings, pinned so the donated
-    cache keeps one layout."""
+    cache keeps one layout.
+
+    Memoized per process (the last :data:`STEPS_KEPT` distinct arguments, compared by value): runners of one
+    model on one backend (a benchmark's peer engines, a runner rebuilt in place, a test suite) share the
+    jitted functions, so each input shape is traced, lowered and compiled once per process. The weights are
+    arguments of the steps, not constants, so two checkpoints of one architecture share them too."""
+    key = _frozen((cfg, backend, attention, linear, out_shardings))
+    with _steps_lock:
+        steps = _steps_memo.get(key)
+        if steps is not None:
+            _steps_memo.move_to_end(key)
+            return steps
     jit = partial(jax.jit, donate_argnames=DONATED)
     if out_shardings is not None:
         jit = partial(jit, out_shardings=out_shardings)
     seed_shardings = None if out_shardings is None else out_shardings[0]
-    return Steps(
+    steps = Steps(
         jit(traced_with(linear, partial(prefill_step, cfg, backend))),
         jit(traced_with(linear, partial(decode_step, cfg, backend, attention))),
         jax.jit(seed_row, donate_argnames="history", out_shardings=seed_shardings),
     )
+    with _steps_lock:
+        steps = _steps_memo.setdefault(key, steps)  # a racing thread's steps win: one set per key
+        while len(_steps_memo) > STEPS_KEPT:
+            _steps_memo.popitem(last=False)
+    return steps
+
+
+STEPS_KEPT = 16  # jit_steps' memo: distinct (model, backend, attention, linear, shardings) kept per process
+_steps_memo: OrderedDict[Hashable, Steps] = OrderedDict()
+_steps_lock = threading.Lock()
+
+
+def _frozen(value: Any) -> Hashable:
+    """``value`` as a hashable key equal for equal values: dataclasses by type and fields, dicts by sorted
+    items, lists and tuples by items; anything else (strings, numbers, meshes, shardings) as it is."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = tuple(_frozen(getattr(value, f.name)) for f in dataclasses.fields(value))
+        return (type(value), fields)
+    if isinstance(value, dict):
+        return (dict, tuple(sorted((k, _frozen(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_frozen(v) for v in value))
+    hash(value)  # TypeError now, not at the memo's lookup
+    return value
 
 
 def _sampling_arrays(

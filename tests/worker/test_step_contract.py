@@ -54,3 +54,30 @@ def test_a_step_donates_the_cache_by_name_and_nothing_else(state) -> None:
     assert logits.shape == (2, cfg.vocab_size) and logits.dtype == jnp.float32
     with pytest.raises(TypeError):
         steps.decode(st.params, st.pools, cache, st.rope)
+
+
+def test_steps_are_shared_by_equal_arguments_and_only_by_them(state) -> None:
+    """jit_steps is memoized by value: an equal (not identical) model config, backend and attention give
+    the same jitted functions, so a second runner of one model compiles nothing; any difference (a rope
+    scaling dict, the linear backend, the LoRA backend) gives new ones."""
+    import dataclasses
+
+    from loraserve.kernels.attention import DecodeAttention
+    from loraserve.worker import jax_runner
+
+    cfg, backend, _ = state
+    steps = jit_steps(cfg, backend, DecodeAttention("xla"))
+    twin = dataclasses.replace(cfg)  # a new object, equal to cfg
+    assert twin is not cfg and jit_steps(twin, get_backend("xla-grouped"), DecodeAttention("xla")) is steps
+    scaled = dataclasses.replace(cfg, rope_scaling={"rope_type": "linear", "factor": 2.0})  # a dict field
+    other = jit_steps(scaled, backend, DecodeAttention("xla"))
+    assert other is not steps
+    reordered = dataclasses.replace(cfg, rope_scaling={"factor": 2.0, "rope_type": "linear"})
+    assert jit_steps(reordered, backend, DecodeAttention("xla")) is other
+    assert jit_steps(cfg, backend, DecodeAttention("xla"), "xla") is not steps
+    assert jit_steps(cfg, get_backend("xla-onehot"), DecodeAttention("xla")) is not steps
+    # bounded: the least recently used arguments are forgotten, the process keeps at most STEPS_KEPT
+    for theta in range(jax_runner.STEPS_KEPT + 1):
+        jit_steps(dataclasses.replace(cfg, rope_theta=1000.0 + theta), backend)
+    assert len(jax_runner._steps_memo) == jax_runner.STEPS_KEPT
+    assert jit_steps(cfg, backend, DecodeAttention("xla")) is not steps
