@@ -16,6 +16,7 @@ after warm-up compile nothing.
 from __future__ import annotations
 
 import uuid
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -166,26 +167,25 @@ def test_the_gathered_and_grouped_paths_agree_and_rows_keep_their_bits(served, f
     rng = np.random.default_rng(0)
     ll = _random_pools(cfg, 3, rng)
     paths = ("gather", "tiled", "ragged")
+    mlp = jax.jit(partial(moe.moe_mlp, cfg), static_argnames="path")  # as the steps run it: one program each
     # under and over a gather chunk; the last one's pairs past GATHER_LORA_PAIRS (the tiled path's prefill way)
     for tokens in (5, 40, moe.GATHER_LORA_PAIRS // cfg.experts_per_token + 3):
         x = jnp.asarray(rng.standard_normal((tokens, cfg.hidden_size)), jnp.float32)
         slots = jnp.asarray(rng.integers(-1, 3, tokens), jnp.int32).at[0].set(1)
-        out = {p: moe.moe_mlp(cfg, lp, x, path=p, ll=ll, slots=slots) for p in paths}
+        out = {p: mlp(lp, x, path=p, ll=ll, slots=slots) for p in paths}
         for path in paths[1:]:
             np.testing.assert_allclose(np.asarray(out[path]), np.asarray(out["gather"]), atol=1e-5, rtol=1e-5)
-        base = moe.moe_mlp(cfg, lp, x, path="gather")
+        base = mlp(lp, x, path="gather")
         assert np.abs(np.asarray(out["gather"])[0] - np.asarray(base)[0]).max() > 1e-2  # slot 1 moves row 0
         others = x.at[1:].set(jnp.asarray(rng.standard_normal((tokens - 1, x.shape[1])), jnp.float32))
         other_slots = slots.at[1:].set(jnp.asarray(rng.integers(-1, 3, tokens - 1), jnp.int32))
         for path in paths:
-            after = moe.moe_mlp(cfg, lp, others, path=path, ll=ll, slots=other_slots)
+            after = mlp(lp, others, path=path, ll=ll, slots=other_slots)
             np.testing.assert_array_equal(np.asarray(after)[0], np.asarray(out[path])[0])
         # a base row (-1) computes what the model without any LoRA computes, bit for bit
         for path in ("gather", "tiled"):
-            no_lora = np.asarray(moe.moe_mlp(cfg, lp, x, path=path))
-            as_base = np.asarray(
-                moe.moe_mlp(cfg, lp, x, path=path, ll=ll, slots=jnp.full(tokens, -1, jnp.int32))
-            )
+            no_lora = np.asarray(mlp(lp, x, path=path))
+            as_base = np.asarray(mlp(lp, x, path=path, ll=ll, slots=jnp.full(tokens, -1, jnp.int32)))
             np.testing.assert_array_equal(as_base, no_lora)
 
 
