@@ -127,8 +127,8 @@ def random_lora_case(
     idx = rng.integers(0, S, size=T)
     idx[rng.random(T) < p_none] = -1
 
-    def arr(a):
-        return jnp.asarray(a, dtype=jnp.float32).astype(dtype)
+    def arr(a):  # converted on the host (the same rounding as XLA's): no eager op to compile per shape
+        return jnp.asarray(np.asarray(a, np.float32).astype(dtype))
 
     return LoraCase(
         x=arr(rng.standard_normal((T, d_in))),

@@ -20,7 +20,7 @@ def _problem(seed: int, T: int, d_in: int, S: int, R: int, outs: tuple[int, ...]
     rng = np.random.default_rng(seed)
 
     def arr(shape, scale=1.0):
-        return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32).astype(dtype)
+        return jnp.asarray((rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype))  # host-side
 
     x = arr((T, d_in))
     A = arr((S, d_in, len(outs) * R), d_in**-0.5)  # [S, in, n*R], docs/design.md §6
@@ -34,6 +34,11 @@ def _weights_first(A, Bs):
 
 
 _run = jax.jit(grouped.add_lora_slices_grouped)
+# the reference and the layout change jitted: one program a shape, not a dozen eager ops (compile-bound tests)
+_reference = jax.jit(lambda *a: reference.add_lora_slices(*a).astype(jnp.float32))
+_run_weights_first = jax.jit(
+    lambda y, x, A, Bs, plan: grouped.add_lora_slices_grouped(y, x, *_weights_first(A, Bs), plan)
+)
 
 
 @settings(max_examples=20, deadline=None)
@@ -60,18 +65,16 @@ def test_matches_reference_for_every_variant(T, d_in, S, R, outs, variant, skew,
     if single:  # the single variant serves batches with one slot in use
         idx = np.where(idx >= 0, idx[np.argmax(idx >= 0)], -1)
     plan = grouped.plan_groups(idx, S, lights=(light,), single=single)
-    want = np.asarray(reference.add_lora_slices(y, x, A, Bs, jnp.asarray(idx, jnp.int32)).astype(jnp.float32))
+    want = np.asarray(_reference(y, x, A, Bs, jnp.asarray(idx, jnp.int32)))
     if plan is None:
         assert (idx < 0).all()
         return
     assert plan.variant == variant
-    got = np.asarray(_run(y, x, *_weights_first(A, Bs), plan).astype(jnp.float32))
+    got = np.asarray(_run_weights_first(y, x, A, Bs, plan)).astype(np.float32)
     tol = tolerance(dtype)
     np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
     none = idx < 0
-    np.testing.assert_array_equal(
-        got[none], np.asarray(y.astype(jnp.float32))[none]
-    )  # untouched, bit for bit
+    np.testing.assert_array_equal(got[none], np.asarray(y).astype(np.float32)[none])  # untouched, bit for bit
 
 
 def test_plan_picks_the_cheap_grouping() -> None:

@@ -55,7 +55,7 @@ def _expected_idx(seg_slots: np.ndarray, seg_lens: np.ndarray, T: int) -> np.nda
 def test_sgmv_matches_reference(p: Problem) -> None:
     c = p.case
     out = {
-        k: np.asarray(v.astype(jnp.float32))
+        k: np.asarray(v).astype(np.float32)
         for k, v in _sgmv_all(c.x, c.A, c.B, c.y, p.A_cat, p.Bs, p.seg_slots, p.seg_lens).items()
     }
     T = c.x.shape[0]
@@ -71,7 +71,7 @@ def test_sgmv_matches_reference(p: Problem) -> None:
         np.testing.assert_allclose(out[key], out[f"per_token/{op}"], atol=tol, rtol=tol, err_msg=key)
         if op != "shrink":
             np.testing.assert_array_equal(
-                out[key][none], np.asarray(c.y.astype(jnp.float32))[none], err_msg=key
+                out[key][none], np.asarray(c.y).astype(np.float32)[none], err_msg=key
             )
 
 
