@@ -44,6 +44,12 @@ def _valid(slots: np.ndarray, s: int) -> np.ndarray:
     return (slots >= 0) & (slots < s)
 
 
+# jitted as the steps run them: every example has new shapes, and run eagerly each of their ops compiled
+_apply_vectors = jax.jit(apply_vectors, static_argnums=2)
+_apply_embed = jax.jit(apply_embed)
+_apply_lm_head = jax.jit(apply_lm_head)
+
+
 @EXAMPLES
 @given(slot_rows(), st.integers(1, 24), st.booleans(), st.integers(0, 2**31 - 1))
 def test_dora_scale_and_lora_bias_rows(case, out: int, with_bias: bool, seed: int) -> None:
@@ -54,7 +60,7 @@ def test_dora_scale_and_lora_bias_rows(case, out: int, with_bias: bool, seed: in
     y = rng.standard_normal((len(slots) * k, out)).astype(np.float32)
     bias = rng.standard_normal(out).astype(np.float32) if with_bias else None
     pools = {scale_name("o"): jnp.asarray(scales), bias_name("o"): jnp.asarray(biases)}
-    got = np.asarray(apply_vectors(jnp.asarray(y), pools, "o", jnp.asarray(slots), bias))
+    got = np.asarray(_apply_vectors(jnp.asarray(y), pools, "o", jnp.asarray(slots), bias))
     b = np.zeros(out, np.float32) if bias is None else bias
     for row in range(len(y)):
         slot = slots[row // k]
@@ -75,7 +81,7 @@ def test_embed_lora_rows(case, vocab: int, hidden: int, rank: int, seed: int) ->
     tokens = rng.integers(0, vocab, len(slots) * k).astype(np.int32)
     h = rng.standard_normal((len(tokens), hidden)).astype(np.float32)
     pools = {"A_embed": jnp.asarray(a), "B_embed": jnp.asarray(b)}
-    got = np.asarray(apply_embed(jnp.asarray(h), jnp.asarray(tokens), pools, jnp.asarray(slots)))
+    got = np.asarray(_apply_embed(jnp.asarray(h), jnp.asarray(tokens), pools, jnp.asarray(slots)))
     for row, token in enumerate(tokens):
         slot = slots[row // k]
         if not _valid(slots, s)[row // k]:
@@ -106,7 +112,7 @@ def test_lm_head_lora_rows(case, vocab: int, hidden: int, rank: int, zero_a: boo
     x = rng.standard_normal((len(slots), hidden)).astype(np.float32)
     logits = rng.standard_normal((len(slots), vocab)).astype(np.float32)
     pools = {"A_lm_head": jnp.asarray(a), "B_lm_head": jnp.asarray(b)}
-    got = np.asarray(apply_lm_head(jnp.asarray(logits), jnp.asarray(x), pools, jnp.asarray(slots)))
+    got = np.asarray(_apply_lm_head(jnp.asarray(logits), jnp.asarray(x), pools, jnp.asarray(slots)))
     for row, slot in enumerate(slots):
         if not _valid(slots, s)[row] or zero_a:
             np.testing.assert_array_equal(got[row], logits[row])
