@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import uuid
+from functools import partial
 
 import grpc
 import jax
@@ -157,16 +158,17 @@ def test_gathered_experts_equal_the_grouped_matmul(moe_dirs, family) -> None:
     ck = load_checkpoint(str(moe_dirs[family]))
     lp = ck.params["layers"][0]
     rng = np.random.default_rng(0)
+    mlp = jax.jit(partial(moe.moe_mlp, ck.config), static_argnames="path")  # as the steps run it
     for tokens in (3, 16, 100):  # under, at and over a gather chunk
         x = jnp.asarray(rng.standard_normal((tokens, ck.config.hidden_size)), jnp.float32)
-        gathered = moe.moe_mlp(ck.config, lp, x, path="gather")
-        grouped = moe.moe_mlp(ck.config, lp, x, path="ragged")
+        gathered = mlp(lp, x, path="gather")
+        grouped = mlp(lp, x, path="ragged")
         np.testing.assert_allclose(np.asarray(gathered), np.asarray(grouped), atol=1e-5, rtol=1e-5)
         # a token's result depends on its own routing only: other tokens (so other experts chosen around
         # it) leave its bits as they were, on both paths
         others = x.at[1:].set(jnp.asarray(rng.standard_normal((tokens - 1, x.shape[1])), jnp.float32))
         for path, before in (("gather", gathered), ("ragged", grouped)):
-            after = moe.moe_mlp(ck.config, lp, others, path=path)
+            after = mlp(lp, others, path=path)
             np.testing.assert_array_equal(np.asarray(after)[0], np.asarray(before)[0])
 
 
