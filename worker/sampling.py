@@ -276,35 +276,44 @@ def sample(logits: Array, s: SamplingArrays, history: RowHistory | None = None) 
         key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(jax.random.key(0), lo), hi), n)
         return jax.random.categorical(key, row_logits).astype(jnp.int32)
 
-    def pick(x: Array, greedy: Array) -> Array:
-        def sampled() -> Array:
-            safe_t = jnp.where(temperature > 0, temperature, 1.0)
-            scaled = x / safe_t[:, None]
-            needs_filter = jnp.any((temperature > 0) & ((top_k > 0) | ((top_p > 0) & (top_p < 1))))
-            scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda y, *_: y, scaled, top_k, top_p)
-            return jnp.where(temperature > 0, jax.vmap(draw)(scaled, s.seed_lo, s.seed_hi, s.step), greedy)
-
-        # Greedy batches skip everything else: scaling, filtering and Gumbel noise over [B, V] cost
-        # milliseconds per step on a CPU.
-        return jax.lax.cond(jnp.any(temperature > 0), sampled, lambda: greedy)
+    def draw_rows(x: Array, greedy: Array) -> Array:
+        """Rows with a temperature draw from ``x`` (scaled, filtered); the others take ``greedy``."""
+        safe_t = jnp.where(temperature > 0, temperature, 1.0)
+        scaled = x / safe_t[:, None]
+        needs_filter = jnp.any((temperature > 0) & ((top_k > 0) | ((top_p > 0) & (top_p < 1))))
+        scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda y, *_: y, scaled, top_k, top_p)
+        return jnp.where(temperature > 0, jax.vmap(draw)(scaled, s.seed_lo, s.seed_hi, s.step), greedy)
 
     # [B] int32, in the layout the lm_head matmul left the logits in: computed outside every cond, so that
     # XLA fuses it into the matmul (a cond's operand is materialised first)
     greedy = argmax_last(logits)
     masks = s.mask.shape[-1] * 32 >= logits.shape[-1]  # this program takes token masks
+    sampling = jnp.any(temperature > 0)
+    # Greedy batches skip the draw: scaling, filtering and Gumbel noise over [B, V] cost milliseconds per
+    # step on a CPU. The draw is traced once, in one branch (its threefry hashes and sort are most of what
+    # this function compiles).
     if history is None and not masks:
-        tokens = pick(logits, greedy)
+        tokens = jax.lax.cond(sampling, draw_rows, lambda _, g: g, logits, greedy)
     else:  # the masks' and controls' work over [B, V] runs only when some row has one
 
-        def constrained() -> Array:
-            x = jax.lax.cond(jnp.any(s.masked), apply_mask, lambda y, _: y, logits, s) if masks else logits
+        def constrain(x: Array) -> Array:
+            if masks:
+                x = jax.lax.cond(jnp.any(s.masked), apply_mask, lambda y, _: y, x, s)
             if history is not None:
                 x = jax.lax.cond(jnp.any(s.history_row >= 0), apply_controls, lambda y, *_: y, x, s, history)
-            return pick(x, argmax_last(x))
+            return x
 
         special = jnp.any(s.history_row >= 0) if history is not None else False
         special = (special | jnp.any(s.masked)) if masks else special
-        tokens = jax.lax.cond(special, constrained, lambda: pick(logits, greedy))
+
+        def sampled() -> Array:
+            x = jax.lax.cond(special, constrain, lambda y: y, logits)
+            return draw_rows(x, argmax_last(x))
+
+        def greedy_rows() -> Array:
+            return jax.lax.cond(special, lambda: argmax_last(constrain(logits)), lambda: greedy)
+
+        tokens = jax.lax.cond(sampling, sampled, greedy_rows)
         if history is not None:
             history = record(history, s, tokens)
 
