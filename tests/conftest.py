@@ -98,34 +98,35 @@ def pytest_configure(config: pytest.Config) -> None:
     enable_compilation_cache(path)
 
 
-# The longest test files, longest first (their tests' seconds, setup included, summed from a --durations run of
-# `make test`'s selection on a 2-core AVX2 AMD EPYC, 2026-12-06: 2638 s of tests in 1405 s on two processes):
+# The longest test files, longest first (their tests' seconds, setup included, averaged over two --durations runs
+# of `make test`'s selection on a 2-core Zen 4, 2026-12-07: ~1630 s of tests in ~830 s on two processes):
 # `make test` hands whole files to its two processes in collection order, so these go first and the run
 # does not end with one process alone on a long file that started last. Update when the durations move.
 LONGEST_FILES = (
     "tests/bench/test_bench_smoke.py",
     "tests/worker/test_tensor_parallel.py",
-    "tests/worker/test_quantization.py",
-    "tests/worker/test_moe_lora.py",
-    "tests/worker/test_tensor_parallel_families.py",
     "tests/e2e/test_multihost.py",
+    "tests/worker/test_quantization.py",
+    "tests/worker/test_tensor_parallel_families.py",
     "tests/worker/test_moe.py",
-    "tests/worker/test_paged_engine.py",
     "tests/worker/test_embed_lora.py",
-    "tests/worker/test_engine.py",
+    "tests/worker/test_moe_lora.py",
     "tests/worker/test_lora_parity.py",
     "tests/e2e/test_system.py",
     "tests/worker/test_dora_worker.py",
-    "tests/worker/test_families.py",
-    "tests/e2e/test_demo.py",
-    "tests/worker/test_row_isolation.py",
+    "tests/worker/test_paged_engine.py",
     "tests/e2e/test_load.py",
-    "tests/worker/test_dora.py",
-    "tests/worker/test_async_decode.py",
-    "tests/kernels/test_paged_attention.py",
-    "tests/worker/test_mixes.py",
-    "tests/worker/test_adapter_ops.py",
+    "tests/worker/test_engine.py",
     "tests/kernels/test_linear_quant.py",
+    "tests/e2e/test_demo.py",
+    "tests/worker/test_shard_reads.py",
+    "tests/kernels/test_pallas.py",
+    "tests/kernels/test_paged_attention.py",
+    "tests/worker/test_model_parity.py",
+    "tests/worker/test_families.py",
+    "tests/kernels/test_xla.py",
+    "tests/e2e/test_llmd_conformance.py",
+    "tests/router/test_inplace_update.py",
 )
 
 
