@@ -307,7 +307,7 @@ def sample(logits: Array, s: SamplingArrays, history: RowHistory | None = None) 
         special = (special | jnp.any(s.masked)) if masks else special
 
         def sampled() -> Array:
-            x = jax.lax.cond(special, constrain, lambda y: y, logits)
+            x = constrain(logits)  # its own conds skip the masks' and controls' work when no row has one
             return draw_rows(x, argmax_last(x))
 
         def greedy_rows() -> Array:

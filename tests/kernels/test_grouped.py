@@ -33,7 +33,6 @@ def _weights_first(A, Bs):
     return jnp.swapaxes(A, 1, 2), tuple(jnp.swapaxes(B, 1, 2) for B in Bs)
 
 
-_run = jax.jit(grouped.add_lora_slices_grouped)
 # the reference and the layout change jitted: one program a shape, not a dozen eager ops (compile-bound tests)
 _reference = jax.jit(lambda *a: reference.add_lora_slices(*a).astype(jnp.float32))
 _run_weights_first = jax.jit(
