@@ -8,14 +8,19 @@ PROTO_OUT := protos/v1/inference_pb2.py
 
 .PHONY: venv protos demo test test-fast lint format bench clean
 
-# (Re)install when pyproject.toml changes or the venv is missing. The packages' bytecode is compiled after
-# the install on every core (pip compiles one file at a time: 104 -> 81 s for a fresh venv on 2 cores); like
-# pip, a file that does not compile (a newer Python's syntax in a package's tests) is skipped.
+# Python writes bytecode for what these commands import, whatever the shell says: some images set
+# PYTHONDONTWRITEBYTECODE, and then every process compiles every module it imports again (the tests start
+# servers, CLIs and benchmarks as processes; the repository's own modules alone cost ~0.5 s a start). Each
+# module is compiled once, by the first process that imports it, so nothing is compiled ahead: pip's
+# --no-compile and no compileall (the few thousand of the venv's 22k files that anything imports, not all of
+# them: compileall took 47 s on 2 cores).
+unexport PYTHONDONTWRITEBYTECODE
+
+# (Re)install when pyproject.toml changes or the venv is missing.
 $(STAMP): pyproject.toml $(wildcard */__init__.py)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q --no-compile -e '.[dev]'
-	$(BIN)/python -c "import compileall, sysconfig; compileall.compile_dir(sysconfig.get_paths()['purelib'], quiet=2, workers=0)"
 	@touch $(STAMP)
 
 venv: $(STAMP)
