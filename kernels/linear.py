@@ -7,10 +7,10 @@ runs it faster as ``w @ x.T`` (the narrow side of the GEMM in the kernel's favou
 
 A bf16 model's decode step is a few rows against every weight, and XLA:CPU streams bf16 weights at a
 fraction of what DRAM gives (1.6 GB/s at one row, 11-13 GB/s at 4-16 on the bench model): there, up to
-:func:`kernel_max_rows` rows (24; 64 on AMX tiles), the product is the C++ kernel
-``kernels.cpu.linear_bf16`` (prefetched weights, AVX-512 BF16 dot products, or AMX tiles where the CPU has
-them), in the same ``[out, rows]`` layout. Which one runs is the *linear backend* (:data:`LINEAR_BACKENDS`),
-chosen while a program is traced (:func:`use_backend`).
+:func:`kernel_max_rows` rows (24; 64 on AMX tiles), the product is the C++ kernel ``kernels.cpu.linear_bf16``
+(prefetched weights, AVX-512 BF16 dot products, AMX tiles where the CPU has them, else bf16 widened to f32
+in registers), in the same ``[out, rows]`` layout. Which one runs is the *linear backend*
+(:data:`LINEAR_BACKENDS`), chosen while a program is traced (:func:`use_backend`).
 """
 
 from __future__ import annotations
@@ -37,13 +37,18 @@ KERNEL_MAX_ROWS = 24
 # XLA's GEMM (4096 x 4096, 2-core Xeon, 2026-12-06, XLA vs kernel in ms: 2.8 vs 2.2 at 32 rows, 3.7 vs 2.4
 # at 48, 4.1 vs 2.6 at 64; even at 24).
 AMX_KERNEL_MAX_ROWS = 64
+# Without bf16 dot products (AVX2, AVX-512 without BF16) the kernel widens bf16 to f32 in registers and still
+# streams the weights many times faster than XLA's dot for few rows (2-core AVX2 Zen 3, 2026-12-07, kernel vs
+# XLA in ms, one of 6 weights in turn; 4096 x 4096: 1.51 vs 32.3 at 1 row, 1.94 vs 7.0 at 4, 3.76 vs 8.19 at
+# 8, 5.29 vs 6.33 at 12, 6.46 vs 5.97 at 16, 10.5 vs 20.0 at 24; the bench model's 32000 x 1024 head: 3.44 vs
+# 52.8 at 1 row, 13.5 vs 11.8 at 16, 19.0 vs 27.1 at 24): the same KERNEL_MAX_ROWS there.
 
-# auto: the kernel where it wins (kernels.cpu.bf16_dot: a CPU with AVX-512 BF16, the kernel on AMX tiles
-# where it has them: 4096 x 4096 from a set of 8, 2 cores of a Xeon with AMX, 2026-12-06, XLA vs kernel in
-# the same process 19-25 vs 1.2-1.8 ms at 1 row, even at 16 (1.5-2.0 each)); cpu: the kernel for every
-# bf16 product of up to kernel_max_rows() rows on the CPU (its f32-widening path where the CPU lacks bf16
-# dot products; raises if the kernels do not build); xla: XLA's dot only (what sharded programs need: a
-# custom call would make GSPMD gather the weights).
+# auto: the kernel wherever it builds, up to kernel_max_rows() rows (with AVX-512 BF16, kernels.cpu.bf16_dot,
+# or on AMX tiles: 4096 x 4096 from a set of 8, 2 cores of a Xeon with AMX, 2026-12-06, XLA vs kernel in the
+# same process 19-25 vs 1.2-1.8 ms at 1 row, even at 16 (1.5-2.0 each); widening to f32 elsewhere, above);
+# cpu: the kernel for every bf16 product of up to
+# kernel_max_rows() rows on the CPU (raises if the kernels do not build); xla: XLA's dot only (what sharded
+# programs need: a custom call would make GSPMD gather the weights).
 LINEAR_BACKENDS = ("auto", "xla", "cpu")
 
 _backend: contextvars.ContextVar[str] = contextvars.ContextVar("loraserve_linear_backend", default="auto")
@@ -181,7 +186,7 @@ def _sharded(a: jax.Array) -> bool:
 def _auto_kernel() -> bool:
     from loraserve.kernels import cpu
 
-    return cpu.bf16_dot()
+    return cpu.available()
 
 
 def argmax_last(y: jax.Array) -> jax.Array:  # [rows] int32

@@ -147,10 +147,9 @@ class EngineConfig:
     )
     linear_backend: Literal["auto", "xla", "cpu"] = opt(
         "auto",
-        "the base model's bfloat16 projections of a few rows (decode steps, up to"
-        " 24 rows, 64 on AMX tiles: kernels.linear.kernel_max_rows): auto (cpu on a CPU with AVX-512 BF16"
-        " where the C++"
-        " kernels build, else xla), xla or cpu (C++ kernel streaming the weights with prefetch; widens to"
+        "the base model's bfloat16 projections of a few rows (decode steps, up to 24 rows, 64 on AMX tiles:"
+        " kernels.linear.kernel_max_rows): auto (cpu on a CPU where the"
+        " C++ kernels build, else xla), xla or cpu (C++ kernel streaming the weights with prefetch; widens to"
         " float32 on CPUs without bf16 dot products); tensor-parallel workers use xla; xla also keeps a quantized"
         " base (--quantization) on XLA's dot instead of the C++ int8/int4 kernels",
         KERNELS,
