@@ -46,9 +46,9 @@ AMX_KERNEL_MAX_ROWS = 64
 # auto: the kernel wherever it builds, up to kernel_max_rows() rows (with AVX-512 BF16, kernels.cpu.bf16_dot,
 # or on AMX tiles: 4096 x 4096 from a set of 8, 2 cores of a Xeon with AMX, 2026-12-06, XLA vs kernel in the
 # same process 19-25 vs 1.2-1.8 ms at 1 row, even at 16 (1.5-2.0 each); widening to f32 elsewhere, above);
-# cpu: the kernel for every bf16 product of up to
-# kernel_max_rows() rows on the CPU (raises if the kernels do not build); xla: XLA's dot only (what sharded
-# programs need: a custom call would make GSPMD gather the weights).
+# cpu: the kernel for every bf16 product of up to kernel_max_rows() rows on the CPU (raises if the kernels do
+# not build); xla: XLA's dot only (what sharded programs need: a custom call would make GSPMD gather the
+# weights).
 LINEAR_BACKENDS = ("auto", "xla", "cpu")
 
 _backend: contextvars.ContextVar[str] = contextvars.ContextVar("loraserve_linear_backend", default="auto")
@@ -182,11 +182,10 @@ def _sharded(a: jax.Array) -> bool:
     return mesh is not None and mesh.size > 1
 
 
-@functools.cache
 def _auto_kernel() -> bool:
     from loraserve.kernels import cpu
 
-    return cpu.available()
+    return cpu.available()  # cached there
 
 
 def argmax_last(y: jax.Array) -> jax.Array:  # [rows] int32
