@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/v1/*.proto)
 PROTO_OUT := protos/v1/inference_pb2.py
 
-.PHONY: venv protos demo test test-fast lint format bench clean
+.PHONY: venv protos demo test test-fast test-tpu wheelhouse lint format bench clean
 
 # Python writes bytecode for what these commands import, whatever the shell says: some images set
 # PYTHONDONTWRITEBYTECODE, and then every process compiles every module it imports again (the tests start
@@ -51,6 +51,20 @@ test: venv $(PROTO_OUT)
 
 test-fast: venv $(PROTO_OUT)
 	$(BIN)/python -m pytest $(XDIST) -m "not slow and not e2e" $(PYTEST_ARGS)
+
+# On a TPU VM: the suite's TPU selection in one process (one process at a time holds a chip), against loraserve
+# as installed in $(PYTHON) (pip install '.[tpu,registry,demo]' pytest-timeout hypothesis; docs/tpu.md), not
+# this venv. The selection and why it runs from outside the checkout: tests/tpu.sh.
+test-tpu:
+	PYTHON=$(PYTHON) bash tests/tpu.sh $(PYTEST_ARGS)
+
+# loraserve's wheel and every wheel it needs, for hosts that reach no package index (docs/tpu.md): install
+# there with pip install --no-index --find-links $(WHEELHOUSE) 'loraserve[$(WHEELHOUSE_EXTRAS)]'.
+# WHEELHOUSE_ARGS: more deploy/wheelhouse.py options (--python, --platform, --skip what the host has, --with).
+WHEELHOUSE ?= wheelhouse
+WHEELHOUSE_EXTRAS ?= tpu,registry
+wheelhouse: venv $(PROTO_OUT)
+	$(BIN)/python deploy/wheelhouse.py --out $(WHEELHOUSE) --extras $(WHEELHOUSE_EXTRAS) $(WHEELHOUSE_ARGS)
 
 lint: venv $(PROTO_OUT)
 	$(BIN)/ruff check .

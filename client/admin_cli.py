@@ -2,7 +2,7 @@
 administration.
 
 Tables by default, ``--json`` for machines. The registry address comes from ``--registry`` or
-``LORASERVE_REGISTRY_ADDRESS`` (default 127.0.0.1:50051).
+``LORASERVE_REGISTRY_ADDRESS`` (default 127.0.0.1:50051): ``host:port`` or ``unix:PATH``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--registry",
         default=None,
-        help=f"registry address (env LORASERVE_REGISTRY_ADDRESS; default {DEFAULT_REGISTRY})",
+        help="registry address, host:port or unix:PATH"
+        f" (env LORASERVE_REGISTRY_ADDRESS; default {DEFAULT_REGISTRY})",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     add_connection_flags(parser)

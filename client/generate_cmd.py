@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target",
         default=None,
-        help=f"router or worker address (env LORASERVE_TARGET; default {DEFAULT_TARGET})",
+        help="router or worker address, host:port or unix:PATH"
+        f" (env LORASERVE_TARGET; default {DEFAULT_TARGET})",
     )
     parser.add_argument("--max-tokens", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0)

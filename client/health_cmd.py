@@ -9,7 +9,7 @@ from loraserve.client.connection_flags import add_connection_flags, connection_k
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("address", help="host:port of any loraserve server")
+    parser.add_argument("address", help="any loraserve server: host:port or unix:PATH")
     parser.add_argument("--service", default="", help="service name to check (default: the whole server)")
     parser.add_argument("--timeout", type=float, default=3.0)
     add_connection_flags(parser)

@@ -1,6 +1,7 @@
 """The Python SDK: ``Client(target).generate(prompt, adapter=..., **sampling)`` streams chunks.
 
-``target`` is a router (or a single worker). ``AsyncClient`` is the asyncio twin. Both raise
+``target`` is a router (or a single worker): ``host:port``, or ``unix:PATH`` for one serving on a unix-domain
+socket (``--listen``). ``AsyncClient`` is the asyncio twin. Both raise
 ``loraserve.common.errors.LoraserveError`` from ``error_from_rpc``: ``.code`` is the ``grpc.StatusCode``
 (docs/design.md §8), ``.message`` the server's message.
 

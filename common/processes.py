@@ -1,6 +1,7 @@
 """Run ``loraserve`` servers as child processes and wait for their ready line (the demo and the process tests).
 
-A server prints ``loraserve <role> serving on HOST:PORT`` once it is SERVING (``common.server.run_server``);
+A server prints ``loraserve <role> serving on ADDRESS`` once it is SERVING (``common.server.run_server``;
+``HOST:PORT``, or ``unix:/absolute/path`` with ``--listen unix:PATH``: one word either way, the line's last);
 ``start_server`` launches ``python -m loraserve ARGS``, reads its output on a thread (so the pipe never fills),
 and ``ServerProcess.wait_ready`` returns the address from that line.
 """
@@ -53,8 +54,8 @@ class ServerProcess:
             self._ready.set()  # the process ended: wake up a waiter
 
     def wait_ready(self, timeout: float = 120.0) -> str:
-        """The address ``HOST:PORT`` once the server says it serves; kills it and raises UNAVAILABLE if it
-        exits or stays silent for ``timeout`` seconds."""
+        """The address (``HOST:PORT`` or ``unix:PATH``) once the server says it serves; kills it and raises
+        UNAVAILABLE if it exits or stays silent for ``timeout`` seconds."""
         self._ready.wait(timeout)
         if not self.address:
             self.popen.kill()

@@ -3,8 +3,9 @@ port) and one serve lifecycle, ``run_server``, used by the worker, registry and 
 
 Lifecycle: build the server with security and the ``StatusInterceptor``, bind, start with health
 NOT_SERVING, run the optional warm-up, turn health SERVING, start the background tasks, print the ready line
-``loraserve <role> serving on host:port``; on SIGTERM/SIGINT (or ``stop``) turn health NOT_SERVING, cancel the
-background tasks, drain in-flight RPCs for ``grace`` seconds, then run the cleanup callbacks in order.
+``loraserve <role> serving on ADDRESS`` (``host:port`` with the port bound, or ``unix:/absolute/path``); on
+SIGTERM/SIGINT (or ``stop``) turn health NOT_SERVING, cancel the background tasks, drain in-flight RPCs for
+``grace`` seconds, remove the unix socket file (when serving on one), then run the cleanup callbacks in order.
 """
 
 from __future__ import annotations
@@ -16,13 +17,19 @@ import logging
 import signal
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from loraserve.common.addresses import (
+    claim_unix_socket,
+    parse_address,
+    release_unix_socket,
+    socket_file,
+)
 from loraserve.common.interceptors import StatusInterceptor
 from loraserve.common.observability import start_metrics
 from loraserve.common.security import ServerSecurity
@@ -71,7 +78,9 @@ def new_server(role: str, security: ServerSecurity, max_message_bytes: int | Non
 def build_server(
     services: Services, address: str, security: ServerSecurity | None = None
 ) -> tuple[grpc.aio.Server, int, Any]:
-    """Servicers + health (NOT_SERVING until told otherwise) + reflection, bound to ``address``.
+    """Servicers + health (NOT_SERVING until told otherwise) + reflection, bound to ``address``
+    (``host:port``, or ``unix:PATH``: a socket file left there by a process that is gone is removed first, one
+    a live process serves on refused with UNAVAILABLE; ``common.addresses``).
 
     Returns (server, bound port, health servicer); the server is not started.
     """
@@ -83,7 +92,10 @@ def build_server(
     reflection.enable_server_reflection(
         (*services.names, reflection.SERVICE_NAME, health.SERVICE_NAME), server
     )
-    return server, security.add_port(server, address), health_servicer
+    listen = parse_address(address, listen=True)
+    if listen.unix:
+        claim_unix_socket(listen.path)
+    return server, security.add_port(server, str(listen)), health_servicer
 
 
 async def set_health(health_servicer: Any, service_names: Sequence[str], serving: bool) -> None:
@@ -106,25 +118,29 @@ async def _call(fn: Callable[[], Any]) -> None:
 
 async def run_server(
     services: Services,
-    host: str,
-    port: int,
+    address: str,
     security: ServerSecurity,
     *,
     metrics_port: int = 0,
     warmup: Callable[[], Awaitable[None]] | None = None,
-    background: Sequence[Callable[[int], Coroutine[Any, Any, None]]] = (),
+    background: Sequence[Callable[[str], Coroutine[Any, Any, None]]] = (),
     cleanup: Sequence[Callable[[], Any]] = (),
     grace: float = 5.0,
     stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve ``services`` on ``host:port`` until SIGTERM/SIGINT (main thread only) or ``stop`` is set, then drain.
+    """Serve ``services`` on ``address`` (``host:port``, port 0 = a free one, or ``unix:PATH``) until
+    SIGTERM/SIGINT (main thread only) or ``stop`` is set, then drain.
 
-    ``background`` coroutines get the bound port (e.g. a worker advertises it) and are cancelled at drain;
-    ``cleanup`` callbacks (sync or async) run after the server stopped, even when start-up failed.
+    ``background`` coroutines get the address served on, as the ready line prints it (e.g. a worker advertises
+    it), and are cancelled at drain; ``cleanup`` callbacks (sync or async) run after the server stopped, even
+    when start-up failed. ``metrics_port`` 0 opens no metrics port.
     """
     try:
         start_metrics(metrics_port)
-        server, bound, health_servicer = build_server(services, f"{host}:{port}", security)
+        listen = parse_address(address, listen=True)
+        server, bound, health_servicer = build_server(services, str(listen), security)
+        served = str(listen) if listen.unix else str(replace(listen, port=bound))
+        socket_id = socket_file(listen.path) if listen.unix else None  # the file is there once bound
         await set_health(health_servicer, services.names, False)
         await server.start()
         tasks: list[asyncio.Task] = []
@@ -137,14 +153,14 @@ async def run_server(
             loop.add_signal_handler(sig, stop.set)
         try:
             if warmup is not None:
-                log.info("%s bound to %s:%d; warming up", services.role, host, bound)
+                log.info("%s bound to %s; warming up", services.role, served)
                 await warmup()
             if not stop.is_set():
                 await set_health(health_servicer, services.names, True)
-                tasks = [asyncio.create_task(task(bound)) for task in background]
+                tasks = [asyncio.create_task(task(served)) for task in background]
                 for t in tasks:
                     t.add_done_callback(_report_crash)
-                print(f"loraserve {services.role} serving on {host}:{bound}", flush=True)
+                print(f"loraserve {services.role} serving on {served}", flush=True)
                 await stop.wait()
             log.info("%s draining", services.role)
         finally:
@@ -155,6 +171,8 @@ async def run_server(
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             await server.stop(grace=grace)
+            if listen.unix:  # gRPC removes it too; this one is sure to leave another process's socket alone
+                release_unix_socket(listen.path, socket_id)
             for sig in signals:
                 loop.remove_signal_handler(sig)
     finally:

@@ -80,7 +80,7 @@ class HttpServer:
             None
         )  # the gRPC server owns SIGTERM/SIGINT (older uvicorn)
 
-    async def run(self, _grpc_port: int = 0) -> None:
+    async def run(self, _grpc_address: str = "") -> None:
         """Serve until cancelled; then stop accepting, finish what is in flight and close the socket."""
         task = asyncio.ensure_future(self._serve())
         print(f"loraserve http on {self.scheme}://{self.host}:{self.port}", flush=True)

@@ -51,16 +51,27 @@ BLOCK_CANDIDATES = (16, 8, 4, 2, 1)
 MAX_BLOCK_TOKENS = 512
 
 
-def resolve_attention(name: str) -> str:
-    """``--attention-backend`` value -> implementation: ``auto`` is ``pallas`` on a TPU, ``cpu`` on a CPU
-    where the C++ kernels build (``kernels.cpu.available``), else ``xla``."""
+def resolve_attention(name: str, head_dim: int | None = None, page_size: int | None = None) -> str:
+    """``--attention-backend`` value -> implementation. ``auto``: on a TPU, ``pallas`` where JAX's kernel
+    was measured faster than the xla impl for the model's ``head_dim`` and ``page_size``
+    (:func:`tpu_kernel_faster`), else ``xla``; on a CPU, ``cpu`` where the C++ kernels build
+    (``kernels.cpu.available``), else ``xla``."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     if name == "auto":
         if jax.default_backend() == "tpu":
-            return "pallas"
+            fast = head_dim is not None and page_size is not None and tpu_kernel_faster(head_dim, page_size)
+            return "pallas" if fast else "xla"
         return "cpu" if cpu_kernels.available() else "xla"
     return name
+
+
+def tpu_kernel_faster(head_dim: int, page_size: int) -> bool:
+    """Whether JAX's TPU kernel attends faster than the xla impl, as ``bench/attention.py`` measured on a TPU
+    v5e (docs/kernels.md; bf16, 32 rows of ~1k tokens, 32 query / 8 KV heads): for head size 256 at pages of
+    16 it took 1.53 ms a layer where xla took 2.97; for head size 128 xla was ahead at every page size (0.80
+    vs 1.02 ms at 16, 0.87 vs 2.45 at 4, 0.73 vs 0.78 at 64); below 128 the kernel does not compile."""
+    return head_dim % 128 == 0 and head_dim >= 256 and page_size >= 16
 
 
 def pages_per_compute_block(width: int, page_size: int) -> int:
@@ -68,6 +79,17 @@ def pages_per_compute_block(width: int, page_size: int) -> int:
     spans at most ``MAX_BLOCK_TOKENS`` positions (one page when a page alone is larger)."""
     fits = [c for c in BLOCK_CANDIDATES if width % c == 0 and (c == 1 or c * page_size <= MAX_BLOCK_TOKENS)]
     return fits[0]
+
+
+def pallas_takes(head_dim: int, page_size: int, window: int | None = None, interpret: bool = False) -> bool:
+    """Whether the TPU kernel (``impl="pallas"``) runs a layer of this shape; where it does not, that layer
+    attends through the ``xla`` impl (decided at trace time, per layer).
+
+    JAX's kernel has no sliding window, and its block specs tile the head dimension in whole 128-lane vregs:
+    for a head size that is not a multiple of 128 (16, 64, 80, 96) Mosaic refuses the kernel ("last two
+    dimensions of your block shape are divisible by 8 and 128"), measured on a TPU v5e (docs/kernels.md).
+    Interpreted (off a TPU, ``interpret``) the kernel takes every head size: the tests run it on tiny heads."""
+    return window is None and (interpret or head_dim % 128 == 0)
 
 
 def _softcap(x: Array, cap: float | None) -> Array:
@@ -139,14 +161,16 @@ def decode_attention(
     """
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
-    if impl == "xla" or (impl == "pallas" and window is not None):
+    interp = pallas_kernels.default_interpret() if interpret is None else interpret
+    if impl == "xla" or (
+        impl == "pallas" and not pallas_takes(q.shape[-1], k_pages.shape[2], window, interp)
+    ):
         return _xla(q, k_pages, v_pages, positions, page_tables, scale=scale, softcap=softcap, window=window)
     if impl == "cpu":
         fn = lambda q, k, v, pos, tables: cpu_kernels.paged_attention(  # noqa: E731
             q, k, v, pos, tables, scale=scale, softcap=softcap, window=window
         )
     else:
-        interp = pallas_kernels.default_interpret() if interpret is None else interpret
         fn = lambda q, k, v, pos, tables: _pallas(  # noqa: E731
             q, k, v, pos, tables, scale=scale, softcap=softcap, interpret=interp
         )
@@ -205,5 +229,7 @@ __all__ = [
     "DecodeAttention",
     "decode_attention",
     "pages_per_compute_block",
+    "pallas_takes",
     "resolve_attention",
+    "tpu_kernel_faster",
 ]

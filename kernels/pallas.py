@@ -47,6 +47,7 @@ from loraserve.kernels.shapes import (
     check_shrink,
     check_slices,
     expand_slices_generic,
+    operand_precision,
     shrink_out_dtype,
     slice_offsets,
     valid_rows,
@@ -151,7 +152,7 @@ def _shrink_kernel(slots_ref, counts_ref, idx_ref, x_ref, a_ref, o_ref, acc_ref)
     @pl.when(j < counts_ref[i])
     def _accumulate():
         x, a = _operands(x_ref[...], a_ref[...])  # [bt, bk], [bk, R]
-        part = jnp.dot(x, a, preferred_element_type=ACC_DTYPE)  # [bt, R]; row t only sees x[t]
+        part = jnp.dot(x, a, precision=operand_precision(x, a), preferred_element_type=ACC_DTYPE)  # [bt, R]
         rows = _rows_of(idx_ref, slots_ref[i * L + j], part.shape)
         acc_ref[...] += jnp.where(rows, part, 0.0)  # select (not multiply): other rows' inf/NaN stay out
 
@@ -171,7 +172,7 @@ def _expand_kernel(slots_ref, counts_ref, idx_ref, h_ref, b_ref, y_ref, o_ref, a
     @pl.when(j < counts_ref[i])
     def _accumulate():
         h, b = _operands(h_ref[...], b_ref[...])  # [bt, R], [R, bn]
-        part = jnp.dot(h, b, preferred_element_type=ACC_DTYPE)  # [bt, bn]; row t only sees h[t]
+        part = jnp.dot(h, b, precision=operand_precision(h, b), preferred_element_type=ACC_DTYPE)  # [bt, bn]
         rows = _rows_of(idx_ref, slots_ref[i * L + j], part.shape)
         acc_ref[...] += jnp.where(rows, part, 0.0)  # select the product: 0 x NaN of another slot stays out
 

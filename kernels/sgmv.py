@@ -27,7 +27,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from loraserve.kernels import xla
-from loraserve.kernels.shapes import ACC_DTYPE, check_shrink, expand_slices_generic, shrink_out_dtype
+from loraserve.kernels.shapes import (
+    ACC_DTYPE,
+    check_shrink,
+    expand_slices_generic,
+    operand_precision,
+    shrink_out_dtype,
+)
 
 METHODS = ("masked", "ragged")
 
@@ -93,8 +99,10 @@ def _ragged(lhs, W, seg_slots, seg_lens):  # [T, n] f32
     Wg = _gather_segments(W, seg_slots)  # [G, k, n]
     Wg = jnp.concatenate([Wg, jnp.zeros((1, *Wg.shape[1:]), Wg.dtype)])  # + the padding tail's group
     cd = xla.compute_dtype(lhs, W)
+    lhs, Wg = lhs.astype(cd), Wg.astype(cd)
+    sizes = _ragged_sizes(seg_lens, T)
     return lax.ragged_dot(
-        lhs.astype(cd), Wg.astype(cd), _ragged_sizes(seg_lens, T), preferred_element_type=ACC_DTYPE
+        lhs, Wg, sizes, precision=operand_precision(lhs, Wg), preferred_element_type=ACC_DTYPE
     )
 
 

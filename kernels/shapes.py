@@ -16,9 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 
 ACC_DTYPE = jnp.float32  # every backend accumulates in f32
+
+
+def operand_precision(*operands) -> jax.lax.Precision | None:
+    """The ``precision=`` of a product of ``operands``: ``DEFAULT`` when every one is 16-bit (one MXU pass
+    multiplies bf16 exactly; Mosaic refuses a float32 contract precision on bf16 operands, which a process-wide
+    ``jax.default_matmul_precision("highest")`` would ask of a Pallas kernel or of ``ragged_dot``'s TPU
+    lowering), else None: the caller's ``default_matmul_precision`` (``EngineConfig.matmul_precision``)."""
+    if all(jnp.dtype(a.dtype).itemsize <= 2 for a in operands):
+        return jax.lax.Precision.DEFAULT
+    return None
 
 
 def _shape(name: str, a, ndim: int) -> tuple[int, ...]:

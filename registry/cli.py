@@ -37,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(config: RegistryConfig, stop: asyncio.Event | None = None) -> None:
+    from loraserve.common.addresses import serve_address
     from loraserve.common.server import run_server
     from loraserve.registry.app import open_registry
     from loraserve.registry.server import expire_leases_forever, registry_services
@@ -44,12 +45,11 @@ async def serve(config: RegistryConfig, stop: asyncio.Event | None = None) -> No
     registry = open_registry(config)
     await run_server(
         registry_services(registry.catalog, registry.placement),
-        config.host,
-        config.port,
+        serve_address(config.listen, config.host, config.port),
         config.security(),
         metrics_port=config.metrics_port,
         background=[
-            lambda port: expire_leases_forever(registry.placement, max(0.5, config.lease_seconds / 3))
+            lambda served: expire_leases_forever(registry.placement, max(0.5, config.lease_seconds / 3))
         ],
         cleanup=[registry.close],
         stop=stop,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from loraserve.common.addresses import LISTEN_HELP, check_listen_flags
 from loraserve.common.config import SECURITY, ServerSecurityConfig, config_from_env, opt
 
 ENV_PREFIX = "LORASERVE_REGISTRY_"
@@ -33,8 +34,9 @@ class RegistryConfig(ServerSecurityConfig):
         "fsspec root URL for adapter weights (a folder, memory://…, gs://bucket/prefix)",
         STORAGE,
     )
-    host: str = opt("127.0.0.1", "address to bind", SERVING)
+    host: str = opt("127.0.0.1", "interface to bind (unless --listen)", SERVING)
     port: int = opt(50051, "port to bind (0 picks a free one)", SERVING)
+    listen: str = opt("", LISTEN_HELP, SERVING)
     lease_seconds: int = opt(15, "a worker that misses heartbeats this long loses its placements", SERVING)
     max_upload_bytes: int = opt(1 << 30, "largest adapter weights file accepted", UPLOADS)
     max_concurrent_uploads: int = opt(
@@ -60,6 +62,7 @@ class RegistryConfig(ServerSecurityConfig):
         parent = getattr(super(), "__post_init__", None)
         if parent is not None:
             parent()
+        check_listen_flags(self.listen, self.host)
         if self.max_concurrent_uploads < 1:
             raise ValueError(f"max_concurrent_uploads must be >= 1, got {self.max_concurrent_uploads!r}")
 

@@ -28,6 +28,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import Connection, Row, bindparam, delete, insert, select, update
 from sqlalchemy.orm import selectinload, sessionmaker
 
+from loraserve.common.addresses import parse_address
 from loraserve.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from loraserve.common.slots import SlotState, Tier
 from loraserve.registry.catalog import Catalog
@@ -508,9 +509,12 @@ class Placement:
         secret identity; a retry, a re-registration). A live worker of another identity keeps the address:
         ALREADY_EXISTS, nothing changed (nobody takes over a live worker's address and its requests).
 
+        ``address`` is where routers dial the worker: ``host:port`` or ``unix:/absolute/path`` (recorded in
+        the canonical form, ``common.addresses``; anything else is INVALID_ARGUMENT).
         ``tensor_parallel_size`` 0 (a worker from before the field) is recorded as 1."""
         if not address or not model_id:
             raise InvalidArgument("address and model_id are required")
+        address = str(parse_address(address, what="worker address"))
         if slots <= 0:
             raise InvalidArgument("slots must be positive")
         now = self.clock.now()

@@ -23,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
+    from loraserve.common.addresses import serve_address
     from loraserve.common.server import run_server
     from loraserve.router.routing import Locator, WorkerPool
     from loraserve.router.server import router_services
@@ -50,8 +51,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         background.append(http.run)
     await run_server(
         services,
-        config.host,
-        config.port,
+        serve_address(config.listen, config.host, config.port),
         config.security(),
         metrics_port=config.metrics_port,
         background=background,

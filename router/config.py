@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
+from loraserve.common.addresses import LISTEN_HELP, check_listen_flags
 from loraserve.common.config import SECURITY, InferenceSecurityConfig, config_from_env, opt
 
 if TYPE_CHECKING:
@@ -26,9 +27,14 @@ class RouterConfig(InferenceSecurityConfig):
         SECURITY: "tokens and TLS (docs/security.md)",
     }
 
-    registry: str = opt("127.0.0.1:50051", "registry host:port (LocateAdapter)", UPSTREAM)
-    host: str = opt("127.0.0.1", "address to bind", SERVING)
+    registry: str = opt(
+        "127.0.0.1:50051", "registry address (LocateAdapter): host:port or unix:PATH", UPSTREAM
+    )
+    host: str = opt(
+        "127.0.0.1", "interface to bind: the gRPC port (unless --listen) and --http-port", SERVING
+    )
     port: int = opt(50071, "port to bind (0 picks a free one)", SERVING)
+    listen: str = opt("", LISTEN_HELP, SERVING)
     locate_ttl: float = opt(1.0, "seconds a LocateAdapter answer is reused", UPSTREAM)
     max_candidates: int = opt(3, "workers tried, best first, before giving up with UNAVAILABLE", UPSTREAM)
     metrics_port: int = opt(0, "Prometheus /metrics port (0 = off)", SERVING)
@@ -66,6 +72,7 @@ class RouterConfig(InferenceSecurityConfig):
     def __post_init__(self) -> None:
         from loraserve.common.server import MIN_PING_INTERVAL_S  # here: `loraserve --help` stays light
 
+        check_listen_flags(self.listen, self.host)
         names = ("worker_timeout", "worker_first_token_timeout", "worker_stall_timeout", "upstream_keepalive")
         for name in names:
             value = getattr(self, name)

@@ -22,6 +22,10 @@ import pytest
 from loraserve.testing import make_adapter, save_model
 
 POSTGRES_ENV = "LORASERVE_TEST_POSTGRES_URL"
+# `tpu` tests (the serving stack on a chip) run where the test process holds a TPU, or with this variable set:
+# "tpu" (tests/tpu.sh's second run: the servers the tests start take the chip, this process computes its
+# references on the CPU), or "cpu" (everything on this CPU: how a developer checks those tests without a chip)
+SERVERS_ON = "LORASERVE_TEST_SERVERS_ON"
 
 
 # XLA:CPU flags for compile-bound test processes (every engine warms up dozens of tiny-model programs; results
@@ -86,7 +90,13 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["XLA_FLAGS"] = f"{original or ''} {TEST_XLA_FLAGS}".strip()
     import jax
 
+    if os.environ.get(SERVERS_ON) == "tpu":  # the chip is for the servers this run starts: none here
+        jax.config.update("jax_platforms", "cpu")  # not JAX_PLATFORMS, which the servers would inherit
     jax.devices()
+    if jax.default_backend() == "tpu":
+        # float32 references at float32 (a TPU multiplies float32 in one bfloat16 pass by default); the engines
+        # under test trace their steps at EngineConfig.matmul_precision (auto: highest for float32) anyway
+        jax.config.update("jax_default_matmul_precision", "highest")
     if original is None:
         del os.environ["XLA_FLAGS"]
     else:
@@ -160,9 +170,30 @@ def _check_exclusive_files(items: list[pytest.Item]) -> None:
         )
 
 
+def _platform_marks(items: list[pytest.Item]) -> None:
+    """``cpu_only(reason)`` tests are skipped on a TPU with their reason shown (``make test-tpu`` lists the
+    skips: none is silent); ``tpu`` tests elsewhere unless :data:`SERVERS_ON` says where their servers run."""
+    import jax
+
+    on_tpu = jax.default_backend() == "tpu"
+    servers_on = os.environ.get(SERVERS_ON, "")
+    if servers_on not in ("", "tpu", "cpu"):
+        raise pytest.UsageError(f"{SERVERS_ON} must be tpu or cpu, got {servers_on!r}")
+    for item in items:
+        cpu_only = item.get_closest_marker("cpu_only")
+        if cpu_only is not None:
+            if not cpu_only.args or not str(cpu_only.args[0]).strip():
+                raise pytest.UsageError(f"{item.nodeid}: pytest.mark.cpu_only needs its reason")
+            if on_tpu:
+                item.add_marker(pytest.mark.skip(reason=f"CPU-only: {cpu_only.args[0]}"))
+        if item.get_closest_marker("tpu") is not None and not (on_tpu or servers_on):
+            item.add_marker(pytest.mark.skip(reason=f"needs a TPU ({SERVERS_ON}=cpu runs it on this CPU)"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _longest_first(items)
     _check_exclusive_files(items)
+    _platform_marks(items)
     if os.environ.get(POSTGRES_ENV):
         return
     skip = pytest.mark.skip(reason=f"{POSTGRES_ENV} is not set: no PostgreSQL server to test against")

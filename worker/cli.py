@@ -16,6 +16,7 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from loraserve.common.addresses import parse_address, serve_address
 from loraserve.common.config import (
     add_config_flags,
     add_logging_flags,
@@ -112,10 +113,11 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     async def warmup() -> None:
         await asyncio.get_running_loop().run_in_executor(None, lambda: engine.start(warmup=config.warmup))
 
-    def register(port: int):
+    def register(served: str):
         from loraserve.worker.registration import Registration
 
-        advertise = config.advertise_address or f"{config.host}:{port}"
+        # the address the ready line prints: host and the port bound, or unix:/absolute/path
+        advertise = config.advertise_address or served
         return Registration(
             engine,
             config.registry,
@@ -130,8 +132,7 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
         background.append(register)
     await run_server(
         services,
-        config.host,
-        config.port,
+        serve_address(config.listen, config.host, config.port),
         config.security(),
         metrics_port=config.metrics_port,
         warmup=warmup,
@@ -151,6 +152,7 @@ PROGRAM_SETTINGS = (
     "max_batch_size", "max_seq_len", "max_loras", "max_lora_rank", "max_mix", "prefill_per_step",
     "max_prefill_tokens", "prefill_chunk", "min_prefill_bucket", "kernel_backend", "dtype", "lora_dtype",
     "tensor_parallel_size", "attention_backend", "linear_backend", "kv_page_size", "kv_pages", "kv_cache_bytes",
+    "matmul_precision",
 )  # fmt: skip
 
 
@@ -213,6 +215,8 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(WorkerConfig, ENV_PREFIX, args)
     if not config.model:
         raise InvalidArgument("loraserve worker: --model (or LORASERVE_WORKER_MODEL) is required")
+    if config.advertise_address:  # refused now, before the model loads, rather than at every registration
+        parse_address(config.advertise_address, what="--advertise-address")
     code = asyncio.run(serve(config))
     if code:  # a multi-host group lost a process: skip jax.distributed's exit barrier, which would abort
         logging.shutdown()

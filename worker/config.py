@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, Literal
 
+from loraserve.common.addresses import LISTEN_HELP, check_listen_flags
 from loraserve.common.config import (
     AUTO,
     SECURITY,
@@ -34,6 +35,7 @@ from loraserve.common.config import (
 log = logging.getLogger(__name__)
 
 DTYPES = ("float32", "bfloat16")
+MATMUL_PRECISIONS = (AUTO, "default", "high", "highest")  # jax.default_matmul_precision's names, and auto
 # the choices of kernel_backend, attention_backend and linear_backend below are the values of
 # kernels.KERNEL_BACKENDS, kernels.attention.ATTENTION_BACKENDS and kernels.linear.LINEAR_BACKENDS, spelled
 # out so that `loraserve --help` imports no JAX (tests/worker/test_config.py keeps them equal)
@@ -139,10 +141,19 @@ class EngineConfig:
     )
     attention_backend: Literal["auto", "xla", "pallas", "cpu"] = opt(
         "auto",
-        "decode attention over the paged KV cache: auto (pallas on a TPU, cpu on a CPU where the C++ kernels"
-        " build, else xla), xla (gather each row's pages, dense attention), cpu (C++ kernel reading the pages"
-        " in place) or pallas (JAX's TPU paged-attention kernel; sliding-window layers use xla; interpreted,"
-        " slowly, off a TPU); kernels.attention",
+        "decode attention over the paged KV cache: auto (on a TPU pallas where it was measured faster: head size"
+        " >= 256 with pages >= 16, else xla; on a CPU cpu where the C++ kernels build, else xla), xla (gather each"
+        " row's pages, dense attention), cpu (C++ kernel reading the pages in place) or pallas (JAX's TPU"
+        " paged-attention kernel; sliding-window layers, and on a TPU head sizes not a multiple of 128, use xla;"
+        " interpreted, slowly, off a TPU); kernels.attention",
+        KERNELS,
+    )
+    matmul_precision: Literal["auto", "default", "high", "highest"] = opt(
+        "auto",
+        "precision of the float32 matrix products of the compiled steps (jax.default_matmul_precision): auto"
+        " (highest for --dtype float32, default for bfloat16), default (a TPU multiplies float32 in one"
+        " bfloat16 pass: ~3 significant digits), high (three bfloat16 passes) or highest (float32 as a CPU"
+        " computes it, ~6 passes on a TPU). CPUs compute float32 exactly at every setting",
         KERNELS,
     )
     linear_backend: Literal["auto", "xla", "cpu"] = opt(
@@ -191,6 +202,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             names = ", ".join(ATTENTION_BACKENDS)
             raise ValueError(f"attention_backend must be one of {names}, got {self.attention_backend!r}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            names = ", ".join(MATMUL_PRECISIONS)
+            raise ValueError(f"matmul_precision must be one of {names}, got {self.matmul_precision!r}")
         if self.linear_backend not in LINEAR_BACKENDS:
             names = ", ".join(LINEAR_BACKENDS)
             raise ValueError(f"linear_backend must be one of {names}, got {self.linear_backend!r}")
@@ -229,6 +243,15 @@ class EngineConfig:
         """The linear backend the compiled steps are traced with (``kernels.linear.traced_with``):
         ``linear_backend``, but ``xla`` when the model is split over devices."""
         return "xla" if self.tensor_parallel_size > 1 else self.linear_backend
+
+    @property
+    def traced_matmul_precision(self) -> str:
+        """The matmul precision the compiled steps are traced under: ``matmul_precision``, ``auto`` resolved
+        against ``dtype`` (highest for float32: a user who asks for float32 gets float32 products on a TPU
+        too; bfloat16 operands take one pass whatever the setting)."""
+        if self.matmul_precision != AUTO:
+            return self.matmul_precision
+        return "highest" if self.dtype == "float32" else "default"
 
     @property
     def resolved(self) -> bool:
@@ -375,8 +398,15 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
         " the embedding for the lookup and adds the quantized head",
         MODEL,
     )
-    host: str = opt("127.0.0.1", "address to bind", SERVING)
+    host: str = opt(
+        "127.0.0.1", "interface to bind: the gRPC port (unless --listen) and --http-port", SERVING
+    )
     port: int = opt(50061, "gRPC port to bind (0 picks a free one)", SERVING)
+    listen: str = opt(
+        "",
+        LISTEN_HELP + "; the worker registers unix:/absolute/path unless --advertise-address",
+        SERVING,
+    )
     adapter_dir: str = opt(
         "",
         "folder (or fsspec URL) of PEFT adapter folders served by name (when no registry is set)",
@@ -390,12 +420,15 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
     )
     registry: str = opt(
         "",
-        "registry host:port: adapters come from it, and the worker registers and heartbeats (empty: no"
-        " registry)",
+        "registry address, host:port or unix:PATH: adapters come from it, and the worker registers and"
+        " heartbeats (empty: no registry)",
         SERVING,
     )
     advertise_address: str = opt(
-        "", "host:port the router uses to reach this worker (empty: host and the port bound)", SERVING
+        "",
+        "address the routers dial to reach this worker, host:port or unix:/absolute/path (empty: the one it"
+        " serves on: host and the port bound, or --listen's socket)",
+        SERVING,
     )
     cache_dir: str = opt(
         "",
@@ -450,6 +483,10 @@ class WorkerConfig(InferenceSecurityConfig, EngineConfig):
         " before the group reports NOT_SERVING and exits 3 (the LeaderWorkerSet restarts it)",
         MULTIHOST,
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_listen_flags(self.listen, self.host)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None, **overrides: object) -> WorkerConfig:

@@ -8,10 +8,11 @@ one of the LoRA backend's ``warmup_plans`` variants, so after ``warmup`` nothing
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -131,17 +132,19 @@ def jit_steps(
     attention: Any = "xla",
     linear: str = "auto",
     out_shardings: Any = None,
+    precision: str = "default",
 ) -> Steps:
     """Jit :func:`prefill_step` and :func:`decode_step` for ``cfg`` on ``backend``, each traced under the
     ``linear`` backend of the base projections (``kernels.linear``), the KV cache and history donated by
     name. ``out_shardings`` (tensor parallelism): ``(sampled, cache)`` shardings, pinned so the donated
-    cache keeps one layout.
+    cache keeps one layout. ``precision``: the ``jax.default_matmul_precision`` the steps are traced under
+    (``EngineConfig.traced_matmul_precision``; what a TPU does with float32 products, :func:`traced_at`).
 
     Memoized per process (the last :data:`STEPS_KEPT` distinct arguments, compared by value): runners of one
     model on one backend (a benchmark's peer engines, a runner rebuilt in place, a test suite) share the
     jitted functions, so each input shape is traced, lowered and compiled once per process. The weights are
     arguments of the steps, not constants, so two checkpoints of one architecture share them too."""
-    key = _frozen((cfg, backend, attention, linear, out_shardings))
+    key = _frozen((cfg, backend, attention, linear, out_shardings, precision))
     with _steps_lock:
         steps = _steps_memo.get(key)
         if steps is not None:
@@ -152,8 +155,8 @@ def jit_steps(
         jit = partial(jit, out_shardings=out_shardings)
     seed_shardings = None if out_shardings is None else out_shardings[0]
     steps = Steps(
-        jit(traced_with(linear, partial(prefill_step, cfg, backend))),
-        jit(traced_with(linear, partial(decode_step, cfg, backend, attention))),
+        jit(traced_at(precision, traced_with(linear, partial(prefill_step, cfg, backend)))),
+        jit(traced_at(precision, traced_with(linear, partial(decode_step, cfg, backend, attention)))),
         jax.jit(seed_row, donate_argnames="history", out_shardings=seed_shardings),
     )
     with _steps_lock:
@@ -161,6 +164,21 @@ def jit_steps(
         while len(_steps_memo) > STEPS_KEPT:
             _steps_memo.popitem(last=False)
     return steps
+
+
+def traced_at(precision: str, fn: Callable) -> Callable:
+    """``fn`` traced under ``jax.default_matmul_precision(precision)``: every float32 product it traces
+    without a precision of its own takes that one (a TPU multiplies float32 in one bfloat16 pass at
+    ``default``, in ~6 at ``highest``; a CPU exactly at every setting). ``default`` adds nothing."""
+    if precision == "default":
+        return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with jax.default_matmul_precision(precision):
+            return fn(*args, **kwargs)
+
+    return wrapped
 
 
 STEPS_KEPT = 16  # jit_steps' memo: distinct (model, backend, attention, linear, shardings) kept per process
@@ -288,7 +306,8 @@ class JaxRunner:
                 jax.process_count(),
             )
         # decode attention over the pages: the TPU kernel runs per device of the mesh (kernels.attention)
-        self.attention = DecodeAttention(resolve_attention(config.attention_backend), self.mesh)
+        impl = resolve_attention(config.attention_backend, checkpoint.config.head_dim, config.kv_page_size)
+        self.attention = DecodeAttention(impl, self.mesh)
         log.info(
             "multi-LoRA kernels: %s (%s), slot pools %s, tensor parallel %d, decode attention %s (%s),"
             " base projections %s (%s)",
@@ -319,7 +338,12 @@ class JaxRunner:
         )
         # the base projections of both steps run on config.traced_linear_backend (kernels.linear)
         self._steps = jit_steps(
-            self.model_config, self.backend, self.attention, config.traced_linear_backend, out_shardings
+            self.model_config,
+            self.backend,
+            self.attention,
+            config.traced_linear_backend,
+            out_shardings,
+            config.traced_matmul_precision,
         )
         self.init_state()
         self.channel, self._replaying = channel, False

@@ -52,6 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from loraserve.kernels.linear import linear
+from loraserve.kernels.shapes import operand_precision
 from loraserve.worker.model_config import ModelConfig
 
 Array = jax.Array
@@ -336,14 +337,20 @@ def _tile_delta(pools: Pools, group: str, x: Array, e: Array, s: Array) -> Array
     return jnp.einsum("rk,ko->ro", t.astype(jnp.float32), b.astype(jnp.float32))
 
 
+def _ragged_dot(lhs: Array, rhs: Array, sizes: Array) -> Array:
+    """``jax.lax.ragged_dot`` in f32, bf16 operands at ``DEFAULT`` precision (``kernels.shapes.operand_precision``:
+    on a TPU it lowers to a Mosaic kernel, which refuses a float32 contract precision on bf16 operands)."""
+    return jax.lax.ragged_dot(
+        lhs, rhs, sizes, precision=operand_precision(lhs, rhs), preferred_element_type=jnp.float32
+    )
+
+
 def _ragged_delta(pools: Pools, group: str, xs: Array, sizes: Array, on: Array) -> Array:
     """``[P, out]`` f32: the sorted pairs' LoRA as grouped matmuls over the ``E * S`` (expert, slot) groups."""
     a, b = pools[f"EA_{group}"], pools[f"EB_{group}"]  # [E, S, in, R], [E, S, R, out]
     a = a.reshape(-1, *a.shape[2:]).astype(xs.dtype)
-    t = jax.lax.ragged_dot(xs, a, sizes, preferred_element_type=jnp.float32).astype(xs.dtype)
-    d = jax.lax.ragged_dot(
-        t, b.reshape(-1, *b.shape[2:]).astype(xs.dtype), sizes, preferred_element_type=jnp.float32
-    )
+    t = _ragged_dot(xs, a, sizes).astype(xs.dtype)
+    d = _ragged_dot(t, b.reshape(-1, *b.shape[2:]).astype(xs.dtype), sizes)
     return d * on[:, None]
 
 
@@ -369,11 +376,11 @@ def _ragged(
         order = jnp.argsort(flat, stable=True)  # pairs grouped by expert
     sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
     xs = x[order // k]
-    gu = jax.lax.ragged_dot(xs, lp["experts_gate_up"], sizes, preferred_element_type=jnp.float32)
+    gu = _ragged_dot(xs, lp["experts_gate_up"], sizes)
     if pools:
         gu = gu + _ragged_delta(pools, "gate_up", xs, lora_sizes, on)
     act = _act(cfg, gu, x.dtype)
-    down = jax.lax.ragged_dot(act, lp["experts_down"], sizes, preferred_element_type=jnp.float32)
+    down = _ragged_dot(act, lp["experts_down"], sizes)
     if pools:
         down = down + _ragged_delta(pools, "down", act, lora_sizes, on)
     unsorted = down.astype(x.dtype)[jnp.argsort(order)].reshape(t, k, -1)

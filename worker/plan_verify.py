@@ -108,13 +108,15 @@ def compiled_decode_memory(
     plan = backend.warmup_plans(batch, max_loras)[-1]  # the variant with adapter rows
     inv_freq = np.asarray(tcfg.inv_freq(), np.float32)
     samp = tuple(abstract(a) for a in SamplingArrays.empty(batch, tcfg.vocab_size).as_tuple())
-    attention = DecodeAttention.of(resolve_attention(config.attention_backend), backend)  # as the worker
+    impl = resolve_attention(config.attention_backend, tcfg.head_dim, config.kv_page_size)  # as the worker
+    attention = DecodeAttention.of(impl, backend)
     step = jit_steps(
         tcfg,
         backend,
         attention,
         config.traced_linear_backend,
         st["out_shardings"],  # as the worker
+        config.traced_matmul_precision,
     ).decode
     tables = jax.ShapeDtypeStruct((batch, config.pages_per_row), jnp.int32, sharding=rep)  # the widest step
     compiled = step.lower(

@@ -262,7 +262,21 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
             max_context=e.max_seq_len,
             prefix_caching=e.enable_prefix_caching,
             max_mix=e.max_mix,
+            **_device_memory(jax.local_devices()[0]),
         )
+
+
+def _device_memory(device: Any) -> dict[str, int]:
+    """WorkerInfo's device memory fields from ``device.memory_stats()`` (None on CPUs: zeros)."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # a runtime without the call reports no memory, as a CPU does
+        stats = {}
+    return {
+        "device_bytes_in_use": int(stats.get("bytes_in_use", 0)),
+        "device_peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0)),
+        "device_bytes_limit": int(stats.get("bytes_limit", 0)),
+    }
 
 
 SERVICE_NAMES = (

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from loraserve.cli import EXIT_REFUSED, main
+from loraserve.common.addresses import NEITHER
+from tests.e2e.procs import unix_socket_dir
 
 DEAD = "127.0.0.1:1"  # nothing listens on port 1: the connection is refused at once
 
@@ -131,3 +133,28 @@ def test_servers_refuse_what_they_cannot_start_with(tmp_path, monkeypatch, capsy
         capsys,
     )
     assert line.startswith("error: INVALID_ARGUMENT: cannot read a TLS file: "), line
+
+
+def test_servers_refuse_addresses_they_cannot_listen_on_or_advertise(tmp_path, capsys) -> None:
+    """--listen and --advertise-address are checked before anything loads; a unix socket a live process serves
+    on is not taken over (no TCP socket in this test: it runs where there is none)."""
+    assert _refusal(["router", "serve", "--listen", "/run/r.sock"], capsys) == (
+        f"error: INVALID_ARGUMENT: listen '/run/r.sock' {NEITHER}"
+    )
+    assert _refusal(["registry", "serve", "--host", "unix:/run/r.sock"], capsys) == (
+        "error: INVALID_ARGUMENT: host 'unix:/run/r.sock': --host names a TCP interface; a unix socket is"
+        " --listen unix:/run/r.sock"
+    )
+    model = ["worker", "--model", str(tmp_path / "no-model")]
+    assert _refusal([*model, "--advertise-address", "unix:w.sock"], capsys).startswith(
+        "error: INVALID_ARGUMENT: --advertise-address 'unix:w.sock': the socket path must be absolute"
+    )
+    assert _refusal([*model, "--advertise-address", "10.0.0.5"], capsys) == (
+        f"error: INVALID_ARGUMENT: --advertise-address '10.0.0.5' {NEITHER}"
+    )
+    with unix_socket_dir() as folder, socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live:
+        live.bind(str(folder / "live.sock"))
+        live.listen()
+        assert _refusal(["router", "serve", "--listen", f"unix:{folder / 'live.sock'}"], capsys) == (
+            f"error: UNAVAILABLE: cannot bind unix:{folder / 'live.sock'}: another process is serving on it"
+        )

@@ -75,13 +75,12 @@ async def _serve(registry: str, model_id: str, max_loras: int, step_seconds: flo
     async def warmup() -> None:
         engine.start()
 
-    def register(port: int):
-        return Registration(engine, registry, f"127.0.0.1:{port}", model_id).run()
+    def register(address: str):
+        return Registration(engine, registry, address, model_id).run()
 
     await run_server(
         services,
-        "127.0.0.1",
-        0,
+        "127.0.0.1:0",
         ServerSecurity(),
         warmup=warmup,
         background=[register],

@@ -5,10 +5,14 @@ The launcher is ``loraserve.common.processes`` (the demo uses the same one).
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -38,7 +42,8 @@ def wait_healthy(address: str, timeout: float = 60.0) -> None:
 def loraserve_process(
     args: list[str], env: dict[str, str] | None = None, timeout: float = 120.0
 ) -> Iterator[ServerProcess]:
-    """Run ``loraserve ARGS`` (pass ``--port 0``); waits for its 'serving on HOST:PORT' line, stops it after."""
+    """Run ``loraserve ARGS`` (pass ``--port 0``, or ``--listen unix:PATH``); waits for its 'serving on
+    ADDRESS' line (``proc.address``: ``HOST:PORT`` or ``unix:/absolute/path``), stops it after."""
     proc = start_server(args, env, timeout=timeout)
     try:
         yield proc
@@ -76,3 +81,54 @@ def free_port_pair() -> int:
                     continue
             return port
     raise RuntimeError("no two consecutive free ports")
+
+
+@contextmanager
+def unix_socket_dir() -> Iterator[Path]:
+    """A folder for unix-domain sockets, removed after: short, under /tmp, as a socket's path holds at most
+    107 bytes (pytest's tmp_path, nested under the test's name, may not fit)."""
+    folder = tempfile.mkdtemp(prefix="ls-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    try:
+        yield Path(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:[") : -1])
+    return inodes
+
+
+INET_TABLES = ("tcp", "tcp6", "udp", "udp6", "udplite", "udplite6", "raw", "raw6")
+
+
+def inet_sockets(pid: int) -> list[str]:
+    """Every TCP, UDP and raw IP socket process ``pid`` holds open now, as ``table local-address`` (hex, as
+    /proc writes it): its file descriptors' socket inodes that its network namespace's tables list."""
+    inodes, found = _socket_inodes(pid), []
+    for table in INET_TABLES:
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except FileNotFoundError:  # a kernel without that protocol
+            continue
+        for cols in (line.split() for line in lines):
+            if cols[9] in inodes:  # sl, local, remote, state, queues, timer, retransmits, uid, timeout, inode
+                found.append(f"{table} {cols[1]}")
+    return found
+
+
+def unix_socket_paths(pid: int) -> set[str]:
+    """The paths of the unix-domain sockets process ``pid`` holds that have one (listening ones, say)."""
+    inodes, paths = _socket_inodes(pid), set()
+    for line in Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]:
+        cols = line.split()  # Num, RefCount, Protocol, Flags, Type, St, Inode[, Path]
+        if len(cols) > 7 and cols[6] in inodes:
+            paths.add(cols[7])
+    return paths

@@ -177,3 +177,18 @@ def test_unknown_backend_name_is_a_clear_error() -> None:
 def test_cpu_backend_refuses_pools_it_cannot_read() -> None:
     with pytest.raises(ValueError, match="the cpu backend takes float32, bfloat16 pools, got float16"):
         CpuBackend().init_pools(SLOT_SHAPES, 1, S, jnp.float16)
+
+
+def test_bf16_products_take_default_precision_whatever_the_process_asks() -> None:
+    """``operand_precision``: 16-bit operands multiply at ``DEFAULT`` (exact in one MXU pass; Mosaic refuses a
+    float32 contract precision on them), anything wider defers to ``jax.default_matmul_precision`` (None)."""
+    from loraserve.kernels.shapes import operand_precision
+
+    bf16, f32 = jnp.zeros((2, 2), jnp.bfloat16), jnp.zeros((2, 2), jnp.float32)
+    assert operand_precision(bf16, bf16) == jax.lax.Precision.DEFAULT
+    assert operand_precision(f32, f32) is None and operand_precision(bf16, f32) is None
+    with jax.default_matmul_precision("highest"):  # a bf16 product still lowers at DEFAULT
+        text = (
+            jax.jit(lambda a, b: jnp.dot(a, b, precision=operand_precision(a, b))).lower(bf16, bf16).as_text()
+        )
+    assert "HIGHEST" not in text

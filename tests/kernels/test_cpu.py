@@ -22,6 +22,9 @@ from loraserve import kernels
 from loraserve.kernels import cpu
 from loraserve.kernels import reference as ref
 from tests.kernels.strategies import Problem, assert_matches_reference, problems, run_all_ops
+from tests.platform import cpp_only
+
+pytestmark = cpp_only
 
 FAST = settings(max_examples=15, deadline=None)
 

@@ -19,8 +19,14 @@ import pytest
 from loraserve.kernels import cpu
 from loraserve.kernels import linear as L
 from loraserve.worker.config import EngineConfig
+from tests.platform import ON_TPU, cpp_only
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ kernels unavailable (test_cpu fails then)")
+pytestmark = [
+    cpp_only,
+    pytest.mark.skipif(
+        not ON_TPU and not cpu.available(), reason="C++ kernels unavailable (test_cpu fails then)"
+    ),
+]
 
 # M: 1..64 rows (AMX_KERNEL_MAX_ROWS) and the 4-column tile tails; K: the 32-element step and its masked
 # tail; N: the 4-row weight blocks, their 1-row tail and the 256-row work items split over threads.

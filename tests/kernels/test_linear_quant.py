@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 from loraserve.kernels import cpu
+from tests.platform import CPP_KERNELS
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ kernels unavailable (test_cpu fails then)")
 
@@ -275,6 +276,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.cpu_only(CPP_KERNELS)
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64-v3 is an x86 target")
 def test_the_avx2_build(tmp_path: Path) -> None:
     """Every case above, and linear_bf16's (tests/kernels/test_linear.py), through the library built for
@@ -291,6 +293,7 @@ def test_the_avx2_build(tmp_path: Path) -> None:
     assert [p.name[:9] for p in tmp_path.iterdir()] == ["lora_cpu-"]
 
 
+@pytest.mark.cpu_only(CPP_KERNELS)
 @pytest.mark.parametrize("switch", ["LORASERVE_KERNEL_AMX", "LORASERVE_KERNEL_AMX_INT8"])
 def test_the_other_paths_on_an_amx_cpu(switch: str) -> None:
     """Where the kernels multiply on AMX tiles (kernels/csrc/amx.h), every case above, and linear_bf16's, once

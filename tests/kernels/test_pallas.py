@@ -1,4 +1,4 @@
-"""The ``pallas`` backend (run interpreted on CPU) equals the ``reference`` backend.
+"""The ``pallas`` backend (run interpreted on CPU, compiled by Mosaic on a TPU) equals the ``reference`` backend.
 
 Tolerances as in test_xla.py (kernels.testing.TOLERANCE): f32 2e-5, bf16 2e-2 (atol = rtol).
 Interpret mode is slow to compile, so the property test draws fewer, smaller examples.
@@ -19,6 +19,7 @@ from loraserve.kernels import pallas as pk
 from loraserve.kernels import reference as ref
 from loraserve.kernels.testing import random_lora_case, tolerance
 from tests.kernels.strategies import Problem, assert_matches_reference, problems, run_all_ops
+from tests.platform import INTERPRET, ON_TPU
 
 # shrink (x's dtype out), expand (h in y's dtype), and add_lora_slices (f32 shrink, then slices):
 # every kernel and dtype path, with half the compilations of running all six ops.
@@ -28,7 +29,7 @@ PALLAS_OPS = ("shrink", "expand", "add_lora_slices")
 @settings(max_examples=15, deadline=None)
 @given(problems(max_T=300, max_dim=40, max_S=64, max_R=64), st.sampled_from([None, 16, 32]))
 def test_pallas_matches_reference(p: Problem, block_t: int | None) -> None:
-    assert pk.default_interpret()  # this CPU machine: the kernels run interpreted
+    assert pk.default_interpret() == (not ON_TPU)  # interpreted on a CPU, compiled for the chip on a TPU
     got = run_all_ops(p, "pallas", PALLAS_OPS, block_t=block_t)
     assert_matches_reference(p, got, run_all_ops(p, "reference", PALLAS_OPS))
 
@@ -57,6 +58,7 @@ def _interpret_params() -> pltpu.InterpretParams:
     return pltpu.InterpretParams(out_of_bounds_reads="raise", uninitialized_memory="nan", detect_races=True)
 
 
+@pytest.mark.cpu_only(INTERPRET)
 @pytest.mark.parametrize(
     ("dtype", "T", "outs", "lane_cap"),
     [

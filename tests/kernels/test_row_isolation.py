@@ -23,6 +23,7 @@ import pytest
 from loraserve import kernels
 from loraserve.kernels import grouped
 from tests.conftest import TEST_XLA_FLAGS
+from tests.platform import SUBPROCESS_JAX, cpp_only
 
 T, D_IN, S, R = 12, 40, 5, 4
 OUTS = (24, 8, 8)
@@ -106,9 +107,12 @@ def _plans(backend, idx: np.ndarray) -> dict[str, object]:
 # bf16 pools where the backend has code of its own for them (the C++ kernels); the others' ops are
 # dtype-generic jnp/Pallas code, and the model-level test runs them on their own
 CASES = [(n, jnp.float32) for n in NAMES] + [("cpu", jnp.bfloat16)]
+PARAMS = [
+    pytest.param(n, d, id=f"{n}-{jnp.dtype(d).name}", marks=cpp_only if n == "cpu" else ()) for n, d in CASES
+]
 
 
-@pytest.mark.parametrize(("name", "dtype"), CASES, ids=[f"{n}-{jnp.dtype(d).name}" for n, d in CASES])
+@pytest.mark.parametrize(("name", "dtype"), PARAMS)
 def test_a_poisoned_slot_never_reaches_another_row(name: str, dtype) -> None:
     backend = kernels.get_backend(name)
     backend.check()
@@ -142,6 +146,7 @@ def test_a_poisoned_slot_never_reaches_another_row(name: str, dtype) -> None:
         )
 
 
+@pytest.mark.cpu_only(SUBPROCESS_JAX)
 def test_sharded_backends_keep_rows_isolated() -> None:
     """Every backend under ShardedBackend on two devices, column- and row-parallel (child process)."""
     env = dict(os.environ)

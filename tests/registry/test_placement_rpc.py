@@ -108,7 +108,23 @@ def test_register_validation(reg, tiny_shapes) -> None:
             pp.RegisterWorkerRequest(address="", model_id=TINY_MODEL, slots=1)
         )
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for garbage, why in [
+        ("10.0.2.9", "is neither HOST:PORT"),
+        ("10.0.2.9:0", "the port must be a number from 1 to 65535"),
+        ("<script>:80", "is no host name or IP address"),
+        ("unix:relative.sock", "the socket path must be absolute"),
+        ("unix:/run/with space.sock", "no whitespace or control character"),
+    ]:
+        with pytest.raises(grpc.RpcError) as exc:
+            _register(reg, garbage, tiny_shapes)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert exc.value.details().startswith(f"worker address {garbage!r}") and why in exc.value.details()
     _register(reg, "10.0.2.1:1", tiny_shapes)
+    # a unix socket (a worker serving with --listen unix:PATH), recorded as unix:/absolute/path
+    _register(reg, "unix:///run/loraserve/w.sock", tiny_shapes)
+    _register(reg, "[fd00::7]:50061", tiny_shapes)
+    listed = {w.address for w in reg.client.workers()}
+    assert {"10.0.2.1:1", "unix:/run/loraserve/w.sock", "[fd00::7]:50061"} <= listed
     changed = {**tiny_shapes, "q_proj": (1, 2, 3)}
     with pytest.raises(grpc.RpcError) as exc:
         _register(reg, "10.0.2.2:1", changed)

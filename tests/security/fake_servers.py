@@ -62,8 +62,7 @@ async def _serve_worker(tokenizer_dir: str, max_seq_len: int) -> None:
 
     await run_server(
         services,
-        "127.0.0.1",
-        0,
+        "127.0.0.1:0",
         ServerSecurity(),
         warmup=warmup,
         background=[http.run],
@@ -108,7 +107,7 @@ async def _serve_router(worker: str) -> None:
     backend = RouterHttpBackend(services.inference, locator)  # type: ignore[arg-type]
     backend._bases = (math.inf, {MODEL: 0})  # the live workers' models, never asked of a registry
     http = http_server(backend, "127.0.0.1", 0, ServerSecurity())
-    await run_server(services, "127.0.0.1", 0, ServerSecurity(), background=[http.run], grace=1.0)
+    await run_server(services, "127.0.0.1:0", ServerSecurity(), background=[http.run], grace=1.0)
 
 
 def _probe(targets: list[tuple[str, str, str]]) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.scheduler import Cancel
+from tests.platform import SUBPROCESS_JAX
 from tests.worker.fake_engine import Harness, source_of
 
 CFG = EngineConfig(max_batch_size=3, max_seq_len=32, max_loras=2, max_lora_rank=4, max_cpu_loras=2)
@@ -179,6 +180,7 @@ print(json.dumps([run(False), run(True)]))
 """
 
 
+@pytest.mark.cpu_only(SUBPROCESS_JAX)
 def test_tensor_parallel_same_tokens_and_no_compilation(tmp_path) -> None:
     """On a mesh (TP = 2 over two forced CPU devices) the step before's draw is replicated over it, as the
     steps pin their output: a chained step is the same compiled program, and the tokens are the same."""

@@ -19,6 +19,7 @@ from loraserve.worker.checkpoint import read_config
 from loraserve.worker.config import (
     AUTO_MAX_SEQ_LEN,
     DTYPES,
+    MATMUL_PRECISIONS,
     EngineConfig,
     WorkerConfig,
     resolve_engine_config,
@@ -102,6 +103,21 @@ def test_the_backend_choices_are_the_kernel_registries() -> None:
     assert set(typing.get_args(hints["attention_backend"])) == set(ATTENTION_BACKENDS)
     assert set(typing.get_args(hints["linear_backend"])) == set(LINEAR_BACKENDS)
     assert typing.get_args(hints["dtype"]) == ("auto", *DTYPES)
+
+
+def test_matmul_precision_auto_follows_the_dtype() -> None:
+    """``--matmul-precision auto``: float32 models trace their steps at ``highest`` (a TPU would otherwise
+    multiply float32 in one bf16 pass), bfloat16 ones at ``default``; a stated value is kept; others refused."""
+    assert EngineConfig(dtype="float32").traced_matmul_precision == "highest"
+    assert EngineConfig(dtype="bfloat16").traced_matmul_precision == "default"
+    assert EngineConfig(dtype="float32", matmul_precision="high").traced_matmul_precision == "high"
+    assert EngineConfig(dtype="bfloat16", matmul_precision="highest").traced_matmul_precision == "highest"
+    with pytest.raises(ValueError, match="matmul_precision must be one of auto, default, high, highest"):
+        EngineConfig(matmul_precision="bf16_3x")
+    hints = typing.get_type_hints(EngineConfig)
+    assert set(typing.get_args(hints["matmul_precision"])) == set(MATMUL_PRECISIONS)
+    config = WorkerConfig.from_env({"LORASERVE_WORKER_MATMUL_PRECISION": "high"})
+    assert config.engine_config().matmul_precision == "high"
 
 
 def _resolve(hf: dict, **fields: object) -> EngineConfig:

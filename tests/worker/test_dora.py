@@ -27,6 +27,7 @@ from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slot_pools import SlotPools, base_weights, slot_arrays
 from loraserve.worker.step import PrefillBatch
 from tests.conftest import DORA_ADAPTERS
+from tests.platform import NATIVE_BACKEND, backends
 from tests.worker.model_steps import ModelSteps
 from tests.worker.test_lora_parity import PROMPT, STEPS, _reference_logits, _serve_mixed
 
@@ -85,7 +86,7 @@ def _check_against_peft(model_dir, dirs, backend_name: str, dtype: str = "float3
 
 
 # measured max |diff| on Llama (f32): 1.6e-6 .. 1.9e-6 for every backend
-@pytest.mark.parametrize("backend", ["reference", "xla-onehot", "xla-grouped", "cpu", "pallas"])
+@pytest.mark.parametrize("backend", backends("reference", "xla-onehot", "xla-grouped", "cpu", "pallas"))
 def test_dora_and_bias_mixed_batch_match_peft(model_dirs, dora_dirs, backend: str) -> None:
     assert _check_against_peft(model_dirs["llama"], dora_dirs("llama"), backend) <= ATOL
 
@@ -94,12 +95,14 @@ def test_dora_and_bias_mixed_batch_match_peft(model_dirs, dora_dirs, backend: st
 # norms act on the scaled o/down outputs (measured: see docs/worker.md)
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"])
 def test_dora_and_bias_on_other_families_match_peft(model_dirs, dora_dirs, family: str) -> None:
-    assert _check_against_peft(model_dirs[family], dora_dirs(family), "cpu") <= ATOL
+    assert _check_against_peft(model_dirs[family], dora_dirs(family), NATIVE_BACKEND) <= ATOL
 
 
 # bf16 model with bf16 pools (the scales and biases stay f32): measured 0.037
 def test_dora_and_bias_in_bfloat16_match_peft(model_dirs, dora_dirs) -> None:
-    assert _check_against_peft(model_dirs["llama"], dora_dirs("llama"), "cpu", "bfloat16") <= ATOL_BF16
+    assert (
+        _check_against_peft(model_dirs["llama"], dora_dirs("llama"), NATIVE_BACKEND, "bfloat16") <= ATOL_BF16
+    )
 
 
 def test_stored_scales_and_biases_are_peft_s(model_dirs, dora_dirs) -> None:
@@ -110,7 +113,7 @@ def test_stored_scales_and_biases_are_peft_s(model_dirs, dora_dirs) -> None:
 
     ck = load_checkpoint(str(model_dirs["llama"]))
     dirs = dora_dirs("llama")
-    pools = _pools(ck, [dirs[n] for n in NAMES], get_backend("cpu"))
+    pools = _pools(ck, [dirs[n] for n in NAMES], get_backend(NATIVE_BACKEND))
     groups = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj")}
     groups["down"] = ("down_proj",)
     for slot, name in enumerate(NAMES):
@@ -150,7 +153,7 @@ def test_stored_scales_and_biases_are_peft_s(model_dirs, dora_dirs) -> None:
             assert all((layer[f"dora_scale_{g}"] == 1).all() for layer in stored for g in groups)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
+@pytest.mark.parametrize("backend", [NATIVE_BACKEND, "xla-grouped"])
 def test_loading_and_serving_dora_compiles_nothing_after_warmup(model_dirs, dora_dirs, backend: str) -> None:
     ck = load_checkpoint(str(model_dirs["llama"]))
     cfg, lora = ck.config, get_backend(backend)
@@ -182,7 +185,7 @@ def test_loading_and_serving_dora_compiles_nothing_after_warmup(model_dirs, dora
     assert np.abs(np.asarray(pools.pools.layers[0]["lora_bias_qkv"][0])).max() > 0
 
 
-@pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
+@pytest.mark.parametrize("backend", [NATIVE_BACKEND, "xla-grouped"])
 def test_packed_prefill_of_dora_and_bias_prompts_matches_peft(model_dirs, dora_dirs, backend: str) -> None:
     """The runner's prefill: prompts of different lengths on DoRA, bias, plain and no adapter packed into
     one call of G segments; each segment's last-token logits are PEFT's (f32, ATOL)."""

@@ -19,6 +19,7 @@ from loraserve.kernels.testing import count_compilations
 from loraserve.testing import make_adapter
 from loraserve.worker.checkpoint import load_checkpoint
 from tests.conftest import DORA_ADAPTERS
+from tests.platform import SUBPROCESS_JAX
 from tests.worker.test_dora import NAMES, RANK, _weights
 from tests.worker.test_lora_parity import _reference_logits
 
@@ -156,6 +157,7 @@ def test_malformed_dora_and_bias_adapters_are_refused(
     assert weights.use_dora == name.startswith("dora") and bool(weights.biases) == name.startswith("bias")
 
 
+@pytest.mark.cpu_only(SUBPROCESS_JAX)
 def test_tensor_parallel_dora_matches_one_device(model_dirs, dora_dirs, tmp_path_factory) -> None:
     """N = 2 and 4 (KV heads repeated) serve the DoRA, bias and plain adapters with N = 1's logits and
     greedy tokens; 200 slot swaps of them after warm-up compile nothing (tests/worker/tp_child.py)."""

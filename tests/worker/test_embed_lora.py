@@ -30,6 +30,7 @@ from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slot_pools import SlotPools, base_weights, slot_arrays
 from loraserve.worker.step import PrefillBatch
 from tests.conftest import DORA_ADAPTERS, _adapters_per_family
+from tests.platform import NATIVE_BACKEND, SUBPROCESS_JAX, backends
 from tests.worker.model_steps import ModelSteps
 from tests.worker.test_dora_worker import _edit, _first
 from tests.worker.test_lora_parity import PROMPT, STEPS, _reference_logits, _serve_mixed
@@ -95,7 +96,7 @@ def _check_against_peft(model_dir, dirs, backend_name: str) -> float:
 
 # measured max |diff| (f32): llama 1.5e-6 reference, 1.7e-6 cpu, 1.7e-6 xla-grouped; with cpu 1.3e-6 qwen2
 # (tied), 1.8e-6 gemma2, 2.4e-6 gemma3
-@pytest.mark.parametrize("backend", ["reference", "cpu", "xla-grouped"])
+@pytest.mark.parametrize("backend", backends("reference", "cpu", "xla-grouped"))
 def test_embed_and_lm_head_lora_mixed_batch_match_peft(model_dirs, embed_dirs, backend: str) -> None:
     assert _check_against_peft(model_dirs["llama"], embed_dirs("llama"), backend) <= ATOL
 
@@ -106,7 +107,7 @@ def test_embed_and_lm_head_lora_mixed_batch_match_peft(model_dirs, embed_dirs, b
 def test_embed_and_lm_head_lora_on_tied_and_gemma_families_match_peft(
     model_dirs, embed_dirs, family: str
 ) -> None:
-    assert _check_against_peft(model_dirs[family], embed_dirs(family), "cpu") <= ATOL
+    assert _check_against_peft(model_dirs[family], embed_dirs(family), NATIVE_BACKEND) <= ATOL
 
 
 def test_stored_pools_are_peft_s_matrices(model_dirs, embed_dirs) -> None:
@@ -118,7 +119,7 @@ def test_stored_pools_are_peft_s_matrices(model_dirs, embed_dirs) -> None:
 
     ck = load_checkpoint(str(model_dirs["llama"]))
     dirs = embed_dirs("llama")
-    pools = _pools(ck, [dirs[n] for n in NAMES], get_backend("cpu"))
+    pools = _pools(ck, [dirs[n] for n in NAMES], get_backend(NATIVE_BACKEND))
     for slot, name in enumerate(NAMES):
         base = AutoModelForCausalLM.from_pretrained(str(model_dirs["llama"]))
         peft = PeftModel.from_pretrained(base, str(dirs[name])).eval()
@@ -141,7 +142,7 @@ def test_stored_pools_are_peft_s_matrices(model_dirs, embed_dirs) -> None:
         assert not set(pools.read(slot)[1]) & set(want)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
+@pytest.mark.parametrize("backend", [NATIVE_BACKEND, "xla-grouped"])
 def test_packed_prefill_of_embed_and_lm_head_prompts_matches_peft(
     model_dirs, embed_dirs, backend: str
 ) -> None:
@@ -175,7 +176,7 @@ def test_packed_prefill_of_embed_and_lm_head_prompts_matches_peft(
         )
 
 
-@pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
+@pytest.mark.parametrize("backend", [NATIVE_BACKEND, "xla-grouped"])
 def test_loading_and_serving_embed_lora_compiles_nothing_after_warmup(
     model_dirs, embed_dirs, backend: str
 ) -> None:
@@ -329,6 +330,7 @@ def test_engine_serves_embed_and_lm_head_lora_with_peft_s_greedy_tokens(model_di
         assert c.tokens == want, name
 
 
+@pytest.mark.cpu_only(SUBPROCESS_JAX)
 def test_tensor_parallel_embed_and_lm_head_lora_matches_one_device(model_dirs, tmp_path_factory) -> None:
     """N = 2 (A_embed and B_lm_head split by vocab) serves the embed/lm_head, plain and DoRA adapters with
     N = 1's logits and greedy tokens; 100 slot swaps of them after warm-up compile nothing."""
@@ -364,7 +366,7 @@ def test_rows_without_embed_or_lm_head_lora_are_bit_exact(model_dirs, embed_dirs
     """Base rows and rows of slots without these targets give the same bits whether or not other slots hold
     embed_tokens / lm_head LoRA (the same batch, the same programs; only the vocab pools' contents differ)."""
     ck = load_checkpoint(str(model_dirs["llama"]))
-    backend = get_backend("cpu")
+    backend = get_backend(NATIVE_BACKEND)
     dirs = embed_dirs("llama")
     pools = _pools(ck, [dirs[n] for n in NAMES], backend)
     seq = PROMPT + list(range(10, 10 + STEPS))

@@ -17,6 +17,7 @@ from loraserve.worker.config import EngineConfig
 from loraserve.worker.engine import Engine
 from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Started
 from tests.engines import local_source, started_engine
+from tests.platform import NATIVE_BACKEND
 from tests.worker.fake_engine import Collector
 
 PROMPT = [5, 17, 33, 100, 7]
@@ -138,8 +139,8 @@ def test_too_large_adapter_fails_precondition(llama_dir, adapter_dirs) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("backend", "lora_dtype"),
-    [("auto", ""), ("xla", ""), ("cpu", "bfloat16")],
-    ids=["auto", "xla-grouped", "cpu-bf16-pools"],
+    [("auto", ""), ("xla", ""), (NATIVE_BACKEND, "bfloat16")],
+    ids=["auto", "xla-grouped", f"{NATIVE_BACKEND}-bf16-pools"],
 )
 def test_no_compilation_after_warmup_over_200_requests_20_adapters_4_slots(
     llama_dir, adapter_dirs, tmp_path, backend: str, lora_dtype: str

@@ -19,6 +19,7 @@ from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slot_pools import SlotPools, slot_arrays
 from tests.conftest import ADAPTERS, FAMILIES
+from tests.platform import NATIVE_BACKEND, cpp_only
 from tests.worker.model_steps import ModelSteps
 
 ATOL = 2e-4
@@ -99,8 +100,9 @@ ATOL_BF16_POOLS = 4e-3
         ("reference", 0, False, "float32"),
         ("xla-onehot", 0, False, "float32"),
         ("pallas", 0, False, "float32"),
-        ("cpu", 0, False, "float32"),
-        ("cpu", 0, False, "bfloat16"),
+        pytest.param("cpu", 0, False, "float32", marks=cpp_only),
+        pytest.param("cpu", 0, False, "bfloat16", marks=cpp_only),
+        (NATIVE_BACKEND, 0, False, "bfloat16"),
     ],
 )
 def test_mixed_adapter_batch_matches_peft(
@@ -158,7 +160,7 @@ def test_mixed_adapter_batch_matches_peft_per_family(
     names = list(ADAPTERS)
     ck = load_checkpoint(str(model_dirs[family]), dtype=dtype)
     cfg = ck.config
-    lora = get_backend("cpu")
+    lora = get_backend(NATIVE_BACKEND)
     pools = _load_pools(cfg, [dirs[n] for n in names], lora, dtype)
     row_slots = np.array([3, -1, 0, 2, 1, 0], np.int32)
     rng = np.random.default_rng(1)

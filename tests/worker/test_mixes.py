@@ -27,6 +27,7 @@ from loraserve.kernels.testing import count_compilations
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.requests import Failed, Finished, Started
 from loraserve.worker.slot_pools import SlotPools, slot_arrays
+from tests.platform import backends
 from tests.worker.test_lora_parity import PROMPT, STEPS, _serve_mixed
 
 ATOL = 2e-4
@@ -135,7 +136,7 @@ def test_concat_is_the_weighted_sum_and_refuses_what_it_cannot_mix(
 
 
 # measured max |diff| (f32, every backend): ~2e-6
-@pytest.mark.parametrize("backend", ["reference", "xla-onehot", "xla-grouped", "cpu", "pallas"])
+@pytest.mark.parametrize("backend", backends("reference", "xla-onehot", "xla-grouped", "cpu", "pallas"))
 def test_mixes_single_adapters_and_base_rows_in_one_batch_match_peft(
     llama_dir, adapter_dirs, backend
 ) -> None:

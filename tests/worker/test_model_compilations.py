@@ -17,6 +17,7 @@ from loraserve.kernels.testing import count_compilations
 from loraserve.worker import model as M
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slot_pools import SlotPools, slot_arrays
+from tests.platform import NATIVE_BACKEND, cpp_only
 from tests.worker.model_steps import ModelSteps
 
 PROMPT = [5, 17, 33, 100, 7, 9]
@@ -24,10 +25,11 @@ ROWS, SLOTS, RANK, BUCKET = 4, 3, 16, 16
 
 
 # every backend on Llama; Gemma 3 (sliding and full layers, two RoPE tables, q/k norm) on the CPU default
-CASES = [("llama", name) for name in LORA_BACKENDS] + [("gemma3_text", "cpu")]
+CASES = [("llama", name) for name in LORA_BACKENDS] + [("gemma3_text", NATIVE_BACKEND)]
+PARAMS = [pytest.param(f, n, marks=cpp_only if n == "cpu" else ()) for f, n in CASES]
 
 
-@pytest.mark.parametrize(("family", "name"), CASES)
+@pytest.mark.parametrize(("family", "name"), PARAMS)
 def test_serving_after_warmup_compiles_nothing(
     model_dirs, adapter_dirs, family_adapter_dirs, family: str, name: str
 ) -> None:

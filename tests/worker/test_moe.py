@@ -35,6 +35,7 @@ from loraserve.worker.config import EngineConfig
 from loraserve.worker.model_config import ModelConfig, UnsupportedModelError
 from loraserve.worker.requests import EngineRequest, Finished, Sampling
 from tests.engines import started_engine
+from tests.platform import NATIVE_BACKEND
 from tests.worker.fake_engine import Collector
 from tests.worker.test_lora_parity import PROMPT, _load_pools, _reference_logits, _serve_mixed
 from tests.worker.test_model_parity import PROMPTS, STEPS, _hf, _reference, run_model
@@ -191,7 +192,7 @@ def test_attention_adapters_serve_on_a_moe_base_as_peft_computes_them(moe_dirs, 
         )
         dirs.append(tmp_path / f"a{i}")
     ck = load_checkpoint(str(base))
-    lora = get_backend("cpu")
+    lora = get_backend(NATIVE_BACKEND)
     pools = _load_pools(ck.config, dirs, lora, "float32")
     row_slots = np.array([0, -1, 1, 0], np.int32)
     seq = [*PROMPT, 11, 250, 3, 99, 42, 7]

@@ -32,6 +32,7 @@ from loraserve.worker import model as M
 from loraserve.worker import moe
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slot_pools import SlotPools, slot_arrays
+from tests.platform import NATIVE_BACKEND
 from tests.worker.model_steps import ModelSteps
 from tests.worker.test_lora_parity import PROMPT, STEPS, _reference_logits, _serve_mixed
 
@@ -117,14 +118,14 @@ def test_expert_adapters_serve_as_peft_computes_them(served, family) -> None:
     w = _weights(ck.config, dirs[0])
     assert w.target_modules == ("experts.gate_up_proj", "experts.down_proj")
     assert w.experts["experts.gate_up_proj"][0].shape[:2] == (ck.config.num_layers, ck.config.num_experts)
-    backend = get_backend("cpu")
+    backend = get_backend(NATIVE_BACKEND)
     pools = _pools(ck.config, dirs, backend, "float32")
     _check_f32(
         _serve_mixed(ck, backend, pools, ROW_SLOTS, backend.plan(ROW_SLOTS, len(dirs)), SEQ, "float32"), refs
     )
 
 
-@pytest.mark.parametrize("name", [n for n in LORA_BACKENDS if n != "cpu"])
+@pytest.mark.parametrize("name", [n for n in LORA_BACKENDS if n != NATIVE_BACKEND])
 def test_every_lora_backend_serves_expert_adapters(served, name) -> None:
     base, dirs, refs = served("qwen3_moe")
     ck = load_checkpoint(str(base))
@@ -139,7 +140,7 @@ def test_bf16_follows_peft_within_the_routing_rule(tmp_path) -> None:
     base = save_model(tmp_path / "base", "qwen3_moe", seed=3)
     dirs = _adapters(base, tmp_path, "bfloat16")
     ck = load_checkpoint(str(base), dtype="bfloat16")
-    backend = get_backend("cpu")
+    backend = get_backend(NATIVE_BACKEND)
     pools = _pools(ck.config, dirs, backend, "bfloat16")
     got = _serve_mixed(ck, backend, pools, ROW_SLOTS, backend.plan(ROW_SLOTS, len(dirs)), SEQ, "bfloat16")
     errors = []
@@ -193,7 +194,7 @@ def test_expert_adapter_swaps_after_warmup_compile_nothing(served) -> None:
     """200 slot writes of expert adapters (and zeroing) between decode steps over slot mixes: no compilation."""
     base, dirs, _ = served("qwen3_moe")
     ck = load_checkpoint(str(base))
-    cfg, backend = ck.config, get_backend("cpu")
+    cfg, backend = ck.config, get_backend(NATIVE_BACKEND)
     values = [slot_arrays(cfg, _weights(cfg, d), RANK) for d in dirs]
     pools = SlotPools(cfg, 2, RANK, jnp.dtype(jnp.float32), backend)
     rows = 4
@@ -303,7 +304,7 @@ def test_per_expert_module_adapters_serve_as_peft_loads_them(served, tmp_path, f
     ck = load_checkpoint(str(base))
     w = _weights(ck.config, tmp_path / "per-module")
     assert w.target_modules == ("experts.gate_up_proj", "experts.down_proj") and w.rank == 8  # gate + up
-    backend = get_backend("cpu")
+    backend = get_backend(NATIVE_BACKEND)
     pools = _pools(ck.config, [dirs[0], tmp_path / "per-module"], backend, "float32")
     rows = np.array([1, -1, 0, 1], np.int32)
     got = _serve_mixed(ck, backend, pools, rows, backend.plan(rows, 2), SEQ, "float32")

@@ -24,6 +24,7 @@ from loraserve.worker.engine import Engine
 from loraserve.worker.requests import Finished
 from loraserve.worker.step import PrefillBatch
 from tests.engines import local_source, started_engine
+from tests.platform import NATIVE_BACKEND
 from tests.worker.model_steps import ModelSteps
 from tests.worker.test_engine import submit, wait
 
@@ -131,7 +132,7 @@ def test_thousands_of_tokens_match_transformers_through_chunks_and_scattered_pag
         np.testing.assert_allclose(logits, want[pos], atol=2e-4, err_msg=f"position {pos}")
 
 
-@pytest.mark.parametrize("backend", ["cpu", "xla-grouped"])
+@pytest.mark.parametrize("backend", [NATIVE_BACKEND, "xla-grouped"])
 def test_packed_prefill_of_mixed_adapters_matches_one_prompt_per_call(
     checkpoint, adapter_dirs, backend
 ) -> None:

@@ -38,6 +38,7 @@ from loraserve.worker.quant import (
 )
 from loraserve.worker.requests import EngineRequest, Finished, Sampling
 from tests.engines import started_engine
+from tests.platform import SUBPROCESS_JAX
 from tests.worker.fake_engine import Collector
 from tests.worker.test_model_parity import PROMPTS, STEPS, _hf, _reference, run_model
 
@@ -203,6 +204,7 @@ def test_a_quantized_head_is_its_dequantized_matrix(tiny, tmp_path, family, quan
     assert np.abs(unquantized_head - got).max() > 1e-4  # the head's quantization moved the logits
 
 
+@pytest.mark.cpu_only(SUBPROCESS_JAX)
 @pytest.mark.slow
 def test_the_quality_script_compares_a_checkpoint_folder(tiny) -> None:
     """``bench/quality.py --model DIR`` (a user's trained checkpoint): the numbers its functions give in this

@@ -81,3 +81,22 @@ def test_steps_are_shared_by_equal_arguments_and_only_by_them(state) -> None:
         jit_steps(dataclasses.replace(cfg, rope_theta=1000.0 + theta), backend)
     assert len(jax_runner._steps_memo) == jax_runner.STEPS_KEPT
     assert jit_steps(cfg, backend, DecodeAttention("xla")) is not steps
+
+
+def test_the_matmul_precision_is_traced_into_the_steps(state) -> None:
+    """``jit_steps(..., precision)`` traces the steps under ``jax.default_matmul_precision``: at ``highest`` the
+    float32 products of the decode step carry it in the lowered program (a TPU then multiplies float32 in ~6
+    bf16 passes instead of one); ``default`` adds nothing; the two are different memo entries."""
+    from loraserve.kernels.attention import DecodeAttention
+
+    cfg, backend, st = state
+    tables = M.contiguous_page_tables(2, 2)
+    batch = DecodeBatch(np.array([1, 2], np.int32), np.array([3, 3], np.int32), tables, None)
+    text = {}
+    for precision in ("default", "highest"):
+        steps = jit_steps(cfg, backend, DecodeAttention("xla"), "xla", None, precision)
+        text[precision] = steps.decode.lower(**st.fields(), batch=batch).as_text()
+    assert "HIGHEST" in text["highest"] and "HIGHEST" not in text["default"]
+    assert jit_steps(cfg, backend, DecodeAttention("xla"), "xla", None, "highest") is not jit_steps(
+        cfg, backend, DecodeAttention("xla"), "xla", None, "default"
+    )
