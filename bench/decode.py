@@ -16,6 +16,8 @@ Prints human-readable lines, then ONE JSON object as the last line.
         --quantization int8_head,int4_head --skip-hf   # a quantized base at 8B widths, 4 layers (#34)
     python bench/decode.py --dtype bfloat16 --batch 1,16 --engines default,async --skip-hf --no-extra \
         --no-json   # async decode (as `loraserve worker` runs) against one step at a time
+    python bench/decode.py --shape 3b --dtype bfloat16 --batch 16,64,128 --engines default,pallas,xla_onehot,xla \
+        --skip-hf --no-extra --no-json --skip-ttft --lazy-compile   # each LoRA backend's engine, one run (TPU)
 
 On an accelerator (``bench/device.sh`` runs this): ``--shape 8b --dtype bfloat16`` builds an 8B-shaped
 random Llama (hidden 4096, 32 layers, intermediate 14336, 32/8 heads, vocab 128256) in bf16 on the
@@ -91,6 +93,16 @@ EIGHT_B = dict(
     rank=16,
     adapters=16,
 )
+# Llama-3.2-3B-shaped (random weights, untied head): the full-depth model that fits one 16 GB TPU v5e chip in
+# bf16 (6.4 GB of weights), #56's decode workload
+THREE_B = dict(
+    EIGHT_B,
+    hidden_size=3072,
+    intermediate_size=8192,
+    num_hidden_layers=28,
+    num_attention_heads=24,
+    num_key_value_heads=8,
+)
 # Llama-3-8B's widths and vocabulary with 4 of its 32 layers (3.9 GB in bf16): its matrices are a real
 # model's, so a CPU's per-matrix kernel rates (quantized ones above all) are what an 8B model would see,
 # where the 1024-wide bench model's small matrices leave each call's fixed costs in view
@@ -108,7 +120,7 @@ MOE = dict(
     num_experts_per_tok=4,
 )
 MOE_EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-SHAPES = {"bench": FULL, "tiny": TINY, "8b": EIGHT_B, "8b-slice": EIGHT_B_SLICE, "moe": MOE}
+SHAPES = {"bench": FULL, "tiny": TINY, "3b": THREE_B, "8b": EIGHT_B, "8b-slice": EIGHT_B_SLICE, "moe": MOE}
 MODEL_KEYS = (
     "hidden_size",
     "intermediate_size",
@@ -374,6 +386,9 @@ ENGINES = {
     "_xla": ("xla", "", "auto", False),
     "_xla_linear": ("auto", "", "xla", False),
     "_async": ("auto", "", "auto", True),
+    # one engine per multi-LoRA backend, side by side in one run (on a TPU: which one `auto` should be)
+    "_pallas": ("pallas", "", "auto", False),
+    "_xla_onehot": ("xla-onehot", "", "auto", False),
 }
 
 
@@ -746,6 +761,9 @@ ENGINE_NAMES = {
     "xla": "_xla",
     "xla_linear": "_xla_linear",
     "async": "_async",
+    "pallas": "_pallas",
+    "xla_onehot": "_xla_onehot",
+    "xla_grouped": "_xla",  # = xla
 }
 DEFAULT_ENGINES = "default,bf16_pools,xla"
 
@@ -765,7 +783,8 @@ def summarize(
     ttft = ours.pop("ttft", None)
     size = 2 if dtype == "bfloat16" else 4
     # bytes an element of each engine's slot pools
-    pool = {"": size, "_bf16_pools": 2, "_xla": size, "_xla_linear": size, "_async": size}
+    pool = {"": size, "_bf16_pools": 2, "_xla": size, "_xla_linear": size, "_async": size, "_pallas": size,
+            "_xla_onehot": size}  # fmt: skip
     ran = [s for s in ENGINES if "base" + s in ours]
     allruns = {**ours, **peers}
     dec = {k: v["decode_tok_s"] for k, v in allruns.items()}
@@ -931,7 +950,7 @@ def main() -> None:
             w.update(adapters=args.adapters)
         workloads.append(w)
     n_adapters = max(w["adapters"] for w in workloads)
-    direct = shape.startswith("8b") or args.dtype != "float32"
+    direct = shape.startswith(("3b", "8b")) or args.dtype != "float32"
     started = time.perf_counter()
     with nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory() as tmp:
         base, adapters = build_or_reuse(

@@ -31,6 +31,25 @@ bf16 rows it times ``linear_bf16`` (bf16 w), ``linear_int8`` (int8 w, a scale pe
 per second, and ``speedup_int8`` / ``speedup_int4`` = bf16 ms ÷ quantized ms. Its last line is one JSON
 object too (``"bench": "kernels_quant"``); ``LORASERVE_KERNEL_MARCH`` picks the build (e.g. ``x86-64-v3``),
 ``LORASERVE_KERNEL_AMX_INT8=0`` turns off int8's fixed-point path on AMX-INT8 CPUs (to measure what it replaces).
+
+``--scan`` times the decode ops as a decode step reads them instead, every backend inside one compiled program
+per shape over L distinct layers' weights (the numbers that mean something on an accelerator):
+
+Timing one call at a time says little on an accelerator: on a TPU each call costs ~0.5 ms of dispatch, where
+a 4096 × 4096 bf16 product's bytes take 0.04 ms; and one weight reused in a loop can stay in on-chip memory. So
+per backend and batch the program is a ``lax.scan`` over L stacked layers: layer l computes
+``y = x @ W[l]`` plus the backend's ``add_decode`` with layer l's slot pools ``A[l], B[l]`` (``S`` slots of rank
+``R``, every row its own adapter: ``S = batch``), and feeds ``y`` to the next layer (so no layer's work can be
+skipped or hoisted). ``dense`` is the same scan without LoRA: the base model's peer.
+
+Per row (backend, batch): the largest difference of its last layer's output from the reference backend's
+(``max_abs_diff``: a timed path that computes something else is no peer), ``ms`` per layer (median of the shape's runs of the whole scan ÷ L), ``gbps`` (the
+layer's weight bytes plus the batch's adapters' A and B bytes ÷ that time), ``over_dense`` (dense ms ÷ this
+ms: the fraction of the base step's speed the adapters leave) and ``serial_bound`` (what the adapters would
+cost read after the base product at the bandwidth dense measured: dense ms ÷ (dense ms + adapter bytes ÷
+dense's GB/s); a backend that overlaps the reads beats it). Backends: reference, xla-onehot, xla-grouped,
+pallas (compiled on a TPU; interpreted elsewhere, so only at ``--shape tiny``), cpu where the C++ kernels build.
+Its last line is one JSON object too (``"bench": "kernels_scan"``); ``--shape`` picks one of ``SCAN_SHAPES``.
 """
 
 from __future__ import annotations
@@ -216,16 +235,124 @@ def bench_quant(shape: str) -> dict:
     }
 
 
+# --shape for --scan: (in, out, layers, batches, runs); the 8b shape is Llama-3-8B's up/gate projection
+SCAN_SHAPES = {
+    "bench": (1024, 1024, 8, (16, 64), 20),
+    "8b": (4096, 14336, 8, (16, 64, 128), 20),
+    "8b-attn": (4096, 4096, 16, (16, 64, 128), 20),
+    "tiny": (128, 256, 2, (4, 8), 3),
+}
+RANK = 16
+
+
+def _backends(tiny: bool) -> list[str]:
+    names = ["reference", "xla-onehot", "xla-grouped"]
+    if jax.default_backend() == "tpu" or tiny:  # interpreted off a TPU: minutes at real sizes
+        names.append("pallas")
+    if kernels.cpu.available():
+        names.append("cpu")
+    return names
+
+
+def _program(backend: kernels.LoraBackend | None):
+    def layer(x, weights, plan):
+        w, a, b = weights
+        y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        if backend is not None:
+            y = backend.add_decode(y, x, a, (b,), plan)
+        return y
+
+    @jax.jit
+    def run(x, w, a, b, plan):  # [B, out] after L layers
+        def body(carry, weights):  # out >= in: the next layer reads the first `in` outputs
+            return layer(carry, weights, plan)[:, : carry.shape[1]], None
+
+        return jax.lax.scan(body, x, (w, a, b))[0]
+
+    return run
+
+
+def _time(fn, args, runs: int) -> tuple[float, np.ndarray]:
+    """Median ms of ``fn(*args)`` after a compiling call, and that call's output."""
+    out = np.asarray(jax.block_until_ready(fn(*args)), np.float32)
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3, out
+
+
+def bench_scan(shape: str, dtype_name: str) -> dict:
+    d_in, d_out, layers, batches, runs = SCAN_SHAPES[shape]
+    dtype = jnp.dtype(dtype_name)
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((layers, d_in, d_out), np.float32) / np.sqrt(d_in), dtype)
+    w_bytes = d_in * d_out * dtype.itemsize
+    rows = []
+    for batch in batches:
+        slots = batch  # every row its own adapter
+        a = rng.standard_normal((layers, slots, d_in, RANK), np.float32) / np.sqrt(d_in)
+        b = rng.standard_normal((layers, slots, RANK, d_out), np.float32) / np.sqrt(RANK)
+        x = jnp.asarray(rng.standard_normal((batch, d_in), np.float32), dtype)
+        lora_bytes = slots * RANK * (d_in + d_out) * dtype.itemsize
+        row_slots = np.arange(batch, dtype=np.int32) % slots
+        dense_ms = _time(_program(None), (x, w, w[:, :1, :1], w[:, :1, :1], None), runs)[0] / layers
+        dense_gbps = w_bytes / dense_ms / 1e6
+        rows.append(dict(backend="dense", batch=batch, ms=round(dense_ms, 4), gbps=round(dense_gbps, 1)))
+        serial = dense_ms / (dense_ms + lora_bytes / dense_gbps / 1e6)
+        want = None  # the reference backend's output: every other backend's is compared with it
+        for name in _backends(shape == "tiny"):
+            backend = kernels.get_backend(name)
+            to_pool = jax.vmap(jax.vmap(backend.to_pool_layout))
+            a_pool, b_pool = (jnp.asarray(to_pool(jnp.asarray(m)), dtype) for m in (a, b))
+            plan = backend.plan(row_slots, slots)
+            row = dict(backend=name, batch=batch, adapters=slots)
+            try:
+                ms, out = _time(_program(backend), (x, w, a_pool, b_pool, plan), runs)
+                ms /= layers
+                want = out if want is None else want
+                row.update(
+                    max_abs_diff=float(np.max(np.abs(out - want))),
+                    ms=round(ms, 4),
+                    gbps=round((w_bytes + lora_bytes) / ms / 1e6, 1),
+                    over_dense=round(dense_ms / ms, 3),
+                    serial_bound=round(serial, 3),
+                )
+            except Exception as exc:  # a backend that cannot run this shape here: say why
+                row.update(error=(str(exc).strip().splitlines() or [type(exc).__name__])[0][:300])
+            rows.append(row)
+    return {
+        "bench": "kernels_scan",
+        "config": {"in": d_in, "out": d_out, "layers": layers, "rank": RANK, "dtype": dtype_name},
+        "rows": rows,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=tuple(SHAPES), default="bench", help="the projection's size")
+    parser.add_argument(
+        "--shape", choices=sorted({*SHAPES, *SCAN_SHAPES}), default="bench", help="the projection's size"
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument(
         "--quant",
         action="store_true",
         help="time the bf16 / int8 / int4 base-weight kernels instead (module doc)",
     )
+    parser.add_argument(
+        "--scan", action="store_true", help="every backend inside one compiled scan over layers (module doc)"
+    )
     args = parser.parse_args()
+    if args.shape not in (SCAN_SHAPES if args.scan else SHAPES):
+        parser.error(f"--shape {args.shape} is not a shape of {'--scan' if args.scan else 'this mode'}")
+    if args.scan:
+        result = bench_scan(args.shape, args.dtype)
+        for row in result["rows"]:
+            print(json.dumps(row), flush=True)
+        result["platform"] = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind}
+        print(json.dumps(result, separators=(",", ":")))
+        return
     if args.quant:
         print(json.dumps(bench_quant(args.shape), separators=(",", ":")))
         return

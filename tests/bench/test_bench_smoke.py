@@ -103,6 +103,22 @@ def test_kernels_bench_prints_its_json_last() -> None:
 
 
 @pytest.mark.slow
+def test_kernels_scan_bench_times_every_backend_against_the_reference() -> None:
+    """``--scan``: per batch a ``dense`` row and one row per backend (Pallas interpreted at this tiny shape),
+    each computing what the reference backend computes through the stacked layers, with its ratios."""
+    result = _last_json(["bench/kernels.py", "--scan", "--shape", "tiny"])
+    assert result["bench"] == "kernels_scan"
+    assert result["config"] == {"in": 128, "out": 256, "layers": 2, "rank": 16, "dtype": "float32"}
+    names = ["dense", "reference", "xla-onehot", "xla-grouped", "pallas", "cpu"]  # g++ is here
+    assert [(r["batch"], r["backend"]) for r in result["rows"]] == [(b, n) for b in (4, 8) for n in names]
+    for row in result["rows"]:
+        assert row["ms"] > 0 and row["gbps"] > 0, row
+        if row["backend"] != "dense":
+            assert row["adapters"] == row["batch"] and row["max_abs_diff"] < 1e-4, row
+            assert 0 < row["serial_bound"] < 1 and row["over_dense"] > 0, row
+
+
+@pytest.mark.slow
 def test_kernels_bench_quant_prints_its_json_last() -> None:
     """``--quant``: the base-weight kernels at 1 and 16 rows, each precision's time, rate and speed-up, and which
     paths this CPU takes (the int8 fixed-point rows are what ``kernels.cpu`` reports here)."""
