@@ -68,3 +68,49 @@ def test_make_test_runs_the_exclusive_tests_from_the_files_that_mark_them() -> N
     _check_exclusive_files([_Item("tests/security/test_hostile_requests.py", exclusive=True)])
     with pytest.raises(pytest.UsageError, match=r"test_suite\.py"):
         _check_exclusive_files([_Item("tests/test_suite.py", exclusive=True)])
+
+
+TPU_SH = ROOT / "tests" / "tpu.sh"
+
+
+def _tpu_sh(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    import os
+    import sys
+
+    return subprocess.run(
+        ["bash", str(TPU_SH), *args],
+        env={**os.environ, "PYTHON": sys.executable, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_make_test_tpu_selects_files_that_exist_and_shards_them() -> None:
+    """`make test-tpu` (tests/tpu.sh): every file it selects exists; TPU_SHARD=i/n splits the in-process
+    selection into n disjoint parts that cover it, the stack run goes with the last; a bad shard is refused."""
+    text = TPU_SH.read_text()
+    listed = re.findall(r"^    (tests/\S+)$", text, re.M)
+    assert listed and [f for f in listed if not (ROOT / f).exists()] == []
+    parts = []
+    for i in (1, 2, 3):
+        shown = _tpu_sh({"PYTHON": "echo", "TPU_SHARD": f"{i}/3"})
+        assert shown.returncode == 0, shown.stderr
+        parts.append([word for word in shown.stdout.split() if word.startswith(str(ROOT / "tests"))])
+    stack = [p for part in parts for p in part if "/tests/e2e/" in p]
+    assert len(stack) == 2 and all("/tests/e2e/" in p for p in parts[2][-2:])
+    inprocess = [p for part in parts for p in part if "/tests/e2e/" not in p]
+    assert sorted(inprocess) == sorted(str(ROOT / f) for f in listed if not f.startswith("tests/e2e/"))
+    assert _tpu_sh({"TPU_SHARD": "4/3"}).returncode == 2
+
+
+def test_make_test_tpu_runs_from_outside_the_checkout() -> None:
+    """tests/tpu.sh runs pytest from outside the checkout on the selection it is given (here one CPU file, no
+    stack run), against loraserve as installed, and passes pytest's status on."""
+    done = _tpu_sh(
+        {"TPU_TESTS": "tests/kernels/test_reference.py", "TPU_STACK_TESTS": ""}, "-q", "-p", "no:xdist"
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert re.search(r"\b\d+ passed\b", done.stdout)
+    failing = _tpu_sh({"TPU_TESTS": "tests/no_such_file.py", "TPU_STACK_TESTS": ""}, "-q")
+    assert failing.returncode != 0

@@ -51,6 +51,21 @@ DEFAULT_STACK_TESTS=(
 )
 if [[ -n ${TPU_TESTS+x} ]]; then read -r -a TESTS <<<"$TPU_TESTS"; else TESTS=("${DEFAULT_TESTS[@]}"); fi
 if [[ -n ${TPU_STACK_TESTS+x} ]]; then read -r -a STACK <<<"$TPU_STACK_TESTS"; else STACK=("${DEFAULT_STACK_TESTS[@]}"); fi
+# TPU_SHARD=i/n: the i-th of n parts of the in-process selection (every n-th entry; the stack run with the last
+# part), for machines lent for less time than the whole selection takes (it compiles for the chip: > 10 min)
+if [[ -n ${TPU_SHARD:-} ]]; then
+    IFS=/ read -r shard shards <<<"$TPU_SHARD"
+    if ! [[ $shard =~ ^[0-9]+$ && $shards =~ ^[0-9]+$ ]] || ((shard < 1 || shard > shards)); then
+        echo "TPU_SHARD must be i/n with 1 <= i <= n, got $TPU_SHARD" >&2
+        exit 2
+    fi
+    part=()
+    for i in "${!TESTS[@]}"; do
+        ((i % shards == shard - 1)) && part+=("${TESTS[$i]}")
+    done
+    TESTS=("${part[@]}")
+    ((shard == shards)) || STACK=()
+fi
 cd "${TMPDIR:-/tmp}"
 run() {
     "$PYTHON" -m pytest --rootdir="$ROOT" -c "$ROOT/pyproject.toml" --import-mode=append -p no:cacheprovider "$@"
