@@ -499,9 +499,12 @@ async def _events(
             yield sse(shape.chunk(item, offsets[index], first, index, prompt, calls[index]))
             offsets[index] += len(item.text) + (shape.text_before(item, prompt) if first else 0)
             first_sent[index] = True
-    finally:
+    finally:  # also when the client went away (the response's generator is closed at its yield)
         for task in tasks:
             task.cancel()
+        # the pumps must have stopped iterating before their streams are closed: closing a generator another
+        # task is still inside raises "aclose(): asynchronous generator is already running"
+        await asyncio.gather(*tasks, return_exceptions=True)
         for st in streams:
             await st.aclose()  # type: ignore[attr-defined]
     if include_usage:

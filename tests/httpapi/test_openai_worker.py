@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import re
 import socket
@@ -431,23 +432,33 @@ def _generated() -> float:
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_client_disconnect_cancels_the_request(served, stream) -> None:
-    """The client goes away mid-generation: the request is cancelled (far fewer than max_tokens generated)
-    and its row and slot reference are freed."""
+def test_client_disconnect_cancels_the_request(served, stream, caplog) -> None:
+    """The client goes away mid-generation (a stream after its first chunk): the request is cancelled (far
+    fewer than max_tokens generated), its row and slot reference are freed, and nothing is logged above INFO
+    (a client leaving is no server error)."""
     engine = served.worker.engine
     body = json.dumps(
         {"model": "all-r4", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": stream}
     )
     before = _generated()
-    with socket.create_connection(("127.0.0.1", served.port)) as sock:
+    with caplog.at_level(logging.INFO), socket.create_connection(("127.0.0.1", served.port)) as sock:
         head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         sock.sendall(head.encode() + body.encode())
         deadline = time.monotonic() + 30
         while engine.snapshot().running == 0:
             assert time.monotonic() < deadline, "the request never started"
             time.sleep(0.005)
+        if stream:  # read until the first chunk's data line, then leave
+            sock.settimeout(30)
+            got = b""
+            while b"data: " not in got:
+                got += sock.recv(4096)
+        sock.shutdown(socket.SHUT_RDWR)
     _wait_idle(engine)
     assert _generated() - before < 480
+    time.sleep(0.2)  # the server's handling of the closed connection ends on its own thread
+    loud = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno > logging.INFO]
+    assert loud == []
 
 
 def _wait_idle(engine) -> None:
