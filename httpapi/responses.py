@@ -6,6 +6,7 @@ chunk or the whole into the JSON shapes of ``/v1/completions`` and ``/v1/chat/co
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import time
@@ -46,15 +47,20 @@ def chat_logprobs(entries: list[pb.TokenLogprobs]) -> list[dict[str, Any]]:
 
 def completion_logprobs(entries: list[pb.TokenLogprobs], offset: int) -> dict[str, Any]:
     """OpenAI (legacy) completions ``logprobs``: parallel lists; ``offset`` is the text length before them.
-    An echoed prompt's first token has none (NaN on the wire): null there, as vLLM and OpenAI say it."""
+    An echoed prompt's first token has none (NaN on the wire): null there, as vLLM and OpenAI say it.
+
+    ``top_logprobs`` maps each alternative's token to its logprob: the worker spells a piece of a character
+    by its bytes (``bytes:\\xNN``, worker.token_strings), so N alternatives are N keys. ``text_offset`` counts
+    the characters the tokens before completed (a character split over tokens counts once, at its end)."""
     out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # keeps a character's first bytes
     for e in entries:
         first = math.isnan(e.chosen.logprob)
         out["tokens"].append(e.chosen.token)
         out["token_logprobs"].append(None if first else e.chosen.logprob)
         out["top_logprobs"].append(None if first else {t.token: t.logprob for t in e.top})
         out["text_offset"].append(offset)
-        offset += len(e.chosen.token)
+        offset += len(decoder.decode(bytes(_bytes(e.chosen))))
     return out
 
 

@@ -1,9 +1,11 @@
 """Single tokens as text and bytes, for logprobs: ``TokenStrings(tokenizer).get(id) -> (token, token_bytes)``.
 
-``token`` is the id decoded on its own (special tokens kept; part of a multi-byte character shows as
-U+FFFD). ``token_bytes`` is the token's true bytes when the tokenizer is byte-level BPE (GPT-2 style: its
-vocabulary spells bytes with printable stand-ins, mapped back here), else the UTF-8 of ``token``. Results
-are cached per id: this runs for every streamed token and every alternative.
+``token`` is the id decoded on its own (special tokens kept). ``token_bytes`` is the token's true bytes when
+the tokenizer is byte-level BPE (GPT-2 style: its vocabulary spells bytes with printable stand-ins, mapped back
+here), else the UTF-8 of ``token``. A token that is part of a multi-byte character decodes to U+FFFD, so many
+would share one spelling (and collide as keys of the legacy completions API's top-logprobs dict); such a
+token is spelled by its bytes instead, vLLM's form: ``bytes:\\xe6\\x9d`` (lower-case hex, ``\\x`` literally).
+Results are cached per id: this runs for every streamed token and every alternative.
 """
 
 from __future__ import annotations
@@ -68,5 +70,14 @@ class TokenStrings:
             if piece is not None and token_id not in self.tokenizer.all_special_ids:
                 table = byte_decoder()
                 if all(c in table for c in piece):
-                    return text, bytes(table[c] for c in piece)
+                    raw = bytes(table[c] for c in piece)
+                    return spelled(text, raw), raw
         return text, text.encode("utf-8")
+
+
+def spelled(text: str, raw: bytes) -> str:
+    """``text``, or ``bytes:\\xNN...`` when it shows U+FFFD for bytes that are not U+FFFD's own UTF-8 (a piece
+    of a character)."""
+    if "\ufffd" not in text or raw == text.encode("utf-8"):
+        return text
+    return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)

@@ -354,6 +354,24 @@ def test_logprobs_equal_grpc(served) -> None:
         assert item.logprob <= 0 and item.bytes is not None
 
 
+def test_top_logprobs_are_as_many_as_asked_and_offsets_count_characters(served) -> None:
+    """logprobs=5 gives 5 alternatives per token in the legacy API's dict although most of this tiny model's
+    tokens are single bytes (pieces of characters decode to one U+FFFD, which collided as dict keys): such a
+    token is spelled ``bytes:\\xNN``; text_offset counts the characters before each token, a character split
+    over tokens counted once."""
+    text = "Ünïcödé café 東京 🙂"
+    out = served.client.completions.create(
+        model="all-r4", prompt=text, max_tokens=24, temperature=0, logprobs=5, echo=True
+    )
+    lp = out.choices[0].logprobs
+    assert all(len(top) == 5 for top in lp.top_logprobs[1:]), [len(t or {}) for t in lp.top_logprobs]
+    assert any(k.startswith("bytes:\\x") for top in lp.top_logprobs[1:] for k in top)
+    offsets = lp.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(out.choices[0].text)
+    prompt_tokens = out.usage.prompt_tokens
+    assert offsets[prompt_tokens] == len(text)  # the first generated token starts where the prompt ends
+
+
 def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_asks(served) -> None:
     """lm-eval's log-likelihood request (echo, logprobs=1, max_tokens=1) and vLLM's (max_tokens=0): the
     prompt's tokens with their logprobs (the first null), then the generated token's; equal to gRPC's."""

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraserve.protos.v1 import inference_pb2 as pb
 from loraserve.protos.v1 import inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.worker.config import EngineConfig
+from loraserve.worker.token_strings import spelled
 from tests.worker.serving import running_worker
 
 PROMPT = [5, 17, 33, 100, 7]
@@ -126,13 +127,14 @@ def test_logprobs_one_entry_per_token_with_strings_and_bytes(worker) -> None:
         assert [t.logprob for t in lp.top] == sorted((t.logprob for t in lp.top), reverse=True)
         for t in (lp.chosen, *lp.top):
             want = tok.decode([t.token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            assert t.token == want
+            assert t.token == spelled(want, t.token_bytes)  # a piece of a character: its bytes spelled
+        assert len({t.token for t in lp.top}) == len(lp.top)  # 4 distinct spellings for 4 distinct ids
     special = set(tok.all_special_ids)
     text = "".join(r.text for r in responses)
     raw = b"".join(c.token_bytes for c in chosen if c.token_id not in special)
     assert raw.decode("utf-8", errors="replace") == text
-    # some token is a lone byte of a multi-byte character: true bytes, not the UTF-8 of its U+FFFD string
-    assert any(c.token_bytes != c.token.encode() for c in chosen)
+    # some token is a lone byte of a multi-byte character: true bytes, spelled "bytes:\\xNN" as its string
+    assert any(c.token.startswith("bytes:\\x") for c in chosen)
     plain = _generate(
         worker, text="Ünïcödé café 東京", sampling=pb.SamplingParams(max_tokens=24, ignore_eos=True)
     )
