@@ -31,7 +31,7 @@ from loraserve.common.errors import InvalidArgument, LoraserveError, retry_after
 from loraserve.common.limits import MAX_BODY_BYTES, MAX_ID_CHARS, MAX_REF_CHARS
 from loraserve.common.security import GENERATE, ServerSecurity
 from loraserve.httpapi.body import load_json, off_loop
-from loraserve.httpapi.responses import Choice, Shape, cumulative_logprob, sse
+from loraserve.httpapi.responses import Choice, Shape, cumulative_logprob, sse, usage_json
 from loraserve.httpapi.schemas import ChatCompletionRequest, CompletionRequest, Strict, new_id
 from loraserve.protos.v1 import inference_pb2 as pb
 
@@ -370,7 +370,7 @@ async def _serve(
     if firsts[0].adapter:
         headers["x-loraserve-adapter"] = firsts[0].adapter  # the resolved name@version
     if body.stream:
-        events = _events(streams, firsts, shape, per_prompt, body.include_usage)
+        events = _events(streams, firsts, shape, per_prompt, body.include_usage, body.continuous_usage)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     choices = [Choice() for _ in streams]
     for choice, first in zip(choices, firsts, strict=True):
@@ -456,14 +456,18 @@ async def _events(
     shape: Shape,
     per_prompt: int,
     include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
-    """SSE: one chunk per GenerateResponse of every choice as it comes (``index`` says whose), the usage
+    """SSE: one chunk per GenerateResponse of every choice as it comes (``index`` says whose; with
+    ``continuous_usage`` each carries the request's usage so far, from the messages' ``progress``), the usage
     chunk if asked, then ``[DONE]``. A refusal after the first token (deadline, worker lost) is sent as an
     error event and ends every choice; the client's disconnect cancels us here, and closing the streams
     frees the requests."""
     choices = [Choice() for _ in streams]
     offsets = [0] * len(streams)
     calls = [shape.call_stream() for _ in streams]
+    # (prompt, completion) tokens so far per choice: every first message is in, so every prompt is counted
+    progress = [(f.progress.prompt_tokens, f.progress.completion_tokens) for f in firsts]
     # bounded: a client that reads slowly holds the streams back (gRPC flow control) instead of their
     # tokens piling up here
     queue: asyncio.Queue = asyncio.Queue(maxsize=2 * len(streams))
@@ -496,7 +500,12 @@ async def _events(
             choices[index].add(item)
             first = not first_sent[index]
             prompt = index // per_prompt
-            yield sse(shape.chunk(item, offsets[index], first, index, prompt, calls[index]))
+            chunk = shape.chunk(item, offsets[index], first, index, prompt, calls[index])
+            if continuous_usage:
+                progress[index] = (item.progress.prompt_tokens, item.progress.completion_tokens)
+                so_far = sum(p for p, _ in progress[::per_prompt]), sum(c for _, c in progress)
+                chunk["usage"] = usage_json(*so_far)
+            yield sse(chunk)
             offsets[index] += len(item.text) + (shape.text_before(item, prompt) if first else 0)
             first_sent[index] = True
     finally:  # also when the client went away (the response's generator is closed at its yield)

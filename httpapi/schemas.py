@@ -99,7 +99,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's; accepted, usage comes with the last chunk only
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class _Common(Strict):
@@ -227,6 +227,11 @@ class _Common(Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's ``continuous_usage_stats`` (with ``include_usage``): the usage so far in every chunk."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     @property
     def candidates(self) -> int:

@@ -135,6 +135,8 @@ class StreamAssembler:
             chunk = Chunk(
                 token_ids=[event.token_id],
                 text=self.text[self.sent : upto],
+                prompt_tokens=self.prompt_tokens,
+                completion_tokens=self.completion_tokens,  # so far: every chunk says it (GenerateResponse.progress)
                 adapter=self.adapter,
                 logprobs=lps,
             )

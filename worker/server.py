@@ -91,10 +91,11 @@ def chunk_to_proto(
         out.prompt_logprobs.append(inference_pb2.TokenLogprobs(chosen=_logprob(strings, first, math.nan)))
         pairs = zip(chunk.prompt_token_ids[1:], chunk.prompt_logprobs, strict=True)
         out.prompt_logprobs.extend(_token_logprobs(strings, t, lp) for t, lp in pairs)
+    out.progress.prompt_tokens = chunk.prompt_tokens
+    out.progress.completion_tokens = chunk.completion_tokens
     if chunk.finish_reason:
         out.finish_reason = FINISH_TO_PROTO[chunk.finish_reason]
-        out.usage.prompt_tokens = chunk.prompt_tokens
-        out.usage.completion_tokens = chunk.completion_tokens
+        out.usage.CopyFrom(out.progress)
     return out
 
 

@@ -128,6 +128,21 @@ def test_several_prompts_and_n_choices_each_equal_grpc_with_usage_summed(served)
     assert (
         chunks[-1].usage.completion_tokens == 20 and chunks[-1].usage.prompt_tokens == out.usage.prompt_tokens
     )
+    assert all(c.usage is None for c in chunks[:-1])  # include_usage alone: the usage chunk only
+
+    # vLLM's continuous_usage_stats (guidellm and vLLM's clients send it): every chunk carries the usage so
+    # far, the prompts counted once each, the completion tokens of every choice up to that chunk
+    streamed = served.client.completions.create(
+        model="all-r4", prompt=[PROMPT, OTHER], n=2, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(streamed)
+    generated = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert all(c.usage.prompt_tokens == out.usage.prompt_tokens for c in chunks)
+    assert generated == sorted(generated) and generated[0] >= 1 and generated[-1] == 20
+    assert (
+        len(chunks) == 21 and chunks[-1].usage.completion_tokens == 20
+    )  # 4 x 5 tokens, then the usage chunk
 
 
 def test_best_of_returns_the_candidates_with_the_highest_summed_logprob(served) -> None:
