@@ -124,7 +124,9 @@ class Edge:
       or unknown token, 403 for a known one of another scope, before anything is read;
     - a body over ``limit`` bytes gets 413: at once when Content-Length says so, else when the app's
       reading passes the limit (``_TooLarge``, answered by the app's handler);
-    - ``loraserve_http_requests_total`` by route and status.
+    - ``loraserve_http_requests_total`` by route and status;
+    - every ``/v1/*`` response carries ``x-request-id``, refusals included (a 429 as much as a 200): the
+      client's own when it sent one, else one made here and handed to the app as if the client had sent it.
     """
 
     def __init__(self, app: Any, role: str, security: ServerSecurity, limit: int) -> None:
@@ -137,11 +139,22 @@ class Edge:
         route = path if path in ROUTES else "/v1/models" if path.startswith("/v1/models/") else "other"
         headers = dict(scope["headers"])
         status = 500
+        request_id = b""
+        if path.startswith("/v1/"):
+            request_id = headers.get(b"x-request-id", b"")
+            if not request_id:
+                request_id = new_id("chatcmpl" if path == "/v1/chat/completions" else "cmpl").encode()
+                scope = {**scope, "headers": [*scope["headers"], (b"x-request-id", request_id)]}
+            if len(request_id) > MAX_ID_CHARS:  # refused by the app (400); not echoed
+                request_id = b""
 
         async def counted_send(message: dict) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                sent = message.get("headers") or []
+                if request_id and not any(k.lower() == b"x-request-id" for k, _ in sent):
+                    message = {**message, "headers": [*sent, (b"x-request-id", request_id)]}
             await send(message)
 
         try:

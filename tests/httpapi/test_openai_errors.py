@@ -5,6 +5,7 @@ request bodies: only documented statuses, never a 500."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -171,6 +172,8 @@ ROWS = [
 
 def _check(resp: httpx.Response, status: int, code: str, words: str = "", param: str | None = None) -> None:
     assert resp.status_code == status, resp.text
+    if resp.request.url.path.startswith("/v1/"):  # every refusal names its request, as every answer does
+        assert re.fullmatch(r"(chat)?cmpl-[0-9a-f]+", resp.headers.get("x-request-id", "")), resp.headers
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["code"] == code and words in err["message"]
