@@ -463,6 +463,18 @@ async def _collect(stream: AsyncIterator[pb.GenerateResponse], choice: Choice) -
         await stream.aclose()  # type: ignore[attr-defined]
 
 
+def _says_nothing(choice: dict[str, Any]) -> bool:
+    """A streamed choice without text, tool calls, logprobs or a finish reason."""
+    delta = choice.get("delta", choice)
+    text = delta.get("content") if "delta" in choice else choice.get("text")
+    return (
+        not text
+        and not delta.get("tool_calls")
+        and not choice.get("logprobs")
+        and not choice["finish_reason"]
+    )
+
+
 async def _events(
     streams: list[AsyncIterator[pb.GenerateResponse]],
     firsts: list[pb.GenerateResponse],
@@ -514,13 +526,16 @@ async def _events(
             first = not first_sent[index]
             prompt = index // per_prompt
             chunk = shape.chunk(item, offsets[index], first, index, prompt, calls[index])
+            offsets[index] += len(item.text) + (shape.text_before(item, prompt) if first else 0)
+            first_sent[index] = True
             if continuous_usage:
                 progress[index] = (item.progress.prompt_tokens, item.progress.completion_tokens)
+            if not first and _says_nothing(chunk["choices"][0]):
+                continue  # text held back (a forced tool call's, a partial character, a stop string's start)
+            if continuous_usage:
                 so_far = sum(p for p, _ in progress[::per_prompt]), sum(c for _, c in progress)
                 chunk["usage"] = usage_json(*so_far)
             yield sse(chunk)
-            offsets[index] += len(item.text) + (shape.text_before(item, prompt) if first else 0)
-            first_sent[index] = True
     finally:  # also when the client went away (the response's generator is closed at its yield)
         for task in tasks:
             task.cancel()

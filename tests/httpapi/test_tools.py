@@ -103,6 +103,8 @@ def test_streamed_tool_calls_equal_the_whole_reply(served) -> None:
         chunks = list(served.client.chat.completions.create(**kw, stream=True))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert all(not d.content for d in deltas)  # a forced call is never content
+        # and no chunk says nothing: the call's text is held back, not sent as empty deltas
+        assert all(d.role or d.tool_calls for d in deltas[:-1]), [d for d in deltas if not d.tool_calls]
         streamed = [tc for d in deltas for tc in d.tool_calls or []]
         assert [(tc.index, tc.function.name, tc.function.arguments) for tc in streamed] == [
             (i, tc.function.name, tc.function.arguments) for i, tc in enumerate(whole.message.tool_calls)
