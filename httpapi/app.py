@@ -144,7 +144,8 @@ class Edge:
             request_id = headers.get(b"x-request-id", b"")
             if not request_id:
                 request_id = new_id("chatcmpl" if path == "/v1/chat/completions" else "cmpl").encode()
-                scope = {**scope, "headers": [*scope["headers"], (b"x-request-id", request_id)]}
+                kept = [(k, v) for k, v in scope["headers"] if k != b"x-request-id"]  # an empty one too
+                scope = {**scope, "headers": [*kept, (b"x-request-id", request_id)]}
             if len(request_id) > MAX_ID_CHARS:  # refused by the app (400); not echoed
                 request_id = b""
 

@@ -81,7 +81,7 @@ def pages_per_compute_block(width: int, page_size: int) -> int:
     return fits[0]
 
 
-def pallas_takes(head_dim: int, page_size: int, window: int | None = None, interpret: bool = False) -> bool:
+def pallas_takes(head_dim: int, window: int | None = None, interpret: bool = False) -> bool:
     """Whether the TPU kernel (``impl="pallas"``) runs a layer of this shape; where it does not, that layer
     attends through the ``xla`` impl (decided at trace time, per layer).
 
@@ -162,9 +162,7 @@ def decode_attention(
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     interp = pallas_kernels.default_interpret() if interpret is None else interpret
-    if impl == "xla" or (
-        impl == "pallas" and not pallas_takes(q.shape[-1], k_pages.shape[2], window, interp)
-    ):
+    if impl == "xla" or (impl == "pallas" and not pallas_takes(q.shape[-1], window, interp)):
         return _xla(q, k_pages, v_pages, positions, page_tables, scale=scale, softcap=softcap, window=window)
     if impl == "cpu":
         fn = lambda q, k, v, pos, tables: cpu_kernels.paged_attention(  # noqa: E731

@@ -13,9 +13,11 @@ import os
 import jax
 import pytest
 
+from tests.conftest import SERVERS_ON
+
 ON_TPU = jax.default_backend() == "tpu"
 # where the servers a test starts as processes run: the chip in tests/tpu.sh's second run (conftest.SERVERS_ON)
-SERVERS_ON_TPU = ON_TPU or os.environ.get("LORASERVE_TEST_SERVERS_ON") == "tpu"
+SERVERS_ON_TPU = ON_TPU or os.environ.get(SERVERS_ON) == "tpu"
 # the platform's own multi-LoRA backend: the C++ kernels on a CPU, the Pallas kernels compiled for a TPU
 NATIVE_BACKEND = "pallas" if ON_TPU else "cpu"
 CPP_KERNELS = "the C++ CPU kernels are XLA:CPU custom calls: a TPU program cannot call them"

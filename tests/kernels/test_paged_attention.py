@@ -129,7 +129,7 @@ def test_pallas_matches_xla(heads, kv, softcap, window, d) -> None:
     kw = dict(scale=0.25, softcap=softcap, window=window)
     got = jax.jit(partial(decode_attention, impl="pallas", **kw))(q, k, v, pos, tables)
     want = jax.jit(partial(decode_attention, impl="xla", **kw))(q, k, v, pos, tables)
-    if not pallas_takes(d, k.shape[2], window, pallas_kernels.default_interpret()):  # the fallback: same bits
+    if not pallas_takes(d, window, pallas_kernels.default_interpret()):  # the fallback: same bits
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     else:
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=TOL)
@@ -171,9 +171,9 @@ def test_which_layers_the_tpu_kernel_takes_and_where_auto_wants_it() -> None:
     """Compiled for the chip, JAX's kernel takes head sizes that are multiples of 128 and no window (Mosaic
     refused 16, 64, 80 and 96 on a TPU v5e); interpreted, every head size. ``auto`` wants it where it was
     measured faster than xla on the chip: head size >= 256 with pages >= 16 (docs/kernels.md)."""
-    assert [d for d in (16, 64, 80, 96, 128, 192, 256) if pallas_takes(d, 16)] == [128, 256]
-    assert not pallas_takes(128, 16, window=4096)
-    assert pallas_takes(16, 4, interpret=True) and not pallas_takes(16, 4, window=5, interpret=True)
+    assert [d for d in (16, 64, 80, 96, 128, 192, 256) if pallas_takes(d)] == [128, 256]
+    assert not pallas_takes(128, window=4096)
+    assert pallas_takes(16, interpret=True) and not pallas_takes(16, window=5, interpret=True)
     faster = [(d, p) for d in (64, 128, 256, 512) for p in (4, 8, 16, 64) if tpu_kernel_faster(d, p)]
     assert faster == [(256, 16), (256, 64), (512, 16), (512, 64)]
 
