@@ -33,11 +33,19 @@ for step in "$@"; do
     case $step in
         install)
             t0=$SECONDS
-            PIP_CONFIG_FILE=/dev/null timeout "$(left)" python3 -m pip install --isolated -q --no-compile \
-                --disable-pip-version-check --target "$SITE" --index-url "$PIP_INDEX" \
-                --find-links "$WHEELHOUSE" --find-links "$PIP_FIND_LINKS" \
-                "loraserve[worker,registry,demo]" "torch==2.13.0" pytest-timeout 2>&1 | tail -20
-            echo "install: $((SECONDS - t0)) s"
+            # a warm machine keeps $SITE between calls: install again only when the wheelhouse changed
+            stamp=$(cd "$WHEELHOUSE" && sha256sum ./*.whl | sha256sum | cut -c1-16)
+            if [[ -f $SITE/.wheelhouse-stamp && $(cat "$SITE/.wheelhouse-stamp") == "$stamp" ]]; then
+                echo "install: $SITE already holds wheelhouse $stamp"
+            else
+                rm -rf "$SITE"
+                PIP_CONFIG_FILE=/dev/null timeout "$(left)" python3 -m pip install --isolated -q --no-compile \
+                    --disable-pip-version-check --target "$SITE" --index-url "$PIP_INDEX" \
+                    --find-links "$WHEELHOUSE" --find-links "$PIP_FIND_LINKS" \
+                    "loraserve[worker,registry,demo]" "torch==2.13.0" pytest-timeout 2>&1 | tail -20 \
+                    && echo "$stamp" >"$SITE/.wheelhouse-stamp"
+                echo "install: $((SECONDS - t0)) s"
+            fi
             (cd /tmp && python3 -c 'import jax, loraserve.worker.engine, torch, peft, transformers, grpc
 print("jax", jax.__version__, jax.devices(), "torch", torch.__version__, "peft", peft.__version__,
       "transformers", transformers.__version__, "grpc", grpc.__version__)' 2>&1 | tail -3)

@@ -81,15 +81,25 @@ def pages_per_compute_block(width: int, page_size: int) -> int:
     return fits[0]
 
 
-def pallas_takes(head_dim: int, window: int | None = None, interpret: bool = False) -> bool:
+def pallas_takes(
+    head_dim: int, window: int | None = None, interpret: bool = False, dtype: Any = None
+) -> bool:
     """Whether the TPU kernel (``impl="pallas"``) runs a layer of this shape; where it does not, that layer
     attends through the ``xla`` impl (decided at trace time, per layer).
 
     JAX's kernel has no sliding window, and its block specs tile the head dimension in whole 128-lane vregs:
     for a head size that is not a multiple of 128 (16, 64, 80, 96) Mosaic refuses the kernel ("last two
     dimensions of your block shape are divisible by 8 and 128"), measured on a TPU v5e (docs/kernels.md).
-    Interpreted (off a TPU, ``interpret``) the kernel takes every head size: the tests run it on tiny heads."""
-    return window is None and (interpret or head_dim % 128 == 0)
+    Compiled for the chip it also takes 16-bit q only (``dtype``, None: not checked): it rounds K and V to
+    bfloat16 whatever the cache holds, so a float32 model (computed at ``highest`` precision,
+    ``EngineConfig.matmul_precision``) would attend at bf16 — and Mosaic refused its f32 x bf16 product at
+    that precision on the v5e ("Bad rhs type"). Interpreted (off a TPU, ``interpret``) the kernel takes
+    every head size and dtype: the tests run it on tiny f32 heads."""
+    if window is not None:
+        return False
+    if interpret:
+        return True
+    return head_dim % 128 == 0 and (dtype is None or jnp.dtype(dtype).itemsize == 2)
 
 
 def _softcap(x: Array, cap: float | None) -> Array:
@@ -122,7 +132,9 @@ def _xla(q, k_pages, v_pages, positions, page_tables, *, scale, softcap, window)
 def _pallas(q, k_pages, v_pages, positions, page_tables, *, scale, softcap, interpret):  # [B, heads, D]
     block = pages_per_compute_block(page_tables.shape[1], k_pages.shape[2])
     run = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
-    with run:  # decides at trace time how the kernel's pallas_call lowers
+    # the kernel's own arithmetic (f32 q against bf16 K/V, one MXU pass), whatever precision the caller's
+    # context asks of its matmuls: Mosaic refuses its product at `highest`
+    with run, jax.default_matmul_precision("default"):  # decides at trace time how the pallas_call lowers
         out = paged_attention(
             q.astype(jnp.float32) * scale,
             k_pages,
@@ -162,7 +174,7 @@ def decode_attention(
     if impl not in IMPLS:
         raise ValueError(f"attention impl must be one of {', '.join(IMPLS)}, got {impl!r}")
     interp = pallas_kernels.default_interpret() if interpret is None else interpret
-    if impl == "xla" or (impl == "pallas" and not pallas_takes(q.shape[-1], window, interp)):
+    if impl == "xla" or (impl == "pallas" and not pallas_takes(q.shape[-1], window, interp, q.dtype)):
         return _xla(q, k_pages, v_pages, positions, page_tables, scale=scale, softcap=softcap, window=window)
     if impl == "cpu":
         fn = lambda q, k, v, pos, tables: cpu_kernels.paged_attention(  # noqa: E731

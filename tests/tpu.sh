@@ -13,6 +13,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PYTHON=${PYTHON:-python3}
 DEFAULT_TESTS=(
+    tests/worker/test_platforms_agree.py
     tests/kernels
     tests/worker/test_step_contract.py
     tests/worker/test_model_compilations.py

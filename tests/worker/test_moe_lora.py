@@ -32,7 +32,7 @@ from loraserve.worker import model as M
 from loraserve.worker import moe
 from loraserve.worker.checkpoint import load_checkpoint
 from loraserve.worker.slot_pools import SlotPools, slot_arrays
-from tests.platform import NATIVE_BACKEND
+from tests.platform import NATIVE_BACKEND, backends
 from tests.worker.model_steps import ModelSteps
 from tests.worker.test_lora_parity import PROMPT, STEPS, _reference_logits, _serve_mixed
 
@@ -125,7 +125,7 @@ def test_expert_adapters_serve_as_peft_computes_them(served, family) -> None:
     )
 
 
-@pytest.mark.parametrize("name", [n for n in LORA_BACKENDS if n != NATIVE_BACKEND])
+@pytest.mark.parametrize("name", backends(*(n for n in LORA_BACKENDS if n != NATIVE_BACKEND)))
 def test_every_lora_backend_serves_expert_adapters(served, name) -> None:
     base, dirs, refs = served("qwen3_moe")
     ck = load_checkpoint(str(base))
