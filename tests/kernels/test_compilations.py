@@ -12,6 +12,7 @@ import pytest
 
 from loraserve import kernels
 from loraserve.kernels.testing import count_compilations, random_lora_case
+from tests.platform import backends
 
 T, D_IN, D_OUT, S, R = 24, 32, 48, 6, 8
 
@@ -22,7 +23,7 @@ def _swap(A, B, slot, a, b):
     return A.at[slot].set(a), B.at[slot].set(b)
 
 
-@pytest.mark.parametrize("backend", kernels.BACKENDS)
+@pytest.mark.parametrize("backend", backends(*kernels.BACKENDS))
 def test_new_ids_and_slot_contents_never_recompile(backend: str) -> None:
     c = random_lora_case(0, T=T, d_in=D_IN, d_out=D_OUT, S=S, R=R)
     step = jax.jit(functools.partial(kernels.add_lora, backend=backend))

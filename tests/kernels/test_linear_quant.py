@@ -30,9 +30,14 @@ import numpy as np
 import pytest
 
 from loraserve.kernels import cpu
-from tests.platform import CPP_KERNELS
+from tests.platform import CPP_KERNELS, ON_TPU, cpp_only
 
-pytestmark = pytest.mark.skipif(not cpu.available(), reason="C++ kernels unavailable (test_cpu fails then)")
+pytestmark = [
+    cpp_only,
+    pytest.mark.skipif(
+        not ON_TPU and not cpu.available(), reason="C++ kernels unavailable (test_cpu fails then)"
+    ),
+]
 
 ROWS = (1, 2, 3, 5, 16, 17, 40)  # 17, 40: two and three 16-row groups of x on AMX tiles
 INT8_SHAPES = [(517, 1024), (517, 1027), (8, 64), (3, 9)]  # (N, K)

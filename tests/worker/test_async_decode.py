@@ -13,8 +13,14 @@ import pytest
 
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.scheduler import Cancel
-from tests.platform import SUBPROCESS_JAX
 from tests.worker.fake_engine import Harness, source_of
+
+# test_tensor_parallel_same_tokens_and_no_compilation's child never opens the chip (JAX_PLATFORMS=cpu): on a TPU
+# host it would only repeat the CPU run
+TP_ON_CPU = (
+    "its child process (JAX_PLATFORMS=cpu) serves on a mesh of two forced CPU devices through the C++ kernels:"
+    " nothing of it runs on the chip"
+)
 
 CFG = EngineConfig(max_batch_size=3, max_seq_len=32, max_loras=2, max_lora_rank=4, max_cpu_loras=2)
 
@@ -180,7 +186,7 @@ print(json.dumps([run(False), run(True)]))
 """
 
 
-@pytest.mark.cpu_only(SUBPROCESS_JAX)
+@pytest.mark.cpu_only(TP_ON_CPU)
 def test_tensor_parallel_same_tokens_and_no_compilation(tmp_path) -> None:
     """On a mesh (TP = 2 over two forced CPU devices) the step before's draw is replicated over it, as the
     steps pin their output: a chained step is the same compiled program, and the tokens are the same."""

@@ -4,7 +4,8 @@ a healthy adapter — in packed prefill, in decode, through DoRA scales, LoRA bi
 lm_head pools, and afterwards for requests whose pages the poisoned rows used (stale keys/values) or that
 read the null page the poisoned prompts' padding wrote.
 
-Every LoRA backend runs, each with a decode attention implementation (xla, cpu, pallas interpreted).
+Every LoRA backend runs, each with a decode attention implementation (xla, cpu, pallas interpreted; on a
+TPU the ``pallas`` case falls back to xla: the chip's kernel does not take the test model's head size 16).
 The comparison is exact (``assert_array_equal``): the two runs differ only in the poisoned slot's contents.
 """
 

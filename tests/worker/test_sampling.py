@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from loraserve.worker.sampling import TOP_LOGPROBS, SamplingArrays, sample
+from tests.platform import ON_TPU
 
 V = 50
 _sample = jax.jit(sample)
@@ -67,8 +68,11 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
-# logprobs against float64 numpy: f32 log_softmax of O(1) logits over 50 tokens agrees within 1e-5
-LP_ATOL = 1e-5
+# logprobs against float64 numpy: f32 log_softmax of O(1) logits over 50 tokens agrees within 1e-5 on a CPU.
+# A TPU's f32 exp and log are not XLA:CPU's (a few ulps each; on the chip transcendental chains have moved f32
+# results by up to 3.9e-5, tests/kernels/test_paged_attention.py's tanh soft cap): 1e-4 there, expected
+# ~1e-6, not yet measured on the chip; the raw-vs-tempered check below still separates by > 1e-2
+LP_ATOL = 1e-4 if ON_TPU else 1e-5
 
 
 def test_logprobs_are_raw_log_softmax_of_the_drawn_token_and_the_top_k() -> None:

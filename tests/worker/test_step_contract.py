@@ -93,9 +93,12 @@ def test_the_matmul_precision_is_traced_into_the_steps(state) -> None:
     tables = M.contiguous_page_tables(2, 2)
     batch = DecodeBatch(np.array([1, 2], np.int32), np.array([3, 3], np.int32), tables, None)
     text = {}
-    for precision in ("default", "highest"):
-        steps = jit_steps(cfg, backend, DecodeAttention("xla"), "xla", None, precision)
-        text[precision] = steps.decode.lower(**st.fields(), batch=batch).as_text()
+    # lowered with the process's own setting cleared: on a TPU the test process runs at highest
+    # (tests/conftest.py), which a step traced at `default` (adding nothing) would otherwise carry
+    with jax.default_matmul_precision(None):
+        for precision in ("default", "highest"):
+            steps = jit_steps(cfg, backend, DecodeAttention("xla"), "xla", None, precision)
+            text[precision] = steps.decode.lower(**st.fields(), batch=batch).as_text()
     assert "HIGHEST" in text["highest"] and "HIGHEST" not in text["default"]
     assert jit_steps(cfg, backend, DecodeAttention("xla"), "xla", None, "highest") is not jit_steps(
         cfg, backend, DecodeAttention("xla"), "xla", None, "default"
