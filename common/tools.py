@@ -11,6 +11,9 @@
   its own format: Hermes-style ``<tool_call>{"name": …, "arguments": …}</tool_call>`` blocks (Qwen2.5/3,
   Hermes and most function-calling fine-tunes) or a whole reply that is one such JSON object or a list of
   them (Llama 3.1's form); anything else is content.
+* Only a complete call is a call: a reply cut short (``max_tokens``) before a call's JSON is whole is content,
+  in every mode, and every call's arguments are written one way (:func:`arguments_text`), whatever the mode
+  and whatever spacing the model used.
 """
 
 from __future__ import annotations
@@ -158,6 +161,21 @@ class Call:
         return item if index is None else {"index": index, **item}
 
 
+def arguments_text(args: dict[str, Any]) -> str:
+    """A call's ``arguments`` as every reply spells them: compact JSON (no spaces after ``,`` and ``:``, the
+    form OpenAI's own replies and a forced call's grammar write), keys in the order generated, non-ASCII
+    characters as themselves."""
+    return json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+
+
+def _arguments(value: Any) -> dict[str, Any] | None:
+    """A call's arguments (an object, or JSON text of one, at most MAX_SCHEMA_DEPTH deep), else None: what a
+    reply holds as arguments must come back as history (``template_messages`` parses them)."""
+    if isinstance(value, str):
+        value = _loads(value)
+    return value if isinstance(value, dict) and depth(value) <= MAX_SCHEMA_DEPTH else None
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -166,15 +184,8 @@ def _call(value: Any, names: frozenset[str]) -> Call | None:
     """``{"name": …, "arguments"|"parameters": {…} or JSON text}`` naming an offered tool -> a Call."""
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
-    args = value.get("arguments", value.get("parameters", {}))
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return Call(value["name"], json.dumps(args, ensure_ascii=False), new_call_id())
+    args = _arguments(value.get("arguments", value.get("parameters", {})))
+    return None if args is None else Call(value["name"], arguments_text(args), new_call_id())
 
 
 def _loads(text: str) -> Any:
@@ -189,9 +200,13 @@ def parse_calls(
 ) -> tuple[str | None, list[Call]]:
     """(content, calls) of a finished reply. ``mode`` is the request's tool choice: ``named`` (the text is
     the arguments), ``required`` (a JSON list of calls), ``auto`` (the model's own format, module doc) or
-    ``none`` (all content). A reply that does not hold calls is all content."""
+    ``none`` (all content). A reply that does not hold calls is all content, and so is one cut short before
+    its calls' JSON is complete (``max_tokens``), in every mode."""
     if mode == "named":
-        return None, [Call(named or "", text, new_call_id())]
+        args = _arguments(text)
+        if args is None:
+            return text, []  # cut short (or not an object): content
+        return None, [Call(named or "", arguments_text(args), new_call_id())]
     if mode == "none":
         return text, []
     if mode == "required":

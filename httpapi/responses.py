@@ -123,7 +123,7 @@ class Shape:
                             "content": content,
                             "tool_calls": [call.openai() for call in calls],
                         }
-                        finish = _calls_finish(c.finish_reason)
+                        finish = "tool_calls"  # the calls are whole (a cut one is content, "length")
                 out.append(
                     {
                         "index": index,
@@ -178,7 +178,7 @@ class Shape:
             if found:
                 delta["content"] = content or None
                 delta["tool_calls"] = [call.openai(i) for i, call in enumerate(found)]
-                finish = _calls_finish(finish)
+                finish = "tool_calls"
             logprobs = {"content": chat_logprobs(list(msg.logprobs))} if self.logprobs else None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             head = self._head("chat.completion.chunk")
@@ -223,11 +223,6 @@ class Shape:
     def text_before(self, msg: pb.GenerateResponse, prompt: int = 0) -> int:
         """How much text the first chunk of a choice (``msg``) puts before its generated text."""
         return len(self._echo(prompt, list(msg.prompt_logprobs))[0])
-
-
-def _calls_finish(finish: str | None) -> str | None:
-    """A reply that made tool calls ends with "tool_calls", unless it was cut short ("length")."""
-    return finish if finish == FinishReason.LENGTH else "tool_calls"
 
 
 def cumulative_logprob(c: Choice) -> float:

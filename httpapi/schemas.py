@@ -45,7 +45,7 @@ from loraserve.common.limits import (
     check_chat,
     check_ref,
 )
-from loraserve.common.tools import call_schema, check_parameters
+from loraserve.common.tools import arguments_text, call_schema, check_parameters
 from loraserve.protos.v1 import inference_pb2 as pb
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -494,7 +494,7 @@ def _message(i: int, m: ChatMessage) -> pb.ChatMessage:
             )
         args = function.get("arguments", "{}")
         if isinstance(args, dict):
-            args = json.dumps(args)
+            args = arguments_text(args)
         if not isinstance(args, str):
             raise InvalidArgument(f"messages[{i}].tool_calls[{j}].function.arguments must be JSON text")
         out.tool_calls.add(id=str(call.get("id") or ""), name=function["name"], arguments=args)

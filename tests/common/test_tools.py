@@ -125,3 +125,60 @@ def test_a_long_stream_costs_each_chunk_its_own_length() -> None:
     sent = [s.feed("word <tool") for _ in range(2000)]
     assert sum(len(u) for u in s.unsent) <= len(CALL_OPEN)
     assert "".join(sent) + s.finish()[0] == "   \n" + "word <tool" * 2000
+
+
+# one call, as each mode's reply spells it (spacing, key order and the arguments' form as a model may write)
+OSLO = {"city": "Oslo", "days": 2}
+ONE_CALL = {
+    "named": '{ "city" : "Oslo",\n  "days": 2 }',
+    "required": '[{"name":"get_weather","arguments":{"city":"Oslo","days":2}}]',
+    "auto": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>',
+    "auto_json": '{"name": "get_weather", "parameters": "{\\"city\\":  \\"Oslo\\", \\"days\\": 2}"}',
+}
+
+
+def _one(mode: str, text: str) -> tuple[str | None, list]:
+    named = "get_weather" if mode == "named" else None
+    return parse_calls(text, NAMES, mode.removesuffix("_json"), named)
+
+
+def test_every_mode_writes_the_same_call_s_arguments_one_way() -> None:
+    """Compact JSON, keys in their order, whatever spacing (or JSON-text arguments) the reply had."""
+    for mode, text in ONE_CALL.items():
+        content, (call,) = _one(mode, text)
+        assert content is None and call.name == "get_weather", mode
+        assert call.arguments == '{"city":"Oslo","days":2}', mode
+        assert json.loads(call.arguments) == OSLO
+    # non-ASCII characters stay themselves; the order the model wrote the keys in is kept
+    (call,) = _one("named", '{"days": 1, "city": "Zürich"}')[1]
+    assert call.arguments == '{"days":1,"city":"Zürich"}'
+    streamed = CallStream(NAMES, "named", "get_weather")
+    assert streamed.feed(ONE_CALL["named"]) == ""
+    assert streamed.finish()[1][0].arguments == '{"city":"Oslo","days":2}'
+
+
+@pytest.mark.parametrize("mode", list(ONE_CALL))
+def test_a_call_cut_short_is_content_in_every_mode(mode: str) -> None:
+    """max_tokens reached before a call's JSON is whole: every prefix of the reply is content, never a call
+    (whose arguments would not parse), streamed or not."""
+    text = ONE_CALL[mode]
+    whole_at = len(text.rstrip()) if mode != "auto" else text.index("}}") + 2  # Hermes: the JSON ends there
+    for cut in range(1, whole_at):
+        prefix = text[:cut]
+        assert _one(mode, prefix) == (prefix, []), (mode, prefix)
+        s = CallStream(NAMES, mode.removesuffix("_json"), "get_weather" if mode == "named" else None)
+        sent = [s.feed(prefix[i : i + 3]) for i in range(0, cut, 3)]
+        rest, calls = s.finish()
+        assert calls == [] and "".join(sent) + rest == prefix, (mode, prefix)
+
+
+def test_arguments_that_could_not_come_back_are_not_a_call() -> None:
+    """A call's arguments come back as history (parsed, at most MAX_SCHEMA_DEPTH deep): deeper ones, or
+    arguments that are not an object, leave the reply content."""
+    deep = '{"a": ' + "[" * 70 + "]" * 70 + "}"
+    assert parse_calls(deep, NAMES, "named", "get_time") == (deep, [])
+    assert parse_calls("[1, 2]", NAMES, "named", "get_time") == ("[1, 2]", [])
+    hermes = f'<tool_call>{{"name": "get_time", "arguments": {deep}}}</tool_call>'
+    assert parse_calls(hermes, NAMES, "auto") == (hermes, [])
+    nested = '{"name": "get_time", "arguments": "' + "[" * 100_000 + '"}'  # JSON text past the parser's limit
+    assert parse_calls(nested, NAMES, "auto") == (nested, [])

@@ -2,7 +2,9 @@
 tools the way Qwen's and Hermes' do): the official ``openai`` SDK and LangChain's ``ChatOpenAI.bind_tools``,
 forced calls (a named function, ``required``) whose arguments always validate against the function's schema,
 ``auto`` and ``none``, streamed deltas equal to the whole reply, a conversation that carries calls and
-their results, and the 400s of bad tools."""
+their results, and the 400s of bad tools. A call cut short by ``max_tokens`` is content with
+``finish_reason: "length"`` in every mode and a whole call's arguments are spelled one way (compact JSON), in
+each of n choices, streamed or not; what a reply said is accepted back as history."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import httpx
 import jsonschema
 import pytest
 
+from loraserve.httpapi.responses import Choice, Shape
+from loraserve.httpapi.schemas import ToolUse
 from loraserve.protos.v1 import inference_pb2 as pb
 from tests.httpapi.conftest import MODEL
 
@@ -45,6 +49,7 @@ TOOLS = [
 PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": CLOCK_PARAMS}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+FORCED = {"required": "required", "named": NAMED}
 
 
 def _valid(call) -> dict:
@@ -174,6 +179,225 @@ def test_langchain_bind_tools(served) -> None:
     assert call["args"]["zone"] in ("utc", "cet") and call["id"].startswith("call_")
     forced = llm.bind_tools([get_time], tool_choice="any").invoke("What time is it?")  # "any" = required
     assert [c["name"] for c in forced.tool_calls][:1] == ["get_time"]
+
+
+def _compact(value) -> str:
+    """The one spelling of a call's arguments (docs/http.md)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _streamed(served, **kw) -> dict[int, dict]:
+    """Each choice of a streamed reply put together as a client does (content, tool_calls, finish_reason);
+    no chunk may say nothing."""
+    out: dict[int, dict] = {}
+    for chunk in served.client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            got = out.setdefault(c.index, {"content": None, "tool_calls": [], "finish_reason": None})
+            d = c.delta
+            assert d.content or d.tool_calls or d.role or c.finish_reason, chunk
+            if d.content:
+                got["content"] = (got["content"] or "") + d.content
+            got["tool_calls"] += [tc.model_dump() for tc in d.tool_calls or []]
+            got["finish_reason"] = c.finish_reason or got["finish_reason"]
+    return out
+
+
+@pytest.mark.parametrize("mode", list(FORCED))
+def test_a_call_cut_short_by_max_tokens_is_content(served, mode) -> None:
+    """max_tokens reached before the call's JSON is whole: ``finish_reason: "length"``, the text generated so
+    far as content (exactly the whole call's first tokens) and no tool_calls, streamed or not, in each of n
+    choices; ``auto`` does the same (the tiny model writes no call of its own: test_n_choices_... below)."""
+    kw = dict(
+        model="all-r4",
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice=FORCED[mode],
+        parallel_tool_calls=False,
+        temperature=0,
+    )
+    whole = served.client.chat.completions.create(**kw, max_tokens=120, logprobs=True).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    assert call.function.arguments == _compact(_valid(call))
+    tokens = [t.token for t in whole.logprobs.content]
+    for cut in (1, 8, len(tokens) - 2):
+        text = "".join(tokens[:cut])
+        chat = served.client.chat.completions.create(**kw, max_tokens=cut, n=2)
+        assert chat.usage.completion_tokens == 2 * cut
+        assert [c.index for c in chat.choices] == [0, 1]
+        for choice in chat.choices:
+            assert choice.finish_reason == "length" and choice.message.tool_calls is None
+            assert choice.message.content == text
+        with pytest.raises(ValueError):
+            json.loads(text)
+        cut_short = {"content": text, "tool_calls": [], "finish_reason": "length"}
+        assert _streamed(served, **kw, max_tokens=cut, n=2) == {0: cut_short, 1: cut_short}
+
+
+def test_a_whole_call_s_arguments_are_spelled_alike_in_every_mode(served) -> None:
+    """The same call (one tool, one allowed value) from ``required`` and from a named tool_choice, streamed
+    and not: the same arguments text, compact JSON."""
+    utc = {
+        "type": "object",
+        "properties": {"zone": {"enum": ["utc"]}},
+        "required": ["zone"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": utc}}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    kw = dict(
+        model="all-r4",
+        messages=MESSAGES,
+        tools=tools,
+        parallel_tool_calls=False,
+        max_tokens=60,
+        temperature=0,
+    )
+    seen = []
+    for choice in ("required", named):
+        whole = served.client.chat.completions.create(**kw, tool_choice=choice).choices[0]
+        (streamed,) = _streamed(served, **kw, tool_choice=choice).values()
+        assert whole.finish_reason == streamed["finish_reason"] == "tool_calls"
+        assert whole.message.content is None and streamed["content"] is None
+        seen += [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        seen += [(c["function"]["name"], c["function"]["arguments"]) for c in streamed["tool_calls"]]
+    assert seen == [("get_time", '{"zone":"utc"}')] * 4
+
+
+def test_each_of_n_choices_is_a_call_or_cut_short_on_its_own(served) -> None:
+    """n sampled choices under one max_tokens: those whose call fits are calls, the others content cut short
+    (this seed draws both: a get_time call is shorter than a get_weather one), the stream saying the same."""
+    kw = dict(
+        model="all-r4",
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=56,
+        temperature=1.0,
+        seed=7,
+        n=8,
+    )
+    chat = served.client.chat.completions.create(**kw)
+    streamed = _streamed(served, **kw)
+    assert sorted(streamed) == [c.index for c in chat.choices] == list(range(8))
+    for choice in chat.choices:
+        got = streamed[choice.index]
+        assert got["finish_reason"] == choice.finish_reason and got["content"] == choice.message.content
+        if choice.finish_reason == "tool_calls":
+            (call,) = choice.message.tool_calls
+            assert choice.message.content is None and call.function.arguments == _compact(_valid(call))
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in got["tool_calls"]] == [
+                (call.function.name, call.function.arguments)
+            ]
+        else:
+            assert choice.finish_reason == "length" and choice.message.tool_calls is None
+            assert choice.message.content.startswith('[{"name":"get_') and got["tool_calls"] == []
+            with pytest.raises(ValueError):
+                json.loads(choice.message.content)
+    assert {c.finish_reason for c in chat.choices} == {"tool_calls", "length"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_what_a_reply_said_is_accepted_back_as_history(served, stream) -> None:
+    """The assistant turn as the client got it (the SDK's ``message.model_dump()``, None fields and all, or
+    the streamed deltas put together), sent back: a cut call's content, or the calls with their results. The
+    prompt is the template's tokens for that conversation."""
+    for mode, max_tokens in (("named", 8), ("named", 60), ("required", 8), ("required", 120)):
+        kw = dict(
+            model=MODEL,
+            messages=MESSAGES,
+            tools=TOOLS,
+            tool_choice=FORCED[mode],
+            max_tokens=max_tokens,
+            temperature=0,
+        )
+        if stream:
+            got = _streamed(served, **kw)[0]
+            turn = {"role": "assistant", "content": got["content"], "tool_calls": got["tool_calls"] or None}
+        else:
+            turn = served.client.chat.completions.create(**kw).choices[0].message.model_dump()
+        calls = turn["tool_calls"] or []
+        assert bool(calls) == (max_tokens > 8) and bool(turn["content"]) == (max_tokens == 8)
+        results = [{"role": "tool", "tool_call_id": c["id"], "content": "sunny"} for c in calls]
+        again = served.client.chat.completions.create(
+            model=MODEL, messages=[*MESSAGES, turn, *results], tools=TOOLS, max_tokens=2, temperature=0
+        )
+        rendered: dict = {"role": "assistant", "content": turn["content"] or ""}
+        if calls:
+            rendered["tool_calls"] = [
+                {
+                    "id": c["id"],
+                    "type": "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
+                for c in calls
+            ]
+        expected = _template_tokens(served, [*MESSAGES, rendered, *results], TOOLS)
+        assert again.usage.prompt_tokens == expected, (mode, max_tokens)
+
+
+# one call of get_weather as each mode's reply may spell it
+REPLIES = {
+    "auto": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>',
+    "required": '[{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}]',
+    "named": '{"city":"Oslo","days":2}',
+}
+
+
+@pytest.mark.parametrize("mode", list(REPLIES))
+def test_n_choices_each_a_call_or_cut_short_in_every_mode(mode) -> None:
+    """The responses built for two choices, one whose call is whole and one cut short by max_tokens, from
+    the worker's messages as they come (interleaved when streamed): the tiny model writes no call of its own
+    with ``auto``, so its messages are given here."""
+    use = ToolUse(tuple(pb.Tool(name=t["function"]["name"]) for t in TOOLS), mode, None)
+    if mode == "named":
+        use = ToolUse(use.tools, mode, "get_weather")
+    shape = Shape(id="chatcmpl-1", model=MODEL, chat=True, logprobs=False, tools=use)
+    whole_text = REPLIES[mode]
+    cut = whole_text[: whole_text.index("Oslo") + 2]
+    replies = [(whole_text, pb.FINISH_REASON_EOS), (cut, pb.FINISH_REASON_LENGTH)]
+    messages = []
+    for text, finish in replies:
+        msgs = [pb.GenerateResponse(text=text[i : i + 5]) for i in range(0, len(text), 5)]
+        msgs[-1].finish_reason = finish
+        messages.append(msgs)
+    arguments = '{"city":"Oslo","days":2}'  # in every mode
+
+    choices = [Choice() for _ in messages]
+    for c, msgs in zip(choices, messages, strict=True):
+        for m in msgs:
+            c.add(m)
+    called, cut_short = shape.whole([(0, c) for c in choices], (1, 2))["choices"]
+    (call,) = called["message"].pop("tool_calls")
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": arguments}
+    assert called["message"] == {"role": "assistant", "content": None}
+    assert called["finish_reason"] == "tool_calls"
+    assert cut_short["message"] == {"role": "assistant", "content": cut}
+    assert cut_short["finish_reason"] == "length"
+
+    streams = [shape.call_stream() for _ in messages]
+    said: list[list[dict]] = [[], []]
+    for k in range(max(len(m) for m in messages)):
+        for i, msgs in enumerate(messages):
+            if k < len(msgs):
+                said[i].append(shape.chunk(msgs[k], 0, k == 0, i, 0, streams[i])["choices"][0])
+    for i, chunks in enumerate(said):
+        assert {c["index"] for c in chunks} == {i}
+        assert [c["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    called_deltas, cut_deltas = ([c["delta"] for c in chunks] for chunks in said)
+    assert not "".join(d.get("content") or "" for d in called_deltas)
+    streamed_calls = [tc for d in called_deltas for tc in d.get("tool_calls", [])]
+    assert [(tc["index"], tc["type"], tc["function"]) for tc in streamed_calls] == [
+        (0, "function", {"name": "get_weather", "arguments": arguments})
+    ]
+    assert said[0][-1]["finish_reason"] == "tool_calls"
+    assert "".join(d["content"] for d in cut_deltas) == cut
+    assert all("tool_calls" not in d for d in cut_deltas) and said[1][-1]["finish_reason"] == "length"
 
 
 def _refused(served, body: dict) -> str:
