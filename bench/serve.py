@@ -156,6 +156,8 @@ class Stack:
         max_cpu_loras: int,
         prefill_chunk: int = 0,
         fair_slots: bool = True,
+        http: bool = False,
+        worker_args: tuple[str, ...] = (),
     ):
         from loraserve.common.processes import die_with_parent, start_server
 
@@ -187,13 +189,17 @@ class Stack:
                         "--max-seq-len", str(w["max_seq_len"]), "--metrics-port", str(port),
                         "--enable-prefix-caching", str(prefix_cache).lower(),
                         "--fair-slots", str(fair_slots).lower(),
-                        "--compilation-cache-dir", str(workdir / "jax-cache")]  # fmt: skip
+                        "--compilation-cache-dir", str(workdir / "jax-cache"), *worker_args]  # fmt: skip
                 self.procs.append(start_server(argv, timeout=None, preexec_fn=die_with_parent))
                 self.metrics.append(f"http://127.0.0.1:{port}/metrics")
             for p in self.procs[1:]:
                 p.wait_ready(600)
+            http_args: list[str] = []
+            if http:  # the OpenAI-compatible API on the router, and its metrics (the admission histogram)
+                self.http_port, self.router_metrics = _free_port(), _free_port()
+                http_args = ["--http-port", str(self.http_port), "--metrics-port", str(self.router_metrics)]
             router = start_server(
-                ["router", "serve", "--registry", self.registry], preexec_fn=die_with_parent
+                ["router", "serve", "--registry", self.registry, *http_args], preexec_fn=die_with_parent
             )
             self.procs.append(router)
             self.router = router.address
@@ -509,6 +515,77 @@ def run_system(system: str, workdir, base, adapters, w, args, rates) -> list[dic
     return rows
 
 
+OVERLOAD = dict(clients=(1, 8, 32), storm=512, factor=4.0, prompt=64, output=16, max_waiting=16)
+
+
+def _admission_p99(url: str, role: str, outcome: str) -> float | None:
+    """The p99 of ``loraserve_admission_seconds{role, outcome}`` from a server's /metrics: the upper bound
+    of the first histogram bucket holding 99 % of the decisions (None: no decision counted)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    buckets = []
+    for m in re.finditer(r"^loraserve_admission_seconds_bucket\{(.*)\} (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if labels.get("role") == role and labels.get("outcome") == outcome:
+            buckets.append((float(labels["le"]), float(m.group(2))))
+    buckets.sort()
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    total = buckets[-1][1]
+    return next(le for le, count in buckets if count >= 0.99 * total)
+
+
+def overload(workdir: Path, base: Path, w: dict, seconds: float, seed: int) -> list[dict]:
+    """Overload, as guidellm's sweep meets it: the stack with the router's HTTP API (/v1/completions,
+    ``prompt`` tokens, ``output`` new ones), a worker of ``max_batch_size`` rows and ``max_waiting`` queued.
+
+    * peak: closed-loop clients (each sends again as soon as answered) at each of ``clients``; the best
+      served requests/s is the sustainable load;
+    * open loop: Poisson arrivals at ``factor`` x the peak for ``seconds``: served ÷ peak is the goodput
+      held under overload, with the refusals' latency p50/p99 as the client saw it;
+    * storm: ``storm`` closed-loop clients that ignore Retry-After (guidellm's throughput step).
+
+    Each row adds the server's own view: the router's and worker's p99 time to refuse
+    (``loraserve_admission_seconds``, upper bucket bound). The load generator is ``bench/http_load.py``
+    (raw asyncio; httpx would take a core of this machine itself)."""
+    from http_load import Target, closed_loop, open_loop, summarize
+
+    o = OVERLOAD
+    rng = np.random.default_rng(seed)
+    prompt, output = min(o["prompt"], w["max_seq_len"] // 2), min(o["output"], w["max_seq_len"] // 4)
+    body = dict(model=MODEL_ID, prompt=rng.integers(3, w["model"]["vocab_size"], prompt).tolist(),
+                max_tokens=output, ignore_eos=True, stream=True)  # fmt: skip
+    stack = Stack(workdir, base, w, workers=1, max_loras=w["max_loras"], prefix_cache=True, max_cpu_loras=0,
+                  http=True, worker_args=("--max-waiting", str(o["max_waiting"])))  # fmt: skip
+    rows: list[dict] = []
+    try:
+        target = Target("127.0.0.1", stack.http_port, "/v1/completions", body)
+        router_url = f"http://127.0.0.1:{stack.router_metrics}/metrics"
+        asyncio.run(closed_loop(target, 2, 2.0))  # warm: the first requests compile nothing but connect
+
+        def row(kind: str, load: float, results) -> dict:
+            r = {"bench": "serve", "overload": kind, "offered": load, **summarize(results, seconds),
+                 "router_refusal_p99_s": _admission_p99(router_url, "router", "refused"),
+                 "worker_refusal_p99_s": _admission_p99(stack.metrics[0], "worker", "refused")}  # fmt: skip
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+            return r
+
+        peak = max(
+            row("closed", c, asyncio.run(closed_loop(target, c, seconds)))["served_rps"] for c in o["clients"]
+        )
+        rate = o["factor"] * peak
+        row("open", round(rate, 1), asyncio.run(open_loop(target, rate, seconds, seed)))
+        row("closed", o["storm"], asyncio.run(closed_loop(target, o["storm"], seconds)))
+    finally:
+        stack.stop()
+    for r in rows:
+        r["served_vs_peak"] = round(r["served_rps"] / peak, 3) if peak else None
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
@@ -556,6 +633,11 @@ def main() -> None:
         default=64,
         help="workers' --prefill-chunk: prompt tokens a step, so a prompt stalls the running rows for one chunk at most (0 = off)",
     )
+    parser.add_argument(
+        "--overload",
+        action="store_true",
+        help="the overload rows instead (HTTP: peak, 4x the peak open-loop, 512 closed-loop clients)",
+    )
     parser.add_argument("--plot", default="serve.png", help="PNG path ('' = no plot)")
     parser.add_argument(
         "--workdir", help="keep models and adapters here between runs (default: a temp folder)"
@@ -568,6 +650,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
+        if args.overload:
+            base, _ = build_assets(workdir, w, 0)
+            rows = overload(workdir, base, w, args.duration or (2.0 if args.tiny else 10.0), args.seed)
+            by = {(r["overload"], r["offered"]): r for r in rows}
+            opened = next(r for r in rows if r["overload"] == "open")
+            storm = rows[-1]
+            print(json.dumps({"bench": "serve", "overload": "summary", "peak_rps": max(r["served_rps"] for r in rows[:-2]),
+                              "open_4x": {k: opened[k] for k in ("offered", "served_vs_peak", "refused_p50_ms", "refused_p99_ms", "router_refusal_p99_s")},
+                              "closed_512": {k: storm[k] for k in ("served_vs_peak", "refused", "refused_p50_ms", "refused_p99_ms", "router_refusal_p99_s")},
+                              "rows": len(by), "failed": sum(r["failed"] for r in rows)}))  # fmt: skip
+            return
         if args.sweep:
             key, _, values = args.sweep.partition("=")
             rows = []

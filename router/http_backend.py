@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 
 from loraserve.common.errors import Unavailable
+from loraserve.common.singleflight import SingleFlight
 from loraserve.httpapi.schemas import adapter_for_model, model_card
 from loraserve.httpapi.server import CallContext
 from loraserve.protos.v1 import inference_pb2 as pb
@@ -27,12 +28,18 @@ class RouterHttpBackend:
         self.servicer, self.locator, self.ttl = servicer, locator, ttl
         self.registry = registry_pb2_grpc.AdapterRegistryStub(locator.channel)
         self._bases: tuple[float, dict[str, int]] = (0.0, {})
+        self._listing = SingleFlight()
 
     async def _base_models(self) -> dict[str, int]:
-        """Model ids of the live workers -> when this router first saw them (cached ``ttl`` seconds)."""
+        """Model ids of the live workers -> when this router first saw them (cached ``ttl`` seconds; one
+        ``ListWorkers`` however many requests find the cache expired)."""
         at, bases = self._bases
         if time.monotonic() - at < self.ttl:
             return bases
+        return await self._listing.run(None, self._list_bases)
+
+    async def _list_bases(self) -> dict[str, int]:
+        _, bases = self._bases
         try:
             resp = await self.locator.stub.ListWorkers(placement_pb2.ListWorkersRequest(), timeout=5)
         except grpc.aio.AioRpcError as exc:
@@ -43,6 +50,10 @@ class RouterHttpBackend:
         fresh = {w.model_id: bases.get(w.model_id, now) for w in resp.workers}
         self._bases = (time.monotonic(), fresh)
         return fresh
+
+    def refusal(self):
+        """Admission at the HTTP edge (``httpapi.app.Edge``): the servicer's, before the body is read."""
+        return self.servicer.refusal()
 
     async def adapter_for(self, model: str) -> str:
         return adapter_for_model(model, set(await self._base_models()))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +19,10 @@ import grpc
 
 from loraserve.adapters.mixes import MixPart, mix_ref
 from loraserve.adapters.refs import pick_version
+from loraserve.common.admission import FullWorkers
 from loraserve.common.errors import Unavailable, error_from_rpc
 from loraserve.common.security import aio_channel
+from loraserve.common.singleflight import SingleFlight
 from loraserve.common.slots import Tier
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc, placement_pb2, placement_pb2_grpc
 
@@ -68,11 +70,17 @@ class Locator:
         self.stub = placement_pb2_grpc.PlacementStub(self.channel)
         self.ttl, self.max_candidates = ttl, max_candidates
         self._routes: dict[str, Route] = {}
+        self._locating = SingleFlight()
 
     async def locate(self, adapter: str) -> Route:
         cached = self._routes.get(adapter)
         if cached is not None and time.monotonic() - cached.at < self.ttl:
             return cached
+        # every request that finds the route expired waits for one LocateAdapter, not one each
+        return await self._locating.run(adapter, lambda: self._locate(adapter))
+
+    async def _locate(self, adapter: str) -> Route:
+        cached = self._routes.get(adapter)
         try:
             resp = await self.stub.LocateAdapter(
                 placement_pb2.LocateAdapterRequest(adapter=adapter, max_candidates=self.max_candidates),
@@ -154,8 +162,15 @@ class WorkerPool:
     def __init__(self, token: str = "", tls_ca: str = "", limits: WorkerLimits | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.inflight: dict[str, int] = {}
+        self.full = FullWorkers()  # the workers that refused for want of room, while they still lack it
         self.token, self.tls_ca = token, tls_ca
         self.limits = limits or WorkerLimits()
+
+    def full_hint(self, addresses: Iterable[str] | None = None) -> float | None:
+        """The wait to announce when every one of ``addresses`` (default: every worker this router has sent
+        to) refused for want of room and is still taken as full (``common.admission.FullWorkers``), else
+        None."""
+        return self.full.all_full(self.inflight, self.inflight if addresses is None else addresses)
 
     def order(self, route: Route) -> list[str]:
         """Holders first (registry order), then those holding it in host memory or on disk (faster to load

@@ -20,13 +20,14 @@ import grpc
 
 from loraserve.adapters.running_caps import RunningCaps
 from loraserve.adapters.sources import AdapterSource, LocalAdapterSource
+from loraserve.common.errors import ResourceExhausted
 from loraserve.worker.accounting import AdapterAccounting
 from loraserve.worker.config import EngineConfig
 from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.requests import EngineRequest, Failed
 from loraserve.worker.residency import Load, Residency, Unload
 from loraserve.worker.runner import Runner
-from loraserve.worker.scheduler import Cancel, Scheduler
+from loraserve.worker.scheduler import Scheduler
 from loraserve.worker.snapshot import EngineSnapshot
 
 if TYPE_CHECKING:
@@ -131,8 +132,15 @@ class Engine:
         """Queue a request; raises InvalidArgument / ResourceExhausted at once."""
         self._post(self.scheduler.accept(req))
 
-    def cancel(self, request_id: str) -> None:
-        self._post(Cancel(request_id))
+    def refusal(self) -> ResourceExhausted | None:
+        """What a request would be refused with now (a full queue), else None: asked before its prompt is
+        read, so a refusal costs nothing (``common.admission``). ``submit`` decides for good."""
+        return self.scheduler.refusal()
+
+    def cancel(self, request_id: str, reason: str = "client") -> None:
+        """End ``request_id`` at the next command the engine thread reads (the step in flight is read first);
+        ``reason``: ``client``, ``deadline`` or ``stop_string`` (``scheduler.Cancel``)."""
+        self._post(self.scheduler.cancelling(request_id, reason))
 
     def load_adapter(self, ref: str, pin: bool = False) -> Future:
         """Make ``ref`` resident; the future resolves to its ``Slot`` or raises a ``LoraserveError``."""

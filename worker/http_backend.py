@@ -44,6 +44,10 @@ class WorkerHttpBackend:
         self.base_ids = {model_id} | ({model_path} if model_path else set())
         self.started = int(time.time())
 
+    def refusal(self):
+        """Admission at the HTTP edge (``httpapi.app.Edge``): a full queue, before the body is read."""
+        return self.servicer.engine.refusal() if self.servicer.engine.ready.is_set() else None
+
     async def adapter_for(self, model: str) -> str:
         return adapter_for_model(model, self.base_ids)
 

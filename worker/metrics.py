@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 from prometheus_client import REGISTRY, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from loraserve.common.observability import LATENCY_BUCKETS
 from loraserve.worker.accounting import AccountingCollector
 from loraserve.worker.engine import Engine
+from loraserve.worker.scheduler import AFTER_CANCEL_BUCKETS
+from loraserve.worker.snapshot import EngineSnapshot
 
 ADAPTER_LOAD_SECONDS = Histogram(
     "loraserve_adapter_load_seconds", "Fetch + validate + host arrays of one adapter", buckets=LATENCY_BUCKETS
@@ -42,6 +46,11 @@ class EngineCollector:
             "loraserve_kv_cache_pages", "Usable pages in the KV pool", value=snap.kv_pages_total
         )
         yield GaugeMetricFamily(
+            "loraserve_kv_cache_pages_used",
+            "Pages of the KV pool held by running requests",
+            value=snap.kv_pages_used,
+        )
+        yield GaugeMetricFamily(
             "loraserve_kv_cache_pages_cached",
             "Pages held by no request that keep a cached prefix (reused on a hit, reclaimed LRU)",
             value=snap.kv_pages_cached,
@@ -61,6 +70,7 @@ class EngineCollector:
             "Running requests sent back to the queue for want of KV pages (recomputed later)",
             value=snap.preemptions,
         )
+        yield from cancellation_metrics(snap)
         info = GaugeMetricFamily(
             "loraserve_lora_requests_info",
             "Adapters of running and waiting requests (like vLLM's)",
@@ -69,6 +79,31 @@ class EngineCollector:
         labels = [",".join(snap.running_adapters), ",".join(snap.waiting_adapters), str(len(snap.slots))]
         info.add_metric(labels, time.time())
         yield info
+
+
+def cancellation_metrics(snap: EngineSnapshot):
+    """What clients that left cost: requests ended early by reason, and per cancelled request the tokens the
+    engine still gave it after the cancel was posted (at most one engine step's: ``scheduler.Cancel``)."""
+    cancelled = CounterMetricFamily(
+        "loraserve_requests_cancelled",
+        "Requests ended before their finish: their client went away (client), their deadline passed "
+        "(deadline), a stop string ended them (stop_string)",
+        labels=["reason"],
+    )
+    for reason, count in snap.cancelled:
+        cancelled.add_metric([reason], count)
+    yield cancelled
+    counts = snap.after_cancel or (0,) * (len(AFTER_CANCEL_BUCKETS) + 1)
+    cumulative, buckets = 0, []
+    for bound, count in zip((*AFTER_CANCEL_BUCKETS, math.inf), counts, strict=True):
+        cumulative += count
+        buckets.append((floatToGoString(bound), cumulative))  # le="2.0", "+Inf": as prometheus_client writes
+    yield HistogramMetricFamily(
+        "loraserve_tokens_after_cancel",
+        "Per cancelled request, tokens the engine generated for it after its cancel was posted",
+        buckets=buckets,
+        sum_value=snap.after_cancel_tokens,
+    )
 
 
 class VllmCollector:

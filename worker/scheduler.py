@@ -19,11 +19,12 @@ to the FRONT of ``ready``; its resume is a prefill of prompt + generated from th
 samples the next new token, so nothing streamed is repeated or lost.
 Events and future results wait in ``outbox`` until ``flush``: the engine publishes the snapshot first, so
 whoever sees an event also sees its effect in ``engine.snapshot()``. Everything here runs on the engine
-thread, except ``accept`` (callers' threads). No JAX here.
+thread, except ``accept`` and ``cancelling`` (callers' threads). No JAX here.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
@@ -36,6 +37,7 @@ import numpy as np
 from loraserve.adapters.mixes import is_mix, parse_mix, validate_mix
 from loraserve.adapters.refs import parse_ref
 from loraserve.adapters.running_caps import Cap, RunningCaps, adapter_names
+from loraserve.common.admission import DrainRate, retry_after
 from loraserve.common.errors import ResourceExhausted
 from loraserve.common.finish_reasons import FinishReason
 from loraserve.worker.config import EngineConfig
@@ -67,7 +69,6 @@ from loraserve.worker.snapshot import EngineSnapshot
 NO_ROOM = Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more KV pages than the pool holds")
 CANCELLED = Failed(grpc.StatusCode.CANCELLED, "cancelled by the client")
 DEADLINE = Failed(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
-QUEUE_FULL_RETRY_S = 1.0  # the wait a full queue announces (Retry-After): rows free up within steps
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,19 @@ class Submit:
 
 @dataclass(frozen=True)
 class Cancel:
+    """End ``request_id`` now (``Scheduler.cancelling`` makes it); ``reason`` labels
+    ``loraserve_requests_cancelled_total``: ``client`` (its stream went away), ``deadline`` (its deadline
+    passed at the servicer), ``stop_string`` (a stop string ended it while the engine still decoded it)."""
+
     request_id: str
+    reason: str = "client"
+
+
+CANCEL_REASONS = ("client", "deadline", "stop_string")
+# loraserve_tokens_after_cancel's buckets: tokens a request took after its cancel was posted. The bound is one
+# engine step: the step running when the cancel arrives (its prefill's first token and its decode's token)
+# plus, with async decode, the step dispatched before it, which the cancel reads before it ends the row.
+AFTER_CANCEL_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 64)
 
 
 @dataclass
@@ -180,11 +193,19 @@ class Scheduler:
         self.kv_events: list | None = [] if config.kv_events else None
         self.kv = KVCache(runner.num_pages, runner.page_size, config.enable_prefix_caching, self.kv_events)
         self.tables = np.zeros((config.max_batch_size, config.pages_per_row), np.int32)
+        # early ends by reason (Cancel's, and "deadline" for the engine's own expiries too); per request whose
+        # cancel is posted and not yet handled, the tokens it took since (guarded by _lock: posted anywhere);
+        # per cancel that ended a request, those tokens by AFTER_CANCEL_BUCKETS (the last: more)
+        self.cancelled = dict.fromkeys(CANCEL_REASONS, 0)
+        self._cancelling: dict[str, int] = {}
+        self.after_cancel = [0] * (len(AFTER_CANCEL_BUCKETS) + 1)
+        self.after_cancel_tokens = 0
         self._admissions = 0
         self.steps = self.tokens_out = self.requests_done = self.preemptions = 0
         self.chained = 0  # decode steps dispatched before the step in flight was read (async decode)
         self.outbox: list[Callable[[], None]] = []  # events, delivered by flush() after the snapshot
         self._queued = 0  # accepted, not yet in a row nor ended (guarded by _lock: accept runs anywhere)
+        self.drain = DrainRate()  # places the queue frees per second: the wait a refusal announces
         self._lock = threading.Lock()
         # async decode: the next step is dispatched before this one's tokens are read, while the batch runs
         # unchanged (_may_chain); anything else reads the step in flight first (_settle)
@@ -206,12 +227,21 @@ class Scheduler:
         req.max_new_tokens = min(wanted, room)
         req.seed = req.sampling.resolved_seed()
         with self._lock:
-            if self._queued >= self.config.max_waiting:
-                raise ResourceExhausted(
-                    f"queue is full ({self.config.max_waiting} waiting)", retry_after=QUEUE_FULL_RETRY_S
-                )
+            refused = self.refusal()
+            if refused is not None:
+                raise refused
             self._queued += 1
         return Submit(req)
+
+    def refusal(self) -> ResourceExhausted | None:
+        """The refusal a request gets now (its queue is full: ``max_waiting`` waiting), else None. Any thread;
+        cheap, so the servers ask it before anything else (``common.admission``). The wait it announces is
+        the time the queue takes to free a place at its measured drain rate."""
+        queued, limit = self._queued, self.config.max_waiting
+        if queued < limit:
+            return None
+        wait = retry_after(queued - limit + 1, self.drain.rate())
+        return ResourceExhausted(f"queue is full ({limit} waiting)", retry_after=wait)
 
     @property
     def queued(self) -> int:
@@ -223,8 +253,8 @@ class Scheduler:
         match command:
             case Submit(req):
                 self._submit(req)
-            case Cancel(request_id):
-                self._cancel(request_id)
+            case Cancel(request_id, reason):
+                self._cancel(request_id, reason)
             case Load() | Unload() | Prepared():
                 self._apply(self.residency.handle(command))
             case _:
@@ -283,6 +313,9 @@ class Scheduler:
             prefix_hit_tokens=self.kv.hit_tokens,
             prefix_query_tokens=self.kv.query_tokens,
             preemptions=self.preemptions,
+            cancelled=tuple(self.cancelled.items()),
+            after_cancel=tuple(self.after_cancel),
+            after_cancel_tokens=self.after_cancel_tokens,
         )
 
     # ----------------------------------------------------------------- commands
@@ -301,12 +334,31 @@ class Scheduler:
         self.waiting.append(req)
         self.residency.want(req.adapter)
 
-    def _cancel(self, request_id: str) -> None:
+    def cancelling(self, request_id: str, reason: str = "client") -> Cancel:
+        """The command that cancels ``request_id`` (any thread): from now until it is handled, every token the
+        request takes is counted as taken after its cancel (``loraserve_tokens_after_cancel``)."""
+        with self._lock:
+            self._cancelling[request_id] = 0
+        return Cancel(request_id, reason)
+
+    def _cancel(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            after = self._cancelling.pop(request_id, 0)
         for i, row in self._running():
             if row.req.request_id == request_id:
                 self._finish(i, CANCELLED)
-                return
-        self._drop(lambda r: r.request_id == request_id, CANCELLED)
+                break
+        else:
+            if not self._drop(lambda r: r.request_id == request_id, CANCELLED):
+                return  # it had ended already (finished, failed, or an unknown id): nothing was cancelled
+        self.cancelled[reason] = self.cancelled.get(reason, 0) + 1
+        self.after_cancel[bisect.bisect_left(AFTER_CANCEL_BUCKETS, after)] += 1  # the first bound >= after
+        self.after_cancel_tokens += after
+
+    def _taken_after_cancel(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._cancelling:
+                self._cancelling[request_id] += 1
 
     def _apply(self, outcomes: Iterable[Outcome]) -> None:
         for outcome in outcomes:
@@ -340,20 +392,24 @@ class Scheduler:
 
     def _drop(
         self, match: Callable[[EngineRequest], bool], event: Failed, queues: tuple[deque, ...] = ()
-    ) -> None:
-        """End the queued (not running) requests that ``match`` selects with ``event``."""
+    ) -> int:
+        """End the queued (not running) requests that ``match`` selects with ``event``; returns how many."""
+        dropped = 0
         for queue in queues or (self.ready, self.waiting, self.held):
             for req in [r for r in queue if match(r)]:
+                dropped += 1
                 queue.remove(req)
                 self._dequeued()
                 self._release_slot(req)
                 self._emit(req, event)
                 if queue is self.waiting and all(r.adapter != req.adapter for r in self.waiting):
                     self.residency.abandon(req.adapter)  # its last waiter: the load is not needed
+        return dropped
 
     def _dequeued(self) -> None:
         with self._lock:
             self._queued -= 1
+        self.drain.note()
 
     def _expiring(self) -> bool:
         now = self.clock()
@@ -361,10 +417,13 @@ class Scheduler:
 
     def _expire(self) -> None:
         now = self.clock()
+        expired = 0
         for i, row in self._running():
             if row.req.deadline is not None and row.req.deadline <= now:
                 self._finish(i, DEADLINE)
-        self._drop(lambda r: r.deadline is not None and r.deadline <= now, DEADLINE)
+                expired += 1
+        expired += self._drop(lambda r: r.deadline is not None and r.deadline <= now, DEADLINE)
+        self.cancelled["deadline"] += expired
 
     # ----------------------------------------------------------------- prefill / decode
     def _admit(self) -> bool:
@@ -646,6 +705,8 @@ class Scheduler:
         logprobs = None if want is None else out.logprobs(i, want)
         req.generated.append(token)
         self.tokens_out += 1
+        if self._cancelling:  # a cancel is on its way to this thread: is this token spent on a client gone?
+            self._taken_after_cancel(req.request_id)
         s, n = req.sampling, len(req.generated)
         reason: FinishReason | None = None
         if token in self.eos_ids and not s.ignore_eos:

@@ -19,7 +19,14 @@ import grpc
 from loraserve.adapters.errors import AdapterError
 from loraserve.adapters.mixes import MixPart, mix_ref
 from loraserve.adapters.sources import LocalAdapterSource
-from loraserve.common.errors import FailedPrecondition, InvalidArgument, LoraserveError, Unavailable
+from loraserve.common import admission
+from loraserve.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    LoraserveError,
+    ResourceExhausted,
+    Unavailable,
+)
 from loraserve.common.finish_reasons import FINISH_TO_PROTO
 from loraserve.common.limits import MAX_BODY_BYTES, add_servicer, check_generate_request, check_ref
 from loraserve.common.observability import StreamTimer
@@ -121,6 +128,14 @@ def _deadline(context: grpc.aio.ServicerContext) -> float | None:
     return None if remaining is None else time.monotonic() + remaining
 
 
+def _cancel_reason(context: grpc.aio.ServicerContext, stopped_by_string: bool) -> str:
+    """Why a stream ended before its request: a stop string, its deadline, else its client went away."""
+    if stopped_by_string:
+        return "stop_string"
+    remaining = context.time_remaining()
+    return "deadline" if remaining is not None and remaining <= 0 else "client"
+
+
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, engine: Engine, tokenizer: Any) -> None:
         self.engine, self.tokenizer = engine, tokenizer
@@ -171,9 +186,14 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        since = admission.arrived()
         check_generate_request(request)  # counts and lengths, before anything is copied or tokenised
         if not self.engine.ready.is_set():
             raise Unavailable("worker is warming up")
+        refused = self.engine.refusal()  # a full queue: refused before the prompt is read
+        if refused is not None:
+            admission.observe("worker", "refused", since)
+            raise refused
         request_id = request.request_id or uuid.uuid4().hex
         internal_id = uuid.uuid4().hex  # client ids may repeat; cancellation must not hit a stranger
         events: asyncio.Queue = asyncio.Queue()
@@ -193,7 +213,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             deadline=_deadline(context),
             grammar=grammar,
         )
-        self.engine.submit(engine_req)  # refusals raise LoraserveError: the interceptor maps them
+        try:
+            self.engine.submit(engine_req)  # refusals raise LoraserveError: the interceptor maps them
+        except ResourceExhausted:
+            admission.observe("worker", "refused", since)
+            raise
+        admission.observe("worker", "admitted", since)
         sampling = engine_req.sampling
         echo = sampling.prompt_logprobs is not None or sampling.prompt_only
         assembler = StreamAssembler(
@@ -215,7 +240,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             log.info("finished", extra={"request_id": request_id, "adapter": assembler.adapter})
         finally:
             if not engine_req.done or assembler.stopped_by_string:
-                self.engine.cancel(internal_id)  # client gone, deadline passed, or a stop string ended it
+                self.engine.cancel(internal_id, _cancel_reason(context, assembler.stopped_by_string))
 
 
 class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):

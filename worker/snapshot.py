@@ -38,6 +38,11 @@ class EngineSnapshot:
     prefix_hit_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     prefix_query_tokens: int = 0  # prompt tokens looked up in it (0 with prefix caching off)
     preemptions: int = 0  # running requests sent back to the queue for want of pages
+    cancelled: tuple[tuple[str, int], ...] = ()  # (reason, requests ended early): scheduler.CANCEL_REASONS
+    # per cancel that ended a request, the tokens it took after the cancel was posted, counted by
+    # scheduler.AFTER_CANCEL_BUCKETS (one more: above them), and their sum
+    after_cancel: tuple[int, ...] = ()
+    after_cancel_tokens: int = 0
 
     @property
     def kv_utilisation(self) -> float:

@@ -11,6 +11,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 
 from loraserve.httpapi.app import build_app
 from loraserve.router.http_backend import RouterHttpBackend
@@ -236,6 +237,13 @@ def test_wrong_method_and_route(served) -> None:
     assert httpx.get(f"{served.url}/v1/models/no-such-model").status_code == 404
 
 
+def _refusals() -> tuple[float, float]:
+    """The router's refusals so far: (how many, seconds in all) of loraserve_admission_seconds."""
+    labels = {"role": "router", "outcome": "refused"}
+    get = lambda name: REGISTRY.get_sample_value(f"loraserve_admission_seconds_{name}", labels) or 0.0  # noqa: E731
+    return get("count"), get("sum")
+
+
 def test_queue_full_is_429_and_no_worker_is_503() -> None:
     """A router at its stream limit refuses at once (RESOURCE_EXHAUSTED); one whose registry is down and
     has never located anything has nowhere to send (UNAVAILABLE). Both real router servicers."""
@@ -251,10 +259,22 @@ def test_queue_full_is_429_and_no_worker_is_503() -> None:
 
         return make
 
+    before = _refusals()
     with http_server_thread(app(0)) as port:
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=OK)
         _check(resp, 429, "RESOURCE_EXHAUSTED", "limit")
-        assert resp.headers["retry-after"] == "1"  # a wait cures it: clients such as guidellm back off
+        # a wait cures it: clients such as guidellm back off. Nothing has drained yet: the unmeasured 1 s,
+        # in whole seconds and in the milliseconds the OpenAI SDKs read first
+        assert resp.headers["retry-after"] == "1" and resp.headers["retry-after-ms"] == "1000"
+        # refused at the edge, before the body is read: a body that is no JSON gets the same 429, not a 400,
+        # and the connection stays usable (the body was drained)
+        with httpx.Client() as client:
+            for _ in range(2):
+                bad = client.post(f"http://127.0.0.1:{port}/v1/completions", content=b"{not json")
+                _check(bad, 429, "RESOURCE_EXHAUSTED", "limit")
+    # three decisions timed from the edge, each well within the 20 ms the overload target allows
+    count, seconds = _refusals()
+    assert count - before[0] == 3 and seconds - before[1] < 3 * 0.02
     with http_server_thread(app(8)) as port:
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=OK, timeout=30)
         _check(resp, 503, "UNAVAILABLE", "registry unavailable")

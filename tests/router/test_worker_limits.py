@@ -207,6 +207,27 @@ def test_a_full_worker_s_retry_hint_reaches_the_client_through_the_router(es) ->
     assert (err.value.code_name, err.value.retry_after) == ("UNAVAILABLE", 1.0)
 
 
+def test_a_full_worker_is_asked_again_only_once_a_place_may_have_freed(es) -> None:
+    """Admission (common.admission.FullWorkers): the next candidate serves what a full worker refused, and
+    the router sends the full one nothing more while it lacks room: when it alone can serve, the router
+    refuses by itself, at once, with the wait that worker announced."""
+    full, ok = FakeWorker("full"), FakeWorker()
+    router = _serve_router(es, [_serve_worker(es, full), _serve_worker(es, ok)])
+    with Client(router, timeout=30) as client:
+        for _ in range(3):
+            assert client.complete([1], max_tokens=3).token_ids == [0, 1, 2]
+    assert (len(full.deadlines), len(ok.deadlines)) == (1, 3)  # asked once, then skipped
+    alone = _serve_router(es, [_serve_worker(es, full2 := FakeWorker("full"))])
+    with Client(alone, timeout=30) as client:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            with pytest.raises(LoraserveError) as err:
+                client.complete([1], max_tokens=3)
+            assert (err.value.code_name, err.value.retry_after) == ("RESOURCE_EXHAUSTED", 2.5)
+            assert time.perf_counter() - t0 < 1.0
+    assert len(full2.deadlines) == 1
+
+
 def test_zero_turns_a_timeout_off(es) -> None:
     worker = FakeWorker("hang-after-one")
     router = _serve_router(es, [_serve_worker(es, worker)], WorkerLimits(0, 0, 0, 0))

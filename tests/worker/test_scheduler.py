@@ -8,6 +8,7 @@ step after its first request.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from concurrent.futures import Future
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from loraserve.adapters.errors import AdapterDataLossError
+from loraserve.common.admission import UNMEASURED_RETRY_S, retry_after
 from loraserve.common.errors import FailedPrecondition, LoraserveError, ResourceExhausted
 from loraserve.common.slots import SlotState
 from loraserve.worker.config import EngineConfig
@@ -23,7 +25,7 @@ from loraserve.worker.fake_runner import fake_logprobs
 from loraserve.worker.kv_cache import KVCache
 from loraserve.worker.requests import Failed, Finished, Sampling, SamplingRow, Started, Token, TokenLogprobs
 from loraserve.worker.residency import Load, Unload
-from loraserve.worker.scheduler import Cancel
+from loraserve.worker.scheduler import AFTER_CANCEL_BUCKETS, Cancel
 from tests.worker.fake_engine import Collector, Harness, adapter_files, source_of
 
 CFG = EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=2, max_lora_rank=4, max_cpu_loras=2)
@@ -175,12 +177,18 @@ def test_lru_picks_the_least_recently_used_unpinned_slot() -> None:
 def test_queue_limit_is_resource_exhausted_until_requests_leave() -> None:
     h = harness(EngineConfig(max_batch_size=1, max_seq_len=32, max_loras=2, max_lora_rank=4, max_waiting=2))
     first, second = h.submit(max_tokens=2), h.submit(max_tokens=2)
-    with pytest.raises(ResourceExhausted, match="queue is full"):
+    with pytest.raises(ResourceExhausted, match="queue is full") as refused:
         h.submit()
+    # nothing has left the queue yet: the unmeasured wait; the same refusal asked before a prompt is read
+    assert refused.value.retry_after == UNMEASURED_RETRY_S
+    assert h.scheduler.refusal().retry_after == UNMEASURED_RETRY_S
     h.step()  # the first one holds the row: one queued
     third = h.submit(max_tokens=1)
-    with pytest.raises(ResourceExhausted):
+    with pytest.raises(ResourceExhausted) as refused:
         h.submit()
+    # one place freed so far: the wait is one place at the measured drain rate
+    assert refused.value.retry_after == retry_after(1, h.scheduler.drain.rate())
+    assert h.scheduler.drain.rate() > 0
     h.run(first, second, third)
     assert (first.tokens, second.tokens, third.tokens) == ([6, 7], [6, 7], [6])
     assert h.scheduler.queued == 0
@@ -525,3 +533,95 @@ def test_min_tokens_bans_the_stop_tokens_and_eos_for_that_many_steps() -> None:
     assert s.bias_entries((2,)) == [(5, 1.5, forever), (2, inf, 3), (4, inf, 3), (9, inf, 3)]
     assert Sampling(min_tokens=3, ignore_eos=True).bias_entries((2,)) == []
     assert not Sampling(max_tokens=5, stop_token_ids=(1,)).controlled and s.controlled
+
+
+def _after_cancel(h: Harness) -> tuple[dict[str, int], tuple[int, ...], int]:
+    snap = h.scheduler.snapshot()
+    return dict(snap.cancelled), snap.after_cancel, snap.after_cancel_tokens
+
+
+@pytest.mark.parametrize("chained", [False, True], ids=["one step at a time", "async decode"])
+def test_a_cancel_costs_at_most_the_step_it_arrives_in(chained: bool) -> None:
+    """``loraserve_tokens_after_cancel``: tokens a request takes between its cancel's post (from the servicer's
+    thread, while the engine runs a step) and the engine ending it. The step running when the cancel arrives
+    gives it at most two: its prefill's first token and its decode token (one step at a time), or one token
+    read there and the step dispatched before the cancel's handling, which reads it first (async decode)."""
+    h = harness(dataclasses.replace(CFG, async_decode=chained))
+    decoding = h.submit(max_tokens=20)
+    h.step(3)
+    before = len(decoding.tokens)
+    cancel = h.scheduler.cancelling(decoding.request_id)  # posted while...
+    h.scheduler.step()  # ...the engine runs this step
+    h.scheduler.flush()
+    h.post(cancel)
+    h.step()
+    assert decoding.end == Failed(grpc.StatusCode.CANCELLED, "cancelled by the client")
+    taken = len(decoding.tokens) - before
+    assert taken == (2 if chained else 1)
+
+    fresh = h.submit(max_tokens=20)  # cancelled while its Submit is handled: prefilled and decoded at once
+    h.scheduler.handle(h.inbox.pop())
+    cancel = h.scheduler.cancelling(fresh.request_id)
+    h.scheduler.step()
+    h.scheduler.flush()
+    h.post(cancel)
+    h.step()
+    assert fresh.end.code == grpc.StatusCode.CANCELLED and len(fresh.tokens) == 2
+
+    queued = h.submit(max_tokens=20)  # cancelled before it ran: nothing taken
+    h.post(h.scheduler.cancelling(queued.request_id, "deadline"))
+    h.step()
+    assert queued.tokens == []
+    finished = h.submit(max_tokens=1)
+    h.run(finished)
+    h.post(h.scheduler.cancelling(finished.request_id, "stop_string"))  # too late: nothing to cancel
+    h.step()
+    cancelled, buckets, tokens = _after_cancel(h)
+    assert cancelled == {"client": 2, "deadline": 1, "stop_string": 0}
+    assert tokens == taken + 2
+    assert sum(buckets) == 3 and sum(buckets[: AFTER_CANCEL_BUCKETS.index(2) + 1]) == 3
+    assert buckets[0] == 1  # the queued one
+    assert h.scheduler._cancelling == {}  # every posted cancel was handled: nothing is kept
+    assert h.scheduler.snapshot().running == 0 and h.scheduler.kv.used == 0
+
+
+def test_the_engines_own_deadline_expiries_count_as_cancelled_by_deadline() -> None:
+    h = harness(dataclasses.replace(CFG, max_batch_size=1))
+    running = h.submit(max_tokens=20, deadline=5.0)
+    queued = h.submit(max_tokens=2, deadline=5.0)
+    h.step(2)
+    h.now = 5.0
+    h.run(running, queued)
+    assert _after_cancel(h)[0] == {"client": 0, "deadline": 2, "stop_string": 0}
+    assert _after_cancel(h)[1:] == ((0,) * (len(AFTER_CANCEL_BUCKETS) + 1), 0)  # no cancel was posted
+
+
+def test_the_cancellation_metrics_are_exported_from_the_snapshot() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from loraserve.worker.metrics import EngineCollector
+
+    h = harness()
+    a, b = h.submit(max_tokens=20), h.submit(max_tokens=20)
+    h.step(2)
+    cancel = h.scheduler.cancelling(a.request_id)
+    h.scheduler.step()
+    h.post(cancel)
+    h.post(h.scheduler.cancelling(b.request_id, "stop_string"))
+    h.step()
+
+    class Stub:
+        def snapshot(self):
+            return h.scheduler.snapshot()
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(Stub()))
+    text = generate_latest(registry).decode()
+    assert 'loraserve_requests_cancelled_total{reason="client"} 1.0' in text
+    assert 'loraserve_requests_cancelled_total{reason="stop_string"} 1.0' in text
+    assert 'loraserve_requests_cancelled_total{reason="deadline"} 0.0' in text
+    assert 'loraserve_tokens_after_cancel_bucket{le="0.0"} 1.0' in text  # b: posted after the step
+    assert 'loraserve_tokens_after_cancel_bucket{le="2.0"} 2.0' in text
+    assert 'loraserve_tokens_after_cancel_bucket{le="+Inf"} 2.0' in text
+    assert "loraserve_tokens_after_cancel_count 2.0" in text
+    assert "loraserve_kv_cache_pages_used 0.0" in text
