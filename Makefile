@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 PROTO_SRC := $(wildcard protos/v1/*.proto)
 PROTO_OUT := protos/v1/inference_pb2.py
 
-.PHONY: venv protos demo test test-fast test-tpu wheelhouse lint format bench clean
+.PHONY: venv protos demo test test-fast test-tpu bench-tpu wheelhouse lint format bench clean
 
 # Python writes bytecode for what these commands import, whatever the shell says: some images set
 # PYTHONDONTWRITEBYTECODE, and then every process compiles every module it imports again (the tests start
@@ -57,6 +57,11 @@ test-fast: venv $(PROTO_OUT)
 # this venv. The selection and why it runs from outside the checkout: tests/tpu.sh.
 test-tpu:
 	PYTHON=$(PYTHON) bash tests/tpu.sh $(PYTEST_ARGS)
+
+# On a TPU VM: the TPU benchmark set in one command of at most ~7.5 minutes, merged into $(OUT)/tpu-bench.json
+# (OUT: default ./device-out; TPU_BENCH_* choose the sub-steps: bench/tpu_session.sh, docs/tpu.md).
+bench-tpu:
+	PYTHON=$(PYTHON) bash bench/tpu_session.sh bench
 
 # loraserve's wheel and every wheel it needs, for hosts that reach no package index (docs/tpu.md): install
 # there with pip install --no-index --find-links $(WHEELHOUSE) 'loraserve[$(WHEELHOUSE_EXTRAS)]'.

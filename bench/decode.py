@@ -18,6 +18,13 @@ Prints human-readable lines, then ONE JSON object as the last line.
         --no-json   # async decode (as `loraserve worker` runs) against one step at a time
     python bench/decode.py --shape 3b --dtype bfloat16 --batch 16,64,128 --engines default,pallas,xla_onehot,xla \
         --skip-hf --no-extra --no-json --skip-ttft --lazy-compile   # each LoRA backend's engine, one run (TPU)
+    python bench/decode.py --shape 3b --dtype bfloat16 --batch 16 --engines none --quantization int8 \
+        --skip-hf --no-extra --no-json --skip-ttft --lazy-compile   # only the int8 base (the bf16 one not loaded)
+
+``bench/tpu_session.sh bench`` runs the last two on a TPU with ``--emit-partial`` (a JSON line after each engine;
+an engine that fails is recorded and the next one runs). Every JSON line says how many XLA compilations the run
+made and their seconds (``compiles``) and, for a dense model, the bytes a base step reads and the batch's adapter
+pools add (``bytes``).
 
 On an accelerator (``bench/device.sh`` runs this): ``--shape 8b --dtype bfloat16`` builds an 8B-shaped
 random Llama (hidden 4096, 32 layers, intermediate 14336, 32/8 heads, vocab 128256) in bf16 on the
@@ -31,6 +38,7 @@ complete. ``--workdir`` keeps the built model for a later run (``--build-only`` 
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -38,13 +46,16 @@ import shutil
 import statistics
 import tempfile
 import time
+import traceback
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
 from threading import Event
 
-import _source_tree  # in bench/, first on sys.path
+import _compiles  # in bench/, first on sys.path
+import _source_tree
 import numpy as np
 
 _source_tree.use()  # loraserve from this repository, installed or not
@@ -152,9 +163,14 @@ def hf_load(path: Path, dtype: str):
 
 def build_direct(workdir: Path, w: dict, dtype: str, context: int = 256) -> tuple[Path, list[Path]]:
     """Like :func:`build`, fast enough for an 8B shape: the random model is made in ``dtype`` on the torch
-    device (HF's own init) and saved; peft makes one adapter (the template: its tensor names, shapes and
+    device and saved; peft makes one adapter (the template: its tensor names, shapes and
     ``adapter_config.json``), and every adapter's weights are then drawn on the device (N(0, 0.01²), seeded
-    by its index) and written straight to safetensors in ``dtype``."""
+    by its index) and written straight to safetensors in ``dtype``.
+
+    On a GPU the model's values are HF's own init. On a CPU (a TPU host: torch has no device there) HF's init
+    draws every value serially (~25-50 M values a second: minutes for a 3B model), so the model is allocated
+    without init and filled by :func:`_fill_like_hf_init` on every core instead (HF's distribution, other
+    values), and the adapters are drawn on every core too."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -170,8 +186,14 @@ def build_direct(workdir: Path, w: dict, dtype: str, context: int = 256) -> tupl
         **{k: w[k] for k in MODEL_KEYS},
     )
     torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config)
+    if device == "cpu":
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        model = model.to(getattr(torch, dtype)).to_empty(device="cpu")
+        _fill_like_hf_init(model, config.initializer_range)
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config)
     model = model.to(getattr(torch, dtype)).eval()
     base = workdir / "base"
     # 2 GB files: loading one holds its bytes twice besides the float32 copy (worker.checkpoint)
@@ -180,8 +202,8 @@ def build_direct(workdir: Path, w: dict, dtype: str, context: int = 256) -> tupl
     make_adapter(model, template, r=w["rank"], alpha=2.0 * w["rank"], targets=MODULES, seed=0, scale=0.01)
     del model
     shapes = {k: tuple(v.shape) for k, v in load_file(str(template / "adapter_model.safetensors")).items()}
-    adapters = []
-    for i in range(w["adapters"]):
+
+    def write(i: int) -> Path:
         out = workdir / f"a{i}"
         out.mkdir(parents=True, exist_ok=True)
         gen = torch.Generator(device=device).manual_seed(i)
@@ -191,8 +213,40 @@ def build_direct(workdir: Path, w: dict, dtype: str, context: int = 256) -> tupl
         }
         save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
         shutil.copy(template / "adapter_config.json", out / "adapter_config.json")
-        adapters.append(out)
+        return out
+
+    # torch draws a tensor serially and releases the GIL: on a CPU, one adapter a core
+    workers = min(8, os.cpu_count() or 1) if device == "cpu" else 1
+    with ThreadPoolExecutor(workers) as pool:
+        adapters = list(pool.map(write, range(w["adapters"])))
     return base, adapters
+
+
+def _fill_like_hf_init(model, std: float, chunk: int = 1 << 23) -> None:
+    """Fill an allocated, uninitialised HF Llama as its init would (every matrix N(0, ``std``²), the norms'
+    weights 1) with numpy's generator on every core (it releases the GIL), in pieces of ``chunk`` values, each
+    seeded by its place: the same values whatever the number of cores."""
+    import torch
+
+    work = []
+    for i, (_, p) in enumerate(model.named_parameters()):
+        if p.ndim == 1:
+            with torch.no_grad():
+                p.fill_(1.0)
+            continue
+        rows = max(1, chunk // p[0].numel())
+        work += [(i, p, r, rows) for r in range(0, p.shape[0], rows)]
+
+    def fill(item) -> None:
+        i, p, r, rows = item
+        piece = p[r : r + rows]
+        values = np.random.default_rng([i, r]).standard_normal(tuple(piece.shape), dtype=np.float32)
+        values *= std
+        with torch.no_grad():
+            piece.copy_(torch.from_numpy(values))
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(fill, work))
 
 
 def build_or_reuse(workdir: Path, w: dict, dtype: str, direct: bool) -> tuple[Path, list[Path]]:
@@ -416,11 +470,9 @@ def run_engine(
     warm-up; each shape compiles when first run, and one untimed round of every row comes first.
     """
     from loraserve.adapters.sources import LocalAdapterSource
-    from loraserve.protos.v1 import inference_pb2 as pb
     from loraserve.worker.checkpoint import load_checkpoint
     from loraserve.worker.config import EngineConfig
     from loraserve.worker.engine import Engine
-    from loraserve.worker.requests import EngineRequest, Finished, Sampling, Token
 
     src = LocalAdapterSource()
     for i, path in enumerate(adapters):
@@ -445,6 +497,19 @@ def run_engine(
     engine = Engine(checkpoint or load_checkpoint(str(base), dtype=dtype), cfg, source=src)
     label = f"loraserve[{engine.backend}, {cfg.pool_dtype} pools{', async' if async_decode else ''}]"
     engine.start(warmup=not lazy)
+    try:
+        return _serve_rows(engine, label, w, len(adapters), rounds, extra, lazy, grammars, ttft)
+    finally:  # a row that failed leaves no engine holding the device
+        engine.stop()
+
+
+def _serve_rows(
+    engine, label: str, w: dict, n_adapters: int, rounds: int, extra, lazy: bool, grammars, ttft: bool
+) -> dict[str, dict[str, float]]:
+    """:func:`run_engine`'s rows (and TTFTs) on its started ``engine``; raises when a request fails."""
+    from loraserve.protos.v1 import inference_pb2 as pb
+    from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Token
+
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, w["vocab_size"], w["prompt"]).tolist() for _ in range(w["batch"])]
 
@@ -461,6 +526,7 @@ def run_engine(
         first = [0.0] * len(names)
         last = [0.0] * len(names)
         stamps: list[list[float]] = [[] for _ in names]
+        failures: list[str] = []
 
         def sink(e, i: int) -> None:
             now = time.perf_counter()
@@ -468,9 +534,11 @@ def run_engine(
                 stamps[i].append(now)
             if isinstance(e, Token | Finished) and not first[i]:
                 first[i] = now
-            if isinstance(e, Finished):
+            if isinstance(e, Finished | Failed):
                 last[i] = now
                 done[i].set()
+            if isinstance(e, Failed):  # a step that failed (e.g. a backend that does not compile here)
+                failures.append(e.message)
 
         start = time.perf_counter()
         for i, (name, prompt) in enumerate(zip(names, prompts, strict=True)):
@@ -486,6 +554,8 @@ def run_engine(
             )
         for ev in done:
             ev.wait(600)
+        if failures:
+            raise RuntimeError(f"{label}: {len(failures)} of {len(names)} requests failed: {failures[0]}")
         # from a row's second token on: its first decode token can leave in the same engine step as the
         # prefill's token (a ~0 gap that is no decode step)
         gaps = [b - a for row in stamps for a, b in itertools.pairwise(row[1:])]
@@ -494,7 +564,7 @@ def run_engine(
             assert short == new, f"a constrained row stopped after {short} of {new} tokens"
         return max(last) - start, max(last) - max(first), gaps
 
-    rows = adapter_rows(w, len(adapters), extra is not None)
+    rows = adapter_rows(w, n_adapters, extra is not None)
     if grammars is not None:
         rows["distinct_adapters_json"] = rows["distinct_adapters"]
     runs: dict[str, list[tuple[float, float, list[float]]]] = {name: [] for name in rows}
@@ -510,9 +580,8 @@ def run_engine(
         _report(f"{label} {name}", out[name])
     if ttft:
         one_round(rows["distinct_adapters"], 2)  # a0.. resident again
-        out["ttft"] = cold_vs_warm_ttft(engine, prompts[0], len(adapters))
+        out["ttft"] = cold_vs_warm_ttft(engine, prompts[0], n_adapters)
         print(f"TTFT warm {out['ttft']['warm_ms']:.1f} ms, cold {out['ttft']['cold_ms']:.1f} ms", flush=True)
-    engine.stop()
     return out
 
 
@@ -844,6 +913,12 @@ def summarize(
                 ratios[f"distinct_adapters_{q}_vs_base_{q}_serial_bound"] = round(
                     adapter_ratio_bound(ours["base_" + q]["step_ms"], w, peaks, pool[""]), 3
                 )
+    # what a base step reads (weights and KV cache) and what its adapters add (pools in the model's dtype)
+    if dense:
+        result["bytes"] = {"base": base_bytes_read(w, "", size), "adapters": lora_bytes(w, size)}
+        result["bytes"].update(
+            {f"base_{q}": base_bytes_read(w, q, size) for q in QUANTIZED_ROWS if "base_" + q in ours}
+        )
     if "distinct_adapters_json" in dec:  # structured outputs: masked rows ÷ the same rows unmasked
         ratios["distinct_adapters_json_vs_distinct_adapters"] = round(
             dec["distinct_adapters_json"] / dec["distinct_adapters"], 3
@@ -911,8 +986,9 @@ def main() -> None:
     parser.add_argument(
         "--engines",
         default=DEFAULT_ENGINES,
-        help=f"loraserve configurations to run, a comma list of {', '.join(ENGINE_NAMES)}"
-        f" (default {DEFAULT_ENGINES})",
+        help=f"loraserve configurations to run, in this order: a comma list of {', '.join(ENGINE_NAMES)}"
+        f" (default {DEFAULT_ENGINES}), or none (only the --quantization rows; the unquantized model is then"
+        " not loaded)",
     )
     parser.add_argument("--no-extra", action="store_true", help="skip the DoRA and mix rows")
     parser.add_argument("--no-json", action="store_true", help="skip the JSON-constrained rows")
@@ -933,14 +1009,22 @@ def main() -> None:
         help="no engine warm-up: compile the shapes the rows run (an untimed round each) instead of all",
     )
     parser.add_argument("--compilation-cache", help="JAX's persistent compilation cache folder")
+    parser.add_argument(
+        "--emit-partial",
+        action="store_true",
+        help="after each engine, print the workload's JSON line so far (marked partial): a run cut short"
+        " keeps the engines that finished; an engine that fails is recorded (the line's errors) and the next"
+        " one runs",
+    )
     args = parser.parse_args()
     shape = "tiny" if args.tiny else args.shape
-    unknown = set(args.engines.split(",")) - set(ENGINE_NAMES)
+    names = [] if args.engines == "none" else [n.strip() for n in args.engines.split(",") if n.strip()]
+    unknown = set(names) - set(ENGINE_NAMES)
     if unknown:
         parser.error(f"unknown engines {sorted(unknown)}; expected some of {', '.join(ENGINE_NAMES)}")
-    engines = {
-        ENGINE_NAMES[n]: ENGINES[ENGINE_NAMES[n]] for n in ENGINE_NAMES if n in args.engines.split(",")
-    }
+    if not names and not args.quantization:
+        parser.error("--engines none runs only the --quantization rows: name some")
+    engines = {ENGINE_NAMES[n]: ENGINES[ENGINE_NAMES[n]] for n in names}  # in the order given
     workloads = []
     for b in [int(b) for b in args.batch.split(",")] if args.batch else [0]:
         w = dict(SHAPES[shape])
@@ -952,6 +1036,7 @@ def main() -> None:
     n_adapters = max(w["adapters"] for w in workloads)
     direct = shape.startswith(("3b", "8b")) or args.dtype != "float32"
     started = time.perf_counter()
+    _compiles.start()
     with nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory() as tmp:
         base, adapters = build_or_reuse(
             Path(tmp), {**workloads[0], "adapters": n_adapters}, args.dtype, direct
@@ -966,19 +1051,70 @@ def main() -> None:
             if args.no_extra or shape == "moe"
             else build_extra(Path(tmp), base, {**workloads[0], "adapters": n_adapters})
         )
-        peaks = machine_peaks(dtype=args.dtype)
+        peaks = machine_peaks(repeats=1 if shape == "tiny" else 10, dtype=args.dtype)  # tiny: a smoke run
         if args.compilation_cache:
             from loraserve.worker.engine import enable_compilation_cache
 
             enable_compilation_cache(args.compilation_cache)
         from loraserve.worker.checkpoint import load_checkpoint
 
-        checkpoint = load_checkpoint(str(base), dtype=args.dtype)  # shared by every engine below
+        # shared by every engine below
+        checkpoint = load_checkpoint(str(base), dtype=args.dtype) if engines else None
         grammars = None if args.no_json or shape == "moe" else build_grammars(workloads[0]["vocab_size"])
         ours: list[dict[str, dict[str, float]]] = [{} for _ in workloads]
-        for w, mine in zip(workloads, ours, strict=True):
+
+        def about() -> dict:
+            if args.shape == "bench" and args.dtype == "float32":
+                return {"compiles": _compiles.totals()}
+            return {
+                "shape": shape,
+                "dtype": args.dtype,
+                "platform": platform_info(),
+                # lazy: a shape first seen in a timed round (a prefill the engine split differently) compiles
+                # there; the decode phase, timed from the last row's first token, never holds one
+                "compile": "lazy" if args.lazy_compile else "warm-up",
+                "compiles": _compiles.totals(),
+                "seconds": round(time.perf_counter() - started, 1),
+            }
+
+        failed: list[dict[str, str]] = [{} for _ in workloads]  # --emit-partial: engine -> why it failed
+
+        def emit(k: int, peers: dict, **more) -> None:
+            result = summarize(workloads[k], ours[k], peers, peaks, args.dtype)
+            print(
+                json.dumps({**result, **about(), **({"errors": failed[k]} if failed[k] else {}), **more}),
+                flush=True,
+            )
+
+        def attempt(k: int, name: str, run, *a, **kw) -> dict[str, dict[str, float]]:
+            """``run(*a, **kw)``; with --emit-partial an engine that fails (a backend that does not compile on
+            this device, memory) is recorded in the workload's ``errors`` and the next one runs."""
+            if not args.emit_partial:
+                return run(*a, **kw)
+            try:
+                return run(*a, **kw)
+            except Exception as exc:
+                traceback.print_exc()
+                failed[k][name] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+                return {}
+
+        def quantized_rows(w: dict, quantization: str) -> dict[str, dict[str, float]]:
+            method, _, head = quantization.partition("_")
+            quantized = load_checkpoint(
+                str(base), dtype=args.dtype, quantization=method, quantize_lm_head=head == "head"
+            )
+            return run_engine(
+                base, adapters[: w["adapters"]], w, args.rounds, ttft=False, checkpoint=quantized,
+                dtype=args.dtype, lazy=args.lazy_compile,
+            )  # fmt: skip
+
+        engine_names = {ENGINE_NAMES[n]: n for n in names}
+        for k, (w, mine) in enumerate(zip(workloads, ours, strict=True)):
             for suffix, (backend, lora_dtype, linear_backend, async_decode) in engines.items():
-                runs = run_engine(
+                runs = attempt(
+                    k,
+                    engine_names[suffix],
+                    run_engine,
                     base,
                     adapters[: w["adapters"]],
                     w,
@@ -997,40 +1133,24 @@ def main() -> None:
                     grammars=grammars if not suffix else None,  # the default engine's rows
                 )
                 mine.update({name + suffix: r for name, r in runs.items()})
+                gc.collect()  # the engine's slot pools and KV cache off the device before the next one's
+                if args.emit_partial:
+                    emit(k, {}, partial=True)
             for quantization in args.quantization:  # the default engine over the quantized base, same rows
-                method, _, head = quantization.partition("_")
-                quantized = load_checkpoint(
-                    str(base), dtype=args.dtype, quantization=method, quantize_lm_head=head == "head"
-                )
-                runs = run_engine(
-                    base, adapters[: w["adapters"]], w, args.rounds, ttft=False, checkpoint=quantized,
-                    dtype=args.dtype, lazy=args.lazy_compile,
-                )  # fmt: skip
+                runs = attempt(k, quantization, quantized_rows, w, quantization)
                 mine.update({f"{name}_{quantization}": r for name, r in runs.items()})
-                del quantized
-        del checkpoint
-        about = {}
-        if args.shape != "bench" or args.dtype != "float32":
-            about = {"shape": shape, "dtype": args.dtype, "platform": platform_info()}
-            # lazy: a shape first seen in a timed round (a prefill the engine split differently) compiles
-            # there; the decode phase, timed from the last row's first token, never holds one
-            about["compile"] = "lazy" if args.lazy_compile else "warm-up"
-            about["seconds"] = round(time.perf_counter() - started, 1)
-
-        def emit(k: int, peers: dict, **more) -> None:
-            result = summarize(workloads[k], ours[k], peers, peaks, args.dtype)
-            print(json.dumps({**result, **about, **more}), flush=True)
-
-        if args.skip_hf:
-            for k in range(len(workloads)):
+                gc.collect()  # the quantized base too
+                if args.emit_partial:
+                    emit(k, {}, partial=True)
+            if args.skip_hf:  # this workload is complete: its line now, in case a later one does not finish
                 emit(k, {})
+        del checkpoint
+        if args.skip_hf:
             return
         if len(workloads) > 1:  # our numbers, in case the peers do not finish
             for k in range(len(workloads)):
                 emit(k, {}, partial=True)
         for k, peers in run_hf(base, adapters, workloads, args.rounds, args.dtype):
-            if about:
-                about["seconds"] = round(time.perf_counter() - started, 1)
             emit(k, peers)
 
 

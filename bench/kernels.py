@@ -49,7 +49,8 @@ ms: the fraction of the base step's speed the adapters leave) and ``serial_bound
 cost read after the base product at the bandwidth dense measured: dense ms ÷ (dense ms + adapter bytes ÷
 dense's GB/s); a backend that overlaps the reads beats it). Backends: reference, xla-onehot, xla-grouped,
 pallas (compiled on a TPU; interpreted elsewhere, so only at ``--shape tiny``), cpu where the C++ kernels build.
-Its last line is one JSON object too (``"bench": "kernels_scan"``); ``--shape`` picks one of ``SCAN_SHAPES``.
+Its last line is one JSON object too (``"bench": "kernels_scan"``, with the run's XLA compilations and seconds);
+``--shape`` picks one of ``SCAN_SHAPES``, ``--batch 16,64`` other batches than the shape's.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ import platform
 import statistics
 import time
 
-import _source_tree  # in bench/, first on sys.path
+import _compiles  # in bench/, first on sys.path
+import _source_tree
 
 # loraserve from this repository, installed or not; bench/, where this file would shadow the `kernels`
 # package, off sys.path
@@ -283,8 +285,11 @@ def _time(fn, args, runs: int) -> tuple[float, np.ndarray]:
     return statistics.median(times) * 1e3, out
 
 
-def bench_scan(shape: str, dtype_name: str) -> dict:
-    d_in, d_out, layers, batches, runs = SCAN_SHAPES[shape]
+def bench_scan(shape: str, dtype_name: str, batches: tuple[int, ...] = ()) -> dict:
+    t_start = time.perf_counter()
+    _compiles.start()
+    d_in, d_out, layers, shape_batches, runs = SCAN_SHAPES[shape]
+    batches = batches or shape_batches
     dtype = jnp.dtype(dtype_name)
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((layers, d_in, d_out), np.float32) / np.sqrt(d_in), dtype)
@@ -326,6 +331,8 @@ def bench_scan(shape: str, dtype_name: str) -> dict:
         "bench": "kernels_scan",
         "config": {"in": d_in, "out": d_out, "layers": layers, "rank": RANK, "dtype": dtype_name},
         "rows": rows,
+        "compiles": _compiles.totals(),
+        "seconds": round(time.perf_counter() - t_start, 1),
     }
 
 
@@ -343,14 +350,25 @@ def main() -> None:
     parser.add_argument(
         "--scan", action="store_true", help="every backend inside one compiled scan over layers (module doc)"
     )
+    parser.add_argument(
+        "--batch",
+        help="--scan: these batches (a comma list) instead of the shape's, each row its own adapter",
+    )
     args = parser.parse_args()
     if args.shape not in (SCAN_SHAPES if args.scan else SHAPES):
         parser.error(f"--shape {args.shape} is not a shape of {'--scan' if args.scan else 'this mode'}")
+    if args.batch and not args.scan:
+        parser.error("--batch is for --scan")
     if args.scan:
-        result = bench_scan(args.shape, args.dtype)
+        batches = tuple(int(b) for b in args.batch.split(",")) if args.batch else ()
+        result = bench_scan(args.shape, args.dtype, batches)
         for row in result["rows"]:
             print(json.dumps(row), flush=True)
-        result["platform"] = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind}
+        result["platform"] = {
+            "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__,
+        }
         print(json.dumps(result, separators=(",", ":")))
         return
     if args.quant:

@@ -326,3 +326,76 @@ def test_device_script_tiny_writes_every_step_and_a_summary(tmp_path) -> None:
     assert summary["kernels"]["config"]["dtype"] == "bfloat16"
     assert summary["results"]["build"]["adapters"] == 8
     assert not list(tmp_path.glob("loraserve-device.*"))  # its scratch folder is gone
+
+
+TPU_SESSION = ROOT / "bench" / "tpu_session.sh"
+
+
+@pytest.mark.slow
+def test_tpu_session_bench_tiny_merges_every_sub_step_into_one_json(tmp_path) -> None:
+    """`TPU_BENCH_TINY=1 bash bench/tpu_session.sh bench` on this CPU, one LoRA engine to stay short: the kernels
+    scan (every backend, Pallas interpreted), the decode engine's rows and the int8 base's, each sub-step's log,
+    and one merged tpu-bench.json (versions, device, a row per batch and backend) printed as the last line."""
+    from importlib import metadata
+
+    out = tmp_path / "out"
+    env = {**SMOKE_ENV, "OUT": str(out), "PYTHON": sys.executable, "TPU_BENCH_TINY": "1",
+           "TPU_BENCH_ENGINES": "xla_grouped", "TPU_BENCH_ROUNDS": "1", "TPU_BENCH_WORK": str(tmp_path / "work")}  # fmt: skip
+    proc = subprocess.run(
+        ["bash", str(TPU_SESSION), "bench"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    merged = json.loads((out / "tpu-bench.json").read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == merged
+    assert merged["bench"] == "tpu" and merged["errors"] == {}, merged["errors"]
+    assert merged["jax"] == metadata.version("jax") and merged["device_kind"] == "cpu"
+    assert merged["command"] == "bash bench/tpu_session.sh bench" and merged["env"]["TPU_BENCH_TINY"] == "1"
+    assert list(merged["steps"]) == ["kernels-tiny", "decode", "quant"]
+    for name, step in merged["steps"].items():
+        assert step["rc"] == 0 and step["compiles"]["count"] > 0, name
+        assert (out / f"bench-{name}.log").read_text().startswith(f"$ {sys.executable} "), name
+    rows = merged["rows"]
+    kernels = [(r["batch"], r["backend"]) for r in rows if r["bench"] == "kernels_scan"]
+    assert kernels == [(4, n) for n in ("dense", "reference", "xla-onehot", "xla-grouped", "pallas", "cpu")]
+    assert all(r["hbm_fraction"] >= 0 and r["shape"] == "tiny" for r in rows if r["bench"] == "kernels_scan")
+    (decode,) = [r for r in rows if r["bench"] == "decode"]
+    assert (decode["backend"], decode["batch"], decode["adapters"]) == ("xla-grouped", 4, 4)
+    assert not decode["partial"]
+    for key in ("base_step_ms", "distinct_step_ms", "distinct_vs_base", "base_hbm_fraction"):
+        assert decode[key] > 0, key
+    assert decode["distinct_hbm_fraction"] > 0 and decode["one_adapter_vs_base"] > 0
+    (quant,) = [r for r in rows if r["bench"] == "decode_quant"]
+    assert (quant["quantization"], quant["batch"]) == ("int8", 4)
+    assert quant["bf16_base_step_ms"] == decode["base_step_ms"] and quant["speedup_vs_bf16"] > 0
+    bf16_bytes = merged["results"]["decode"][0]["bytes"]["base"]
+    assert quant["base_hbm_fraction"] > 0 and 0 < quant["base_bytes"] < bf16_bytes
+
+
+def test_tpu_bench_merge_keeps_what_a_cut_run_finished(tmp_path) -> None:
+    """bench/tpu_bench.py: a decode sub-step stopped between engines gives the rows of its last partial line and
+    the engines that failed in it, a step that was not run is an error, and nothing there needs JAX's device."""
+    line = {"bench": "decode", "workload": {"batch": 16, "adapters": 16}, "shape": "3b", "dtype": "bfloat16",
+            "step_ms": {"base_xla": 10.0, "one_adapter_xla": 11.0, "distinct_adapters_xla": 12.5},
+            "bytes": {"base": 8.19e9, "adapters": 0}, "ratios": {}, "platform": {"jax": "tpu: TPU v5 lite x1"},
+            "errors": {"pallas": "Mosaic failed"}}  # fmt: skip
+    (tmp_path / "bench-decode.log").write_text(
+        "$ python3 bench/decode.py\nbuilding\n" + json.dumps({**line, "partial": True}) + "\nTraceback\n"
+    )
+    (tmp_path / "bench-quant.log").write_text("$ python3 bench/decode.py\nnot run: 12 s left\n")
+    out = subprocess.run(
+        [sys.executable, "bench/tpu_bench.py", str(tmp_path), "decode:124:300:315", "quant:200:12:0", "--command", "x"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    merged = json.loads(out.stdout.strip().splitlines()[-1])
+    assert merged == json.loads((tmp_path / "tpu-bench.json").read_text())
+    assert merged["errors"] == {
+        "decode": "timed out",
+        "decode pallas batch 16": "Mosaic failed",
+        "quant": "not run: no time left",
+    }
+    assert (merged["device_kind"], merged["backend"]) == ("TPU v5 lite", "tpu")
+    assert merged["steps"]["decode"]["command"] == "python3 bench/decode.py"
+    row, failed = merged["rows"]
+    assert failed == {"bench": "decode", "batch": 16, "backend": "pallas", "error": "Mosaic failed"}
+    assert (row["backend"], row["partial"], row["distinct_vs_base"]) == ("xla-grouped", True, 0.8)
+    assert row["base_hbm_fraction"] == 1.0  # 8.19 GB in 10 ms at 819 GB/s
