@@ -117,7 +117,8 @@ class FullWorkers:
         wait = hint if hint is not None else MIN_RETRY_S
         now = self.clock()
         self._marks[address] = (streams, now + self.max_memory, wait)
-        self._learned[address] = (streams, now)
+        if streams > 0:  # full without any of ours (other routers' streams): says nothing of our share
+            self._learned[address] = (streams, now)
 
     def capacity(self, addresses: Iterable[str]) -> int | None:
         """How many streams ``addresses`` (at least one) take from this router at once, as their refusals of the

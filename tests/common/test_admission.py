@@ -88,3 +88,5 @@ def test_the_capacity_learned_from_refusals_sums_over_workers_and_ages() -> None
     assert full.capacity(["w1", "w2"]) == 32  # outlives the marks (1 s): what each worker took
     clock.now += 5.5
     assert full.capacity(["w1", "w2"]) is None  # older than learned_for: probe again
+    full.refused("w3", 0, 0.1)  # full of other routers' streams: no share of ours learned
+    assert full.capacity(["w3"]) is None and full.hint("w3", 0) == 0.1
