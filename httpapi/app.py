@@ -390,8 +390,8 @@ async def _parse(kind: type[BaseModel], request: Request) -> Any:
     """The body as ``kind``, whatever the content type says (curl -d sends a form type): JSON or a 400.
     A big body is parsed and validated on the body threads: it never stalls the event loop."""
     raw = await request.body()
-    request.state.inline = len(raw) <= INLINE_BODY_BYTES
-    if request.state.inline:
+    request.state.body_bytes = len(raw)
+    if len(raw) <= INLINE_BODY_BYTES:
         return parse_body(kind, raw)
     return await off_loop(parse_body, kind, raw)
 
@@ -413,8 +413,9 @@ async def _serve(
     if len(request_id) > MAX_ID_CHARS:
         raise InvalidArgument(f"x-request-id is {len(request_id)} characters; at most {MAX_ID_CHARS}")
     adapter = await backend.adapter_for(body.model)
-    # one request per sequence (prompts x candidates); a prompt of up to 16 MiB is copied off the loop
-    if getattr(request.state, "inline", False):
+    # one request per sequence (prompts x candidates): copied on the loop while that is as little as one small
+    # body (each candidate copies its prompt: a 64 KiB body with n = 64 would be 4 MiB), else off the loop
+    if getattr(request.state, "body_bytes", INLINE_BODY_BYTES + 1) * body.candidates <= INLINE_BODY_BYTES:
         protos = body.to_grpc(adapter, request_id)
     else:
         protos = await off_loop(body.to_grpc, adapter, request_id)
