@@ -152,6 +152,15 @@ bench_main() {
 }
 BENCH_ARGS="$*"
 
+# The suite runs against the installed package (tests/tpu.sh): a wheelhouse built before the checkout's last
+# change would test older code. Stop at once then (make wheelhouse again, or deploy/wheelhouse.py --project-only).
+check_installed() {
+    if ! python3 "$ROOT/deploy/wheelhouse.py" --compare-installed "$SITE" | head -20; then
+        echo "loraserve in $SITE is not this checkout's (the files above): rebuild the wheelhouse" >&2
+        exit 3
+    fi
+}
+
 for step in "$@"; do
     echo "== $step ($(left) s left)"
     case $step in
@@ -170,6 +179,7 @@ for step in "$@"; do
                     && echo "$stamp" >"$SITE/.wheelhouse-stamp"
                 echo "install: $((SECONDS - t0)) s"
             fi
+            check_installed
             (cd /tmp && python3 -c 'import jax, loraserve.worker.engine, torch, peft, transformers, grpc
 print("jax", jax.__version__, jax.devices(), "torch", torch.__version__, "peft", peft.__version__,
       "transformers", transformers.__version__, "grpc", grpc.__version__)' 2>&1 | tail -3)
@@ -183,6 +193,7 @@ print("jax", jax.__version__, jax.devices(), "torch", torch.__version__, "peft",
             grep -v '^{"bench"' "$OUT/attention.log" | tail -40
             ;;
         tests)
+            [[ -d $SITE/loraserve ]] && check_installed
             # shellcheck disable=SC2086
             JUNIT_DIR=$OUT timeout -s INT "$(left)" bash "$ROOT/tests/tpu.sh" ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
             echo "tests: exit $?"

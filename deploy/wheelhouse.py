@@ -79,6 +79,43 @@ def build_project_wheel(out: Path) -> Path:
     return wheel
 
 
+def stale_files(site: Path, root: Path = ROOT) -> list[str]:
+    """The Python files in which the loraserve installed under ``site`` differs from the checkout at ``root``
+    (changed, or on one side only), named as in the checkout; generated gRPC modules are not compared.
+
+    A TPU host runs the suite against the installed package (tests/tpu.sh), so a wheelhouse built before the
+    last change would test yesterday's code: ``bench/tpu_session.sh install`` stops on any of these."""
+    import tomllib
+
+    dirs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    # the longest dotted package first: loraserve.worker's files are under worker/, not loraserve/worker/
+    mapping = sorted(
+        ((pkg.split("."), Path(folder)) for pkg, folder in dirs.items()), key=lambda m: -len(m[0])
+    )
+    installed, checkout = {}, {}
+    for path in (site / "loraserve").rglob("*.py"):
+        parts = path.relative_to(site).with_suffix("").parts
+        for pkg, folder in mapping:
+            if list(parts[: len(pkg)]) == pkg:
+                installed[(folder / Path(*parts[len(pkg) :])).with_suffix(".py").as_posix()] = path
+                break
+    for _pkg, folder in mapping:
+        for path in (root / folder).rglob("*.py"):
+            if "__pycache__" not in path.parts:
+                checkout[path.relative_to(root).as_posix()] = path
+    generated = re.compile(r"_pb2(_grpc)?\.py$")
+    return sorted(
+        name
+        for name in installed.keys() | checkout.keys()
+        if not generated.search(name)
+        and (
+            name not in installed
+            or name not in checkout
+            or installed[name].read_bytes() != checkout[name].read_bytes()
+        )
+    )
+
+
 def resolve(requirements: list[str], python: str, platforms: list[str], pip_args: list[str]) -> list[dict]:
     """``[{name, version, url}]``: what pip would install for ``requirements`` on the target."""
     with tempfile.TemporaryDirectory(prefix="wheelhouse-") as tmp:
@@ -115,7 +152,28 @@ def main(argv: list[str] | None = None) -> int:
         help="a wheel platform tag of the target (repeat; default x86-64 Linux)",
     )
     parser.add_argument("--pip-arg", action="append", default=[], help="passed to pip (e.g. --index-url=URL)")
+    parser.add_argument(
+        "--project-only",
+        action="store_true",
+        help="rebuild only loraserve's own wheel in --out (after a change)",
+    )
+    parser.add_argument(
+        "--compare-installed",
+        type=Path,
+        metavar="SITE",
+        help="only say which of the checkout's Python files differ from loraserve installed under SITE (exit 1 if any)",
+    )
     args = parser.parse_args(argv)
+    if args.compare_installed:
+        stale = stale_files(args.compare_installed)
+        for name in stale:
+            print(f"differs from the checkout: {name}")
+        return 1 if stale else 0
+    if args.project_only:
+        for old in args.out.glob("loraserve-*.whl"):
+            old.unlink()
+        print(f"wheelhouse {args.out}: {build_project_wheel(args.out).name} rebuilt")
+        return 0
     platforms = args.platform or list(DEFAULT_PLATFORMS)
     skip = {canonical(s) for s in args.skip.split(",") if s.strip()}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -34,3 +34,21 @@ def test_a_wheelhouse_holds_the_project_and_what_was_not_skipped(tmp_path: Path)
             "protobuf"} <= set(pinned)  # fmt: skip
     assert pinned["grpcio"].endswith("# skipped: the host has it") and "skipped" not in pinned["fsspec"]
     assert "pip install --no-index --find-links" in done.stdout
+
+    # a TPU host's tests run against the installed package: the installed files are compared with the checkout
+    # (bench/tpu_session.sh stops when they differ, before spending chip time on older code)
+    site = tmp_path / "site"
+    with zipfile.ZipFile(next(out.glob("loraserve-*.whl"))) as wheel:
+        wheel.extractall(site)
+    compare = [sys.executable, str(ROOT / "deploy" / "wheelhouse.py"), "--compare-installed", str(site)]
+    same = subprocess.run(compare, capture_output=True, text=True, timeout=60)
+    assert (same.returncode, same.stdout) == (0, "")
+    (site / "loraserve" / "worker" / "engine.py").write_text("# an older engine\n")
+    (site / "loraserve" / "common" / "errors.py").unlink()
+    (site / "loraserve" / "kernels" / "gone.py").write_text("")
+    stale = subprocess.run(compare, capture_output=True, text=True, timeout=60)
+    assert stale.returncode == 1
+    assert stale.stdout.splitlines() == [
+        f"differs from the checkout: {name}"
+        for name in ("common/errors.py", "kernels/gone.py", "worker/engine.py")
+    ]

@@ -84,6 +84,21 @@ def test_saved_configs_are_read(model_dirs) -> None:
 BASE = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_hidden_layers=6)
 
 
+def test_soft_capped_test_models_are_references_in_every_transformers(model_dirs) -> None:
+    """transformers before 5.2x loads Gemma 2 with sdpa by default, which drops the attention soft-cap without
+    a word (the chip's host had 5.17: every Gemma 2 parity test 0.03-0.28 off while the chip and XLA:CPU
+    agreed to 5e-5). A soft-capped test model says ``attn_implementation: eager`` in its config.json, so the
+    reference is the soft-capped maths whatever version computes it; the others leave the default."""
+    from transformers import AutoModelForCausalLM
+
+    for family, path in model_dirs.items():
+        saved = json.loads((path / "config.json").read_text())
+        soft_capped = bool(saved.get("attn_logit_softcapping"))
+        assert saved.get("attn_implementation") == ("eager" if soft_capped else None), family
+    reference = AutoModelForCausalLM.from_pretrained(str(model_dirs["gemma2"]))
+    assert reference.config._attn_implementation == "eager"
+
+
 def test_transformers_4x_configs() -> None:
     """Configs saved by transformers 4.x: no layer_types, rope_theta/rope_scaling at the top, Gemma 3's
     sliding_window_pattern and rope_local_base_freq, Qwen's use_sliding_window flag."""
