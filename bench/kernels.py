@@ -320,7 +320,7 @@ def bench_scan(shape: str, dtype_name: str, batches: tuple[int, ...] = ()) -> di
                 row.update(
                     max_abs_diff=float(np.max(np.abs(out - want))),
                     ms=round(ms, 4),
-                    gbps=round((w_bytes + lora_bytes) / ms / 1e6, 1),
+                    gbps=round((w_bytes + lora_bytes) / ms / 1e6, 3),
                     over_dense=round(dense_ms / ms, 3),
                     serial_bound=round(serial, 3),
                 )

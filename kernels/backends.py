@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loraserve.kernels import cpu, grouped, pallas, reference, sgmv, xla
+from loraserve.kernels import cpu, grouped, pallas, pallas_decode, reference, sgmv, xla
 
 Array = jax.Array
 Pools = list[dict[str, Array]]  # per layer: pool name -> [S, *slot layout]
@@ -215,12 +215,30 @@ class XlaOneHotBackend(_SgmvPrefill, LoraBackend):
 
 @dataclass(frozen=True)
 class PallasBackend(_SgmvPrefill, LoraBackend):
-    """TPU kernels that skip the slots no token block uses (:mod:`kernels.pallas`); interpreted off-TPU."""
+    """TPU kernels: decode reads each slot in use once, by DMA, in one call per projection
+    (:mod:`kernels.pallas_decode`; the tiled kernels of :mod:`kernels.pallas` where a shape does not fit it);
+    interpreted off-TPU."""
 
     name: ClassVar[str] = "pallas"
 
+    def plan(self, slots, num_slots):  # DecodePlan, or None
+        slots = np.asarray(slots, np.int32)
+        if not ((slots >= 0) & (slots < num_slots)).any():
+            return None
+        return pallas_decode.plan_decode(slots, num_slots)
+
+    def warmup_plans(self, rows, num_slots):
+        return [None, pallas_decode.plan_decode(np.full(rows, -1, np.int32), num_slots)]
+
+    def row_slots(self, plan):  # [B] int32
+        return plan.idx
+
     def add_decode(self, y, x, a, bs, plan):  # [B, sum(out_i)]
-        return pallas.add_lora_slices(y, x, a, tuple(bs), plan)
+        outs = [b.shape[2] for b in bs]
+        rows, d_in, rank_cols = x.shape[0], a.shape[1], a.shape[2]
+        if pallas_decode.fits(rows, d_in, rank_cols, outs, x.dtype, a.dtype, bs[0].dtype, y.dtype):
+            return pallas_decode.add_lora_slices_decode(y, x, a, tuple(bs), plan)
+        return pallas.add_lora_slices(y, x, a, tuple(bs), plan.idx)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from loraserve.kernels import pallas as pk
@@ -63,6 +64,32 @@ def test_fused_slices_lower_for_tpu(dtype, outs) -> None:
         _sds((T,), jnp.int32),
     )
     assert _custom_calls(mlir) == 1 + n  # one shrink, then each slice expands in place
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [8, 64, 256])
+@pytest.mark.parametrize(
+    ("d_in", "outs"),
+    [(D, (D, 1024, 1024)), (D, (14336, 14336)), (14336, (D,))],
+    ids=["qkv", "gate_up", "down"],
+)
+def test_the_decode_kernel_lowers_for_tpu(dtype, rows: int, d_in: int, outs) -> None:
+    """kernels.pallas_decode at Llama-3-8B's projections, batches 8-256, 64 slots of rank 16: one call each."""
+    from loraserve.kernels import pallas_decode as pd
+
+    slots, n = 64, len(outs)
+    plan = pd.plan_decode(np.zeros(rows, np.int32), slots)
+    assert pd.fits(rows, d_in, n * R, outs, dtype, dtype, dtype, dtype)
+    f = functools.partial(pd.add_lora_slices_decode, interpret=False)
+    mlir = _export(
+        f,
+        _sds((rows, sum(outs)), dtype),
+        _sds((rows, d_in), dtype),
+        _sds((slots, d_in, n * R), dtype),
+        tuple(_sds((slots, R, o), dtype) for o in outs),
+        jax.tree.map(lambda v: _sds(v.shape, v.dtype), plan),
+    )
+    assert _custom_calls(mlir) == 1
 
 
 def test_prefill_lowers_for_tpu() -> None:

@@ -221,8 +221,12 @@ def tpu_export(n: int, attention: str = "xla") -> dict:
     rows = jax.ShapeDtypeStruct((16,), jnp.int32, sharding=rep)
     inv = jax.ShapeDtypeStruct((tcfg.head_dim // 2,), jnp.float32, sharding=rep)
     tables = jax.ShapeDtypeStruct((16, config.pages_per_row), jnp.int32, sharding=rep)
+    plan = jax.tree.map(  # the plan variant with adapter rows, as abstract values
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=rep),
+        backend.warmup_plans(16, config.max_loras)[-1],
+    )
     exported = jax.export.export(jax.jit(step, out_shardings=st["out_shardings"]), platforms=["tpu"])(
-        DeviceState(st["params"], st["pools"], st["cache"], inv), DecodeBatch(rows, rows, tables, rows)
+        DeviceState(st["params"], st["pools"], st["cache"], inv), DecodeBatch(rows, rows, tables, plan)
     )
     mlir = exported.mlir_module()
     return {
