@@ -180,15 +180,16 @@ def _kernel(outs, rank, seg_slot, seg_lo, seg_hi, wins, count, idx_ref, x_ref, a
                 xw, a = xw.astype(ACC_DTYPE), a.astype(ACC_DTYPE)
             h = jnp.dot(xw, a, precision=operand_precision(xw, a), preferred_element_type=ACC_DTYPE)
             h = h.astype(b_buf.dtype)  # as xla-grouped: h in the B pool's dtype, one MXU pass for bf16 pools
-            mine = idx_ref[rows, :] == slot  # [WIN, 1]
+            row_slot = idx_ref[rows, :]  # [WIN, 1] int32
             for c0 in range(0, width, CHUNK):  # column chunks: a window's f32 values stay a few dozen vregs
                 cols = slice(c0, min(c0 + CHUNK, width))
                 b = b_buf[buf, :, cols]
                 part = jnp.dot(h, b, precision=operand_precision(h, b), preferred_element_type=ACC_DTYPE)
                 yw = o_ref[rows, cols].astype(ACC_DTYPE)
-                o_ref[rows, cols] = jnp.where(jnp.broadcast_to(mine, yw.shape), yw + part, yw).astype(
-                    o_ref.dtype
-                )
+                mine = (
+                    jnp.broadcast_to(row_slot, yw.shape) == slot
+                )  # ids broadcast, then compared (as pallas.py)
+                o_ref[rows, cols] = jnp.where(mine, yw + part, yw).astype(o_ref.dtype)
             return carry
 
         return jax.lax.fori_loop(seg_lo[j], seg_hi[j], window, carry)

@@ -336,5 +336,6 @@ def test_a_moe_decode_step_lowers_for_tpu(monkeypatch) -> None:
     params, pools = _abstract(cfg, backend)
     exported, _ = export_decode_for_tpu(cfg, backend, params, pools)
     mlir = exported.mlir_module()
-    assert exported.platforms == ("tpu",) and mlir.count("tpu_custom_call") >= 4 * cfg.num_layers
+    # the attention's qkv and o LoRA: a decode kernel each (kernels.pallas_decode) per layer
+    assert exported.platforms == ("tpu",) and mlir.count("tpu_custom_call") >= 2 * cfg.num_layers
     assert "ragged_dot" in mlir
