@@ -144,7 +144,9 @@ def export_decode_for_tpu(cfg: ModelConfig, backend, params, pools, rows: int = 
     ints = sds((rows,), jnp.int32)
     state = DeviceState(params, pools, cache, sds((cfg.head_dim // 2,), jnp.float32))
     slots = jax.tree.leaves(pools.layers[0])[0].shape[0]
-    plan = jax.tree.map(lambda v: sds(v.shape, v.dtype), backend.warmup_plans(rows, slots)[-1])  # adapter rows
+    plan = jax.tree.map(
+        lambda v: sds(v.shape, v.dtype), backend.warmup_plans(rows, slots)[-1]
+    )  # adapter rows
     exported = jax.export.export(jax.jit(partial(M.decode, cfg, backend)), platforms=["tpu"])(
         state, DecodeBatch(ints, ints, sds((rows, 4), jnp.int32), plan)
     )
