@@ -48,7 +48,8 @@ layer's weight bytes plus the batch's adapters' A and B bytes ÷ that time), ``o
 ms: the fraction of the base step's speed the adapters leave) and ``serial_bound`` (what the adapters would
 cost read after the base product at the bandwidth dense measured: dense ms ÷ (dense ms + adapter bytes ÷
 dense's GB/s); a backend that overlaps the reads beats it). Backends: reference, xla-onehot, xla-grouped,
-pallas (compiled on a TPU; interpreted elsewhere, so only at ``--shape tiny``), cpu where the C++ kernels build.
+pallas (its decode kernel, ``kernels.pallas_decode``) and pallas-tiled (the tiled kernels it replaced), both
+compiled on a TPU and interpreted elsewhere (so only at ``--shape tiny``), cpu where the C++ kernels build.
 Its last line is one JSON object too (``"bench": "kernels_scan"``, with the run's XLA compilations and seconds);
 ``--shape`` picks one of ``SCAN_SHAPES``, ``--batch 16,64`` other batches than the shape's.
 """
@@ -247,10 +248,22 @@ SCAN_SHAPES = {
 RANK = 16
 
 
+class _PallasTiled(kernels.PallasBackend):
+    """The pallas backend's decode through the tiled kernels (``kernels.pallas``) only: the decode kernel's
+    predecessor, timed beside it (``pallas-tiled``)."""
+
+    def add_decode(self, y, x, a, bs, plan):
+        return kernels.pallas.add_lora_slices(y, x, a, tuple(bs), plan.idx)
+
+
+def _backend(name: str) -> kernels.LoraBackend:
+    return _PallasTiled() if name == "pallas-tiled" else kernels.get_backend(name)
+
+
 def _backends(tiny: bool) -> list[str]:
     names = ["reference", "xla-onehot", "xla-grouped"]
     if jax.default_backend() == "tpu" or tiny:  # interpreted off a TPU: minutes at real sizes
-        names.append("pallas")
+        names += ["pallas", "pallas-tiled"]
     if kernels.cpu.available():
         names.append("cpu")
     return names
@@ -308,7 +321,7 @@ def bench_scan(shape: str, dtype_name: str, batches: tuple[int, ...] = ()) -> di
         serial = dense_ms / (dense_ms + lora_bytes / dense_gbps / 1e6)
         want = None  # the reference backend's output: every other backend's is compared with it
         for name in _backends(shape == "tiny"):
-            backend = kernels.get_backend(name)
+            backend = _backend(name)
             to_pool = jax.vmap(jax.vmap(backend.to_pool_layout))
             a_pool, b_pool = (jnp.asarray(to_pool(jnp.asarray(m)), dtype) for m in (a, b))
             plan = backend.plan(row_slots, slots)

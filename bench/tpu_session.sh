@@ -21,7 +21,8 @@
 # would get less than its minimum (45, 120, 90 s) is not started and is recorded as not run:
 #   kernels  bench/kernels.py --scan --dtype bfloat16 per shape of TPU_BENCH_SCAN_SHAPES (default "8b"; also
 #            8b-attn) at TPU_BENCH_SCAN_BATCHES (default "16 64 128"; distinct rank-16 adapters = batch): every
-#            LoRA backend, Pallas compiled, in one scan over stacked layers; at most TPU_BENCH_KERNELS_S (100) each
+#            LoRA backend, Pallas compiled (its decode kernel and, as pallas-tiled, the tiled kernels it replaced),
+#            in one scan over stacked layers; at most TPU_BENCH_KERNELS_S (100) each
 #   decode   bench/decode.py --shape $TPU_BENCH_SHAPE (default 3b: Llama-3.2-3B-shaped, 28 layers, bf16: 7.2 GB
 #            with its embedding) --skip-hf at TPU_BENCH_BATCHES (default "16 64"; distinct adapters = batch),
 #            one engine per backend of TPU_BENCH_ENGINES (default "xla_grouped pallas xla_onehot"; each engine's
@@ -37,9 +38,9 @@
 #
 # Chip time of the default set, estimated before any run of it (a fresh machine, no compilation cache; every
 # sub-step's JSON reports its XLA compilations, "compiles": count and seconds, to replace these guesses):
-#   kernels 8b  ~70 s: ~15 s to start and open the chip; ~15 s drawing 0.47 G weights and 0.49 G adapter values
-#               on the host; 15 scan programs (3 batches x dense + 4 backends; one layer's body each, Pallas through
-#               Mosaic) at ~2 s a compile + 24 small pool-layout programs ~10 s; timing ~2 s (15 x 21 runs)
+#   kernels 8b  ~75 s: ~15 s to start and open the chip; ~15 s drawing 0.47 G weights and 0.49 G adapter values
+#               on the host; 18 scan programs (3 batches x dense + 5 backends; one layer's body each, Pallas through
+#               Mosaic) at ~2 s a compile + 24 small pool-layout programs ~10 s; timing ~2 s (18 x 21 runs)
 #   decode 3b   ~350 s (250-500): ~25 s to start (jax, torch, transformers); ~40 s building the model on the host
 #               (3.6 G values on every core, 7.2 GB and 64 adapters' 3.1 GB written); ~20 s for the machine's peaks
 #               and loading it; then 6 engines (3 backends x 2 batches) at ~45 s: ~4-6 programs of the unrolled

@@ -109,7 +109,15 @@ def test_kernels_scan_bench_times_every_backend_against_the_reference() -> None:
     result = _last_json(["bench/kernels.py", "--scan", "--shape", "tiny"])
     assert result["bench"] == "kernels_scan"
     assert result["config"] == {"in": 128, "out": 256, "layers": 2, "rank": 16, "dtype": "float32"}
-    names = ["dense", "reference", "xla-onehot", "xla-grouped", "pallas", "cpu"]  # g++ is here
+    names = [
+        "dense",
+        "reference",
+        "xla-onehot",
+        "xla-grouped",
+        "pallas",
+        "pallas-tiled",
+        "cpu",
+    ]  # g++ is here
     assert [(r["batch"], r["backend"]) for r in result["rows"]] == [(b, n) for b in (4, 8) for n in names]
     for row in result["rows"]:
         assert row["ms"] > 0 and row["gbps"] > 0, row
@@ -356,7 +364,9 @@ def test_tpu_session_bench_tiny_merges_every_sub_step_into_one_json(tmp_path) ->
         assert (out / f"bench-{name}.log").read_text().startswith(f"$ {sys.executable} "), name
     rows = merged["rows"]
     kernels = [(r["batch"], r["backend"]) for r in rows if r["bench"] == "kernels_scan"]
-    assert kernels == [(4, n) for n in ("dense", "reference", "xla-onehot", "xla-grouped", "pallas", "cpu")]
+    assert kernels == [
+        (4, n) for n in ("dense", "reference", "xla-onehot", "xla-grouped", "pallas", "pallas-tiled", "cpu")
+    ]
     assert all(r["hbm_fraction"] >= 0 and r["shape"] == "tiny" for r in rows if r["bench"] == "kernels_scan")
     (decode,) = [r for r in rows if r["bench"] == "decode"]
     assert (decode["backend"], decode["batch"], decode["adapters"]) == ("xla-grouped", 4, 4)
