@@ -31,6 +31,7 @@ more faithful mode takes 250 ms).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,9 +48,22 @@ from loraserve.kernels.shapes import ACC_DTYPE, operand_precision, slice_offsets
 WIN = 16  # rows per window: a multiple of the sublane tile of every dtype used (8 rows f32, 16 bf16)
 LANES = 128
 CHUNK = 1024  # output columns per expand product and select inside a window (a multiple of LANES)
-# VMEM the kernel may ask for: x, y, the output and two weight buffers; above it the tiled kernels run
-# (a v5e core has 128 MiB of VMEM; XLA keeps some, and Mosaic's default scoped limit is 16-32 MiB)
-VMEM_BUDGET = 96 * 2**20
+
+
+def vmem_capacity() -> int:
+    """VMEM of one TensorCore of this process's TPU (128 MiB on a v5e or v6e, 64 MiB on a v5p, 16 MiB on a v4);
+    128 MiB off a TPU (interpreted, and for lowering on a CPU)."""
+    if jax.default_backend() == "tpu":
+        with contextlib.suppress(Exception):  # a chip JAX does not describe: assume the smallest
+            return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+        return 16 << 20
+    return 128 << 20
+
+
+def vmem_budget() -> int:
+    """What the kernel may keep in VMEM (x, y, the output and two weight buffers): three quarters of the
+    core's (XLA keeps some); above it the tiled kernels run."""
+    return vmem_capacity() * 3 // 4
 
 
 def _round_up(n: int, m: int) -> int:
@@ -113,12 +127,12 @@ def fits(
     rows: int, d_in: int, rank_cols: int, outs: Sequence[int], x_dtype, a_dtype, b_dtype, y_dtype
 ) -> bool:
     """Whether :func:`add_lora_slices_decode` takes this shape: every slice width (hence offset) a multiple of
-    128 lanes, and its VMEM (:func:`vmem_bytes`) within :data:`VMEM_BUDGET`."""
+    128 lanes, and its VMEM (:func:`vmem_bytes`) within :func:`vmem_budget`."""
     if any(o % LANES for o in outs):
         return False
     if len(outs) > 1 and (rank_cols // len(outs)) % sublanes(b_dtype):
         return False
-    return vmem_bytes(rows, d_in, rank_cols, outs, x_dtype, a_dtype, b_dtype, y_dtype) <= VMEM_BUDGET
+    return vmem_bytes(rows, d_in, rank_cols, outs, x_dtype, a_dtype, b_dtype, y_dtype) <= vmem_budget()
 
 
 def vmem_bytes(
@@ -228,7 +242,7 @@ def add_lora_slices_decode(y, x, A, Bs: Sequence, plan: DecodePlan, *, interpret
         ],
         input_output_aliases={6 + 1 + 1 + len(Bs): 0},  # y is the output's buffer
         compiler_params=pltpu.CompilerParams(
-            vmem_limit_bytes=min(max(need * 5 // 4 + (8 << 20), 32 << 20), 120 << 20)
+            vmem_limit_bytes=min(need * 5 // 4 + (8 << 20), vmem_capacity() * 7 // 8)
         ),
         cost_estimate=pl.CostEstimate(
             flops=2 * tp * (d_in * rank_cols + rank_cols * width),

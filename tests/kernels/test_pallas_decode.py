@@ -121,14 +121,18 @@ def test_one_compilation_serves_every_adapter_mix() -> None:
     assert step._cache_size() == 1
 
 
-def test_the_backend_takes_the_kernel_where_it_fits_and_the_tiled_kernels_elsewhere() -> None:
+def test_the_backend_takes_the_kernel_where_it_fits_and_the_tiled_kernels_elsewhere(monkeypatch) -> None:
     f32, bf16 = jnp.float32, jnp.bfloat16
+    with monkeypatch.context() as chip:  # a v4's 16 MiB of VMEM: gate/up at batch 256 (~40 MB) does not fit
+        chip.setattr(pd, "vmem_capacity", lambda: 16 << 20)
+        assert not pd.fits(256, 4096, 32, (14336, 14336), bf16, bf16, bf16, bf16)
+        assert pd.fits(64, 4096, 48, (4096, 1024, 1024), bf16, bf16, bf16, bf16)  # qkv at 64: ~5 MB
     assert pd.fits(64, 4096, 48, (4096, 1024, 1024), bf16, bf16, bf16, bf16)  # Llama-3-8B's qkv at batch 64
     assert pd.fits(256, 4096, 32, (14336, 14336), bf16, bf16, bf16, bf16)  # gate/up at batch 256: ~40 MB
     assert not pd.fits(8, 64, 48, (64, 16, 16), f32, f32, f32, f32)  # slices not a multiple of 128 lanes
     assert not pd.fits(8, 256, 24, (128, 128, 128), bf16, bf16, bf16, bf16)  # rank 8: half a bf16 tile
     assert pd.fits(8, 256, 24, (128, 128, 128), f32, f32, f32, f32)  # ... a whole f32 one
-    assert not pd.fits(1024, 8192, 32, (28672, 28672), bf16, bf16, bf16, bf16)  # > VMEM_BUDGET
+    assert not pd.fits(1024, 8192, 32, (28672, 28672), bf16, bf16, bf16, bf16)  # > vmem_budget()
     # through the backend either way: the plan it makes, and the same values as the reference
     backend = get_backend("pallas")
     for outs, rank in ((QKV, 16), ((24, 8, 8), 4)):
