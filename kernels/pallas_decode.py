@@ -15,18 +15,19 @@ Here one kernel call (no grid) does a projection's shrink and expand for the who
   its block of a block-diagonal ``[n*R, sum(out_i)]`` buffer whose other blocks stay zero) while segment ``j``
   computes, two buffers alternating: a slot's bytes are read once, in a few large DMAs, and the loop runs for
   the segments there are (a dynamic trip count: slots no row uses cost nothing, not even a grid step);
-* **the rows**: for each window of segment j, ``h = x_w @ A_j`` (``[WIN, n*R]``, f32 accumulation), then
-  ``h @ Bcat_j`` (h in the B pool's dtype, as xla-grouped does) gives every slice's columns at once, and only the window's rows on slot j take
-  ``y + that`` (a select, not a multiply: an inf/NaN in another row's input or in another slot's matrices
-  never reaches a row). Each row is in exactly one (segment, window) pair, so it is written once:
-  ``out = (y_f32 + h @ B).astype(y.dtype)``.
+* **the rows**: for each window of segment j, ``h = x_w @ A_j`` (``[WIN, n*R]``, f32 accumulation over
+  :data:`K_CHUNK`-input chunks), then ``h @ Bcat_j`` (h in the B pool's dtype, as xla-grouped does) gives every
+  slice's columns at once, :data:`CHUNK` columns at a time, and only the window's rows on slot j take ``y +
+  that`` (a select, not a multiply: an inf/NaN in another row's input or in another slot's matrices never
+  reaches a row). Each row is in exactly one (segment, window) pair, so it is written once: ``out = (y_f32 +
+  h @ B).astype(y.dtype)``.
 
-``x``, ``y`` and the output live in VMEM whole (a decode batch's activations: 64 rows × 28672 bf16 columns
-is 3.7 MB); :func:`fits` says when they do not and the backend uses the tiled kernels instead, as it does when
-a slice's width is not a multiple of 128 lanes or, for fused slices, the rank not a multiple of the B pool's
-sublane tile (the block-diagonal buffer's DMAs write at those offsets). Off a TPU the kernel runs interpreted
-(``interpret=True``: DMAs and semaphores simulated, ~2 ms a call at 64 rows where ``pltpu.InterpretParams``'
-more faithful mode takes 250 ms).
+``x``, ``y`` and the output live in VMEM whole (a decode batch's activations: 64 rows × 28672 bf16 columns is
+3.7 MB), ``y`` copied into the output by one VMEM-local DMA; :func:`fits` says when they do not fit and the
+backend uses the tiled kernels instead, as it does when a slice's width is not a multiple of 128 lanes or, for
+fused slices, the rank not a multiple of the B pool's sublane tile (the block-diagonal buffer's DMAs write at
+those offsets). Off a TPU the kernel runs interpreted (``interpret=True``: DMAs and semaphores simulated, ~2 ms
+a call at 64 rows where ``pltpu.InterpretParams``' more faithful mode takes 250 ms).
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ from loraserve.kernels.shapes import ACC_DTYPE, operand_precision, slice_offsets
 WIN = 16  # rows per window: a multiple of the sublane tile of every dtype used (8 rows f32, 16 bf16)
 LANES = 128
 CHUNK = 1024  # output columns per expand product and select inside a window (a multiple of LANES)
+K_CHUNK = (
+    2048  # input features per shrink product inside a window (a multiple of LANES; f32 sums between them)
+)
 
 
 def vmem_capacity() -> int:
@@ -159,7 +163,11 @@ def _kernel(outs, rank, seg_slot, seg_lo, seg_hi, wins, count, idx_ref, x_ref, a
     offsets = slice_offsets(outs)
 
     b_buf[...] = jnp.zeros_like(b_buf)  # the blocks off the diagonal stay zero; the DMAs fill the diagonal
-    o_ref[...] = y_ref[...]
+    out_copy = pltpu.make_async_copy(y_ref, o_ref, sem.at[0, 0])  # y into the output: one VMEM-local DMA
+    out_copy.start()
+    out_copy.wait()
+    d_in = x_ref.shape[1]
+    k_chunk = K_CHUNK if d_in % LANES == 0 else d_in  # x's lanes sliced at multiples of 128 only
 
     def copies(j, buf):  # segment j's matrices into buffer ``buf``
         slot = seg_slot[j]
@@ -189,10 +197,16 @@ def _kernel(outs, rank, seg_slot, seg_lo, seg_hi, wins, count, idx_ref, x_ref, a
         def window(w, carry):
             r0 = pl.multiple_of(wins[w] * WIN, WIN)
             rows = pl.ds(r0, WIN)
-            xw, a = x_ref[rows, :], a_buf[buf]
-            if xw.dtype != a.dtype:
-                xw, a = xw.astype(ACC_DTYPE), a.astype(ACC_DTYPE)
-            h = jnp.dot(xw, a, precision=operand_precision(xw, a), preferred_element_type=ACC_DTYPE)
+            h = None
+            for k0 in range(
+                0, d_in, k_chunk
+            ):  # input chunks: each product's operands stay a few hundred vregs
+                ks = slice(k0, min(k0 + k_chunk, d_in))
+                xw, a = x_ref[rows, ks], a_buf[buf, ks, :]
+                if xw.dtype != a.dtype:
+                    xw, a = xw.astype(ACC_DTYPE), a.astype(ACC_DTYPE)
+                part = jnp.dot(xw, a, precision=operand_precision(xw, a), preferred_element_type=ACC_DTYPE)
+                h = part if h is None else h + part
             h = h.astype(b_buf.dtype)  # as xla-grouped: h in the B pool's dtype, one MXU pass for bf16 pools
             row_slot = idx_ref[rows, :]  # [WIN, 1] int32
             for c0 in range(0, width, CHUNK):  # column chunks: a window's f32 values stay a few dozen vregs

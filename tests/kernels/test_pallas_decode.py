@@ -148,3 +148,15 @@ def test_the_backend_takes_the_kernel_where_it_fits_and_the_tiled_kernels_elsewh
     warm = backend.warmup_plans(10, 4)
     assert warm[0] is None and jax.tree.structure(warm[1]) == jax.tree.structure(plan)
     assert [v.shape for v in jax.tree.leaves(warm[1])] == [v.shape for v in jax.tree.leaves(plan)]
+
+
+def test_input_and_output_chunks_give_the_whole_products(monkeypatch) -> None:
+    """The kernel multiplies a window in chunks of K_CHUNK inputs (summed in f32) and CHUNK output columns; at
+    128 each, the 256 inputs and 512 columns here take 2 and 4 chunks: the same values as the reference."""
+    monkeypatch.setattr(pd, "K_CHUNK", 128)
+    monkeypatch.setattr(pd, "CHUNK", 128)
+    y, x, a, bs = _case(21, 5, QKV, 16, jnp.float32, seed=9)
+    plan = pd.plan_decode(np.arange(21) % 6 - 1, 5)
+    got = pd.add_lora_slices_decode(y, x, a, bs, plan)
+    want = ref.add_lora_slices(y, x, a, bs, jnp.asarray(plan.idx))
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * float(jnp.abs(want).max()))
