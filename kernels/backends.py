@@ -221,11 +221,9 @@ class PallasBackend(_SgmvPrefill, LoraBackend):
 
     name: ClassVar[str] = "pallas"
 
-    def plan(self, slots, num_slots):  # DecodePlan, or None
-        slots = np.asarray(slots, np.int32)
-        if not ((slots >= 0) & (slots < num_slots)).any():
-            return None
-        return pallas_decode.plan_decode(slots, num_slots)
+    def plan(self, slots, num_slots):  # DecodePlan, or None (the default plan's rule)
+        ids = super().plan(slots, num_slots)
+        return None if ids is None else pallas_decode.plan_decode(ids, num_slots)
 
     def warmup_plans(self, rows, num_slots):
         return [None, pallas_decode.plan_decode(np.full(rows, -1, np.int32), num_slots)]

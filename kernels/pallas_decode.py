@@ -43,15 +43,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from loraserve.kernels import pallas as tiled
-from loraserve.kernels.pallas import sublanes
+from loraserve.kernels.pallas import _pad_rows, _round_up, sublanes
 from loraserve.kernels.shapes import ACC_DTYPE, operand_precision, slice_offsets
 
 WIN = 16  # rows per window: a multiple of the sublane tile of every dtype used (8 rows f32, 16 bf16)
 LANES = 128
 CHUNK = 1024  # output columns per expand product and select inside a window (a multiple of LANES)
-K_CHUNK = (
-    2048  # input features per shrink product inside a window (a multiple of LANES; f32 sums between them)
-)
+# input features per shrink product inside a window (a multiple of LANES; f32 sums between them)
+K_CHUNK = 2048
 
 
 def vmem_capacity() -> int:
@@ -68,10 +67,6 @@ def vmem_budget() -> int:
     """What the kernel may keep in VMEM (x, y, the output and two weight buffers): three quarters of the
     core's (XLA keeps some); above it the tiled kernels run."""
     return vmem_capacity() * 3 // 4
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 @jax.tree_util.register_pytree_node_class
@@ -198,9 +193,8 @@ def _kernel(outs, rank, seg_slot, seg_lo, seg_hi, wins, count, idx_ref, x_ref, a
             r0 = pl.multiple_of(wins[w] * WIN, WIN)
             rows = pl.ds(r0, WIN)
             h = None
-            for k0 in range(
-                0, d_in, k_chunk
-            ):  # input chunks: each product's operands stay a few hundred vregs
+            # input chunks: each product's operands stay a few hundred vregs
+            for k0 in range(0, d_in, k_chunk):
                 ks = slice(k0, min(k0 + k_chunk, d_in))
                 xw, a = x_ref[rows, ks], a_buf[buf, ks, :]
                 if xw.dtype != a.dtype:
@@ -214,9 +208,8 @@ def _kernel(outs, rank, seg_slot, seg_lo, seg_hi, wins, count, idx_ref, x_ref, a
                 b = b_buf[buf, :, cols]
                 part = jnp.dot(h, b, precision=operand_precision(h, b), preferred_element_type=ACC_DTYPE)
                 yw = o_ref[rows, cols].astype(ACC_DTYPE)
-                mine = (
-                    jnp.broadcast_to(row_slot, yw.shape) == slot
-                )  # ids broadcast, then compared (as pallas.py)
+                # the ids broadcast, then compared (as kernels.pallas does)
+                mine = jnp.broadcast_to(row_slot, yw.shape) == slot
                 o_ref[rows, cols] = jnp.where(mine, yw + part, yw).astype(o_ref.dtype)
             return carry
 
@@ -237,7 +230,6 @@ def add_lora_slices_decode(y, x, A, Bs: Sequence, plan: DecodePlan, *, interpret
     rank = Bs[0].shape[1]
     outs = tuple(int(b.shape[2]) for b in Bs)
     tp = _round_up(rows, WIN)
-    pad = lambda a: a if a.shape[0] == tp else jnp.pad(a, ((0, tp - a.shape[0]), (0, 0)))  # noqa: E731
     idx = jnp.pad(plan.idx, (0, tp - rows), constant_values=-1)[:, None]
     if interpret is None:
         interpret = tiled.default_interpret()  # off a TPU (one switch for both kernel modules)
@@ -265,5 +257,16 @@ def add_lora_slices_decode(y, x, A, Bs: Sequence, plan: DecodePlan, *, interpret
         ),
         interpret=interpret,
         name="lora_decode",
-    )(plan.seg_slot, plan.seg_lo, plan.seg_hi, plan.wins, plan.count, idx, pad(x), A, *Bs, pad(y))
+    )(
+        plan.seg_slot,
+        plan.seg_lo,
+        plan.seg_hi,
+        plan.wins,
+        plan.count,
+        idx,
+        _pad_rows(x, tp),
+        A,
+        *Bs,
+        _pad_rows(y, tp),
+    )
     return out[:rows]
