@@ -12,11 +12,13 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 RUN pip install "grpcio-tools>=1.66,<2" "setuptools>=77" wheel
 COPY pyproject.toml README.md ./
-COPY loraserve ./loraserve
+COPY command ./command
 COPY protos ./protos
 COPY common ./common
 COPY adapters ./adapters
 COPY kernels ./kernels
+COPY models ./models
+COPY engine ./engine
 COPY worker ./worker
 COPY registry ./registry
 COPY router ./router

@@ -196,7 +196,7 @@ def build_direct(workdir: Path, w: dict, dtype: str, context: int = 256) -> tupl
             model = AutoModelForCausalLM.from_config(config)
     model = model.to(getattr(torch, dtype)).eval()
     base = workdir / "base"
-    # 2 GB files: loading one holds its bytes twice besides the float32 copy (worker.checkpoint)
+    # 2 GB files: loading one holds its bytes twice besides the float32 copy (models.checkpoint)
     model.save_pretrained(str(base), safe_serialization=True, max_shard_size="2GB")
     template = workdir / "template"
     make_adapter(model, template, r=w["rank"], alpha=2.0 * w["rank"], targets=MODULES, seed=0, scale=0.01)
@@ -470,9 +470,9 @@ def run_engine(
     warm-up; each shape compiles when first run, and one untimed round of every row comes first.
     """
     from loraserve.adapters.sources import LocalAdapterSource
-    from loraserve.worker.checkpoint import load_checkpoint
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.engine import Engine
+    from loraserve.models.checkpoint import load_checkpoint
 
     src = LocalAdapterSource()
     for i, path in enumerate(adapters):
@@ -507,8 +507,8 @@ def _serve_rows(
     engine, label: str, w: dict, n_adapters: int, rounds: int, extra, lazy: bool, grammars, ttft: bool
 ) -> dict[str, dict[str, float]]:
     """:func:`run_engine`'s rows (and TTFTs) on its started ``engine``; raises when a request fails."""
+    from loraserve.engine.request import EngineRequest, Failed, Finished, Sampling, Token
     from loraserve.protos.v1 import inference_pb2 as pb
-    from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Token
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, w["vocab_size"], w["prompt"]).tolist() for _ in range(w["batch"])]
@@ -588,7 +588,7 @@ def _serve_rows(
 def cold_vs_warm_ttft(engine, prompt: list[int], n_adapters: int) -> dict[str, float]:
     """Time to first token of one request whose adapter is resident vs one that must be loaded from the
     local store first (unloaded beforehand; no host tier)."""
-    from loraserve.worker.requests import EngineRequest, Finished, Sampling, Token
+    from loraserve.engine.request import EngineRequest, Finished, Sampling, Token
 
     def ttft(adapter: str) -> float:
         first = Event()
@@ -1053,10 +1053,10 @@ def main() -> None:
         )
         peaks = machine_peaks(repeats=1 if shape == "tiny" else 10, dtype=args.dtype)  # tiny: a smoke run
         if args.compilation_cache:
-            from loraserve.worker.engine import enable_compilation_cache
+            from loraserve.engine.engine import enable_compilation_cache
 
             enable_compilation_cache(args.compilation_cache)
-        from loraserve.worker.checkpoint import load_checkpoint
+        from loraserve.models.checkpoint import load_checkpoint
 
         # shared by every engine below
         checkpoint = load_checkpoint(str(base), dtype=args.dtype) if engines else None

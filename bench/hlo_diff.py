@@ -33,10 +33,10 @@ def dump(out: Path) -> None:
     shutil.rmtree(out, ignore_errors=True)
     os.environ["XLA_FLAGS"] = f"--xla_dump_to={out} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
     _source_tree.use()  # loraserve from this repository, installed or not
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.jax_runner import JaxRunner
+    from loraserve.models.checkpoint import load_checkpoint
     from loraserve.testing import save_model
-    from loraserve.worker.checkpoint import load_checkpoint
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.jax_runner import JaxRunner
 
     work = Path(tempfile.mkdtemp(prefix="hlo-diff-"))
     for family, dtype in (("llama", "float32"), ("gemma2", "bfloat16")):

@@ -110,7 +110,7 @@ def serve(
 ) -> tuple[float, list[Outcome]]:
     """Submit every (adapter, prompt, new tokens) job at once, greedy and ignoring EOS, and wait for all;
     ``watch(snapshot)`` is called about every millisecond meanwhile. -> (start perf_counter, outcomes)."""
-    from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Token
+    from loraserve.engine.request import EngineRequest, Failed, Finished, Sampling, Token
 
     outs = [Outcome() for _ in jobs]
     left = [len(jobs)]
@@ -148,9 +148,9 @@ def serve(
 
 def make_engine(checkpoint_dir: Path, adapters: list[Path], warmup: bool = True, **config):
     from loraserve.adapters.sources import LocalAdapterSource
-    from loraserve.worker.checkpoint import load_checkpoint
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.engine import Engine
+    from loraserve.models.checkpoint import load_checkpoint
 
     src = LocalAdapterSource()
     for i, path in enumerate(adapters):
@@ -163,10 +163,10 @@ def make_engine(checkpoint_dir: Path, adapters: list[Path], warmup: bool = True,
 # ----------------------------------------------------------------------------------------- 1. capacity
 def capacity(workdir: Path, w: dict, budget: int | None) -> dict:
     """Concurrent running sequences of mixed lengths in a fixed KV budget, paged vs dense."""
+    from loraserve.models import decoder
+    from loraserve.models.checkpoint import read_config
+    from loraserve.models.config import ModelConfig
     from loraserve.testing import build_model
-    from loraserve.worker import model as M
-    from loraserve.worker.checkpoint import read_config
-    from loraserve.worker.model_config import ModelConfig
 
     path = workdir / "capacity_model"
     build_model(
@@ -181,7 +181,7 @@ def capacity(workdir: Path, w: dict, budget: int | None) -> dict:
         max_position_embeddings=w["cap_context"],
     ).save_pretrained(str(path), safe_serialization=True)
     context, page = w["cap_context"], w["page_size"]
-    token_bytes = M.kv_page_bytes(ModelConfig.from_hf(read_config(str(path))), 1, "float32")
+    token_bytes = decoder.kv_page_bytes(ModelConfig.from_hf(read_config(str(path))), 1, "float32")
     budget = budget or w["cap_dense_rows"] * context * token_bytes
     dense_rows = budget // (context * token_bytes)  # what a dense cache of the same bytes holds
     engine = make_engine(

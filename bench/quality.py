@@ -41,22 +41,22 @@ def run(
     f32, the tokens fed [rows, steps])."""
     import jax.numpy as jnp
 
+    from loraserve.engine.jax_runner import jit_steps
     from loraserve.kernels.backends import XlaGroupedBackend
-    from loraserve.worker import model as M
-    from loraserve.worker.jax_runner import jit_steps
-    from loraserve.worker.step import DecodeBatch, DeviceState, PrefillBatch
+    from loraserve.models import decoder
+    from loraserve.models.step import DecodeBatch, DeviceState, PrefillBatch
 
     cfg, dtype = checkpoint.config, jnp.dtype(checkpoint.dtype)
     rows, length = prompts.shape
     page = 16
     per_row = -(-(length + steps + 1) // page)
-    cache = M.init_cache(cfg, rows * per_row + 1, page, dtype)
-    tables = M.contiguous_page_tables(rows, per_row)
+    cache = decoder.init_cache(cfg, rows * per_row + 1, page, dtype)
+    tables = decoder.contiguous_page_tables(rows, per_row)
     backend = XlaGroupedBackend()
-    pools = M.empty_lora(cfg, 2, 4, dtype, backend)
+    pools = decoder.empty_lora(cfg, 2, 4, dtype, backend)
     fns = jit_steps(cfg, backend, "xla", "auto")
     rope = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    blocks = M.whole_row_key_blocks(page, per_row)
+    blocks = decoder.whole_row_key_blocks(page, per_row)
     logits = [[] for _ in range(rows)]
     for row in range(rows):
         batch = PrefillBatch.single(prompts[row], length, 0, -1, tables[row], blocks)
@@ -213,7 +213,7 @@ def main() -> None:
         if q not in ("int8", "int4", "int8_head", "int4_head"):
             parser.error(f"unknown quantization {q!r}")
 
-    from loraserve.worker.checkpoint import load_checkpoint, open_checkpoint
+    from loraserve.models.checkpoint import load_checkpoint, open_checkpoint
 
     training = None
     with tempfile.TemporaryDirectory() as scratch:

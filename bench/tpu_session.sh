@@ -181,7 +181,7 @@ for step in "$@"; do
                 echo "install: $((SECONDS - t0)) s"
             fi
             check_installed
-            (cd /tmp && python3 -c 'import jax, loraserve.worker.engine, torch, peft, transformers, grpc
+            (cd /tmp && python3 -c 'import jax, loraserve.engine.engine, torch, peft, transformers, grpc
 print("jax", jax.__version__, jax.devices(), "torch", torch.__version__, "peft", peft.__version__,
       "transformers", transformers.__version__, "grpc", grpc.__version__)' 2>&1 | tail -3)
             ;;

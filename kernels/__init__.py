@@ -1,6 +1,8 @@
-"""Batched multi-LoRA ops (docs/design.md §6): shrink/expand over per-token adapter slots.
+"""Device kernels: the batched multi-LoRA ops (docs/design.md §6: shrink/expand over per-token adapter slots), paged
+decode attention (:mod:`kernels.attention`) and the linear layers over float, int8 and int4 weights
+(:mod:`kernels.linear`, the C++ CPU kernels of :mod:`kernels.cpu`).
 
-Two levels:
+The multi-LoRA ops come at two levels:
 
 * the LoRA backend objects of :mod:`kernels.backends` (``reference``, ``xla-onehot``, ``xla-grouped``,
   ``cpu``, ``pallas``): pool layout, host→pool conversion, per-batch plan and ops, what the worker's

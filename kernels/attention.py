@@ -19,7 +19,7 @@ table ``[B, W]`` listing its first W pages. Three implementations of one semanti
   bf16 K/V precision. Off a TPU it runs in Pallas' TPU interpret mode (slow; for tests).
 
 Under tensor parallelism (a 1-D ``model`` mesh splitting heads and the cache by KV head,
-``worker.sharding``) a ``pallas_call`` cannot be auto-partitioned: the kernel runs per device inside
+``models.sharding``) a ``pallas_call`` cannot be auto-partitioned: the kernel runs per device inside
 ``jax.shard_map`` (q split by heads, pages by KV head, positions and page tables replicated). Each
 device's q heads read its own KV heads, so no communication is needed.
 """
@@ -194,7 +194,7 @@ def decode_attention(
 
 @dataclass(frozen=True)
 class DecodeAttention:
-    """What ``worker.model.decode`` calls per layer: ``decode_attention`` with a fixed impl and mesh.
+    """What ``models.decoder.decode`` calls per layer: ``decode_attention`` with a fixed impl and mesh.
 
     Hashable (a frozen dataclass of a string, a ``Mesh`` and a flag), so it can ride in a jitted step's
     static arguments; one compilation per object.
@@ -211,7 +211,7 @@ class DecodeAttention:
     @property
     def reads_bits(self) -> bool:
         """True when the impl takes bf16 pages as their uint16 bits as they are stored on a CPU
-        (``worker.model.kv_storage_dtype``): the caller then passes them without a bitcast, which XLA would
+        (``models.decoder.kv_storage_dtype``): the caller then passes them without a bitcast, which XLA would
         materialise as a copy of the whole cache for the C++ kernel."""
         return self.impl == "cpu"
 

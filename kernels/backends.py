@@ -1,6 +1,6 @@
 """LoRA backend objects: each owns its slot-pool layout, the host→pool conversion, the per-batch plan and the ops.
 
-The model (``worker/model.py``) calls one of these and never branches on a backend name; the worker
+The model (``models/decoder.py``) calls one of these and never branches on a backend name; the worker
 picks one with ``--kernel-backend`` through :func:`resolve_backend`. The shape follows vLLM's
 ``PunicaWrapperBase``: per-batch metadata is prepared once on the host (:meth:`LoraBackend.plan`), then
 every projection of the step calls the op with it (:meth:`LoraBackend.add_decode`).

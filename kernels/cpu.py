@@ -20,7 +20,7 @@ Layout and semantics are docs/design.md §6's, like ``reference``: ``x [T, in]``
 
 The same library holds the decode attention over the paged cache (:func:`paged_attention`, ``attention.cc``)
 and the base model's projections for a few rows (``linear.cc``): bf16 (:func:`linear_bf16`, which ``kernels.linear``
-calls) and weight-only int8 / group-wise int4 (:func:`linear_int8`, :func:`linear_int4`, which ``worker.quant`` calls).
+calls) and weight-only int8 / group-wise int4 (:func:`linear_int8`, :func:`linear_int4`, which ``models.quantization`` calls).
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ def linear_bf16(x, w):  # [N, M] f32
 
 def linear_int8(x, w, scale):  # [N, M] f32
     """``(w [N, K] int8 @ x [M, K].T) * scale[:, None]`` in f32 for f32 or bf16 ``x`` (weights first, as
-    :func:`linear_bf16`): a weight-only int8 base's few-row projection (``worker.quant``), the weights
+    :func:`linear_bf16`): a weight-only int8 base's few-row projection (``models.quantization``), the weights
     streamed at a byte an element and widened in registers."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or scale.shape != (w.shape[0],):
         raise ValueError(
@@ -282,7 +282,7 @@ def linear_int4(x, w, scale):  # [N, M] f32
     """Group-wise int4 ``w`` times ``x [M, K]`` (f32 or bf16) in f32, weights first as :func:`linear_int8`:
     ``y[n, m] = sum_g scale[n, g] * (q[n, group g] . x[m, group g])`` for ``w`` uint8 ``[N, K/2]`` (element
     ``2j`` of a row in byte ``j``'s low nibble, ``2j + 1`` in its high nibble, each stored as ``q + 8``) and
-    ``scale`` f32 ``[N, K/G]`` (G = K / scale.shape[1], even): ``worker.quant``'s int4 layout, the weights
+    ``scale`` f32 ``[N, K/G]`` (G = K / scale.shape[1], even): ``models.quantization``'s int4 layout, the weights
     streamed at half a byte an element and unpacked in registers."""
     ok = x.ndim == w.ndim == scale.ndim == 2
     if ok:

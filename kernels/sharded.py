@@ -5,7 +5,7 @@ The slot pools are split like the layer they adapt (vLLM's ``fully_sharded_loras
 * column-parallel layers (q/k/v, gate/up; base weight split by output features): ``x`` replicated,
   ``A`` whole, ``B`` and ``y`` split by output. Each shard adds its own output columns: no communication.
   A fused projection's ``y`` holds, on every shard, that shard's part of each module side by side
-  (``[q_s | k_s | v_s]``, the order ``worker.sharding`` gives the fused base weights), so the inner
+  (``[q_s | k_s | v_s]``, the order ``models.sharding`` gives the fused base weights), so the inner
   backend's slice op works on the local arrays unchanged.
 * row-parallel layers (o, down; base weight split by input features, then one reduction): ``x`` and
   ``A`` split by input, the ``[tokens, n*R]`` shrink result summed over the devices (``psum``: the

@@ -3,7 +3,7 @@
 A cap on an adapter name covers all its versions; a tenant is the value of an adapter's ``tenant`` label
 (set at upload), and a tenant's cap covers every adapter so labelled. Caps are per worker: a worker runs at
 most K requests of that name (tenant) in its decode batch; the rest wait in its queue while other adapters'
-requests are admitted past them (worker.scheduler), so a flood for one adapter or tenant cannot take every row.
+requests are admitted past them (engine.scheduler), so a flood for one adapter or tenant cannot take every row.
 Workers learn the caps of the names they hold from every heartbeat reply (the full set, which replaces what
 they knew) and of a name they resolve from GetAdapter (``Adapter.max_running`` / ``tenant_max_running``), so a
 new adapter is capped from its first request and a changed cap reaches every worker within a heartbeat.

@@ -80,7 +80,7 @@ def pytest_configure(config: pytest.Config) -> None:
     each warm-up after the first reads them from disk. Set ``JAX_COMPILATION_CACHE_DIR`` to keep a
     cache across runs. Compilation counting is unaffected: it counts lowerings, which still happen.
     """
-    from loraserve.worker.engine import enable_compilation_cache
+    from loraserve.engine.engine import enable_compilation_cache
 
     # TEST_XLA_FLAGS in the test processes: in-process engines compile in less than half the time. The CPU
     # backend reads XLA_FLAGS once, when it starts (now); the variable is then restored, so servers the tests

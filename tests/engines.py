@@ -11,10 +11,10 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 from loraserve.adapters.sources import AdapterSource, LocalAdapterSource
-from loraserve.worker.checkpoint import Checkpoint, load_checkpoint
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
-from loraserve.worker.model_config import ModelConfig
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
+from loraserve.models.checkpoint import Checkpoint, load_checkpoint
+from loraserve.models.config import ModelConfig
 
 
 def local_source(adapters: Mapping[str, str | os.PathLike] | None = None) -> LocalAdapterSource:

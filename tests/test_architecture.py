@@ -14,16 +14,34 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOMS = ("protos", "common", "adapters", "kernels", "worker", "registry", "router", "httpapi", "client")
+ROOMS = (
+    "protos",
+    "common",
+    "adapters",
+    "kernels",
+    "models",
+    "engine",
+    "worker",
+    "registry",
+    "router",
+    "httpapi",
+    "client",
+)
+# the root package `loraserve` (the command line, the demo, the test-model builders) is this folder: no folder
+# of the checkout is named `loraserve`, so Python started in it imports the installed package
+ROOT_FOLDER = "command"
 
-# room -> the rooms of ours it may import (itself always). `loraserve` (the root package: the CLI dispatcher,
-# the demo, the test-model builders) may import every room and is imported by none but tests and bench.
+# room -> the rooms of ours it may import (itself always): worker -> engine -> models -> kernels, one way; the
+# engine speaks no protos. `loraserve` (the root package, ROOT_FOLDER: the CLI dispatcher, the demo, the
+# test-model builders) may import every room and is imported by none but tests and bench.
 ALLOWED: dict[str, set[str]] = {
     "protos": set(),
     "common": {"protos"},
     "adapters": {"common"},
     "kernels": set(),
-    "worker": {"protos", "common", "adapters", "kernels", "httpapi"},
+    "models": {"common", "adapters", "kernels"},
+    "engine": {"common", "adapters", "kernels", "models"},
+    "worker": {"protos", "common", "adapters", "kernels", "models", "engine", "httpapi"},
     "registry": {"protos", "common", "adapters"},
     "router": {"protos", "common", "adapters", "httpapi"},
     "httpapi": {"protos", "common", "adapters"},
@@ -40,6 +58,8 @@ FORBIDDEN_THIRD_PARTY: dict[str, set[str]] = {
     "httpapi": {"jax", "torch", "sqlalchemy", "numpy", "transformers"},
     "registry": {"jax", "torch", "transformers"},
     "kernels": {"torch", "sqlalchemy", "grpc"},
+    "models": {"torch", "sqlalchemy", "peft", "grpc"},
+    "engine": {"torch", "sqlalchemy", "peft"},
     "worker": {"torch", "sqlalchemy", "peft"},
 }
 
@@ -96,17 +116,17 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
     fake_root = tmp_path
     (fake_root / "client").mkdir()
     (fake_root / "client" / "bad.py").write_text(
-        "import grpc\n\ndef f():\n    from loraserve.worker.engine import Engine\n    import jax.numpy\n"
+        "import grpc\n\ndef f():\n    from loraserve.engine.engine import Engine\n    import jax.numpy\n"
     )
     monkeypatch.setattr(__import__(__name__, fromlist=["ROOT"]), "ROOT", fake_root)
     assert violations("client") == [
-        "client/bad.py:4: imports loraserve.worker.engine (client may import ['adapters', 'common', 'protos'])",
+        "client/bad.py:4: imports loraserve.engine.engine (client may import ['adapters', 'common', 'protos'])",
         "client/bad.py:5: imports jax.numpy (third-party package not allowed in client)",
     ]
 
 
 def test_every_room_is_checked() -> None:
-    folders = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", "loraserve", "bench"}
+    folders = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests", ROOT_FOLDER, "bench"}
     assert folders == set(ROOMS)
 
 
@@ -158,7 +178,7 @@ def module_file(module: str) -> Path | None:
     if len(parts) > 1 and parts[1] in ROOMS:
         base, rest = ROOT / parts[1], parts[2:]
     else:
-        base, rest = ROOT / "loraserve", parts[1:]
+        base, rest = ROOT / ROOT_FOLDER, parts[1:]
     for candidate in (
         base.joinpath(*rest).with_suffix(".py") if rest else None,
         base.joinpath(*rest, "__init__.py"),
@@ -319,12 +339,12 @@ def test_the_docs_room_table_is_the_enforced_rules() -> None:
     """The rooms docs/architecture.md lists, and what it says each may import, are ALLOWED: neither can change
     without the other. The root package's row says it may import every room."""
     rows = documented_rooms(ARCHITECTURE_DOC.read_text())
-    assert set(rows) == set(ROOMS) | {"loraserve"}
-    assert rows["loraserve"].startswith("every room")
+    assert set(rows) == set(ROOMS) | {ROOT_FOLDER}
+    assert rows[ROOT_FOLDER].startswith("every room")
     documented = {
         room: set() if cell == "nothing" else set(re.findall(r"`(\w+)`", cell))
         for room, cell in rows.items()
-        if room != "loraserve"
+        if room != ROOT_FOLDER
     }
     assert documented == ALLOWED
 
@@ -333,4 +353,124 @@ def test_the_docs_drawing_names_every_room() -> None:
     doc = ARCHITECTURE_DOC.read_text()
     section = doc.split("## The rooms", 1)[1].split("\n## ", 1)[0]
     drawing = section.split("```", 2)[1]
-    assert {room for room in (*ROOMS, "loraserve") if not re.search(rf"\b{room}\b", drawing)} == set()
+    assert {
+        room for room in (*ROOMS, ROOT_FOLDER, "loraserve") if not re.search(rf"\b{room}\b", drawing)
+    } == set()
+
+
+def documented_files(doc: str) -> dict[str, dict[str, str]]:
+    """docs/architecture.md's file tables: room folder -> {file path inside it: what it holds}."""
+    section = doc.split("## Files, room by room", 1)[1].split("\n## ", 1)[0]
+    tables: dict[str, dict[str, str]] = {}
+    for part in section.split("\n### ")[1:]:
+        heading, _, body = part.partition("\n")
+        room = re.fullmatch(r"`(\w+)/`", heading.strip())
+        assert room, f"a heading that names no room folder: {heading!r}"
+        rows = tables.setdefault(room.group(1), {})
+        for line in body.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            m = re.fullmatch(r"`([\w/]+\.py)`", cells[0]) if len(cells) == 2 else None
+            if m:
+                rows[m.group(1)] = cells[1]
+    return tables
+
+
+def source_files(folder: str) -> set[str]:
+    """A room's modules as the file tables name them: paths inside the folder; package `__init__.py` files
+    (their docstring is the room's row) and the generated gRPC modules left out."""
+    return {
+        path.relative_to(ROOT / folder).as_posix()
+        for path in (ROOT / folder).rglob("*.py")
+        if "__pycache__" not in path.parts and path.name != "__init__.py" and "_pb2" not in path.name
+    }
+
+
+def test_every_module_has_a_row_in_the_docs_file_tables() -> None:
+    """A new module needs its row, a moved or deleted one takes its row away: the map stays the territory."""
+    tables = documented_files(ARCHITECTURE_DOC.read_text())
+    assert set(tables) == set(ROOMS) | {ROOT_FOLDER}
+    for folder, rows in tables.items():
+        assert set(rows) == source_files(folder), folder
+        assert all(len(what) > 10 for what in rows.values()), folder
+
+
+# ------------------------------------------------------------------------------------------ layout and loops
+def test_no_folder_shadows_the_installed_package() -> None:
+    """Python started in the checkout (a script, pytest from the root, a TPU host given a wheel) puts the
+    checkout first on sys.path: a folder named `loraserve` there would be imported instead of the installed
+    package. The root package lives in ROOT_FOLDER, and every room maps to its folder."""
+    assert not (ROOT / "loraserve").exists()
+    dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert dirs == {"loraserve": ROOT_FOLDER, **{f"loraserve.{room}": room for room in ROOMS}}
+
+
+def our_modules() -> dict[str, Path]:
+    """Every module of ours: dotted name -> file."""
+    out = {}
+    for folder, package in [(ROOT_FOLDER, "loraserve"), *((room, f"loraserve.{room}") for room in ROOMS)]:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder).with_suffix("").parts
+            if "__pycache__" in rel:
+                continue
+            parts = rel[:-1] if rel[-1] == "__init__" else rel
+            out[".".join((package, *parts))] = path
+    return out
+
+
+def import_cycles(modules: dict[str, Path]) -> list[list[str]]:
+    """The import graph's cycles (strongly connected components of more than one module), lazy imports
+    inside functions counted: a loop through them is a loop all the same."""
+    graph = {
+        name: sorted(
+            {
+                m
+                for _, m, _ in runtime_imports(path, lazy=True)
+                if m in modules and m != name and m.startswith(name + ".") is False
+            }
+        )
+        for name, path in modules.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def connect(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in graph:
+        if v not in index:
+            connect(v)
+    return cycles
+
+
+def test_no_import_loops_even_through_lazy_imports() -> None:
+    assert import_cycles(our_modules()) == []
+
+
+def test_the_loop_check_catches_a_lazy_loop(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("from loraserve.models import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    from loraserve.models.a import x\n")
+    (tmp_path / "c.py").write_text("import loraserve.models.a\n")
+    modules = {f"loraserve.models.{n}": tmp_path / f"{n}.py" for n in "abc"}
+    assert import_cycles(modules) == [["loraserve.models.a", "loraserve.models.b"]]

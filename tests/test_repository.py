@@ -166,3 +166,19 @@ def test_design_keeps_its_section_numbers() -> None:
     want[10:10] = [f"10.{i}" for i in range(1, 7)]
     want += [f"11.{i}" for i in range(1, 7)]
     assert headings == want
+
+
+def test_the_readme_stays_a_newcomers_page() -> None:
+    """README says what loraserve is, the two commands, the pieces, one gRPC and one HTTP example and where to
+    start reading, in at most 120 lines; development detail lives in docs/development.md, HTTP fields in
+    docs/http.md."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 120
+    for must in (
+        "TPU in\nproduction",
+        "make demo",
+        "make test",
+        "docs/development.md",
+        "Where to start reading",
+    ):
+        assert must.replace("\n", " ") in readme.replace("\n", " "), must

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # tests/tpu.sh (`make test-tpu`): the suite's TPU selection, in one pytest process (one process at a time can
 # hold a TPU chip), against loraserve as installed (pip install '.[tpu,registry,demo]', or from a wheelhouse:
-# docs/tpu.md), run from outside the checkout: there, the checkout's own `loraserve/` folder would shadow the
-# installed package. Arguments go to both pytest runs (e.g. -k, -x); TPU_TESTS and TPU_STACK_TESTS replace
-# the two selections (an empty one skips its run); JUNIT_DIR=DIR writes each run's JUnit XML there.
+# docs/tpu.md), run from outside the checkout: from inside, pytest puts the checkout first on sys.path, where its
+# room folders (`kernels/` among them) would be found before installed packages of the same names.
+# Arguments go to both pytest runs (e.g. -k, -x); TPU_TESTS and TPU_STACK_TESTS replace the two selections (an
+# empty one skips its run); JUNIT_DIR=DIR writes each run's JUnit XML there.
 #
 # The selection: every test file that means something on one chip (kernels compiled for it, attention, the
 # engine, parity with transformers/peft, sampling, structured outputs, MoE, quantized bases, row isolation,

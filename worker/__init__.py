@@ -1,1 +1,2 @@
-"""loraserve worker: a JAX Llama-family model with hot-swappable LoRA slots behind a streaming gRPC server."""
+"""loraserve worker: the process around the engine: gRPC and HTTP servers, flags, registration with the
+registry, adapters from the registry, metrics, the tokenizer and detokenisation, the plan and quantize commands."""

@@ -4,7 +4,7 @@ Every flag has an environment twin ``LORASERVE_WORKER_<FLAG>`` (flags win), but 
 twins are ``LORASERVE_LOG_LEVEL`` and ``LORASERVE_LOG_FORMAT`` for every server (common.config). The options,
 their help and their groups are the fields of ``worker.config.WorkerConfig``; ``--dtype`` and
 ``--max-seq-len`` default to ``auto``, resolved against the checkpoint's config.json
-(``worker.config.resolve_engine_config``) before it loads.
+(``engine.config.resolve_engine_config``) before it loads.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from loraserve.common.errors import InvalidArgument
 from loraserve.worker.config import ENV_PREFIX, WorkerConfig
 
 if TYPE_CHECKING:  # loraserve --help imports no JAX
-    from loraserve.worker.multihost import Cluster, FollowerChannel, LeaderChannel
+    from loraserve.engine.multihost import Cluster, FollowerChannel, LeaderChannel
 
 log = logging.getLogger("loraserve.worker")
 LOST_EXIT_AFTER_S = 10.0  # a multi-host leader that lost a process drains (NOT_SERVING), then exits by then
@@ -42,16 +42,16 @@ async def serve(config: WorkerConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until ``stop`` (or a signal); the exit status: 0, or ``multihost.EXIT_PEER_LOST``."""
     from loraserve.adapters.sources import LocalAdapterSource
     from loraserve.common.server import run_server
-    from loraserve.worker import multihost
-    from loraserve.worker.checkpoint import load_checkpoint, open_checkpoint, read_config
-    from loraserve.worker.config import resolve_engine_config
-    from loraserve.worker.engine import Engine
-    from loraserve.worker.jax_runner import JaxRunner
+    from loraserve.engine import multihost
+    from loraserve.engine.config import resolve_engine_config
+    from loraserve.engine.engine import Engine
+    from loraserve.engine.jax_runner import JaxRunner
+    from loraserve.models.checkpoint import load_checkpoint, open_checkpoint, read_config
     from loraserve.worker.server import worker_services
     from loraserve.worker.tokenizer import load_tokenizer
 
     if config.compilation_cache_dir:
-        from loraserve.worker.engine import enable_compilation_cache
+        from loraserve.engine.engine import enable_compilation_cache
 
         enable_compilation_cache(config.compilation_cache_dir)
     hf_config = read_config(config.model)
@@ -171,11 +171,11 @@ def _join_cluster(
     lost: list[str],
     settings: dict[str, str] | None = None,
 ) -> LeaderChannel | FollowerChannel:
-    """A multi-host worker's step channel (``worker.multihost``), then ``jax.distributed``: the channel's
+    """A multi-host worker's step channel (``engine.multihost``), then ``jax.distributed``: the channel's
     handshake first, as it refuses by name what jax.distributed would abort the process on. A leader that
     loses a process appends the reason to ``lost`` and sets ``stop`` (the drain: NOT_SERVING), then exits
     whatever still runs after ``LOST_EXIT_AFTER_S``; a follower exits at once."""
-    from loraserve.worker import multihost
+    from loraserve.engine import multihost
 
     digest = multihost.checkpoint_digest(model)
     if cluster.leader:
@@ -195,7 +195,7 @@ def _join_cluster(
 
 def _exit_lost(reason: str) -> None:
     """A follower whose leader is gone exits at once (its main thread may be inside a device call)."""
-    from loraserve.worker.multihost import EXIT_PEER_LOST
+    from loraserve.engine.multihost import EXIT_PEER_LOST
 
     log.error("multi-host: exiting %d: %s", EXIT_PEER_LOST, reason)
     logging.shutdown()

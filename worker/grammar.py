@@ -1,6 +1,6 @@
 """Structured outputs: a request's constraint (a JSON schema, any JSON object, a regex, a choice of strings,
 a Lark or GBNF grammar) compiled by llguidance into a per-request matcher, whose token bitmask the sampler
-applies to the request's row (``worker.sampling.apply_mask``).
+applies to the request's row (``models.sampling.apply_mask``).
 
 The worker builds one :class:`Grammars` per tokenizer at start-up (llguidance's tokenizer over the model's
 vocabulary, ~1 s). The servicer compiles a request's constraint off the event loop (``Grammars.matcher``:

@@ -10,10 +10,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from loraserve.common.observability import LATENCY_BUCKETS
-from loraserve.worker.accounting import AccountingCollector
-from loraserve.worker.engine import Engine
-from loraserve.worker.scheduler import AFTER_CANCEL_BUCKETS
-from loraserve.worker.snapshot import EngineSnapshot
+from loraserve.engine.accounting import AccountingCollector
+from loraserve.engine.engine import Engine
+from loraserve.engine.scheduler import AFTER_CANCEL_BUCKETS
+from loraserve.engine.snapshot import EngineSnapshot
 
 ADAPTER_LOAD_SECONDS = Histogram(
     "loraserve_adapter_load_seconds", "Fetch + validate + host arrays of one adapter", buckets=LATENCY_BUCKETS

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from loraserve.worker import planner
+from loraserve.models import planner
 
 GiB = planner.GiB
 

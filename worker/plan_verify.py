@@ -2,8 +2,8 @@
 
 Runs in a process of its own (``python -m loraserve.worker.plan_verify``) because it needs a CPU with N
 devices (``XLA_FLAGS=--xla_force_host_platform_device_count=N``, set before JAX starts). It lowers the
-worker's jitted decode step (``worker.jax_runner``'s, with the tensor-parallel shardings of
-``worker.sharding.abstract_state``) on abstract shapes — ``jax.ShapeDtypeStruct``s, nothing allocated —
+worker's jitted decode step (``engine.jax_runner``'s, with the tensor-parallel shardings of
+``models.sharding.abstract_state``) on abstract shapes — ``jax.ShapeDtypeStruct``s, nothing allocated —
 compiles it for the N-device mesh and prints one JSON object: the compiled per-device argument, output,
 alias and temporary bytes beside the planner's estimate.
 
@@ -45,7 +45,7 @@ def small_input_bytes(
 ) -> int:
     """Bytes of the decode step's per-step inputs: tokens, positions, page tables, the LoRA plan,
     sampling (token masks included), RoPE table."""
-    from loraserve.worker.sampling import SamplingArrays
+    from loraserve.models.sampling import SamplingArrays
 
     samp = sum(a.nbytes for a in SamplingArrays.empty(batch, vocab).as_tuple())
     plan = sum(int(getattr(leaf, "nbytes", 0)) for leaf in plan_leaves)
@@ -75,13 +75,13 @@ def compiled_decode_memory(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.jax_runner import jit_steps
     from loraserve.kernels.attention import DecodeAttention, resolve_attention
     from loraserve.kernels.backends import XlaOneHotBackend
-    from loraserve.worker import sharding
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.jax_runner import jit_steps
-    from loraserve.worker.sampling import RowHistory, SamplingArrays
-    from loraserve.worker.step import DecodeBatch
+    from loraserve.models import sharding
+    from loraserve.models.sampling import RowHistory, SamplingArrays
+    from loraserve.models.step import DecodeBatch
 
     config = EngineConfig(
         max_batch_size=batch,
@@ -142,7 +142,7 @@ def compiled_decode_memory(
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m loraserve.worker.plan_verify '<JSON of loraserve plan's flags>'``."""
-    from loraserve.worker import planner
+    from loraserve.models import planner
 
     settings = json.loads((argv if argv is not None else sys.argv[1:])[0])
     _, cfg = planner.load_model_config(settings["model"])

@@ -2,13 +2,13 @@
 
 Each decoder layer's ``q/k/v/o_proj`` and ``gate/up/down_proj`` weight (attention's only on a mixture of
 experts, as ``--quantization`` does) becomes, with ``--quantization int8``, an ``I8`` tensor of the same
-name and shape plus an ``F32`` ``<name>_scale [out]`` (``worker.quant.quantize_int8``: symmetric, per output
+name and shape plus an ``F32`` ``<name>_scale [out]`` (``models.quantization.quantize_int8``: symmetric, per output
 channel); with ``int4``, a ``U8`` tensor ``[out, in / 2]`` of packed int4 values plus an ``F32``
-``<name>_scale [out, in / group]`` (``worker.quant.quantize_int4``: symmetric, a scale per group of inputs,
-128 in released models' shapes: ``worker.quant.int4_group``). Every other tensor is copied as it is,
+``<name>_scale [out, in / group]`` (``models.quantization.quantize_int4``: symmetric, a scale per group of inputs,
+128 in released models' shapes: ``models.quantization.int4_group``). Every other tensor is copied as it is,
 shard by shard (the index, if any, names the new scales), and ``config.json`` gains
 ``"quantization_config": {"quant_method": "loraserve-int8" | "loraserve-int4", ...}`` (``QUANT_METHODS``),
-with which ``worker.checkpoint.load_checkpoint`` takes the values and scales as they are instead of
+with which ``models.checkpoint.load_checkpoint`` takes the values and scales as they are instead of
 quantizing at start-up. ``--lm-head`` quantizes ``lm_head.weight`` too (``"lm_head": true`` in that
 ``quantization_config``); a model that ties its head to the embedding keeps ``model.embed_tokens.weight`` as it is
 and gains a quantized ``lm_head.weight`` (and its scale), which the worker serves as the head. Tokenizer and other files are copied. Local folders or fsspec URLs on both sides.
@@ -18,21 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import time
 
-QUANT_METHODS = {"int8": "loraserve-int8", "int4": "loraserve-int4"}  # --quantization -> quant_method
-# the projections quantized: HF names of a layer's linear weights (worker.quant.QUANTIZED, unfused)
-PROJECTION = re.compile(
-    r"^model\.layers\.\d+\.(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight$"
-)
-SCALE_SUFFIX = "_scale"
-HEAD, EMBED = "lm_head.weight", "model.embed_tokens.weight"  # --lm-head: the head quantized as well
-
-
-def quantized_name(name: str, head: bool) -> bool:
-    """A tensor a checkpoint written with (``head``: and with ``--lm-head``) stores quantized."""
-    return bool(PROJECTION.match(name)) or (head and name == HEAD)
+from loraserve.models.quantized_format import EMBED, HEAD, QUANT_METHODS, SCALE_SUFFIX, quantized_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,9 +63,9 @@ def quantize_checkpoint(
 
     from loraserve.adapters.peft import safetensors_to_numpy
     from loraserve.common.errors import FailedPrecondition, InvalidArgument
-    from loraserve.worker.checkpoint import _open_folder, _weight_files, read_config
-    from loraserve.worker.model_config import ModelConfig
-    from loraserve.worker.quant import INT4_GROUP, quantize_int4, quantize_int8
+    from loraserve.models.checkpoint import _open_folder, _weight_files, read_config
+    from loraserve.models.config import ModelConfig
+    from loraserve.models.quantization import INT4_GROUP, quantize_int4, quantize_int8
 
     if quantization not in QUANT_METHODS:
         raise InvalidArgument(f"quantization must be one of {', '.join(QUANT_METHODS)}, got {quantization!r}")

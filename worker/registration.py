@@ -25,9 +25,9 @@ from loraserve.adapters.running_caps import Cap, adapter_names
 from loraserve.common.errors import FailedPrecondition
 from loraserve.common.security import aio_channel
 from loraserve.common.slots import Tier
+from loraserve.engine.engine import Engine
 from loraserve.protos.v1 import placement_pb2, placement_pb2_grpc
-from loraserve.worker.engine import Engine
-from loraserve.worker.snapshot import occupied_slot_infos, worker_load
+from loraserve.worker.snapshot_messages import occupied_slot_infos, worker_load
 
 log = logging.getLogger("loraserve.worker.registration")
 USAGE_PER_HEARTBEAT = 512  # adapters' usage totals one heartbeat carries at most (the rest: the next ones)

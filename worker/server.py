@@ -34,12 +34,12 @@ from loraserve.common.security import ServerSecurity
 from loraserve.common.server import Services, set_health
 from loraserve.common.server import build_server as common_build_server
 from loraserve.common.tools import template_messages, template_tools
+from loraserve.engine.engine import Engine
+from loraserve.engine.request import EngineRequest, Sampling, TokenLogprobs
 from loraserve.protos.v1 import inference_pb2, inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
-from loraserve.worker.engine import Engine
+from loraserve.worker.detokenize import Chunk, StreamAssembler
 from loraserve.worker.grammar import Grammars, TokenMatcher
-from loraserve.worker.outputs import Chunk, StreamAssembler
-from loraserve.worker.requests import EngineRequest, Sampling, TokenLogprobs
-from loraserve.worker.snapshot import slot_info
+from loraserve.worker.snapshot_messages import slot_info
 from loraserve.worker.token_strings import TokenStrings
 from loraserve.worker.tokenizer import PromptBound, apply_chat, encode, off_loop
 

@@ -180,7 +180,7 @@ ffi::Error LinearBf16Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 
 // ------------------------------------------------------------------------------------------- int8 weights
 // y [N, M] = (w [N, K] int8 . x [M, K]^T) * scale [N], f32 sums, for the few rows of a decode step over a
-// weight-only int8 base (worker.quant): the weights stream at a byte an element (a quarter of f32's), are
+// weight-only int8 base (models.quantization): the weights stream at a byte an element (a quarter of f32's), are
 // widened to f32 in registers (vpmovsxbd + vcvtdq2ps) and multiplied with x (f32, or bf16 widened); bf16 x on
 // CPUs with AVX-512 BF16 instead meets the weights converted to bf16 in registers, multiplied with vdpbf16ps
 // (Int8Bf16), or on AMX tiles where the CPU has them (converted a few steps of K at a time into L1). Each
@@ -778,7 +778,7 @@ ffi::Error LinearInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer
 
 // ------------------------------------------------------------------------------------------- int4 weights
 // y [N, M] = sum over groups g of scale [N, g] * (q [N, group g] . x [M, group g]), f32 sums, for the few
-// rows of a decode step over a group-wise int4 base (worker.quant): w [N, K/2] u8 holds a row's element 2j
+// rows of a decode step over a group-wise int4 base (models.quantization): w [N, K/2] u8 holds a row's element 2j
 // in byte j's low nibble (bits 0-3) and 2j + 1 in its high nibble, each as q + 8 (q in [-8, 7]); scale
 // [N, K/G] is one f32 per group of G elements (G even, dividing K). The weights stream at half a byte an
 // element. x is de-interleaved once per call into f32 (a row's K/2 even elements, then its odd ones), so the

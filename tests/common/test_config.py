@@ -22,9 +22,10 @@ from loraserve.common.config import (
     opt,
     setup_logging_from_args,
 )
+from loraserve.engine.config import EngineConfig
 from loraserve.registry.config import RegistryConfig
 from loraserve.router.config import RouterConfig
-from loraserve.worker.config import EngineConfig, WorkerConfig
+from loraserve.worker.config import WorkerConfig
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ def _label_names(metric) -> frozenset[str]:
 
 class _StubEngine:
     def snapshot(self):
-        from loraserve.worker.snapshot import EngineSnapshot
+        from loraserve.engine.snapshot import EngineSnapshot
 
         return EngineSnapshot(
             step=0,

@@ -233,7 +233,7 @@ def planned(objects, template: dict):
     """`loraserve plan` (in process) for a TPU worker pod: the model, slots, batch, context and dtypes of its
     configuration, the tensor parallel size read from LORASERVE_WORKER_TENSOR_PARALLEL_SIZE and the chip from
     the pod's cloud.google.com/gke-tpu-accelerator label."""
-    from loraserve.worker import planner
+    from loraserve.models import planner
 
     container = template["spec"]["containers"][0]
     env = container_env(objects, container)
@@ -467,7 +467,7 @@ def test_tls_material_is_a_read_only_secret_mount_the_tls_paths_point_into(objec
 
 
 def test_container_and_probe_ports_are_the_ones_the_servers_bind(objects) -> None:
-    from loraserve.worker import multihost
+    from loraserve.engine import multihost
 
     for w, t, c, role in loraserve_containers(objects):
         if is_follower(w, t):  # serves nothing: nothing to declare, nothing to probe
@@ -477,7 +477,7 @@ def test_container_and_probe_ports_are_the_ones_the_servers_bind(objects) -> Non
         assert set(bound) == {"port", "http_port", "metrics_port"} - (
             {"http_port"} if role == "registry" else set()
         )
-        if w["kind"] == "LeaderWorkerSet":  # the leader also listens for its group (worker.multihost)
+        if w["kind"] == "LeaderWorkerSet":  # the leader also listens for its group (engine.multihost)
             coordinator = multihost.DEFAULT_COORDINATOR_PORT
             bound |= {"coordinator": coordinator, "step": coordinator + 1}
         declared = {p["containerPort"] for p in c["ports"]}
@@ -741,7 +741,7 @@ def test_gke_tpu_multihost_leader_and_followers_run_the_gke_tpu_worker() -> None
     the leader's advertised name moved into the LeaderWorkerSet's subdomain and libtpu kept off the
     coordinator's port; the leader keeps the probes and adds its group's ports, followers have neither. Their
     environment makes the worker take the cluster from the LeaderWorkerSet's variables."""
-    from loraserve.worker import multihost
+    from loraserve.engine import multihost
 
     base = named(render("gke-tpu"), "StatefulSet", "loraserve-worker")["spec"]["template"]
     base_c = base["spec"]["containers"][0]
@@ -816,7 +816,7 @@ def test_gke_tpu_multihost_leader_and_followers_run_the_gke_tpu_worker() -> None
 def test_gke_tpu_multihost_restarts_a_group_whole_and_starts_followers_after_their_leader() -> None:
     """The StatefulSet is gone; the LeaderWorkerSet recreates a group when any of its processes restarts (a
     lost peer exits 3), starts followers once the leader exists, and keeps a group on one slice."""
-    from loraserve.worker import multihost
+    from loraserve.engine import multihost
 
     objects = render("gke-tpu-multihost")
     assert not of_kind(objects, "StatefulSet")
@@ -844,7 +844,7 @@ def test_gke_tpu_multihost_restarts_a_group_whole_and_starts_followers_after_the
 def test_gke_tpu_multihost_group_pods_reach_the_leader_on_the_coordinator_and_step_ports() -> None:
     """Followers reach the leader's jax.distributed coordinator and step channel, every pod of the group
     reaches every other's libtpu slice builder, and nothing else changes: gRPC and HTTP stay router-only."""
-    from loraserve.worker import multihost
+    from loraserve.engine import multihost
 
     objects = render("gke-tpu-multihost")
     _, leader, follower = multihost_group(objects)

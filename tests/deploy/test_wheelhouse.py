@@ -43,12 +43,12 @@ def test_a_wheelhouse_holds_the_project_and_what_was_not_skipped(tmp_path: Path)
     compare = [sys.executable, str(ROOT / "deploy" / "wheelhouse.py"), "--compare-installed", str(site)]
     same = subprocess.run(compare, capture_output=True, text=True, timeout=60)
     assert (same.returncode, same.stdout) == (0, "")
-    (site / "loraserve" / "worker" / "engine.py").write_text("# an older engine\n")
+    (site / "loraserve" / "engine" / "engine.py").write_text("# an older engine\n")
     (site / "loraserve" / "common" / "errors.py").unlink()
     (site / "loraserve" / "kernels" / "gone.py").write_text("")
     stale = subprocess.run(compare, capture_output=True, text=True, timeout=60)
     assert stale.returncode == 1
     assert stale.stdout.splitlines() == [
         f"differs from the checkout: {name}"
-        for name in ("common/errors.py", "kernels/gone.py", "worker/engine.py")
+        for name in ("common/errors.py", "engine/engine.py", "kernels/gone.py")
     ]

@@ -55,9 +55,9 @@ async def _serve(registry: str, model_id: str, max_loras: int, step_seconds: flo
     from loraserve.adapters.sources import LocalAdapterSource
     from loraserve.common.security import ServerSecurity
     from loraserve.common.server import run_server
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
-    from loraserve.worker.fake_runner import FakeRunner
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.engine import Engine
+    from loraserve.engine.fake_runner import FakeRunner
     from loraserve.worker.registration import Registration
     from loraserve.worker.server import worker_services
     from tests.worker.fake_engine import TINY

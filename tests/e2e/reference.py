@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from loraserve.adapters.mixes import MixPart, is_mix, mix_ref, parse_mix
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.requests import EngineRequest, Finished, Sampling
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.request import EngineRequest, Finished, Sampling
 from tests.engines import started_engine
 from tests.worker.fake_engine import Collector
 

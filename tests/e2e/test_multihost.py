@@ -24,10 +24,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from loraserve.adapters.mixes import is_mix, parse_mix
 from loraserve.client.sdk import Client
 from loraserve.common.processes import start_server
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.multihost import EXIT_PEER_LOST
+from loraserve.models.checkpoint import TensorFiles
 from loraserve.registry.config import RegistryConfig
-from loraserve.worker.checkpoint import TensorFiles
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.multihost import EXIT_PEER_LOST
 from tests.conftest import with_test_xla_flags
 from tests.e2e.procs import free_port_pair, loraserve_process, wait_for_workers, wait_healthy, worker_args
 from tests.e2e.reference import reference_tokens, versioned

@@ -16,9 +16,9 @@ from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
 from loraserve.common.errors import LoraserveError
 from loraserve.common.security import channel
+from loraserve.engine.config import EngineConfig
 from loraserve.protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.registry.gcs_emulator import start_gcs_emulator
-from loraserve.worker.config import EngineConfig
 from tests.conftest import with_test_xla_flags
 from tests.e2e.compose_local import TOKENS, LocalCompose
 from tests.e2e.procs import wait_for_workers, wait_healthy

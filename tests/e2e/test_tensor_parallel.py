@@ -8,9 +8,9 @@ import grpc
 import pytest
 
 from loraserve.client.sdk import Client
+from loraserve.engine.config import EngineConfig
 from loraserve.protos.v1 import worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.registry.config import RegistryConfig
-from loraserve.worker.config import EngineConfig
 from tests.conftest import with_test_xla_flags
 from tests.e2e.procs import loraserve_process, wait_for_workers, wait_healthy, worker_args
 from tests.e2e.reference import reference_tokens

@@ -18,9 +18,9 @@ import pytest
 
 from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
+from loraserve.engine.config import EngineConfig
 from loraserve.protos.v1 import placement_pb2 as pp
 from loraserve.protos.v1 import placement_pb2_grpc
-from loraserve.worker.config import EngineConfig
 from tests.conftest import with_test_xla_flags
 from tests.e2e.procs import (
     COMPOSE_SHAPES,

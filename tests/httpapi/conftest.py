@@ -5,10 +5,10 @@ from __future__ import annotations
 import openai
 import pytest
 
+from loraserve.engine.config import EngineConfig
 from loraserve.httpapi.app import build_app
 from loraserve.protos.v1 import inference_pb2 as pb
 from loraserve.protos.v1 import inference_pb2_grpc
-from loraserve.worker.config import EngineConfig
 from loraserve.worker.http_backend import WorkerHttpBackend
 from loraserve.worker.server import InferenceServicer
 from tests.aio_thread import http_server_thread

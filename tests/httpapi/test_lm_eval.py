@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
+from loraserve.engine.config import EngineConfig
 from loraserve.registry.config import RegistryConfig
 from loraserve.router.routing import Locator, WorkerPool
-from loraserve.worker.config import EngineConfig
 from loraserve.worker.registration import Registration
 from loraserve.worker.registry_source import RegistryAdapterSource
 from loraserve.worker.server import build_server as build_worker

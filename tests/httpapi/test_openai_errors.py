@@ -13,13 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
 from loraserve.httpapi.app import build_app
+from loraserve.models.checkpoint import load_checkpoint
 from loraserve.router.http_backend import RouterHttpBackend
 from loraserve.router.routing import Locator, WorkerPool
 from loraserve.router.server import RouterServicer
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
 from loraserve.worker.http_backend import WorkerHttpBackend
 from loraserve.worker.server import InferenceServicer
 from tests.aio_thread import http_server_thread

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from loraserve.engine.config import EngineConfig
 from loraserve.kernels import cpu
 from loraserve.kernels import linear as L
-from loraserve.worker.config import EngineConfig
 from tests.platform import ON_TPU, cpp_only
 
 pytestmark = [
@@ -158,12 +158,12 @@ def test_bf16_runner_decodes_through_the_kernel(llama_dir) -> None:
     apart than that."""
     from functools import partial
 
-    from loraserve.worker import model as M
-    from loraserve.worker.checkpoint import load_checkpoint
-    from loraserve.worker.jax_runner import JaxRunner
-    from loraserve.worker.requests import SamplingRow
-    from loraserve.worker.runner import PrefillInput
-    from loraserve.worker.step import DecodeBatch
+    from loraserve.engine.jax_runner import JaxRunner
+    from loraserve.engine.request import SamplingRow
+    from loraserve.engine.runner import PrefillInput
+    from loraserve.models import decoder
+    from loraserve.models.checkpoint import load_checkpoint
+    from loraserve.models.step import DecodeBatch
 
     ck = load_checkpoint(str(llama_dir), "bfloat16")
     prompts = [[5, 17, 33, 100, 7, 9, 11, 12, 40, 41], [3, 4], [9, 8, 7]]
@@ -172,13 +172,13 @@ def test_bf16_runner_decodes_through_the_kernel(llama_dir) -> None:
         config = EngineConfig(max_batch_size=3, max_seq_len=32, kv_page_size=4, dtype="bfloat16",
                               kernel_backend="xla-grouped", linear_backend=name)  # fmt: skip
         runner = JaxRunner(ck, config)
-        tables = M.contiguous_page_tables(3, config.pages_per_row)
+        tables = decoder.contiguous_page_tables(3, config.pages_per_row)
         greedy = SamplingRow()
         batch = [PrefillInput(p, 0, -1, tables[i], greedy) for i, p in enumerate(prompts)]
         first = np.array(runner.prefill(batch).tokens, np.int32)
         positions = np.array([len(p) for p in prompts], np.int32)
         # the step's logits, the cache not donated (the runner's own step consumes it next)
-        step = jax.jit(L.traced_with(name, partial(M.decode, runner.model_config, runner.backend)))
+        step = jax.jit(L.traced_with(name, partial(decoder.decode, runner.model_config, runner.backend)))
         args = (runner.state(), DecodeBatch(first, positions, tables, None))
         assert ("loraserve_linear_bf16" in step.lower(*args).as_text()) == (name == "cpu")
         logits[name] = np.asarray(step(*args)[0], np.float32)

@@ -135,7 +135,7 @@ def test_linear_int8_matches_float64(N: int, K: int, dtype: str) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_int8_every_value(dtype: str) -> None:
-    """All 256 int8 values, -128 too (worker.quant never writes it; the bf16 conversion sets it apart)."""
+    """All 256 int8 values, -128 too (models.quantization never writes it; the bf16 conversion sets it apart)."""
     assert check_int8(64, 4096, dtype, seed=1, qmin=-128) < 2e-5
     rng = np.random.default_rng(2)
     q = rng.integers(-128, 128, (256, 200)).astype(np.int8)

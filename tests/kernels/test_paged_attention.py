@@ -40,11 +40,11 @@ from loraserve.kernels.attention import (
     resolve_attention,
     tpu_kernel_faster,
 )
-from loraserve.worker import model as M
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.sharding import param_shapes
-from loraserve.worker.step import DecodeBatch, DeviceState
+from loraserve.models import decoder
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.config import ModelConfig
+from loraserve.models.sharding import param_shapes
+from loraserve.models.step import DecodeBatch, DeviceState
 from tests.platform import ON_TPU, cpp_only
 from tests.worker.model_steps import ModelSteps
 
@@ -239,10 +239,10 @@ FAMILIES = ("llama", "gemma2", "gemma3_text")
 def test_model_decode_with_pallas_attention_matches_xla(model_dirs, family: str) -> None:
     ck = load_checkpoint(str(model_dirs[family]))
     cfg, backend = ck.config, get_backend("xla-grouped")
-    pools = M.empty_lora(cfg, 2, 4, jnp.float32, backend)
+    pools = decoder.empty_lora(cfg, 2, 4, jnp.float32, backend)
     page, width, rows = 4, 4, 3
-    cache = M.init_cache(cfg, 1 + rows * width + 3, page, jnp.float32)
-    tables = np.flip(M.contiguous_page_tables(rows, width), axis=1).copy()  # pages in reverse order
+    cache = decoder.init_cache(cfg, 1 + rows * width + 3, page, jnp.float32)
+    tables = np.flip(decoder.contiguous_page_tables(rows, width), axis=1).copy()  # pages in reverse order
     tables[0, 3] = 0  # row 0 holds 3 pages; the null page in its last entry
     prompts = [[5, 17, 33, 100, 7, 9, 11, 12, 40, 41], [3, 4], [250, 11, 12, 13, 60, 61, 62, 63, 64]]
     steps = ModelSteps(cfg, backend, ck.params, pools, cache)
@@ -255,7 +255,7 @@ def test_model_decode_with_pallas_attention_matches_xla(model_dirs, family: str)
     )
     out = {}
     for impl in ("xla", "pallas") if ON_TPU else ("xla", "pallas", "cpu"):  # one cache for each: not donated
-        step = jax.jit(lambda state, batch, impl=impl: M.decode(cfg, backend, state, batch, impl)[0])
+        step = jax.jit(lambda state, batch, impl=impl: decoder.decode(cfg, backend, state, batch, impl)[0])
         out[impl] = np.asarray(step(steps.state(), batch))
     np.testing.assert_allclose(out["pallas"], out["xla"], atol=MODEL_TOL, rtol=MODEL_TOL)
     np.testing.assert_array_equal(out["pallas"].argmax(-1), out["xla"].argmax(-1))
@@ -285,13 +285,13 @@ def _tpu_export_kernel_calls(cfg: ModelConfig, impl: str, dtype=jnp.bfloat16) ->
     backend = get_backend("xla-grouped")
 
     def step(state: DeviceState, batch: DecodeBatch):
-        return M.decode(cfg, backend, state, batch, attention)
+        return decoder.decode(cfg, backend, state, batch, attention)
 
     sds = jax.ShapeDtypeStruct
     params = jax.tree.map(lambda s: sds(s, dtype), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     page_shape = (cfg.num_kv_heads, pages, page, cfg.head_dim)
     cache = [(sds(page_shape, dtype), sds(page_shape, dtype)) for _ in range(cfg.num_layers)]
-    pools = jax.eval_shape(lambda: M.empty_lora(cfg, 2, 16, dtype, backend))
+    pools = jax.eval_shape(lambda: decoder.empty_lora(cfg, 2, 16, dtype, backend))
     ints = sds((rows,), jnp.int32)
     exported = jax.export.export(jax.jit(step), platforms=["tpu"])(
         DeviceState(params, pools, cache, sds((cfg.head_dim // 2,), jnp.float32)),
@@ -325,8 +325,9 @@ def test_config_flag_and_environment_twin() -> None:
     import argparse
 
     from loraserve.common.config import config_from_args, field_help
+    from loraserve.engine.config import EngineConfig
     from loraserve.worker.cli import add_arguments
-    from loraserve.worker.config import ENV_PREFIX, EngineConfig, WorkerConfig
+    from loraserve.worker.config import ENV_PREFIX, WorkerConfig
 
     assert EngineConfig().attention_backend == "auto"
     with pytest.raises(
@@ -348,10 +349,10 @@ def test_runner_serves_the_same_tokens_with_either_attention(llama_dir) -> None:
     """The runner resolves ``attention_backend`` and its jitted decode step uses it: greedy tokens of two
     rows (one prompt spanning pages) over 4 steps are the same with auto (the C++ kernel here), xla and the
     TPU kernel (interpreted)."""
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.jax_runner import JaxRunner
-    from loraserve.worker.requests import SamplingRow
-    from loraserve.worker.runner import PrefillInput
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.jax_runner import JaxRunner
+    from loraserve.engine.request import SamplingRow
+    from loraserve.engine.runner import PrefillInput
 
     ck = load_checkpoint(str(llama_dir))
     prompts = [[5, 17, 33, 100, 7, 9, 11, 12, 40, 41], [3, 4]]
@@ -362,7 +363,7 @@ def test_runner_serves_the_same_tokens_with_either_attention(llama_dir) -> None:
         runner = JaxRunner(ck, config)
         auto = "xla" if ON_TPU else "cpu"  # head size 16: no TPU kernel; a CPU's C++ kernel
         assert runner.attention == DecodeAttention(auto if name == "auto" else name)
-        tables = M.contiguous_page_tables(2, config.pages_per_row)
+        tables = decoder.contiguous_page_tables(2, config.pages_per_row)
         greedy = SamplingRow()
         batch = [PrefillInput(p, 0, -1, tables[i], greedy) for i, p in enumerate(prompts)]
         tokens = np.array(runner.prefill(batch).tokens, np.int32)

@@ -4,7 +4,7 @@ result it gets when that slot holds healthy weights. Checked for decode (every g
 rows, heavy slots, the single-slot form), packed prefill segments and one-slot prefill, in f32 and bf16
 pools, and under ``ShardedBackend`` (column- and row-parallel, two devices, in a child process).
 
-``worker/model.py`` keeps the rest of a step isolated (per-row gathers for DoRA, bias and vocab pools; a KV
+``models/decoder.py`` keeps the rest of a step isolated (per-row gathers for DoRA, bias and vocab pools; a KV
 cache that stores only finite numbers): ``tests/worker/test_row_isolation.py`` checks the whole model.
 """
 

@@ -92,8 +92,8 @@ def reg(db_url: str, tmp_path: Path) -> Iterator[RegistryEnv]:
 
 @pytest.fixture(scope="session")
 def tiny_shapes(llama_dir) -> dict[str, tuple[int, int, int]]:
-    from loraserve.worker.checkpoint import read_config
-    from loraserve.worker.model_config import ModelConfig
+    from loraserve.models.checkpoint import read_config
+    from loraserve.models.config import ModelConfig
 
     cfg = ModelConfig.from_hf(read_config(str(llama_dir)))
     # what a worker registers: the projections and the vocabulary-sized targets (embed_tokens, lm_head)

@@ -274,9 +274,9 @@ def test_expert_adapters_are_checked_against_the_registered_experts(reg, tmp_pat
     shapes are registered are FAILED_PRECONDITION too; nothing of either is stored."""
     from transformers import AutoModelForCausalLM
 
+    from loraserve.models.checkpoint import read_config
+    from loraserve.models.config import ModelConfig
     from loraserve.testing import make_adapter, save_model
-    from loraserve.worker.checkpoint import read_config
-    from loraserve.worker.model_config import ModelConfig
 
     def register(model_id: str, cfg: ModelConfig, address: str) -> None:
         shapes = [

@@ -3,7 +3,7 @@ it, new requests get it, the old request finishes on the version it started with
 the old version is unloaded once it drains (a drain order from the registry, carried by a heartbeat).
 
 Real registry, router, worker gRPC servers and registration on loopback; the worker's engine runs the fake
-runner (arithmetic tokens, see worker/fake_runner.py) paced at a few ms a step, so a long request stays in
+runner (arithmetic tokens, see engine/fake_runner.py) paced at a few ms a step, so a long request stays in
 flight for seconds and its exact tokens are known. The registry-side rules (which versions an alias move
 retires) are tested in tests/registry/test_aliases.py.
 """
@@ -18,16 +18,16 @@ from typing import Any
 import grpc
 
 from loraserve.client.sdk import Client
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
+from loraserve.engine.fake_runner import FakeRunner, next_token
+from loraserve.models.checkpoint import read_config
+from loraserve.models.config import ModelConfig
 from loraserve.protos.v1 import worker_admin_pb2 as wa
 from loraserve.protos.v1 import worker_admin_pb2_grpc
 from loraserve.registry.config import RegistryConfig
 from loraserve.router.routing import Locator, WorkerPool
 from loraserve.router.server import build_server as build_router
-from loraserve.worker.checkpoint import read_config
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
-from loraserve.worker.fake_runner import FakeRunner, next_token
-from loraserve.worker.model_config import ModelConfig
 from loraserve.worker.registration import Registration
 from loraserve.worker.registry_source import RegistryAdapterSource
 from loraserve.worker.server import build_server as build_worker

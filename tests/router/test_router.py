@@ -21,13 +21,13 @@ import pytest
 
 from loraserve.client.sdk import AsyncClient, Client
 from loraserve.common.errors import LoraserveError
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
 from loraserve.protos.v1 import placement_pb2 as pp
 from loraserve.protos.v1 import worker_admin_pb2 as wa
 from loraserve.registry.config import RegistryConfig
 from loraserve.router.routing import Locator, WorkerPool
 from loraserve.router.server import build_server as build_router
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
 from loraserve.worker.registration import Registration
 from loraserve.worker.registry_source import RegistryAdapterSource
 from loraserve.worker.server import build_server as build_worker
@@ -406,7 +406,7 @@ def test_per_adapter_usage_reaches_the_registry_and_the_metrics(stack, adapter_d
     from prometheus_client import CollectorRegistry, generate_latest
 
     from loraserve.cli import main
-    from loraserve.worker.accounting import AccountingCollector
+    from loraserve.engine.accounting import AccountingCollector
 
     reg = stack.registry.client
     # bytes no other test of this module loads: the worker's disk cache (keyed by sha256) cannot have them

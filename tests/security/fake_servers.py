@@ -40,10 +40,10 @@ ROOT = Path(__file__).resolve().parents[2]
 async def _serve_worker(tokenizer_dir: str, max_seq_len: int) -> None:
     from loraserve.common.security import ServerSecurity
     from loraserve.common.server import run_server
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.engine import Engine
+    from loraserve.engine.fake_runner import FakeRunner
     from loraserve.httpapi import http_server
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
-    from loraserve.worker.fake_runner import FakeRunner
     from loraserve.worker.http_backend import WorkerHttpBackend
     from loraserve.worker.server import worker_services
     from loraserve.worker.tokenizer import load_tokenizer

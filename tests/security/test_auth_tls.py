@@ -12,6 +12,7 @@ from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
 from loraserve.common.errors import LoraserveError
 from loraserve.common.security import ServerSecurity, channel
+from loraserve.engine.config import EngineConfig
 from loraserve.protos.v1 import inference_pb2 as ipb
 from loraserve.protos.v1 import (
     inference_pb2_grpc,
@@ -25,7 +26,6 @@ from loraserve.protos.v1 import worker_admin_pb2 as wa
 from loraserve.registry.app import open_registry
 from loraserve.registry.config import RegistryConfig
 from loraserve.registry.server import build_server as build_registry
-from loraserve.worker.config import EngineConfig
 from loraserve.worker.server import build_server as build_worker
 from tests.aio_thread import aio_server_thread
 from tests.engines import started_engine

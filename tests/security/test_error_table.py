@@ -17,15 +17,15 @@ from loraserve.client.registry_client import RegistryClient
 from loraserve.client.sdk import Client
 from loraserve.common.errors import LoraserveError
 from loraserve.common.security import ServerSecurity
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
+from loraserve.models.checkpoint import load_checkpoint
 from loraserve.registry.app import open_registry
 from loraserve.registry.config import RegistryConfig
 from loraserve.registry.db import AdapterRow
 from loraserve.registry.server import build_server as build_registry
 from loraserve.router.routing import Locator, WorkerPool
 from loraserve.router.server import build_server as build_router
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
 from loraserve.worker.registration import Registration
 from loraserve.worker.registry_source import RegistryAdapterSource
 from loraserve.worker.server import build_server as build_worker

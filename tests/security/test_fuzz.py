@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loraserve.engine.config import EngineConfig
 from loraserve.protos.v1 import inference_pb2 as ipb
 from loraserve.protos.v1 import (
     inference_pb2_grpc,
@@ -24,7 +25,6 @@ from loraserve.protos.v1 import worker_admin_pb2 as wa
 from loraserve.registry.app import open_registry
 from loraserve.registry.config import RegistryConfig
 from loraserve.registry.server import build_server as build_registry
-from loraserve.worker.config import EngineConfig
 from loraserve.worker.server import build_server as build_worker
 from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread

@@ -236,8 +236,8 @@ def test_grpc_bytes_that_are_no_request_are_invalid_argument(stack) -> None:
 
 def test_huge_top_k_never_reaches_numpy_as_an_overflow() -> None:
     """top_k is a uint32 on the wire and an int32 on the device: values past the vocabulary mean 'off'."""
-    from loraserve.worker.jax_runner import _sampling_arrays
-    from loraserve.worker.requests import EngineRequest, Sampling, SamplingRow
+    from loraserve.engine.jax_runner import _sampling_arrays
+    from loraserve.engine.request import EngineRequest, Sampling, SamplingRow
 
     req = EngineRequest("r", "", [1], Sampling(top_k=2**32 - 1, temperature=1.0), lambda ev: None)
     arrays = _sampling_arrays([SamplingRow.of(req)])

@@ -37,9 +37,9 @@ MODEL = "http-scopes-tiny"
 
 @pytest.fixture(scope="module")
 def servicer():
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
-    from loraserve.worker.fake_runner import FakeRunner
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.engine import Engine
+    from loraserve.engine.fake_runner import FakeRunner
     from loraserve.worker.server import InferenceServicer
     from tests.worker.fake_engine import TINY
 

@@ -82,9 +82,9 @@ def test_docs_print_the_same_table() -> None:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
-    from loraserve.worker.fake_runner import FakeRunner
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.engine import Engine
+    from loraserve.engine.fake_runner import FakeRunner
     from tests.worker.fake_engine import TINY
 
     tmp = tmp_path_factory.mktemp("scopes")

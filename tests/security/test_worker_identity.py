@@ -101,9 +101,9 @@ def test_another_identity_registers_once_the_lease_has_expired(registry) -> None
 def test_a_restarted_worker_process_registers_when_its_old_lease_ends(registry) -> None:
     """worker.registration: each Registration (process) has its own instance id; the second one, at the same
     address while the first heartbeats, is refused and retries, and registers once the first is gone."""
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.engine import Engine
-    from loraserve.worker.fake_runner import FakeRunner
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.engine import Engine
+    from loraserve.engine.fake_runner import FakeRunner
     from loraserve.worker.registration import Registration
     from tests.worker.fake_engine import TINY
 

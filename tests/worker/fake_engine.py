@@ -19,12 +19,12 @@ from loraserve.adapters.errors import AdapterNotFoundError
 from loraserve.adapters.refs import split_ref
 from loraserve.adapters.running_caps import RunningCaps
 from loraserve.adapters.sources import FetchedAdapter
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.fake_runner import FakeRunner
-from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Token
-from loraserve.worker.residency import Residency
-from loraserve.worker.scheduler import Scheduler
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.fake_runner import FakeRunner
+from loraserve.engine.request import EngineRequest, Failed, Finished, Sampling, Token
+from loraserve.engine.residency import Residency
+from loraserve.engine.scheduler import Scheduler
+from loraserve.models.config import ModelConfig
 
 TINY = ModelConfig(
     model_type="llama",

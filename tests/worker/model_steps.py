@@ -1,6 +1,6 @@
 """The model's compiled steps driven directly, without the runner's scheduler: for tests that compare logits.
 
-The steps are ``worker.jax_runner.jit_steps`` (the worker's own, KV cache donated by name) called without
+The steps are ``engine.jax_runner.jit_steps`` (the worker's own, KV cache donated by name) called without
 sampling, so they return logits. ``pools`` may be a ``SlotPools`` (its latest writes are read at every
 call) or a ``LoraPools``.
 """
@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loraserve.worker import model as M
-from loraserve.worker.jax_runner import jit_steps
-from loraserve.worker.slot_pools import SlotPools
-from loraserve.worker.step import DecodeBatch, DeviceState, LoraPools, PrefillBatch
+from loraserve.engine.jax_runner import jit_steps
+from loraserve.models import decoder
+from loraserve.models.lora.pools import SlotPools
+from loraserve.models.step import DecodeBatch, DeviceState, LoraPools, PrefillBatch
 
 
 class ModelSteps:
@@ -46,7 +46,7 @@ class ModelSteps:
     def prefill_one(self, tokens: Any, length: Any, start: Any, slot: Any, page_table: Any) -> jax.Array:
         """One sequence over every key block of its row: logits ``[V]``."""
         page = self.cache[0][0].shape[2]
-        blocks = M.whole_row_key_blocks(page, len(page_table))
+        blocks = decoder.whole_row_key_blocks(page, len(page_table))
         return self.prefill(PrefillBatch.single(tokens, length, start, slot, page_table, blocks))[0]
 
     def decode(self, tokens: Any, positions: Any, page_tables: Any, plan: Any = None) -> jax.Array:

@@ -13,8 +13,8 @@ from typing import Any
 
 import grpc
 
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
 from loraserve.worker.server import build_server, set_serving
 from loraserve.worker.tokenizer import load_tokenizer
 from tests.aio_thread import aio_server_thread

@@ -18,7 +18,7 @@ def reference_layout(cfg: Any, layer: dict[str, Any], n: int) -> dict[str, Any]:
     repeated N / kv_heads times when there are fewer KV heads than devices; then the rows of the fused
     ``wqkv`` and ``w_gate_up`` (and biases) in blocks, block s = each part's s-th N-th side by side; a
     quantized projection's scales moved with their rows."""
-    from loraserve.worker.quant import Quantized
+    from loraserve.models.quantization import Quantized
 
     r = max(1, n // cfg.num_kv_heads)
     d, kvh = cfg.head_dim, cfg.num_kv_heads
@@ -55,9 +55,9 @@ def reference_layout(cfg: Any, layer: dict[str, Any], n: int) -> dict[str, Any]:
 def check(path: str, n: int, dtype: str, quantization: str) -> list[str]:
     import jax
 
-    from loraserve.worker import sharding
-    from loraserve.worker.checkpoint import load_checkpoint, open_checkpoint
-    from loraserve.worker.quant import Quantized
+    from loraserve.models import sharding
+    from loraserve.models.checkpoint import load_checkpoint, open_checkpoint
+    from loraserve.models.quantization import Quantized
 
     quantization, _, head = quantization.partition("+")  # "int8+head": --quantize-lm-head too
     whole = load_checkpoint(path, dtype, quantization, place=False, quantize_lm_head=head == "head")

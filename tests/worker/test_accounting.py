@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraserve.common.observability import LATENCY_BUCKETS
-from loraserve.worker.accounting import AccountingCollector, AdapterAccounting
-from loraserve.worker.config import EngineConfig
+from loraserve.engine.accounting import AccountingCollector, AdapterAccounting
+from loraserve.engine.config import EngineConfig
 from tests.worker.fake_engine import Harness, source_of
 
 

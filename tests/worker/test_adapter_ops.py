@@ -1,5 +1,5 @@
 """The per-slot ops #16 added beside the LoRA kernels, as properties against numpy (#16 item 5): DoRA's scale and
-the LoRA bias (``worker.dora.apply_vectors``), embed_tokens LoRA (``worker.embed_lora.apply_embed``) and
+the LoRA bias (``models.lora.dora_bias.apply_vectors``), embed_tokens LoRA (``models.lora.embedding.apply_embed``) and
 lm_head LoRA (``apply_lm_head``), over random slot counts, shapes, groupings and slot ids (−1 and out of
 range = none); and the whole decode step and packed prefill with the ``pallas`` LoRA backend and every
 adapter pool (DoRA vectors, vocab pools) exported for TPU (``jax.export`` runs the Mosaic lowering here).
@@ -20,12 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loraserve.kernels import get_backend
-from loraserve.worker import model as M
-from loraserve.worker.dora import apply_vectors, bias_name, scale_name
-from loraserve.worker.embed_lora import apply_embed, apply_lm_head
-from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.sharding import param_shapes
-from loraserve.worker.step import DecodeBatch, DeviceState, PrefillBatch
+from loraserve.models import decoder
+from loraserve.models.config import ModelConfig
+from loraserve.models.lora.dora_bias import apply_vectors, bias_name, scale_name
+from loraserve.models.lora.embedding import apply_embed, apply_lm_head
+from loraserve.models.sharding import param_shapes
+from loraserve.models.step import DecodeBatch, DeviceState, PrefillBatch
 
 EXAMPLES = settings(max_examples=25, deadline=None)
 
@@ -129,12 +129,12 @@ LLAMA = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediat
 def _abstract(cfg: ModelConfig, backend, dtype=jnp.bfloat16):
     sds = jax.ShapeDtypeStruct
     params = jax.tree.map(lambda s: sds(s, dtype), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    pools = jax.eval_shape(lambda: M.empty_lora(cfg, 4, 16, dtype, backend))
+    pools = jax.eval_shape(lambda: decoder.empty_lora(cfg, 4, 16, dtype, backend))
     return params, pools
 
 
 def export_decode_for_tpu(cfg: ModelConfig, backend, params, pools, rows: int = 16):
-    """``M.decode`` over abstract ``params``/``pools`` and a bf16 paged cache, exported for TPU from this CPU:
+    """``decoder.decode`` over abstract ``params``/``pools`` and a bf16 paged cache, exported for TPU from this CPU:
     -> (the exported program, its DeviceState)."""
     sds = jax.ShapeDtypeStruct
     page, pages = 16, 65
@@ -147,7 +147,7 @@ def export_decode_for_tpu(cfg: ModelConfig, backend, params, pools, rows: int = 
     plan = jax.tree.map(
         lambda v: sds(v.shape, v.dtype), backend.warmup_plans(rows, slots)[-1]
     )  # adapter rows
-    exported = jax.export.export(jax.jit(partial(M.decode, cfg, backend)), platforms=["tpu"])(
+    exported = jax.export.export(jax.jit(partial(decoder.decode, cfg, backend)), platforms=["tpu"])(
         state, DecodeBatch(ints, ints, sds((rows, 4), jnp.int32), plan)
     )
     return exported, state
@@ -178,7 +178,7 @@ def test_decode_and_packed_prefill_with_every_adapter_pool_lower_for_tpu(monkeyp
     g, t = 2, 64
     gs = sds((g,), jnp.int32)
     batch = PrefillBatch(sds((g, t), jnp.int32), gs, gs, gs, sds((g, 4), jnp.int32), sds((), jnp.int32))
-    exported = jax.export.export(jax.jit(partial(M.prefill_packed, cfg, backend)), platforms=["tpu"])(
+    exported = jax.export.export(jax.jit(partial(decoder.prefill_packed, cfg, backend)), platforms=["tpu"])(
         state, batch
     )
     assert exported.platforms == ("tpu",)

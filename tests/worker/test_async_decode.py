@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.scheduler import Cancel
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.scheduler import Cancel
 from tests.worker.fake_engine import Harness, source_of
 
 # test_tensor_parallel_same_tokens_and_no_compilation's child never opens the chip (JAX_PLATFORMS=cpu): on a TPU
@@ -168,7 +168,7 @@ def test_real_runner_same_tokens_and_no_compilation(llama_dir, adapter_dirs) -> 
 _TP_CHILD = """
 import json, sys
 from loraserve.kernels.testing import count_compilations
-from loraserve.worker.config import EngineConfig
+from loraserve.engine.config import EngineConfig
 from tests.engines import started_engine
 from tests.worker.test_engine import submit, wait
 

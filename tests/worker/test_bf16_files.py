@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import save
 
 from loraserve.adapters.peft import load_tensors, parse_adapter, safetensors_to_numpy
+from loraserve.models.checkpoint import load_checkpoint
 from loraserve.testing import build_model, make_adapter
-from loraserve.worker.checkpoint import load_checkpoint
 
 
 def test_bf16_tensors_widen_exactly_beside_other_dtypes() -> None:

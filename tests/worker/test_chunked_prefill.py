@@ -9,9 +9,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.requests import Failed, Started
-from loraserve.worker.scheduler import Cancel
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.request import Failed, Started
+from loraserve.engine.scheduler import Cancel
 from tests.worker.fake_engine import Harness, source_of
 
 LONG = tuple(range(1, 12))  # 11 prompt tokens

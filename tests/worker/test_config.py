@@ -13,17 +13,17 @@ from dataclasses import replace
 import pytest
 
 from loraserve.common.config import ConfigError
-from loraserve.registry.config import RegistryConfig
-from loraserve.router.config import RouterConfig
-from loraserve.worker.checkpoint import read_config
-from loraserve.worker.config import (
+from loraserve.engine.config import (
     AUTO_MAX_SEQ_LEN,
     DTYPES,
     MATMUL_PRECISIONS,
     EngineConfig,
-    WorkerConfig,
     resolve_engine_config,
 )
+from loraserve.models.checkpoint import read_config
+from loraserve.registry.config import RegistryConfig
+from loraserve.router.config import RouterConfig
+from loraserve.worker.config import WorkerConfig
 
 
 def test_precedence_and_types() -> None:
@@ -46,7 +46,7 @@ def test_precedence_and_types() -> None:
 def test_the_worker_process_prefills_in_chunks_by_default() -> None:
     """`loraserve worker` turns chunked prefill on (64 tokens a step: bench/serve.py showed it does not lose
     at low load); the engine's own config, which tests and benchmarks build, keeps whole prompts."""
-    from loraserve.worker.config import EngineConfig
+    from loraserve.engine.config import EngineConfig
 
     assert WorkerConfig.from_env({}).engine_config().prefill_chunk == 64
     assert WorkerConfig.from_env({"LORASERVE_WORKER_PREFILL_CHUNK": "0"}).engine_config().prefill_chunk == 0
@@ -82,7 +82,7 @@ def test_compilation_cache_dir_flag_stores_compiled_programs(tmp_path) -> None:
     assert cfg.compilation_cache_dir == str(cache)
     code = (
         "import sys, jax, jax.numpy as jnp\n"
-        "from worker.engine import enable_compilation_cache\n"
+        "from loraserve.engine.engine import enable_compilation_cache\n"
         "enable_compilation_cache(sys.argv[1])\n"
         "jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)).block_until_ready()\n"
     )
@@ -92,7 +92,7 @@ def test_compilation_cache_dir_flag_stores_compiled_programs(tmp_path) -> None:
 
 
 def test_the_backend_choices_are_the_kernel_registries() -> None:
-    """The flags' choices are spelled out in worker/config.py (no JAX for `loraserve --help`): the same
+    """The flags' choices are spelled out in engine/config.py (no JAX for `loraserve --help`): the same
     values as the registries the backends are resolved from."""
     from loraserve.kernels import KERNEL_BACKENDS
     from loraserve.kernels.attention import ATTENTION_BACKENDS
@@ -131,7 +131,7 @@ def test_auto_dtype_and_context_resolve_from_the_checkpoint(llama_dir, caplog) -
     assert (hf["dtype"], hf["max_position_embeddings"]) == ("float32", 512)
     worker = WorkerConfig.from_env({}, model=str(llama_dir))
     assert (worker.dtype, worker.max_seq_len) == ("auto", "auto") and not worker.engine_config().resolved
-    with caplog.at_level(logging.INFO, logger="loraserve.worker.config"):
+    with caplog.at_level(logging.INFO, logger="loraserve.engine.config"):
         engine = resolve_engine_config(worker.engine_config(), hf)
     assert engine == replace(worker.engine_config(), dtype="float32", max_seq_len=512) and engine.resolved
     assert type(engine) is EngineConfig
@@ -148,7 +148,7 @@ def test_auto_dtype_and_context_resolve_from_the_checkpoint(llama_dir, caplog) -
     # a long-context bf16 checkpoint with no budget: capped at AUTO_MAX_SEQ_LEN (the pool is then
     # max_batch_size contexts of it)
     long = dict(hf, dtype="bfloat16", max_position_embeddings=131072)
-    with caplog.at_level(logging.INFO, logger="loraserve.worker.config"):
+    with caplog.at_level(logging.INFO, logger="loraserve.engine.config"):
         assert (
             (_resolve(long).dtype, _resolve(long).max_seq_len)
             == ("bfloat16", AUTO_MAX_SEQ_LEN)
@@ -175,7 +175,7 @@ def test_auto_dtype_and_context_resolve_from_the_checkpoint(llama_dir, caplog) -
 
 
 def test_an_engine_refuses_a_config_that_still_says_auto() -> None:
-    from loraserve.worker.engine import Engine
+    from loraserve.engine.engine import Engine
 
     for config in (EngineConfig(dtype="auto"), EngineConfig(max_seq_len="auto")):
         with pytest.raises(ValueError, match="resolve auto against the checkpoint first"):

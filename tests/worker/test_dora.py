@@ -22,10 +22,10 @@ from loraserve.adapters.files import read_adapter_files
 from loraserve.adapters.peft import parse_adapter
 from loraserve.kernels import get_backend
 from loraserve.kernels.testing import count_compilations
-from loraserve.worker import model as M
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.slot_pools import SlotPools, base_weights, slot_arrays
-from loraserve.worker.step import PrefillBatch
+from loraserve.models import decoder
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.lora.pools import SlotPools, base_weights, slot_arrays
+from loraserve.models.step import PrefillBatch
 from tests.conftest import DORA_ADAPTERS
 from tests.platform import NATIVE_BACKEND, backends
 from tests.worker.model_steps import ModelSteps
@@ -161,8 +161,8 @@ def test_loading_and_serving_dora_compiles_nothing_after_warmup(model_dirs, dora
     values = [slot_arrays(cfg, _weights(cfg, dirs[n]), RANK) for n in NAMES]
     rows, slots = 4, 3
     pools = SlotPools(cfg, slots, RANK, jnp.dtype(jnp.float32), lora, base=base_weights(ck.params))
-    tables = M.contiguous_page_tables(rows, 2)
-    steps = ModelSteps(cfg, lora, ck.params, pools, M.init_cache(cfg, rows * 2 + 1, 16, jnp.float32))
+    tables = decoder.contiguous_page_tables(rows, 2)
+    steps = ModelSteps(cfg, lora, ck.params, pools, decoder.init_cache(cfg, rows * 2 + 1, 16, jnp.float32))
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT
     n, same, nines = len(PROMPT), np.full(rows, len(PROMPT), np.int32), np.full(rows, 9, np.int32)
@@ -206,8 +206,8 @@ def test_packed_prefill_of_dora_and_bias_prompts_matches_peft(model_dirs, dora_d
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
-    steps = ModelSteps(cfg, lora, ck.params, pools, M.init_cache(cfg, g + 1, 16, jnp.float32))
-    tables = M.contiguous_page_tables(g, 1)
+    steps = ModelSteps(cfg, lora, ck.params, pools, decoder.init_cache(cfg, g + 1, 16, jnp.float32))
+    tables = decoder.contiguous_page_tables(g, 1)
     zeros = np.zeros(g, np.int32)
     logits = steps.prefill(PrefillBatch(tokens, lengths, zeros, seg_slots, tables, np.int32(1)))
     for i, (p, slot) in enumerate(zip(prompts, seg_slots, strict=True)):

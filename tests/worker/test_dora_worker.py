@@ -16,8 +16,8 @@ from loraserve.adapters.errors import AdapterError
 from loraserve.adapters.files import read_adapter_files
 from loraserve.adapters.peft import load_tensors, parse_adapter
 from loraserve.kernels.testing import count_compilations
+from loraserve.models.checkpoint import load_checkpoint
 from loraserve.testing import make_adapter
-from loraserve.worker.checkpoint import load_checkpoint
 from tests.conftest import DORA_ADAPTERS
 from tests.platform import SUBPROCESS_JAX
 from tests.worker.test_dora import NAMES, RANK, _weights
@@ -37,8 +37,8 @@ def test_engine_serves_dora_and_bias_with_peft_s_greedy_tokens(model_dirs, dora_
     through 2 slots (so loads evict and reload), give PEFT's greedy tokens; nothing compiles after start."""
     import uuid
 
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.requests import EngineRequest, Sampling
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.request import EngineRequest, Sampling
     from tests.engines import started_engine
     from tests.worker.fake_engine import Collector
 
@@ -76,8 +76,8 @@ def test_engine_serves_dora_and_bias_with_peft_s_greedy_tokens(model_dirs, dora_
 def test_runner_computes_dora_scales_on_prepare(model_dirs, dora_dirs) -> None:
     """``JaxRunner.prepare`` (the loader thread) hands over values that already carry each group's DoRA
     scale (no magnitudes left), so the engine thread's write only sets the slot; neither compiles."""
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.jax_runner import JaxRunner
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.jax_runner import JaxRunner
 
     ck = load_checkpoint(str(model_dirs["llama"]))
     config = EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=2, max_lora_rank=RANK)
@@ -197,8 +197,8 @@ def test_the_worker_checks_what_a_slot_will_hold(model_dirs, dora_dirs) -> None:
     import dataclasses
 
     from loraserve.adapters.peft import MAX_SLOT_VALUE
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.jax_runner import JaxRunner
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.jax_runner import JaxRunner
 
     ck = load_checkpoint(str(model_dirs["llama"]))
     runner = JaxRunner(ck, EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=2, max_lora_rank=RANK))
@@ -229,8 +229,8 @@ def test_a_multi_host_runner_checks_dora_scales_as_it_writes_them(model_dirs, do
     import dataclasses
 
     from loraserve.adapters.peft import MAX_SLOT_VALUE
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.jax_runner import JaxRunner
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.jax_runner import JaxRunner
 
     ck = load_checkpoint(str(model_dirs["llama"]))
     runner = JaxRunner(ck, EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=2, max_lora_rank=RANK))

@@ -24,11 +24,11 @@ from loraserve.adapters.files import read_adapter_files
 from loraserve.adapters.peft import parse_adapter
 from loraserve.kernels import get_backend
 from loraserve.kernels.testing import count_compilations
+from loraserve.models import decoder
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.lora.pools import SlotPools, base_weights, slot_arrays
+from loraserve.models.step import PrefillBatch
 from loraserve.testing import make_adapter
-from loraserve.worker import model as M
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.slot_pools import SlotPools, base_weights, slot_arrays
-from loraserve.worker.step import PrefillBatch
 from tests.conftest import DORA_ADAPTERS, _adapters_per_family
 from tests.platform import NATIVE_BACKEND, SUBPROCESS_JAX, backends
 from tests.worker.model_steps import ModelSteps
@@ -166,8 +166,8 @@ def test_packed_prefill_of_embed_and_lm_head_prompts_matches_peft(
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
-    steps = ModelSteps(cfg, lora, ck.params, pools, M.init_cache(cfg, g + 1, 16, jnp.float32))
-    tables, zeros = M.contiguous_page_tables(g, 1), np.zeros(g, np.int32)
+    steps = ModelSteps(cfg, lora, ck.params, pools, decoder.init_cache(cfg, g + 1, 16, jnp.float32))
+    tables, zeros = decoder.contiguous_page_tables(g, 1), np.zeros(g, np.int32)
     logits = steps.prefill(PrefillBatch(tokens, lengths, zeros, seg_slots, tables, np.int32(1)))
     for i, (p, slot) in enumerate(zip(prompts, seg_slots, strict=True)):
         want = _reference_logits(model_dir, None if slot < 0 else dirs[NAMES[slot]], p)[-1]
@@ -186,8 +186,8 @@ def test_loading_and_serving_embed_lora_compiles_nothing_after_warmup(
     values = [slot_arrays(cfg, _weights(cfg, dirs[n]), RANK) for n in NAMES]
     rows, slots = 4, 3
     pools = SlotPools(cfg, slots, RANK, jnp.dtype(jnp.float32), lora, base=base_weights(ck.params))
-    tables = M.contiguous_page_tables(rows, 2)
-    steps = ModelSteps(cfg, lora, ck.params, pools, M.init_cache(cfg, rows * 2 + 1, 16, jnp.float32))
+    tables = decoder.contiguous_page_tables(rows, 2)
+    steps = ModelSteps(cfg, lora, ck.params, pools, decoder.init_cache(cfg, rows * 2 + 1, 16, jnp.float32))
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT
     n, same, nines = len(PROMPT), np.full(rows, len(PROMPT), np.int32), np.full(rows, 9, np.int32)
@@ -301,8 +301,8 @@ def test_engine_serves_embed_and_lm_head_lora_with_peft_s_greedy_tokens(model_di
     through 2 slots (so loads evict and reload), give PEFT's greedy tokens; nothing compiles after start."""
     import uuid
 
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.requests import EngineRequest, Sampling
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.request import EngineRequest, Sampling
     from tests.engines import started_engine
     from tests.worker.fake_engine import Collector
     from tests.worker.test_dora_worker import _peft_greedy

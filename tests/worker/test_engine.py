@@ -11,11 +11,11 @@ import pytest
 from loraserve import kernels
 from loraserve.adapters.sources import LocalAdapterSource
 from loraserve.common.errors import LoraserveError
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
+from loraserve.engine.request import EngineRequest, Failed, Finished, Sampling, Started
 from loraserve.kernels.testing import count_compilations
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
-from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Started
+from loraserve.models.checkpoint import load_checkpoint
 from tests.engines import local_source, started_engine
 from tests.platform import NATIVE_BACKEND
 from tests.worker.fake_engine import Collector

@@ -1,4 +1,4 @@
-"""Fair sharing of slots (``EngineConfig.fair_slots``, worker.residency): when a loaded adapter finds every
+"""Fair sharing of slots (``EngineConfig.fair_slots``, engine.residency): when a loaded adapter finds every
 slot referenced, the slot filled longest ago stops taking new requests and changes hands once its running
 ones end; its own new requests wait for their turn. Over the FakeRunner with exact step counts (tokens as
 in test_scheduler.py: next = (last + slot + 2) % 50). The bound: a request whose adapter is not resident
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.requests import Finished, Started, Token
-from loraserve.worker.scheduler import Cancel
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.request import Finished, Started, Token
+from loraserve.engine.scheduler import Cancel
 from tests.worker.fake_engine import Harness, source_of
 
 
@@ -129,7 +129,7 @@ def test_pinned_slots_are_never_drained() -> None:
     """With "a" pinned (LoadAdapter pin=True) and "b" streaming in the other slot, "c" takes "b"'s slot."""
     from concurrent.futures import Future
 
-    from loraserve.worker.residency import Load
+    from loraserve.engine.residency import Load
 
     f = Flood(True)
     pinned = Future()

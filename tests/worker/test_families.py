@@ -20,9 +20,9 @@ import torch
 
 from loraserve.cli import main as cli_main
 from loraserve.kernels import XlaGroupedBackend
-from loraserve.worker import model as M
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.model_config import (
+from loraserve.models import decoder
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.config import (
     FULL,
     SLIDING,
     SUPPORTED_MODEL_TYPES,
@@ -177,10 +177,10 @@ def test_worker_refuses_an_unsupported_architecture_at_start(tmp_path, capsys) -
 
 def _prefill_last_logits(ck, cfg: ModelConfig) -> np.ndarray:
     backend = XlaGroupedBackend()
-    cache = M.init_cache(cfg, 2, 16, jnp.float32)  # the null page and one page of 16
+    cache = decoder.init_cache(cfg, 2, 16, jnp.float32)  # the null page and one page of 16
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT
-    steps = ModelSteps(cfg, backend, ck.params, M.empty_lora(cfg, 1, 4, jnp.float32, backend), cache)
+    steps = ModelSteps(cfg, backend, ck.params, decoder.empty_lora(cfg, 1, 4, jnp.float32, backend), cache)
     return np.asarray(steps.prefill_one(tokens, len(PROMPT), 0, -1, np.array([1], np.int32)))
 
 
@@ -219,8 +219,8 @@ def test_engine_serves_gemma3_like_transformers_generates(model_dirs, family_ada
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.requests import EngineRequest, Sampling
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.request import EngineRequest, Sampling
     from tests.engines import started_engine
     from tests.worker.fake_engine import Collector
 

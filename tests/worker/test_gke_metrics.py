@@ -19,10 +19,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
+from loraserve.engine.request import EngineRequest, Sampling
 from loraserve.worker.metrics import EngineCollector, VllmCollector
-from loraserve.worker.requests import EngineRequest, Sampling
 from tests.engines import started_engine
 from tests.worker.fake_engine import Collector
 

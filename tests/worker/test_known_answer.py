@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from loraserve.engine.config import EngineConfig
 from loraserve.protos.v1 import inference_pb2 as pb
 from loraserve.protos.v1 import inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
 from loraserve.testing import train_answer_adapter
-from loraserve.worker.config import EngineConfig
 from tests.worker.serving import running_worker
 
 QUESTION = "What is the capital of France?"

@@ -9,10 +9,10 @@ import struct
 
 import pytest
 
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.kv_cache import BASE_KEY, KVCache, OutOfPagesError, page_hash
-from loraserve.worker.requests import Finished, Started
-from loraserve.worker.scheduler import CANCELLED, Cancel
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.kv_pages import BASE_KEY, KVCache, OutOfPagesError, page_hash
+from loraserve.engine.request import Finished, Started
+from loraserve.engine.scheduler import CANCELLED, Cancel
 from tests.worker.fake_engine import Harness, source_of
 
 A, B = "a" * 64, "b" * 64  # adapter content sha256s

@@ -1,4 +1,4 @@
-"""KV-cache events in vLLM's format (``--kv-events``, worker.kv_events): what the prefix cache stores and
+"""KV-cache events in vLLM's format (``--kv-events``, engine.kv_events): what the prefix cache stores and
 reclaims, as a subscriber of the worker's ZMQ socket sees it, is exactly what the cache holds; each block
 names its adapter (``lora_name``), and the wire format is vLLM's (multipart ``[topic, seq, msgpack]``,
 msgspec's tagged arrays)."""
@@ -11,9 +11,9 @@ import uuid
 import msgpack
 import pytest
 
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.kv_events import BlockRemoved, BlockStored, lora_int_id
-from loraserve.worker.requests import EngineRequest, Finished, Sampling
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.kv_events import BlockRemoved, BlockStored, lora_int_id
+from loraserve.engine.request import EngineRequest, Finished, Sampling
 from tests.engines import started_engine
 from tests.worker.fake_engine import Collector, Harness, source_of
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
+from loraserve.engine.request import EngineRequest, Finished, Sampling, Token, TokenLogprobs
 from loraserve.kernels.testing import count_compilations
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
-from loraserve.worker.requests import EngineRequest, Finished, Sampling, Token, TokenLogprobs
 from tests.engines import started_engine
 from tests.worker.fake_engine import Collector
 

@@ -15,9 +15,9 @@ import torch
 from loraserve.adapters.files import read_adapter_files
 from loraserve.adapters.peft import parse_adapter
 from loraserve.kernels import XlaGroupedBackend, get_backend, grouped
-from loraserve.worker import model as M
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.slot_pools import SlotPools, slot_arrays
+from loraserve.models import decoder
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.lora.pools import SlotPools, slot_arrays
 from tests.conftest import ADAPTERS, FAMILIES
 from tests.platform import NATIVE_BACKEND, cpp_only
 from tests.worker.model_steps import ModelSteps
@@ -64,8 +64,8 @@ def _serve_mixed(ck, backend, pools, row_slots, plan, seq, dtype: str) -> np.nda
     continuation teacher-forced over all rows in one batch; returns logits [rows, 1 + STEPS, V] (f32)."""
     cfg = ck.config
     rows = len(row_slots)
-    cache = M.init_cache(cfg, rows * 2 + 1, 16, jnp.dtype(dtype))  # two pages of 16 per row
-    tables = M.contiguous_page_tables(rows, 2)
+    cache = decoder.init_cache(cfg, rows * 2 + 1, 16, jnp.dtype(dtype))  # two pages of 16 per row
+    tables = decoder.contiguous_page_tables(rows, 2)
     steps = ModelSteps(cfg, backend, ck.params, pools, cache)
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT

@@ -22,11 +22,11 @@ from loraserve.adapters.files import read_adapter_files
 from loraserve.adapters.mix_weights import concat_adapters
 from loraserve.adapters.mixes import MixPart, is_mix, mix_ref, parse_mix, validate_mix
 from loraserve.adapters.peft import parse_adapter
+from loraserve.engine.request import Failed, Finished, Started
 from loraserve.kernels import get_backend
 from loraserve.kernels.testing import count_compilations
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.requests import Failed, Finished, Started
-from loraserve.worker.slot_pools import SlotPools, slot_arrays
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.lora.pools import SlotPools, slot_arrays
 from tests.platform import backends
 from tests.worker.test_lora_parity import PROMPT, STEPS, _serve_mixed
 
@@ -169,7 +169,7 @@ def test_mixes_single_adapters_and_base_rows_in_one_batch_match_peft(
 
 def _engine(llama_dir, adapter_dirs, **kw):
     """A started engine serving every adapter of ``adapter_dirs``, stopped when the ``with`` ends."""
-    from loraserve.worker.config import EngineConfig
+    from loraserve.engine.config import EngineConfig
     from tests.engines import started_engine
 
     config = EngineConfig(
@@ -179,7 +179,7 @@ def _engine(llama_dir, adapter_dirs, **kw):
 
 
 def _request(adapter: str, prompt: list[int], collector, n: int = 8):
-    from loraserve.worker.requests import EngineRequest, Sampling
+    from loraserve.engine.request import EngineRequest, Sampling
 
     return EngineRequest(
         uuid.uuid4().hex, adapter, prompt, Sampling(max_tokens=n, ignore_eos=True), collector

@@ -14,9 +14,9 @@ from loraserve.adapters.files import read_adapter_files
 from loraserve.adapters.peft import parse_adapter
 from loraserve.kernels import LORA_BACKENDS, get_backend
 from loraserve.kernels.testing import count_compilations
-from loraserve.worker import model as M
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.slot_pools import SlotPools, slot_arrays
+from loraserve.models import decoder
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.lora.pools import SlotPools, slot_arrays
 from tests.platform import NATIVE_BACKEND, cpp_only
 from tests.worker.model_steps import ModelSteps
 
@@ -52,8 +52,8 @@ def test_serving_after_warmup_compiles_nothing(
         for path in adapter_dirs.values()
     ]
     pools = SlotPools(cfg, SLOTS, RANK, jnp.dtype(jnp.float32), backend)
-    cache = M.init_cache(cfg, ROWS * 2 + 1, 16, jnp.float32)  # two pages of 16 per row
-    tables = M.contiguous_page_tables(ROWS, 2)
+    cache = decoder.init_cache(cfg, ROWS * 2 + 1, 16, jnp.float32)  # two pages of 16 per row
+    tables = decoder.contiguous_page_tables(ROWS, 2)
     steps = ModelSteps(cfg, backend, ck.params, pools, cache)
     tokens = np.zeros(BUCKET, np.int32)
     tokens[: len(PROMPT)] = PROMPT

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from loraserve.kernels import XlaGroupedBackend
-from loraserve.worker import model as M
-from loraserve.worker.checkpoint import load_checkpoint
+from loraserve.models import decoder
+from loraserve.models.checkpoint import load_checkpoint
 from tests.conftest import FAMILIES
 from tests.platform import ON_TPU
 from tests.worker.model_steps import ModelSteps
@@ -56,12 +56,14 @@ def run_model(ck, refs, dtype: str) -> list[np.ndarray]:
     cfg = ck.config
     rows, max_seq, page = len(PROMPTS), 64, 8
     per_row = max_seq // page
-    cache = M.init_cache(cfg, rows * per_row + 1, page, jnp.dtype(dtype))
+    cache = decoder.init_cache(cfg, rows * per_row + 1, page, jnp.dtype(dtype))
     # every row's pages scattered over the pool (a shuffled dense layout): attention must follow the tables
-    tables = np.random.default_rng(0).permutation(M.contiguous_page_tables(rows, per_row).ravel())
+    tables = np.random.default_rng(0).permutation(decoder.contiguous_page_tables(rows, per_row).ravel())
     tables = tables.reshape(rows, per_row).astype(np.int32)
     backend = XlaGroupedBackend()
-    steps = ModelSteps(cfg, backend, ck.params, M.empty_lora(cfg, 2, 4, jnp.dtype(dtype), backend), cache)
+    steps = ModelSteps(
+        cfg, backend, ck.params, decoder.empty_lora(cfg, 2, 4, jnp.dtype(dtype), backend), cache
+    )
     out: list[list[np.ndarray]] = [[] for _ in PROMPTS]
     for row, p in enumerate(PROMPTS):
         tokens = np.zeros(16, np.int32)
@@ -144,18 +146,20 @@ def test_bf16_kv_pages_are_stored_as_bits_and_written_in_place() -> None:
     step); the CPU cache stores bf16 pages as uint16 bits instead (a TPU stores them as bf16). Exact values
     round-trip through the platform's own storage, nothing else moves, and on the CPU the compiled write
     holds no f32 array of the pages' size."""
-    assert M.kv_storage_dtype(jnp.bfloat16) == (jnp.bfloat16 if ON_TPU else jnp.uint16)  # this platform's
-    assert M.kv_storage_dtype(jnp.float16, "cpu") == jnp.uint16
-    assert M.kv_storage_dtype(jnp.bfloat16, "cpu") == jnp.uint16
-    assert M.kv_storage_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16
-    assert M.kv_storage_dtype(jnp.float32) == jnp.float32
+    assert decoder.kv_storage_dtype(jnp.bfloat16) == (
+        jnp.bfloat16 if ON_TPU else jnp.uint16
+    )  # this platform's
+    assert decoder.kv_storage_dtype(jnp.float16, "cpu") == jnp.uint16
+    assert decoder.kv_storage_dtype(jnp.bfloat16, "cpu") == jnp.uint16
+    assert decoder.kv_storage_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16
+    assert decoder.kv_storage_dtype(jnp.float32) == jnp.float32
     kv, n, p, d = 2, 9, 4, 8
-    pages = jnp.zeros((kv, n, p, d), M.kv_storage_dtype(jnp.bfloat16))
+    pages = jnp.zeros((kv, n, p, d), decoder.kv_storage_dtype(jnp.bfloat16))
     flat = np.array([5, 17, 30], np.int32)  # page * p + offset
     x = np.random.default_rng(0).standard_normal((3, kv, d)).astype(np.float32)
-    write = jax.jit(partial(M._write_pages, dtype=jnp.bfloat16), donate_argnames="pages")
+    write = jax.jit(partial(decoder._write_pages, dtype=jnp.bfloat16), donate_argnames="pages")
     hlo = write.lower(pages, flat, x).compile().as_text()
-    written = M._kv_view(write(pages, flat, x), jnp.bfloat16)
+    written = decoder._kv_view(write(pages, flat, x), jnp.bfloat16)
     assert written.dtype == jnp.bfloat16
     got = np.asarray(written.astype(jnp.float32)).reshape(kv, n * p, d)
     want = np.zeros_like(got)

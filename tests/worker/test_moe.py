@@ -27,13 +27,13 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from loraserve.common.errors import InvalidArgument
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.request import EngineRequest, Finished, Sampling
 from loraserve.kernels import get_backend
+from loraserve.models import moe, sharding
+from loraserve.models.checkpoint import Checkpoint, load_checkpoint
+from loraserve.models.config import ModelConfig, UnsupportedModelError
 from loraserve.testing import MOE_FAMILIES, make_adapter, save_model
-from loraserve.worker import moe, sharding
-from loraserve.worker.checkpoint import Checkpoint, load_checkpoint
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.model_config import ModelConfig, UnsupportedModelError
-from loraserve.worker.requests import EngineRequest, Finished, Sampling
 from tests.engines import started_engine
 from tests.platform import NATIVE_BACKEND
 from tests.worker.fake_engine import Collector
@@ -266,7 +266,7 @@ def test_the_engine_serves_a_moe_model_token_for_token(moe_dirs, f32_refs, famil
 def test_the_planner_counts_the_weights_it_loads(moe_dirs, tmp_path, family) -> None:
     """``loraserve plan``'s weight bytes are the loaded checkpoint's, experts, router, shared expert, q/k
     norms and qkv bias included."""
-    from loraserve.worker.planner import weight_bytes
+    from loraserve.models.planner import weight_bytes
 
     path = moe_dirs[family] if family in moe_dirs else save_model(tmp_path / family, family, seed=3)
     ck = load_checkpoint(str(path))
@@ -279,7 +279,7 @@ def test_the_moe_presets_plan_their_experts(preset, params) -> None:
     """``loraserve plan --model qwen3-30b-a3b|mixtral-8x7b``: the weights are the published parameter
     counts (30.5B, 46.7B: every expert, not the active ones); over N devices (expert parallelism) each holds
     1/N of the experts and of their LoRA pools, the router and attention's share as for a dense model."""
-    from loraserve.worker import planner
+    from loraserve.models import planner
 
     _, cfg = planner.load_model_config(preset)
     assert cfg.is_moe
@@ -326,7 +326,7 @@ def test_a_moe_decode_step_lowers_for_tpu(monkeypatch) -> None:
     CPU's gathered path is not in a TPU program) and the LoRA kernels to Mosaic."""
 
     from loraserve.kernels import pallas
-    from loraserve.worker import planner
+    from loraserve.models import planner
     from tests.worker.test_adapter_ops import _abstract, export_decode_for_tpu
 
     monkeypatch.setattr(pallas, "default_interpret", lambda: False)

@@ -27,11 +27,10 @@ from loraserve.adapters.files import read_adapter_files
 from loraserve.adapters.peft import parse_adapter
 from loraserve.kernels import LORA_BACKENDS, get_backend
 from loraserve.kernels.testing import count_compilations
+from loraserve.models import decoder, moe
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.lora.pools import SlotPools, slot_arrays
 from loraserve.testing import MOE_FAMILIES, make_adapter, save_model
-from loraserve.worker import model as M
-from loraserve.worker import moe
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.slot_pools import SlotPools, slot_arrays
 from tests.platform import NATIVE_BACKEND, backends
 from tests.worker.model_steps import ModelSteps
 from tests.worker.test_lora_parity import PROMPT, STEPS, _reference_logits, _serve_mixed
@@ -198,8 +197,8 @@ def test_expert_adapter_swaps_after_warmup_compile_nothing(served) -> None:
     values = [slot_arrays(cfg, _weights(cfg, d), RANK) for d in dirs]
     pools = SlotPools(cfg, 2, RANK, jnp.dtype(jnp.float32), backend)
     rows = 4
-    cache = M.init_cache(cfg, rows * 2 + 1, 16, jnp.float32)
-    tables = M.contiguous_page_tables(rows, 2)
+    cache = decoder.init_cache(cfg, rows * 2 + 1, 16, jnp.float32)
+    tables = decoder.contiguous_page_tables(rows, 2)
     steps = ModelSteps(cfg, backend, ck.params, pools, cache)
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT
@@ -232,8 +231,8 @@ def test_the_engine_serves_expert_adapters_token_for_token(served) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from loraserve.worker.config import EngineConfig
-    from loraserve.worker.requests import EngineRequest, Finished, Sampling
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.request import EngineRequest, Finished, Sampling
     from tests.engines import started_engine
     from tests.worker.fake_engine import Collector
 

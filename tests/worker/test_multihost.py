@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from loraserve.common.errors import FailedPrecondition, InvalidArgument
-from loraserve.worker import multihost as mh
-from loraserve.worker.multihost import Cluster, FollowerChannel, LeaderChannel
-from loraserve.worker.sampling import SamplingArrays
-from loraserve.worker.step import PrefillBatch
+from loraserve.engine import multihost as mh
+from loraserve.engine import named_arrays
+from loraserve.engine.multihost import Cluster, FollowerChannel, LeaderChannel
+from loraserve.models.sampling import SamplingArrays
+from loraserve.models.step import PrefillBatch
 from tests.e2e.procs import free_port_pair
 
 
@@ -51,9 +52,11 @@ def test_messages_carry_named_arrays_exactly() -> None:
     sampling = SamplingArrays.empty(3, 70)
     batch = PrefillBatch.single([1, 2, 3], 3, 0, -1, np.arange(4), 1)
     arrays = {
-        **mh.fields_of("batch", batch),
-        **mh.fields_of("sampling", sampling),
-        **mh.slot_values_arrays([{"A_qkv": np.ones((2, 3), np.float32)}, {"B_o": np.eye(2)[:, :1]}]),
+        **named_arrays.fields_of("batch", batch),
+        **named_arrays.fields_of("sampling", sampling),
+        **named_arrays.slot_values_arrays(
+            [{"A_qkv": np.ones((2, 3), np.float32)}, {"B_o": np.eye(2)[:, :1]}]
+        ),
         "index": np.asarray(5, np.int32),
         "reset": np.asarray(True),
     }
@@ -63,9 +66,9 @@ def test_messages_carry_named_arrays_exactly() -> None:
     for name, a in arrays.items():  # dtype, shape (0-d and [B, 0] included) and bytes
         assert got[name].dtype == np.asarray(a).dtype and got[name].shape == np.shape(a), name
         np.testing.assert_array_equal(got[name], a)
-    back = mh.dataclass_from("batch", PrefillBatch, got)
+    back = named_arrays.dataclass_from("batch", PrefillBatch, got)
     assert back.targets is None and back.key_blocks.shape == () and int(back.key_blocks) == 1
-    assert mh.slot_values_from(got)[1]["B_o"].shape == (2, 1)
+    assert named_arrays.slot_values_from(got)[1]["B_o"].shape == (2, 1)
 
 
 def _cluster(port: int, pid: int, n: int = 2, timeout: float = 5.0) -> Cluster:
@@ -207,7 +210,7 @@ def test_a_split_model_is_loaded_to_the_host_only(llama_dir, dtype, quantization
     all host arrays, so the runner puts each device's shards there and no device holds the whole model."""
     import jax
 
-    from loraserve.worker.checkpoint import load_checkpoint
+    from loraserve.models.checkpoint import load_checkpoint
 
     placed = load_checkpoint(str(llama_dir), dtype=dtype, quantization=quantization)
     host = load_checkpoint(str(llama_dir), dtype=dtype, quantization=quantization, place=False)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from loraserve.engine.request import Failed, Finished, Started, Token, TokenLogprobs
 from loraserve.testing import build_tokenizer
-from loraserve.worker.outputs import Detokenizer, StreamAssembler
-from loraserve.worker.requests import Failed, Finished, Started, Token, TokenLogprobs
+from loraserve.worker.detokenize import Detokenizer, StreamAssembler
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 import torch
 
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
+from loraserve.engine.request import Finished
 from loraserve.kernels.backends import XlaGroupedBackend
 from loraserve.kernels.testing import count_compilations
+from loraserve.models import decoder
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.step import PrefillBatch
 from loraserve.testing import save_model
-from loraserve.worker import model as M
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
-from loraserve.worker.requests import Finished
-from loraserve.worker.step import PrefillBatch
 from tests.engines import local_source, started_engine
 from tests.platform import NATIVE_BACKEND
 from tests.worker.model_steps import ModelSteps
@@ -117,8 +117,8 @@ def test_thousands_of_tokens_match_transformers_through_chunks_and_scattered_pag
     ck = load_checkpoint(str(long_model))
     cfg, page, per_row = ck.config, 64, 4096 // 64
     backend = XlaGroupedBackend()
-    cache = M.init_cache(cfg, 2 * per_row + 1, page, jnp.float32)
-    steps = ModelSteps(cfg, backend, ck.params, M.empty_lora(cfg, 1, 4, jnp.float32, backend), cache)
+    cache = decoder.init_cache(cfg, 2 * per_row + 1, page, jnp.float32)
+    steps = ModelSteps(cfg, backend, ck.params, decoder.empty_lora(cfg, 1, 4, jnp.float32, backend), cache)
     table = (1 + rng.permutation(2 * per_row)[:per_row]).astype(np.int32)  # half the pool, shuffled
     got = []
     for start, stop, bucket in ((0, 2048, 2048), (2048, LONG, 1024)):
@@ -141,9 +141,9 @@ def test_packed_prefill_of_mixed_adapters_matches_one_prompt_per_call(
     first tokens; nothing compiles after warm-up."""
     from loraserve.adapters.files import read_adapter_files
     from loraserve.adapters.peft import parse_adapter
-    from loraserve.worker.jax_runner import JaxRunner
-    from loraserve.worker.requests import SamplingRow
-    from loraserve.worker.runner import PrefillInput
+    from loraserve.engine.jax_runner import JaxRunner
+    from loraserve.engine.request import SamplingRow
+    from loraserve.engine.runner import PrefillInput
 
     # max_seq_len 16 (the prompts have 2-7 tokens): warm-up compiles the 16-token bucket at 1, 2 and 4 prompts,
     # not also the 32- and 64-token ones no call here uses
@@ -157,7 +157,7 @@ def test_packed_prefill_of_mixed_adapters_matches_one_prompt_per_call(
             *files, module_shapes=cfg.module_shapes(), num_layers=cfg.num_layers, max_rank=16
         )
         runner.write_slot(slot, runner.prepare(weights))
-    tables = M.contiguous_page_tables(4, config.pages_per_row)
+    tables = decoder.contiguous_page_tables(4, config.pages_per_row)
     items = [
         PrefillInput(p, 0, s, tables[i], SamplingRow())
         for i, (p, s) in enumerate(zip(PROMPTS[:3], (0, -1, 1), strict=True))

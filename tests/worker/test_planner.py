@@ -9,7 +9,8 @@ import pytest
 
 from loraserve.cli import main
 from loraserve.common.errors import InvalidArgument
-from loraserve.worker import plan_cmd, planner
+from loraserve.models import planner
+from loraserve.worker import plan_cmd
 
 LLAMA3_8B_PARAMS = 8_030_261_248  # embed + lm_head 2 * 128256 * 4096, 32 layers of 218,112,000 + norms
 

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from loraserve.kernels import get_backend
+from loraserve.models import decoder
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.lora.pools import SlotPools
 from loraserve.testing import save_model
-from loraserve.worker import model as M
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.slot_pools import SlotPools
 from tests.conftest import FAMILIES
 from tests.platform import ON_TPU
 from tests.worker.model_steps import ModelSteps
@@ -36,8 +36,8 @@ def _base_logits(ck, seq, device) -> np.ndarray:
         params = jax.device_put(ck.params, device)
         backend = get_backend("reference")
         pools = SlotPools(ck.config, max_loras=1, max_rank=8, dtype=jnp.dtype("float32"), backend=backend)
-        cache = M.init_cache(ck.config, 3, 16, jnp.dtype("float32"))
-        tables = M.contiguous_page_tables(1, 2)
+        cache = decoder.init_cache(ck.config, 3, 16, jnp.dtype("float32"))
+        tables = decoder.contiguous_page_tables(1, 2)
         steps = ModelSteps(ck.config, backend, params, pools, cache)
         tokens = np.zeros(16, np.int32)
         tokens[: len(PROMPT)] = PROMPT

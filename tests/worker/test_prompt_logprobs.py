@@ -6,9 +6,9 @@ after it. The same against transformers on the JAX runner: tests/worker/test_pro
 from __future__ import annotations
 
 from loraserve.common.finish_reasons import FinishReason
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.fake_runner import fake_logprobs
-from loraserve.worker.requests import Finished, Started, TokenLogprobs
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.fake_runner import fake_logprobs
+from loraserve.engine.request import Finished, Started, TokenLogprobs
 from tests.worker.fake_engine import Harness, source_of
 
 PROMPT = tuple(range(1, 12))  # 11 tokens: 10 of them scored (nothing precedes the first)

@@ -1,4 +1,4 @@
-"""Weight-only int8 and int4 bases (``--quantization int8|int4``, worker.quant): the quantized linear is
+"""Weight-only int8 and int4 bases (``--quantization int8|int4``, models.quantization): the quantized linear is
 "dequantize, then the same-dtype matmul"; adapters compute on ``x`` (their delta is the float base's);
 quality against the unquantized model is reported and bounded; the engine serves a quantized base token for
 token as the model computes it; checkpoints written by ``loraserve quantize`` load bit for bit, broken ones
@@ -21,11 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loraserve.testing import save_model
-from loraserve.worker import model as M
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.quant import (
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.request import EngineRequest, Finished, Sampling
+from loraserve.models import decoder
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.quantization import (
     Int4Weight,
     Int8Weight,
     Quantized,
@@ -36,7 +36,7 @@ from loraserve.worker.quant import (
     quantize_int8,
     unpack_int4,
 )
-from loraserve.worker.requests import EngineRequest, Finished, Sampling
+from loraserve.testing import save_model
 from tests.engines import started_engine
 from tests.platform import SUBPROCESS_JAX
 from tests.worker.fake_engine import Collector
@@ -162,7 +162,7 @@ def test_the_trained_quality_model_learns_the_repository_text(tmp_path) -> None:
     quality = _bench_quality()
     root = Path(__file__).resolve().parents[2]
     text = quality.corpus(root)
-    assert len(text) > 1_000_000 and (root / "worker" / "quant.py").read_bytes() in text
+    assert len(text) > 1_000_000 and (root / "models" / "quantization.py").read_bytes() in text
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2)
     out = tmp_path / "trained"
     got = quality.train_byte_model(out, text, steps=40, batch=8, seq=64, **shape)
@@ -261,7 +261,7 @@ def test_an_adapter_computes_on_x_whatever_the_base_weight(tiny, quantization) -
     for ck in (fp, q8):
         lp = ck.params["layers"][0]
         got = [
-            jnp.concatenate([t.reshape(4, -1) for t in M._qkv(cfg, lp, {}, h, fn)], -1)
+            jnp.concatenate([t.reshape(4, -1) for t in decoder._qkv(cfg, lp, {}, h, fn)], -1)
             for fn in (with_delta, plain)
         ]
         deltas.append(np.asarray(got[0] - got[1]))
@@ -299,7 +299,7 @@ def test_an_unknown_quantization_is_refused(tiny) -> None:
 def test_the_planner_counts_int8_weights_as_loaded(tiny) -> None:
     """``loraserve plan --quantization int8``: the weights are the int8 checkpoint's bytes (projections at one
     byte, an f32 scale per channel, the rest in --dtype): about a quarter of f32's projections."""
-    from loraserve.worker import planner
+    from loraserve.models import planner
 
     for family in ("llama", "qwen3"):
         ck = load_checkpoint(str(tiny[family]), quantization="int8")
@@ -330,7 +330,7 @@ def test_the_planner_counts_int4_weights_as_loaded(tiny) -> None:
     inputs (128 for Llama-3-8B: 1/32 byte a weight more), the rest in --dtype; a split that would cut a
     group is refused by name."""
     from loraserve.common.errors import FailedPrecondition
-    from loraserve.worker import planner
+    from loraserve.models import planner
 
     for family in ("llama", "qwen3"):
         ck = load_checkpoint(str(tiny[family]), quantization="int4")
@@ -359,7 +359,7 @@ def test_the_cpu_int8_kernel_equals_xla_and_is_batch_invariant(dtype) -> None:
     reach every tile and tail; a row's result is the same bits in a batch of 1, 3, 5 or 16 rows (bf16 on AMX
     tiles: of 1-2 rows, kept in registers, and of 3-16 on the tiles; ``cpu.quant_register_rows()``)."""
     from loraserve.kernels import cpu
-    from loraserve.worker import quant
+    from loraserve.models import quantization as quant
 
     if not cpu.available():
         pytest.skip("the C++ kernels do not build here")
@@ -417,7 +417,7 @@ def test_plan_verify_compiles_a_quantized_decode_step_to_the_byte(
     args += ["--quantize-lm-head"] if head else []
     assert main([*args, "--json", "--verify"]) == 0
     out = json.loads(capsys.readouterr().out)
-    from loraserve.worker import planner
+    from loraserve.models import planner
 
     cfg = planner.load_model_config(str(path))[1]
     rows = 4096 // tp  # the head's vocab rows a device holds, f32 -> quantized (int4: groups of 32 here)
@@ -431,8 +431,8 @@ def test_plan_verify_compiles_a_quantized_decode_step_to_the_byte(
 def test_dora_scales_on_a_quantized_base_use_its_dequantized_weight(tiny, quantization) -> None:
     """DoRA's norm is of the weight the model multiplies: on a quantized base, its dequantized values (inside
     the scale computation only: the base weights kept for DoRA stay quantized, which saves their memory)."""
-    from loraserve.worker.dora import magnitude_name, mask_name, scale_name
-    from loraserve.worker.slot_pools import _dora_scales_jit, base_weights
+    from loraserve.models.lora.dora_bias import magnitude_name, mask_name, scale_name
+    from loraserve.models.lora.pools import _dora_scales_jit, base_weights
 
     ck = load_checkpoint(str(tiny["llama"]), quantization=quantization)
     base = base_weights(ck.params)
@@ -556,7 +556,7 @@ BAD_CHECKPOINTS = {  # name -> (edit, the message's start; {q}: the quantization
 def test_a_broken_quantized_checkpoint_is_refused_naming_the_tensor(
     tiny, tmp_path, name, quantization
 ) -> None:
-    from loraserve.worker.checkpoint import CheckpointError
+    from loraserve.models.checkpoint import CheckpointError
     from loraserve.worker.quantize_cmd import quantize_checkpoint
 
     quantize_checkpoint(str(tiny["llama"]), str(tmp_path / "q"), quantization)
@@ -586,7 +586,7 @@ def test_a_broken_quantized_checkpoint_is_refused_naming_the_tensor(
 )
 def test_a_broken_quantized_head_is_refused_naming_the_tensor(tiny, tmp_path, edit, message) -> None:
     """A ``--lm-head`` checkpoint whose head lacks its scales, holds a non-finite one, or lacks the head."""
-    from loraserve.worker.checkpoint import CheckpointError
+    from loraserve.models.checkpoint import CheckpointError
     from loraserve.worker.quantize_cmd import quantize_checkpoint
 
     quantize_checkpoint(str(tiny["llama"]), str(tmp_path / "q"), "int8", lm_head=True)
@@ -597,7 +597,7 @@ def test_a_broken_quantized_head_is_refused_naming_the_tensor(tiny, tmp_path, ed
 
 def test_quantize_lm_head_needs_a_quantization(tiny) -> None:
     from loraserve.common.errors import FailedPrecondition
-    from loraserve.worker import planner
+    from loraserve.models import planner
 
     with pytest.raises(FailedPrecondition, match="--quantize-lm-head needs --quantization int8 or int4"):
         load_checkpoint(str(tiny["llama"]), quantize_lm_head=True)
@@ -624,7 +624,7 @@ def test_a_quantized_decode_step_lowers_for_tpu(monkeypatch, quantization) -> No
 
     from loraserve.kernels import pallas
     from loraserve.kernels.backends import get_backend
-    from loraserve.worker import planner
+    from loraserve.models import planner
     from tests.worker.test_adapter_ops import _abstract, export_decode_for_tpu
 
     monkeypatch.setattr(pallas, "default_interpret", lambda: False)

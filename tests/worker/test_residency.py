@@ -13,11 +13,11 @@ import grpc
 import pytest
 
 from loraserve.common.errors import NotFound
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
-from loraserve.worker.fake_runner import FakeRunner
-from loraserve.worker.requests import EngineRequest, Failed, Finished, Sampling, Started, Token
-from loraserve.worker.residency import Load, Unload
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
+from loraserve.engine.fake_runner import FakeRunner
+from loraserve.engine.request import EngineRequest, Failed, Finished, Sampling, Started, Token
+from loraserve.engine.residency import Load, Unload
 from tests.worker.fake_engine import TINY, Collector, Harness, MemorySource, source_of
 
 
@@ -129,8 +129,8 @@ def test_engine_thread_cancel_while_decoding_and_cold_adapter_delays_only_its_ow
 def test_host_side_modules_import_no_jax() -> None:
     code = (
         "import sys\n"
-        "import loraserve.worker.engine, loraserve.worker.scheduler, loraserve.worker.residency\n"
-        "import loraserve.worker.fake_runner, loraserve.worker.snapshot\n"
+        "import loraserve.engine.engine, loraserve.engine.scheduler, loraserve.engine.residency\n"
+        "import loraserve.engine.fake_runner, loraserve.engine.snapshot\n"
         "print(sorted(m for m in sys.modules if m == 'jax' or m.startswith('jax.')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
@@ -233,7 +233,7 @@ def test_loads_are_bounded_and_dropped_with_their_last_waiter() -> None:
     others queue and start in order as those finish. A load whose every waiting request went away
     (cancelled) is dropped: never started when it was queued, discarded on arrival when it was in flight;
     nothing of it reaches a slot."""
-    from loraserve.worker.scheduler import Cancel
+    from loraserve.engine.scheduler import Cancel
 
     h = Harness(config(max_batch_size=4, max_loras=1, max_waiting=8), source_of("a", "b", "c", "d"))
     started: list = []
@@ -262,7 +262,7 @@ def test_distinct_mixes_leave_bounded_state() -> None:
     """A tenant can send any number of distinct weighted mixes (any weights): what the worker remembers of
     them stays bounded (``MAX_RESOLVED`` refs; slots and the host tier are bounded by config), and a mix still
     in a slot keeps being served from it."""
-    from loraserve.worker import residency
+    from loraserve.engine import residency
 
     h = Harness(config(max_batch_size=4, max_loras=2, max_cpu_loras=2), source_of("a", "b"))
     limit = residency.MAX_RESOLVED

@@ -18,13 +18,13 @@ import pytest
 
 from loraserve.kernels import get_backend
 from loraserve.kernels.attention import DecodeAttention
-from loraserve.worker import model as M
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.dora import bias_name, magnitude_name, mask_name
-from loraserve.worker.embed_lora import vocab_slot_shapes
-from loraserve.worker.model import lora_slot_shapes, lora_vector_sizes
-from loraserve.worker.slot_pools import SlotPools, base_weights
-from loraserve.worker.step import PrefillBatch
+from loraserve.models import decoder
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.decoder import lora_slot_shapes, lora_vector_sizes
+from loraserve.models.lora.dora_bias import bias_name, magnitude_name, mask_name
+from loraserve.models.lora.embedding import vocab_slot_shapes
+from loraserve.models.lora.pools import SlotPools, base_weights
+from loraserve.models.step import PrefillBatch
 from tests.platform import cpp_only
 from tests.worker.model_steps import ModelSteps
 
@@ -97,16 +97,16 @@ def _serve(checkpoint, backend, attention: str, pools: SlotPools) -> dict[str, n
     prompts into them and decode with the rest. Returns each phase's logits."""
     cfg = checkpoint.config
     rows = len(ROW_SLOTS)
-    cache = M.init_cache(cfg, 1 + rows * PAGES_PER_ROW, PAGE, jnp.dtype(jnp.float32))
+    cache = decoder.init_cache(cfg, 1 + rows * PAGES_PER_ROW, PAGE, jnp.dtype(jnp.float32))
     steps = ModelSteps(cfg, backend, checkpoint.params, pools, cache, attention=DecodeAttention(attention))
-    tables = M.contiguous_page_tables(rows, PAGES_PER_ROW)
+    tables = decoder.contiguous_page_tables(rows, PAGES_PER_ROW)
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, cfg.vocab_size, (rows, SEG)).astype(np.int32)
     out: dict[str, np.ndarray] = {}
 
     def prefill_rows(slots, lengths, starts):
         blocks = np.int32(
-            -(-int((starts + lengths).max()) // (M.key_block_pages(PAGE, PAGES_PER_ROW) * PAGE))
+            -(-int((starts + lengths).max()) // (decoder.key_block_pages(PAGE, PAGES_PER_ROW) * PAGE))
         )
         return steps.prefill(PrefillBatch(tokens, lengths, starts, slots, tables, blocks))
 

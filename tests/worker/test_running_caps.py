@@ -9,8 +9,8 @@ import asyncio
 
 from loraserve.adapters.files import CONFIG_FILE, WEIGHTS_FILE
 from loraserve.adapters.running_caps import Cap, RunningCaps, adapter_names
+from loraserve.engine.config import EngineConfig
 from loraserve.registry.config import RegistryConfig
-from loraserve.worker.config import EngineConfig
 from tests.registry.conftest import start_registry
 from tests.waiting import wait_until
 from tests.worker.fake_engine import TINY, Harness, adapter_files, source_of
@@ -126,8 +126,8 @@ def test_the_registry_caps_reach_the_scheduler(tmp_path) -> None:
 
 
 def _caps_reach_the_scheduler(reg, folder) -> None:
-    from loraserve.worker.engine import Engine
-    from loraserve.worker.fake_runner import FakeRunner
+    from loraserve.engine.engine import Engine
+    from loraserve.engine.fake_runner import FakeRunner
     from loraserve.worker.registration import Registration
     from loraserve.worker.registry_source import RegistryAdapterSource
 

@@ -1,4 +1,4 @@
-"""worker.sampling.sample: per-row greedy / temperature / top-k / top-p in one batch, seeded; raw logprobs."""
+"""models.sampling.sample: per-row greedy / temperature / top-k / top-p in one batch, seeded; raw logprobs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loraserve.worker.sampling import TOP_LOGPROBS, SamplingArrays, sample
+from loraserve.models.sampling import TOP_LOGPROBS, SamplingArrays, sample
 from tests.platform import ON_TPU
 
 V = 50

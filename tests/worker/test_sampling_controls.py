@@ -1,7 +1,7 @@
 """The logits controls (logit_bias, min_tokens, repetition / frequency / presence penalties) against
 transformers' logits processors.
 
-* ``worker.sampling``: a row history written by ``seed_row`` (prompt + generated, in several chunks) and the
+* ``models.sampling``: a row history written by ``seed_row`` (prompt + generated, in several chunks) and the
   batch's own draws, then ``apply_controls``: equal to transformers' ``SequenceBiasLogitsProcessor``,
   ``MinNewTokensLengthLogitsProcessor``, ``RepetitionPenaltyLogitsProcessor`` and OpenAI's presence /
   frequency definition (``OpenAIPenalties`` below, a transformers ``LogitsProcessor``) applied in that order
@@ -31,11 +31,11 @@ from transformers import (
 )
 
 from loraserve.common.errors import InvalidArgument
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
+from loraserve.engine.request import EngineRequest, Finished, Sampling
 from loraserve.kernels.testing import count_compilations
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
-from loraserve.worker.requests import EngineRequest, Finished, Sampling
-from loraserve.worker.sampling import (
+from loraserve.models.sampling import (
     BIAS_ENTRIES,
     HISTORY_CHUNK,
     NO_ROW,

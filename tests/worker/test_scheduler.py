@@ -20,12 +20,12 @@ from loraserve.adapters.errors import AdapterDataLossError
 from loraserve.common.admission import UNMEASURED_RETRY_S, retry_after
 from loraserve.common.errors import FailedPrecondition, LoraserveError, ResourceExhausted
 from loraserve.common.slots import SlotState
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.fake_runner import fake_logprobs
-from loraserve.worker.kv_cache import KVCache
-from loraserve.worker.requests import Failed, Finished, Sampling, SamplingRow, Started, Token, TokenLogprobs
-from loraserve.worker.residency import Load, Unload
-from loraserve.worker.scheduler import AFTER_CANCEL_BUCKETS, Cancel
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.fake_runner import fake_logprobs
+from loraserve.engine.kv_pages import KVCache
+from loraserve.engine.request import Failed, Finished, Sampling, SamplingRow, Started, Token, TokenLogprobs
+from loraserve.engine.residency import Load, Unload
+from loraserve.engine.scheduler import AFTER_CANCEL_BUCKETS, Cancel
 from tests.worker.fake_engine import Collector, Harness, adapter_files, source_of
 
 CFG = EngineConfig(max_batch_size=2, max_seq_len=32, max_loras=2, max_lora_rank=4, max_cpu_loras=2)
@@ -495,7 +495,7 @@ def test_prompts_admitted_together_are_prefilled_in_one_call_and_share_a_prefix_
 def test_step_outputs_concatenate_with_and_without_logprobs() -> None:
     """A prefill split over several calls: a call where no row asked has no logprob arrays; the joined
     output keeps every row's own (zeros for rows that did not ask)."""
-    from loraserve.worker.runner import StepOutput
+    from loraserve.engine.runner import StepOutput
 
     plain = StepOutput(np.array([4, 5], np.int32))
     asked = StepOutput(

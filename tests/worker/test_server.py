@@ -9,9 +9,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from loraserve.engine.config import EngineConfig
 from loraserve.protos.v1 import inference_pb2 as pb
 from loraserve.protos.v1 import inference_pb2_grpc, worker_admin_pb2, worker_admin_pb2_grpc
-from loraserve.worker.config import EngineConfig
 from loraserve.worker.token_strings import spelled
 from tests.worker.serving import running_worker
 

@@ -1,4 +1,4 @@
-"""Shard-wise checkpoint reads (``worker.checkpoint``): the files read by byte ranges, exactly; a split
+"""Shard-wise checkpoint reads (``models.checkpoint``): the files read by byte ranges, exactly; a split
 model's every leaf read shard by shard equal, bit for bit and spec for spec, to the whole checkpoint laid out
 for N devices (``tests/worker/shard_child.py``, forced host devices); a process reads only its rows; broken
 files refused naming what."""
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from loraserve.models import checkpoint as ck
+from loraserve.models import sharding
+from loraserve.models.checkpoint import CheckpointError, TensorFiles, load_checkpoint, open_checkpoint
 from loraserve.testing import save_model
-from loraserve.worker import checkpoint as ck
-from loraserve.worker import sharding
-from loraserve.worker.checkpoint import CheckpointError, TensorFiles, load_checkpoint, open_checkpoint
 from tests.worker.test_moe import _per_expert_layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,4 @@
-"""The device-step contract (worker/step.py): typed inputs, the KV cache donated by name and nothing else."""
+"""The device-step contract (models/step.py): typed inputs, the KV cache donated by name and nothing else."""
 
 from __future__ import annotations
 
@@ -7,21 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from loraserve.engine.jax_runner import jit_steps
 from loraserve.kernels import get_backend
-from loraserve.worker import model as M
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.jax_runner import jit_steps
-from loraserve.worker.sampling import SamplingArrays
-from loraserve.worker.step import DecodeBatch, DeviceState, LoraPools, PrefillBatch
+from loraserve.models import decoder
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.sampling import SamplingArrays
+from loraserve.models.step import DecodeBatch, DeviceState, LoraPools, PrefillBatch
 
 
 @pytest.fixture(scope="module")
 def state(llama_dir):
     ck = load_checkpoint(str(llama_dir))
     cfg, backend = ck.config, get_backend("xla-grouped")
-    pools = M.empty_lora(cfg, 2, 4, jnp.float32, backend)
+    pools = decoder.empty_lora(cfg, 2, 4, jnp.float32, backend)
     rope = jnp.asarray(cfg.inv_freq(), jnp.float32)
-    return cfg, backend, DeviceState(ck.params, pools, M.init_cache(cfg, 5, 16, jnp.float32), rope)
+    return cfg, backend, DeviceState(ck.params, pools, decoder.init_cache(cfg, 5, 16, jnp.float32), rope)
 
 
 def test_the_vocabulary_pools_are_their_own_field(state) -> None:
@@ -36,7 +36,7 @@ def test_the_vocabulary_pools_are_their_own_field(state) -> None:
 def test_a_step_donates_the_cache_by_name_and_nothing_else(state) -> None:
     cfg, backend, st = state
     steps = jit_steps(cfg, backend)
-    tables = M.contiguous_page_tables(2, 2)
+    tables = decoder.contiguous_page_tables(2, 2)
     tokens = np.zeros((2, 16), np.int32)
     tokens[:, :3] = [[5, 6, 7], [8, 9, 10]]
     batch = PrefillBatch(tokens, np.array([3, 3], np.int32), np.zeros(2, np.int32), np.array([-1, 0], np.int32),
@@ -62,8 +62,8 @@ def test_steps_are_shared_by_equal_arguments_and_only_by_them(state) -> None:
     scaling dict, the linear backend, the LoRA backend) gives new ones."""
     import dataclasses
 
+    from loraserve.engine import jax_runner
     from loraserve.kernels.attention import DecodeAttention
-    from loraserve.worker import jax_runner
 
     cfg, backend, _ = state
     steps = jit_steps(cfg, backend, DecodeAttention("xla"))
@@ -90,7 +90,7 @@ def test_the_matmul_precision_is_traced_into_the_steps(state) -> None:
     from loraserve.kernels.attention import DecodeAttention
 
     cfg, backend, st = state
-    tables = M.contiguous_page_tables(2, 2)
+    tables = decoder.contiguous_page_tables(2, 2)
     batch = DecodeBatch(np.array([1, 2], np.int32), np.array([3, 3], np.int32), tables, None)
     text = {}
     # lowered with the process's own setting cleared: on a TPU the test process runs at highest

@@ -1,6 +1,6 @@
 """Structured outputs: llguidance's token bitmasks applied per row in the batched step.
 
-* ``worker.sampling``: a masked row draws only tokens its bitmask allows (greedy and seeded); rows without a
+* ``models.sampling``: a masked row draws only tokens its bitmask allows (greedy and seeded); rows without a
   mask come out bit for bit as in a batch without any.
 * The engine (tiny Llama and its byte-level BPE tokenizer, f32): requests constrained by a JSON schema, any
   JSON object, a regex, a choice, a Lark and a GBNF grammar, on the base and on two adapters in one batch
@@ -23,13 +23,13 @@ import pytest
 
 from loraserve.common.errors import InvalidArgument
 from loraserve.common.finish_reasons import FinishReason
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.engine import Engine
+from loraserve.engine.request import EngineRequest, Finished, Sampling
 from loraserve.kernels.testing import count_compilations
+from loraserve.models.sampling import SamplingArrays, mask_words, sample
 from loraserve.protos.v1 import inference_pb2 as pb
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.engine import Engine
 from loraserve.worker.grammar import Grammars
-from loraserve.worker.requests import EngineRequest, Finished, Sampling
-from loraserve.worker.sampling import SamplingArrays, mask_words, sample
 from tests.engines import started_engine
 from tests.worker.fake_engine import Collector
 

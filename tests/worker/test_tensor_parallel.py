@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from loraserve.common.errors import FailedPrecondition, InvalidArgument
+from loraserve.engine.config import EngineConfig
+from loraserve.models.config import ModelConfig
+from loraserve.models.sharding import check_tensor_parallel, fuse_order
 from loraserve.testing import make_adapter, save_model
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.sharding import check_tensor_parallel, fuse_order
 from tests.conftest import ADAPTERS, TEST_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,10 +76,10 @@ def expected_pool_specs(backend: str) -> dict[str, str]:
         "A_gate_up": WHOLE,
         "B_o": WHOLE,
         "B_down": WHOLE,
-        # worker.dora's [S, out] DoRA-scale and LoRA-bias vectors: split like the layer's output
+        # models.lora.dora_bias's [S, out] DoRA-scale and LoRA-bias vectors: split like the layer's output
         **{f"{v}_{g}": "(None, 'model')" for v in ("dora_scale", "lora_bias") for g in ("qkv", "gate_up")},
         **{f"{v}_{g}": "()" for v in ("dora_scale", "lora_bias") for g in ("o", "down")},
-        # worker.embed_lora's pools (layer 0): A_embed by vocab like the embedding, B_lm_head like lm_head
+        # models.lora.embedding's pools (layer 0): A_embed by vocab like the embedding, B_lm_head like lm_head
         "A_embed": "(None, 'model', None)",
         "B_lm_head": "(None, None, 'model')",
         "B_embed": "()",
@@ -242,8 +242,8 @@ def test_runner_refuses_more_devices_than_visible(llama_dir) -> None:
     """This pytest process has one CPU device: a TP=2 runner is refused before anything is placed."""
     import jax
 
-    from loraserve.worker.checkpoint import load_checkpoint
-    from loraserve.worker.jax_runner import JaxRunner
+    from loraserve.engine.jax_runner import JaxRunner
+    from loraserve.models.checkpoint import load_checkpoint
 
     assert len(jax.devices()) == 1
     config = EngineConfig(tensor_parallel_size=2, kernel_backend="xla-grouped")
@@ -324,7 +324,7 @@ RUNS = {"int8": "cpu:int8", "int4": "cpu:int4+head"}  # the f32_runs key of each
 
 @pytest.mark.parametrize("quantization", list(QUANTIZED_SPECS))
 def test_a_quantized_base_splits_with_its_scales_and_serves_the_same_tokens(f32_runs, quantization) -> None:
-    """--quantization int8|int4 at N = 4 (worker.quant): the quantized values split like the float weights,
+    """--quantization int8|int4 at N = 4 (models.quantization): the quantized values split like the float weights,
     the scales with their rows (column-parallel) or, row-parallel, whole (int8: one per row) or with their
     groups of inputs (int4: each device holds whole groups); tokens and logits as at N = 1 (f32 within ATOL:
     only the order of the split sums differs), the planner's abstract state equal to the runner's, 200 swaps

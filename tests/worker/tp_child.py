@@ -21,16 +21,15 @@ import numpy as np
 
 from loraserve.adapters.files import read_adapter_files
 from loraserve.adapters.peft import parse_adapter
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.jax_runner import JaxRunner
+from loraserve.engine.request import SamplingRow
+from loraserve.engine.runner import PrefillInput
 from loraserve.kernels.testing import count_compilations
-from loraserve.worker import model as M
-from loraserve.worker import sharding
-from loraserve.worker.checkpoint import load_checkpoint
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.jax_runner import JaxRunner
-from loraserve.worker.requests import SamplingRow
-from loraserve.worker.runner import PrefillInput
-from loraserve.worker.sampling import SamplingArrays
-from loraserve.worker.step import DecodeBatch, DeviceState
+from loraserve.models import decoder, sharding
+from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.sampling import SamplingArrays
+from loraserve.models.step import DecodeBatch, DeviceState
 
 PROMPTS = [[5, 17, 33, 100, 7, 9], [3, 4], [250, 11, 12, 13], [60, 61, 62, 63, 64], [8, 8, 8], [99, 1, 2]]
 ROW_SLOTS = [0, 1, 2, 3, -1, 0]  # four adapters, a base row, one adapter on two rows; slot 4 is swapped
@@ -38,7 +37,7 @@ SLOTS, RANK = 5, 16
 
 
 def _spec(array) -> str:
-    if hasattr(array, "scale"):  # worker.quant.Int8Weight: its values' spec / its scales'
+    if hasattr(array, "scale"):  # models.quantization.Int8Weight: its values' spec / its scales'
         return f"{_spec(array.q)}/{_spec(array.scale)}"
     sharding = array.sharding
     return str(tuple(sharding.spec)) if hasattr(sharding, "spec") else "single"
@@ -81,7 +80,7 @@ def serve(
     for slot, values in enumerate(prepared[:4]):
         runner.write_slot(slot, values)
     greedy = SamplingRow()
-    tables = M.contiguous_page_tables(len(PROMPTS), config.pages_per_row)
+    tables = decoder.contiguous_page_tables(len(PROMPTS), config.pages_per_row)
     first = runner.prefill(
         [
             PrefillInput(p, 0, s, tables[row], greedy)
@@ -92,7 +91,9 @@ def serve(
     positions = np.array([len(p) for p in PROMPTS], np.int32)
     slots = np.array(ROW_SLOTS, np.int32)
     # the step's logits, the cache not donated (the runner's own step consumes it next)
-    logits_fn = jax.jit(lambda state, batch: M.decode(runner.model_config, runner.backend, state, batch)[0])
+    logits_fn = jax.jit(
+        lambda state, batch: decoder.decode(runner.model_config, runner.backend, state, batch)[0]
+    )
     out_tokens, out_logits = [first], []
     base = logits_fn(runner.state(), DecodeBatch(tokens, positions, tables, None))
     for step in range(steps):
@@ -197,7 +198,7 @@ def tpu_export(n: int, attention: str = "xla") -> dict:
     from loraserve.kernels import pallas as pk
     from loraserve.kernels.attention import DecodeAttention
     from loraserve.kernels.backends import PallasBackend
-    from loraserve.worker.model_config import ModelConfig
+    from loraserve.models.config import ModelConfig
 
     pk.default_interpret = lambda: False  # lower the real kernels, not the interpreter
     cfg = ModelConfig(
@@ -215,7 +216,7 @@ def tpu_export(n: int, attention: str = "xla") -> dict:
     attend = DecodeAttention.of(DecodeAttention(attention, interpret=False), backend)
 
     def step(state: DeviceState, batch: DecodeBatch):
-        return M.decode(tcfg, backend, state, batch, attend)
+        return decoder.decode(tcfg, backend, state, batch, attend)
 
     rep = NamedSharding(mesh, P())
     rows = jax.ShapeDtypeStruct((16,), jnp.int32, sharding=rep)

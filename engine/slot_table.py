@@ -1,6 +1,6 @@
 """Host-side slot bookkeeping (no JAX): which adapter sits in which device slot, LRU, pins, a host tier.
 
-``SlotTable`` is owned by the engine thread (``worker.residency``); its entries are frozen ``Slot``
+``SlotTable`` is owned by the engine thread (``engine.residency``); its entries are frozen ``Slot``
 values, replaced on every change, so a snapshot is just the tuple of current entries. ``HostTier``
 keeps recently prepared adapters' host arrays and is read and written by the loader threads.
 """

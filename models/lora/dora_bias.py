@@ -1,8 +1,8 @@
 """DoRA and LoRA-bias slot vectors: per-slot, per-output-channel scales and biases, and their maths.
 
-Next to a slot's ``A``/``B`` matrices (``worker.slot_pools``, laid out by the LoRA backend), every layer keeps
+Next to a slot's ``A``/``B`` matrices (``models.lora.pools``, laid out by the LoRA backend), every layer keeps
 two vector pools per LoRA group (q|k|v, o, gate|up, down), each laid out like the group's fused output
-(``[q | k | v]`` side by side; under tensor parallelism in the device order of ``worker.sharding``'s
+(``[q | k | v]`` side by side; under tensor parallelism in the device order of ``models.sharding``'s
 ``fuse_order``, so device s holds its own output columns):
 
 * ``dora_scale_<group> [S, out]`` float32: DoRA's ``m / ||W + s·B·A||`` per output channel (PEFT's
@@ -68,7 +68,7 @@ def init_vector_pools(sizes: Mapping[str, int], num_slots: int) -> dict[str, Arr
 
 def join_fused(parts: Sequence[Array], shards: int) -> Array:
     """Parts ``[..., size_i]`` -> the fused ``[..., sum(size_i)]`` in the device layout (inverse of
-    ``model.split_fused``).
+    ``models.layers.split_fused``).
 
     *Semantics:* ``shards`` = 1: side by side; N > 1: N blocks, block s holding every part's s-th N-th.
     """

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loraserve.kernels.linear import argmax_last
-from loraserve.worker.requests import BIAS_ENTRIES, MAX_LOGPROBS, history_bytes
+from loraserve.models.sizes import BIAS_ENTRIES, MAX_LOGPROBS, history_bytes
 
 Array = jax.Array
 

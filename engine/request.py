@@ -7,11 +7,10 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from loraserve.common import limits
 from loraserve.common.errors import InvalidArgument
 from loraserve.common.finish_reasons import FinishReason
 from loraserve.common.limits import (
@@ -23,22 +22,29 @@ from loraserve.common.limits import (
     REPETITION_PENALTY_RANGE,
     UINT32_MAX,
 )
+from loraserve.models.sizes import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from loraserve.worker.grammar import TokenMatcher
 
-MAX_LOGPROBS = limits.MAX_LOGPROBS  # most alternatives a request may ask for (the device computes this many)
-MAX_EOS_IDS = 16  # end-of-sequence ids a model may have (min_tokens bans them on the device)
-# entries of a decode row's bias table: its logit_bias, and min_tokens' bans (stop token ids and EOS)
-BIAS_ENTRIES = MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + MAX_EOS_IDS
+class Constraint(Protocol):
+    """A structured output's state as the engine uses it (the worker's ``worker.grammar.TokenMatcher``): the
+    bitmask of the tokens allowed next, advanced by each token drawn."""
 
+    def mask(self) -> np.ndarray:
+        """[ceil(V / 32)] int32: bit j of word i allows token 32 i + j."""
 
-def history_bytes(rows: int, vocab: int) -> int:
-    """Device bytes of ``rows`` decode rows' history (``worker.sampling.RowHistory``): token counts (int32)
-    and seen flags (bool) over the vocabulary, and the bias table (id, value, until)."""
-    return rows * vocab * (4 + 1) + rows * BIAS_ENTRIES * (4 + 4 + 4)
+    def accept(self, token: int) -> bool:
+        """Advance by the drawn ``token``; False if the grammar refuses it."""
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and allows no further token (only EOS)."""
+
+    @property
+    def error(self) -> str:
+        """Why the grammar refused a token."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ class Sampling:
     logprobs: int | None = None  # None = no logprobs; N = the token's logprob and the N most likely
     prompt_logprobs: int | None = None  # None = none; N = each prompt token's (after the first) and N more
     prompt_only: bool = False  # generate nothing: score the prompt (with prompt_logprobs) and finish
-    # the logits controls (worker.sampling has their semantics)
+    # the logits controls (models.sampling has their semantics)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -214,7 +220,7 @@ class EngineRequest:
     max_new_tokens: int = 0
     generated: list[int] = field(default_factory=list)
     prompt_scores: list[TokenLogprobs] | None = None  # while its prompt is scored (Sampling.prompt_logprobs)
-    grammar: TokenMatcher | None = None  # structured outputs: what the next token may be (worker.grammar)
+    grammar: Constraint | None = None  # structured outputs: what the next token may be (worker.grammar)
     done: bool = False
 
     def emit(self, event: Event) -> None:
@@ -225,7 +231,7 @@ class EngineRequest:
         try:
             self.sink(event)
         except Exception:  # a broken consumer must never take the engine thread down
-            logging.getLogger("loraserve.worker.engine").exception(
+            logging.getLogger("loraserve.engine.engine").exception(
                 "sink of request %s failed", self.request_id
             )
 

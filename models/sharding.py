@@ -4,7 +4,7 @@ Layout over a 1-D mesh of N devices, axis ``model`` (``docs/worker.md``):
 
 * ``wqkv [q+2kv, in]`` and ``w_gate_up [2I, in]`` (and their biases) split by output rows, their rows
   re-ordered at load so device s holds its own q, k, v (gate, up) slices (:func:`fuse_order`;
-  ``model.split_fused`` reads them back);
+  ``models.layers.split_fused`` reads them back);
 * ``wo [H, q]`` and ``w_down [H, I]`` split by input columns (one all-reduce of ``[tokens, H]`` each);
 * ``embed`` and ``lm_head [V, H]`` split by vocab rows (when N divides V; replicated otherwise);
 * the KV cache split by KV head; with ``kv_heads < N`` every KV head is repeated ``N / kv_heads``
@@ -12,7 +12,7 @@ Layout over a 1-D mesh of N devices, axis ``model`` (``docs/worker.md``):
   holds the one its q heads read;
 * slot pools split like the layer they adapt (``kernels.sharded``); norms and the rest replicated;
 * a mixture of experts' experts (and their LoRA pools) split by expert, N dividing the expert count
-  (expert parallelism, ``worker.moe``); its router and shared expert replicated.
+  (expert parallelism, ``models.moe``); its router and shared expert replicated.
 
 N = 1 uses none of this: the runner keeps its single-device path.
 """
@@ -31,26 +31,26 @@ from jax.sharding import PartitionSpec as P
 from loraserve.common.errors import FailedPrecondition, InvalidArgument
 from loraserve.kernels.backends import COLUMN, ROW, LoraBackend
 from loraserve.kernels.sharded import AXIS, ShardedBackend
-from loraserve.worker.dora import VECTOR_DTYPE, bias_name, scale_name
-from loraserve.worker.embed_lora import VOCAB_POOLS, vocab_slot_shapes
-from loraserve.worker.model import (
+from loraserve.models.config import ModelConfig
+from loraserve.models.decoder import (
     b_name,
     kv_page_bytes,
     kv_storage_dtype,
     lora_slot_shapes,
     lora_vector_sizes,
 )
-from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.moe import EXPERT_POOLS, ROUTER_POOLS, init_expert_pools
-from loraserve.worker.step import LoraPools
+from loraserve.models.lora.dora_bias import VECTOR_DTYPE, bias_name, scale_name
+from loraserve.models.lora.embedding import VOCAB_POOLS, vocab_slot_shapes
+from loraserve.models.moe import EXPERT_POOLS, ROUTER_POOLS, init_expert_pools
+from loraserve.models.step import LoraPools
 
 # Which way each LoRA group's layer is split (Megatron): by output (column) or by input (row).
 GROUP_PARALLEL: dict[str, str] = {"qkv": COLUMN, "o": ROW, "gate_up": COLUMN, "down": ROW}
 # Per-layer parameter -> the dimension split over ``model`` (absent: replicated).
 LAYER_SPLIT_DIM: dict[str, int] = {"wqkv": 0, "bqkv": 0, "w_gate_up": 0, "b_gate_up": 0, "wo": 1, "w_down": 1}
-# a mixture of experts: split by expert (expert parallelism, worker.moe); router and shared expert whole
+# a mixture of experts: split by expert (expert parallelism, models.moe); router and shared expert whole
 LAYER_SPLIT_DIM |= {"experts_gate_up": 0, "experts_down": 0}
-# Slot values that are fused [out] vectors (worker.dora: magnitude_<g>, dora_<g>, lora_bias_<g>).
+# Slot values that are fused [out] vectors (models.lora.dora_bias: magnitude_<g>, dora_<g>, lora_bias_<g>).
 VECTOR_VALUES = ("magnitude_", "dora_", "lora_bias_")
 CACHE_SPEC = P(AXIS, None, None, None)  # k and v pages [kv_heads, pages, page_size, D]: by KV head
 
@@ -127,7 +127,7 @@ def _repeat_kv_rows(w: np.ndarray, cfg: ModelConfig, r: int) -> np.ndarray:
 
 def param_specs(cfg: ModelConfig, params: dict[str, Any], n: int) -> dict[str, Any]:
     """The PartitionSpec tree of ``params`` (same structure; leaves arrays or shape tuples) for N devices."""
-    from loraserve.worker.quant import Int4Weight, Int8Weight
+    from loraserve.models.quantization import Int4Weight, Int8Weight
 
     vocab = P(AXIS, None) if cfg.vocab_size % n == 0 else P()
     top = {k: (vocab if k in ("embed", "lm_head") else P()) for k in params if k != "layers"}
@@ -157,8 +157,8 @@ def shard_params(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh, dtype: An
     host, so that no device ever holds a whole split tensor. Params still to be read
     (``checkpoint.open_checkpoint``'s ``Deferred``) are read shard by shard: each process reads only the rows
     and columns its own devices hold. Floats are placed in ``dtype`` (default: the embedding's)."""
-    from loraserve.worker.checkpoint import Deferred, is_deferred
-    from loraserve.worker.quant import Quantized
+    from loraserve.models.checkpoint import Deferred, is_deferred
+    from loraserve.models.quantization import Quantized
 
     def deferred(v: Any, model_dtype: bool = True) -> Any:
         if isinstance(v, Quantized):
@@ -191,7 +191,7 @@ def layer_row_order(cfg: ModelConfig, key: str, rows: int, n: int) -> np.ndarray
 def _read_shards(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh, dtype: Any) -> dict[str, Any]:
     """:func:`shard_params` of ``Deferred`` params: every device's shard read by
     ``jax.make_array_from_callback`` (called for this process's devices only), each distinct shard once."""
-    from loraserve.worker.quant import Quantized
+    from loraserve.models.quantization import Quantized
 
     n = mesh.size
 
@@ -229,7 +229,7 @@ def _read_shards(cfg: ModelConfig, params: dict[str, Any], mesh: Mesh, dtype: An
         {k: layer_row_order(cfg, k, v.shape[0], n) for k, v in layer.items()} for layer in params["layers"]
     ]
 
-    def top_shape(v: Any) -> Any:  # a quantized head (worker.quant) or a float tensor
+    def top_shape(v: Any) -> Any:  # a quantized head (models.quantization) or a float tensor
         return (
             type(v)(global_shape(v.q, None), global_shape(v.scale, None))
             if isinstance(v, Quantized)
@@ -282,14 +282,14 @@ def pool_specs(cfg: ModelConfig, backend: ShardedBackend) -> dict[str, P]:
     for group, modules in cfg.lora_groups.items():
         out[f"A_{group}"] = backend.pool_spec("A", GROUP_PARALLEL[group])
         out.update({b_name(m): backend.pool_spec("B", GROUP_PARALLEL[group]) for m in modules})
-        # worker.dora's [S, out] vectors: split by output like a column-parallel layer's output, whole
+        # models.lora.dora_bias's [S, out] vectors: split by output like a column-parallel layer's output, whole
         # for o/down (applied to the all-reduced output)
         vec = P(None, AXIS) if GROUP_PARALLEL[group] == COLUMN else P()
         out.update({scale_name(group): vec, bias_name(group): vec})
-    # worker.embed_lora's vocabulary-sized pools (LoraPools.vocab): A_embed [S, V, R] split by vocab like the
+    # models.lora.embedding's vocabulary-sized pools (LoraPools.vocab): A_embed [S, V, R] split by vocab like the
     # embedding, B_lm_head [S, R, V] like lm_head (when N divides the vocabulary, else replicated, as the
     # weights are); B_embed and A_lm_head whole
-    # a mixture of experts' pools (worker.moe): expert-major [E, S, ...] split by expert like the experts;
+    # a mixture of experts' pools (models.moe): expert-major [E, S, ...] split by expert like the experts;
     # the router's whole
     out.update({name: P(AXIS) for name in EXPERT_POOLS})
     out.update({name: P() for name in ROUTER_POOLS})
@@ -309,7 +309,7 @@ def expand_slot_values(
 ) -> list[dict[str, np.ndarray]]:
     """One slot's canonical host values (``slots.slot_arrays`` of the checkpoint's config) -> the values
     for the N-device model: the k/v B columns repeated per KV head like the weights, and the fused
-    ``worker.dora`` vectors (k/v parts repeated the same way) in the device order of the fused weight
+    ``models.lora.dora_bias`` vectors (k/v parts repeated the same way) in the device order of the fused weight
     rows (:func:`fuse_order`); no-op for N = 1."""
     if n == 1:
         return values
@@ -339,7 +339,7 @@ def expand_slot_values(
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
-    """The shapes of ``worker.checkpoint``'s params for ``cfg`` (one device's layout), as a params tree of
+    """The shapes of ``models.checkpoint``'s params for ``cfg`` (one device's layout), as a params tree of
     tuples: what :func:`abstract_state` needs when no checkpoint is loaded (the capacity planner)."""
     h, q, kv, i, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
     layer: dict[str, tuple[int, ...]] = {
@@ -352,7 +352,7 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
         layer["bo"] = (h,)
     if cfg.mlp_bias:
         layer.update(b_gate_up=(2 * i,), b_down=(h,))
-    if cfg.is_moe:  # worker.checkpoint._experts: router and experts instead of the dense MLP
+    if cfg.is_moe:  # models.checkpoint._experts: router and experts instead of the dense MLP
         e, m, shared = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_size
         del layer["w_gate_up"], layer["w_down"]
         layer.update(router=(e, h), experts_gate_up=(e, h, 2 * m), experts_down=(e, m, h))
@@ -410,8 +410,8 @@ def abstract_state(
         {k: sds(tp_shape(k, v), dtype, ls[k]) for k, v in layer.items()}
         for layer, ls in zip(shapes["layers"], specs["layers"], strict=True)
     ]
-    if quantization != "none":  # worker.quant: the projections' values, and f32 scales split with them
-        from loraserve.worker.quant import QUANTIZED, Int4Weight, Int8Weight, int4_group
+    if quantization != "none":  # models.quantization: the projections' values, and f32 scales split with them
+        from loraserve.models.quantization import QUANTIZED, Int4Weight, Int8Weight, int4_group
 
         for layer in aparams["layers"]:
             for k in QUANTIZED:
@@ -429,8 +429,10 @@ def abstract_state(
                 layer[k] = Int4Weight(
                     sds((out, inputs // 2), jnp.uint8, spec), sds(groups, jnp.float32, scale_spec)
                 )
-    if quantize_lm_head:  # worker.quant.quantized_head: by vocab rows like the float head, scales with them
-        from loraserve.worker.quant import quantized_head
+    if (
+        quantize_lm_head
+    ):  # models.checkpoint.quantized_head: by vocab rows like the float head, scales with them
+        from loraserve.models.checkpoint import quantized_head
 
         vocab, hidden = shapes.get("lm_head", shapes["embed"])
         head = {"embed": jax.ShapeDtypeStruct((vocab, hidden), jnp.float32)}
@@ -461,7 +463,7 @@ def abstract_state(
                 for k, s in slot.items()
             },
             **vectors,
-            **{  # a mixture of experts' LoRA pools (worker.moe), split by expert
+            **{  # a mixture of experts' LoRA pools (models.moe), split by expert
                 k: sds(v.shape, pool_dtype, pspecs[k])
                 for k, v in jax.eval_shape(
                     lambda: init_expert_pools(cfg, config.max_loras, config.max_lora_rank, pool_dtype)

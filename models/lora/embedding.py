@@ -2,7 +2,7 @@
 
 PEFT adapts the input embedding with ``embed(x) + s · B_e · A_e[x]`` (``lora_embedding_A [r, vocab]``
 gathered per token) and the output projection like any Linear, ``logits + s · (h A_l) B_l``. The pools
-are vocabulary-sized and exist once per model, not per layer: ``LoraPools.vocab`` (``worker.step``; the
+are vocabulary-sized and exist once per model, not per layer: ``LoraPools.vocab`` (``models.step``; the
 slot write, the shardings and the donation treat them like every other pool), in the canonical layout
 for every LoRA backend (no ``to_pool_layout``):
 
@@ -13,7 +13,7 @@ Ranks below R are zero-padded (exact); a slot without these targets holds zeros.
 in XLA (a gather and two small matmuls per row, in f32), the same for every backend: the embedding delta
 before Gemma's embedding scale (PEFT scales the LoRA output by the embedding's scale, transformers' Gemma 2
 multiplies the sum: the same product), the lm_head delta before the final soft-cap. Rows without a slot
-(−1) keep the base values bit for bit. Under tensor parallelism (``worker.sharding.pool_specs``)
+(−1) keep the base values bit for bit. Under tensor parallelism (``models.sharding.pool_specs``)
 ``A_embed`` is split by vocabulary like the embedding and ``B_lm_head`` like lm_head (when N divides the
 vocabulary; replicated otherwise, as the weights are); ``B_embed`` and ``A_lm_head`` are whole. The ops
 are plain XLA under GSPMD: each device's logits columns come from its own ``B_lm_head`` columns.
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loraserve.adapters.peft import LoraWeights
-from loraserve.worker.model_config import ModelConfig
+from loraserve.models.config import ModelConfig
 
 Array = jax.Array
 VOCAB_POOLS = ("A_embed", "B_embed", "A_lm_head", "B_lm_head")

@@ -1,21 +1,21 @@
 """The Llama-family decoder in JAX: prefill one sequence into paged KV, decode one token for every row.
 
-The family differences are static ``ModelConfig`` fields (``worker.model_config``): Gemma's ``1 + w``
+The family differences are static ``ModelConfig`` fields (``models.config``): Gemma's ``1 + w``
 RMSNorm and sandwich norms, q/k norm (Qwen3, Gemma 3), scaled embeddings, GELU-tanh, attention and final
 logit soft-capping, sliding-window layers and a second RoPE table for them; layers are unrolled, so a
 layer's kind costs no extra compiled variant.
 
-Both steps take the device-step contract of ``worker.step``: a ``DeviceState`` (params, LoRA pools, KV
-cache, RoPE table) and a ``PrefillBatch`` or ``DecodeBatch``. Parameters come from ``worker.checkpoint`` (one
+Both steps take the device-step contract of ``models.step``: a ``DeviceState`` (params, LoRA pools, KV
+cache, RoPE table) and a ``PrefillBatch`` or ``DecodeBatch``. Parameters come from ``models.checkpoint`` (one
 dict per layer, matrices ``[out, in]`` as in Hugging Face, q/k/v and gate/up fused); the LoRA slot pools
-(``LoraPools``) from ``worker.slot_pools``: per layer one ``A_<group>`` with the ranks of the group's modules
+(``LoraPools``) from ``models.lora.pools``: per layer one ``A_<group>`` with the ranks of the group's modules
 side by side and one ``B_<module>`` per module, scaling folded into B (the layout and the ops belong to a
 LoRA backend object, ``kernels.backends``, which the model calls without knowing which one it is), plus
-per group the DoRA-scale and LoRA-bias vectors of ``worker.dora``, applied to each adapter row's output
+per group the DoRA-scale and LoRA-bias vectors of ``models.lora.dora_bias``, applied to each adapter row's output
 after the backend's LoRA, the same for every backend; and apart (``LoraPools.vocab``) the embed_tokens /
-lm_head pools of ``worker.embed_lora``, added to each row's embedding and logits. The KV cache
+lm_head pools of ``models.lora.embedding``, added to each row's embedding and logits. The KV cache
 is paged (docs/design.md §10.3): one ``(k_pages, v_pages)`` pair per layer, each ``[kv_heads, pages,
-page_size, head_dim]`` (see ``init_cache``), updated in place (donated). A sequence's positions live in the pages its page table lists (``worker.kv_cache`` hands them
+page_size, head_dim]`` (see ``init_cache``), updated in place (donated). A sequence's positions live in the pages its page table lists (``engine.kv_pages`` hands them
 out); attention gathers a row's pages and masks by position, so the shapes never depend on which pages.
 
 Layers are unrolled over separate per-layer arrays rather than scanned over stacked ones: on XLA:CPU a
@@ -35,45 +35,21 @@ import numpy as np
 from loraserve.kernels.attention import DecodeAttention
 from loraserve.kernels.backends import COLUMN, ROW, LoraBackend
 from loraserve.kernels.linear import linear
-from loraserve.worker.dora import apply_vectors, init_vector_pools
-from loraserve.worker.embed_lora import apply_embed, apply_lm_head, init_vocab_pools
-from loraserve.worker.model_config import LORA_GROUPS, ModelConfig
-from loraserve.worker.moe import init_expert_pools, moe_mlp
-from loraserve.worker.quant import Quantized, qlinear
-from loraserve.worker.sampling import TOP_LOGPROBS, PromptScores, token_logprobs
-from loraserve.worker.step import Cache, DecodeBatch, DeviceState, LoraPools, Params, PrefillBatch
+from loraserve.models.config import LORA_GROUPS, ModelConfig
+from loraserve.models.layers import activation, apply_rope, layer_inv_freq, matmul, norm, softcap, split_fused
+from loraserve.models.lora.dora_bias import apply_vectors, init_vector_pools
+from loraserve.models.lora.embedding import apply_embed, apply_lm_head, init_vocab_pools
+from loraserve.models.moe import init_expert_pools, moe_mlp
+from loraserve.models.quantization import Quantized, qlinear
+from loraserve.models.sampling import TOP_LOGPROBS, PromptScores, token_logprobs
+from loraserve.models.step import Cache, DecodeBatch, DeviceState, LoraPools, Params, PrefillBatch
 
 Array = jax.Array
 Lora = list[dict[str, Array]]  # per layer: A_qkv, B_q, ... (LoraPools.layers)
 # (y, x, layer pools, group, parallel, base bias) -> y + LoRA(x), then DoRA's scale and the LoRA bias of
-# each row's slot (worker.dora): the strategy differs between decode (per-row slots) and prefill (per
+# each row's slot (models.lora.dora_bias): the strategy differs between decode (per-row slots) and prefill (per
 # segment); ``parallel`` (kernels.backends.COLUMN / ROW) says how tensor parallelism splits the layer.
 LoraFn = Callable[[Array, Array, dict[str, Array], str, str, Array | None], Array]
-
-
-def rms_norm(x: Array, w: Array, eps: float, offset: bool = False) -> Array:
-    """x [..., H], w [H] -> [..., H]. Semantics: x / rms(x) (in f32) times w, as transformers does it:
-    rounded to x's dtype, then times w (Llama); or times ``1 + w`` in f32, then rounded (``offset``, Gemma)."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    if offset:
-        return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
-    return (y.astype(x.dtype) * w).astype(x.dtype)
-
-
-def _norm(cfg: ModelConfig, x: Array, w: Array) -> Array:
-    return rms_norm(x, w, cfg.rms_norm_eps, cfg.gemma_norm)
-
-
-def _activation(cfg: ModelConfig, x: Array) -> Array:
-    """The MLP's gate activation in f32: silu, or gelu_pytorch_tanh (the tanh approximation)."""
-    xf = x.astype(jnp.float32)
-    return jax.nn.gelu(xf, approximate=True) if cfg.hidden_act == "gelu_pytorch_tanh" else jax.nn.silu(xf)
-
-
-def _softcap(x: Array, cap: float | None) -> Array:
-    """Semantics: tanh(x / cap) * cap (Gemma's soft-capping); identity when cap is None."""
-    return x if cap is None else jnp.tanh(x / cap) * cap
 
 
 def _embed(
@@ -84,7 +60,7 @@ def _embed(
     slots: Array | None = None,
 ) -> Array:
     """tokens [T] -> [T, H]; with the ``vocab`` pools (``LoraPools.vocab``) and ``slots`` ([G], T = G groups
-    of consecutive tokens) each row's embed_tokens LoRA is added (``worker.embed_lora``); then Gemma scales
+    of consecutive tokens) each row's embed_tokens LoRA is added (``models.lora.embedding``); then Gemma scales
     by sqrt(hidden), rounded to the embedding dtype as HF does."""
     h = params["embed"][tokens]
     if vocab is not None and slots is not None and "A_embed" in vocab:
@@ -92,47 +68,9 @@ def _embed(
     return h if cfg.embed_scale is None else h * jnp.asarray(cfg.embed_scale, h.dtype)
 
 
-def _layer_inv_freq(cfg: ModelConfig, inv_freq: Array, layer: int) -> Array:
-    """inv_freq [D/2] (one table) or [2, D/2] (global, local) -> this layer's table [D/2]."""
-    if inv_freq.ndim == 1:
-        return inv_freq
-    return inv_freq[1 if cfg.is_sliding(layer) else 0]
-
-
-def apply_rope(x: Array, positions: Array, inv_freq: Array) -> Array:
-    """x [..., T, heads, D], positions [..., T] -> same shape. Semantics: HF rotate-half rotary embedding."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [..., T, D/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[..., None, :]
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[..., None, :]
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
-
-
-def split_fused(y: Array, sizes: tuple[int, ...], shards: int) -> list[Array]:
-    """y ``[..., sum(sizes)]`` -> the parts ``[..., size_i]`` of a fused projection (q|k|v, gate|up).
-
-    *Semantics:* with ``shards`` = 1, y is the parts side by side; with N > 1 (tensor parallelism) y is
-    N blocks, block s holding every part's s-th N-th side by side (``worker.sharding.fuse_order``), so
-    each device's output columns carry its own q, k, v (gate, up).
-    """
-    if shards == 1:
-        return jnp.split(y, [int(c) for c in np.cumsum(sizes)[:-1]], axis=-1)
-    lead = y.shape[:-1]
-    local = [size // shards for size in sizes]
-    blocks = jnp.split(y.reshape(*lead, shards, sum(local)), [int(c) for c in np.cumsum(local)[:-1]], axis=-1)
-    return [blk.reshape(*lead, size) for blk, size in zip(blocks, sizes, strict=True)]
-
-
 def _group_pools(ll: dict[str, Array], group: str) -> tuple[Array, tuple[Array, ...]]:
     """A layer's pools of one LoRA group: its ``A_<group>`` and the B pools of its modules."""
     return ll[f"A_{group}"], tuple(ll[b_name(m)] for m in LORA_GROUPS[group])
-
-
-def _matmul(x: Array, w: Array | Quantized, b: Array | None) -> Array:
-    y = (qlinear(x, w) if isinstance(w, Quantized) else linear(x, w)).astype(x.dtype)
-    return y if b is None else y + b
 
 
 def _layer_mlp(
@@ -146,50 +84,50 @@ def _layer_mlp(
     mesh: Any = None,
 ) -> Array:
     """The MLP block; ``slots`` (each token's adapter slot, or None: no adapter anywhere) reaches a mixture
-    of experts, whose LoRA on experts and router is computed beside them (``worker.moe``; split over
+    of experts, whose LoRA on experts and router is computed beside them (``models.moe``; split over
     ``mesh``'s devices by expert when it has several)."""
-    x = _norm(cfg, h, lp["mlp_norm"])
+    x = norm(cfg, h, lp["mlp_norm"])
     if cfg.is_moe:  # experts (and a shared expert) instead of one MLP; dense LoRA adapts attention only
         return h + moe_mlp(cfg, lp, x, ll=ll, slots=slots, mesh=mesh)
-    gu = _matmul(x, lp["w_gate_up"], lp.get("b_gate_up"))
+    gu = matmul(x, lp["w_gate_up"], lp.get("b_gate_up"))
     gu = lora_fn(gu, x, ll, "gate_up", COLUMN, lp.get("b_gate_up"))
     gate, up = split_fused(gu, (cfg.intermediate_size,) * 2, shards)
-    act = _activation(cfg, gate).astype(h.dtype) * up
-    down = _matmul(act, lp["w_down"], lp.get("b_down"))
+    act = activation(cfg, gate).astype(h.dtype) * up
+    down = matmul(act, lp["w_down"], lp.get("b_down"))
     down = lora_fn(down, act, ll, "down", ROW, lp.get("b_down"))
     if cfg.sandwich_norms:
-        down = _norm(cfg, down, lp["post_mlp_norm"])
+        down = norm(cfg, down, lp["post_mlp_norm"])
     return h + down
 
 
 def _qkv(
     cfg: ModelConfig, lp: dict[str, Array], ll: Lora, h: Array, lora_fn: LoraFn, shards: int = 1
 ) -> tuple[Array, ...]:
-    x = _norm(cfg, h, lp["attn_norm"])
-    qkv = _matmul(x, lp["wqkv"], lp.get("bqkv"))
+    x = norm(cfg, h, lp["attn_norm"])
+    qkv = matmul(x, lp["wqkv"], lp.get("bqkv"))
     qkv = lora_fn(qkv, x, ll, "qkv", COLUMN, lp.get("bqkv"))
     q, k, v = split_fused(qkv, (cfg.q_size, cfg.kv_size, cfg.kv_size), shards)
     lead = h.shape[:-1]
     q = q.reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = k.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:  # per head, before RoPE (Qwen3, Gemma 3)
-        q, k = _norm(cfg, q, lp["q_norm"]), _norm(cfg, k, lp["k_norm"])
+        q, k = norm(cfg, q, lp["q_norm"]), norm(cfg, k, lp["k_norm"])
     return q, k, v.reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
 
 
 def _out_proj(
     lp: dict[str, Array], ll: Lora, h: Array, attn: Array, lora_fn: LoraFn, cfg: ModelConfig
 ) -> Array:
-    o = _matmul(attn, lp["wo"], lp.get("bo"))
+    o = matmul(attn, lp["wo"], lp.get("bo"))
     o = lora_fn(o, attn, ll, "o", ROW, lp.get("bo"))
     if cfg.sandwich_norms:  # Gemma: norm the attention output before the residual
-        o = _norm(cfg, o, lp["post_attn_norm"])
+        o = norm(cfg, o, lp["post_attn_norm"])
     return h + o
 
 
 def _scores(cfg: ModelConfig, scores: Array) -> Array:
     """Raw f32 ``q . k`` -> scaled (and, for Gemma 2, soft-capped) attention logits, before the mask."""
-    return _softcap(scores * cfg.attn_scale, cfg.attn_logit_softcap)
+    return softcap(scores * cfg.attn_scale, cfg.attn_logit_softcap)
 
 
 def logits_from_hidden(
@@ -200,14 +138,14 @@ def logits_from_hidden(
     slots: Array | None = None,
 ) -> Array:
     """h [G, H] -> logits [G, V] in f32. Semantics: final norm, lm_head (or tied embeddings), plus each
-    row's lm_head LoRA (``vocab`` pools, ``slots`` [G], ``worker.embed_lora``) where given, then the final
+    row's lm_head LoRA (``vocab`` pools, ``slots`` [G], ``models.lora.embedding``) where given, then the final
     soft-cap where the config has one (Gemma 2)."""
-    x = _norm(cfg, h, params["final_norm"])
+    x = norm(cfg, h, params["final_norm"])
     head = params["lm_head"] if "lm_head" in params else params["embed"]
     logits = qlinear(x, head) if isinstance(head, Quantized) else linear(x, head)
     if vocab is not None and slots is not None and "A_lm_head" in vocab:
         logits = apply_lm_head(logits, x, vocab, slots)
-    return _softcap(logits, cfg.final_logit_softcap)
+    return softcap(logits, cfg.final_logit_softcap)
 
 
 def kv_storage_dtype(dtype: Any, platform: str | None = None) -> Any:
@@ -396,7 +334,7 @@ def _prefill_hidden(
     new_cache: Cache = []
     for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [G*L, heads, D]
-        freq = _layer_inv_freq(cfg, inv_freq, n)
+        freq = layer_inv_freq(cfg, inv_freq, n)
         q, k = apply_rope(q, flat_pos, freq), apply_rope(k, flat_pos, freq)
         k_pages = _write_pages(k_pages, flat_index, k, kv_dtype)
         v_pages = _write_pages(v_pages, flat_index, v, kv_dtype)
@@ -463,7 +401,7 @@ def decode(
     new_cache: Cache = []
     for n, (lp, ll, (k_pages, v_pages)) in enumerate(zip(params["layers"], lora, cache, strict=True)):
         q, k, v = _qkv(cfg, lp, ll, h, lora_fn, backend.shards)  # [B, heads, D]
-        freq = _layer_inv_freq(cfg, inv_freq, n)
+        freq = layer_inv_freq(cfg, inv_freq, n)
         q = apply_rope(q[:, None], positions[:, None], freq)[:, 0]
         k = apply_rope(k[:, None], positions[:, None], freq)[:, 0]
         k_pages = _write_pages(k_pages, flat_index, k, kv_dtype)
@@ -502,8 +440,8 @@ def empty_lora(
     cfg: ModelConfig, max_loras: int, max_rank: int, dtype: Any, backend: LoraBackend
 ) -> LoraPools:
     """Zeroed slot pools, in ``backend``'s layout, for ``max_loras`` adapters of rank up to ``max_rank``
-    on all seven modules, plus the DoRA-scale (ones) and LoRA-bias (zeros) vector pools of ``worker.dora``
-    per layer, a mixture of experts' expert and router pools (``worker.moe.expert_slot_shapes``), and the embed_tokens / lm_head pools of ``worker.embed_lora`` (``LoraPools.vocab``)."""
+    on all seven modules, plus the DoRA-scale (ones) and LoRA-bias (zeros) vector pools of ``models.lora.dora_bias``
+    per layer, a mixture of experts' expert and router pools (``models.moe.expert_slot_shapes``), and the embed_tokens / lm_head pools of ``models.lora.embedding`` (``LoraPools.vocab``)."""
     pools = backend.init_pools(lora_slot_shapes(cfg, max_rank), cfg.num_layers, max_loras, dtype)
     layers = [
         {

@@ -2,7 +2,7 @@
 prefix-cache routing (llm-d's KV-cache indexer, the Inference Gateway) reads them to know which worker holds
 which prompt prefix under which adapter.
 
-The prefix cache (``worker.kv_cache``) appends an event each time a full computed page gets its hash
+The prefix cache (``engine.kv_pages``) appends an event each time a full computed page gets its hash
 (:class:`BlockStored`: the pages' chained sha256 hashes, the hash before them, their token ids, the page
 size and the adapter: ``lora_name`` ``name@version`` or a mix's ref, ``lora_id`` a stable integer of its
 content; both None for the base model) and each time a cached page is reclaimed or forgotten
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("loraserve.worker.kv_events")
+log = logging.getLogger("loraserve.engine.kv_events")
 
 MEDIUM = "GPU"
 MAX_QUEUED = 10_000

@@ -1,7 +1,7 @@
 """The device side of the engine as a protocol: what the host-side scheduler asks of a model runner.
 
-``worker.jax_runner.JaxRunner`` is the real one (jitted, donated, never recompiling after ``warmup``);
-``worker.fake_runner.FakeRunner`` makes arithmetic tokens so the scheduler can be tested in milliseconds.
+``engine.jax_runner.JaxRunner`` is the real one (jitted, donated, never recompiling after ``warmup``);
+``engine.fake_runner.FakeRunner`` makes arithmetic tokens so the scheduler can be tested in milliseconds.
 Every method is called from the engine thread, except ``prepare`` (loader threads).
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from loraserve.adapters.peft import LoraWeights
-from loraserve.worker.requests import SamplingRow, TokenLogprobs
+from loraserve.engine.request import SamplingRow, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class Runner(Protocol):
     the reserved null page (never allocated; idle rows and padding write there, nothing reads it unmasked).
     A *page table* is ``[pages_per_row]`` int32: entry ``i`` is the page holding positions
     ``i*page_size .. (i+1)*page_size - 1`` of that sequence, 0 where none is assigned. The host side
-    (``worker.kv_cache``) owns allocation, sharing and the tables; the runner only reads and writes pages.
+    (``engine.kv_pages``) owns allocation, sharing and the tables; the runner only reads and writes pages.
     """
 
     backend: object  # the LoRA backend object in use (kernels.backends; str() names it); "fake" for the fake runner

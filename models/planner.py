@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraserve.common.errors import FailedPrecondition, InvalidArgument
-from loraserve.worker.requests import history_bytes
+from loraserve.models.sizes import history_bytes
 
 if TYPE_CHECKING:  # numpy and JAX stay out of `loraserve --help` (the CLI builds every subcommand's flags)
-    from loraserve.worker.model_config import ModelConfig
+    from loraserve.models.config import ModelConfig
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -87,13 +87,13 @@ class Plan:
 
 def presets() -> dict[str, Path]:
     """Shipped example configs (Hugging Face ``config.json`` files): name -> path."""
-    folder = resources.files("loraserve.worker") / "presets"
+    folder = resources.files("loraserve.models") / "presets"
     return {Path(str(p)).stem: Path(str(p)) for p in folder.iterdir() if str(p).endswith(".json")}
 
 
 def load_model_config(name_or_path: str) -> tuple[str, ModelConfig]:
     """A preset name (``llama-3-8b``), a ``config.json`` path, or a checkpoint folder holding one."""
-    from loraserve.worker.model_config import ModelConfig
+    from loraserve.models.config import ModelConfig
 
     path = presets().get(name_or_path) or Path(name_or_path)
     if path.is_dir():
@@ -117,7 +117,7 @@ def kv_heads_per_device(cfg: ModelConfig, tp: int) -> int:
 
 def check_layout(cfg: ModelConfig, tp: int) -> None:
     """Refuse a tensor-parallel degree the Megatron layout cannot split (the worker's own start-up check)."""
-    from loraserve.worker.sharding import check_tensor_parallel
+    from loraserve.models.sharding import check_tensor_parallel
 
     check_tensor_parallel(cfg, tp, devices=tp)
 
@@ -146,7 +146,7 @@ def weight_bytes(
 ) -> int:
     """One device's base weights; with ``quantization="int8"`` the layers' projections at one byte an
     element plus an f32 scale per output channel, with ``"int4"`` at half a byte plus an f32 scale per group
-    of inputs (worker.quant), the rest in ``dtype``; ``quantize_lm_head``: the head too, by vocab rows (a tied
+    of inputs (models.quantization), the rest in ``dtype``; ``quantize_lm_head``: the head too, by vocab rows (a tied
     model keeps its embedding in ``dtype`` beside the quantized head)."""
     size = DTYPE_BYTES[dtype]
     projections = sum(i * o for i, o in _module_shapes_per_device(cfg, tp).values())
@@ -169,10 +169,10 @@ def weight_bytes(
 
 
 def quantized_matrix_bytes(out: int, inputs: int, quantization: str, group_of: int | None = None) -> int:
-    """``out`` rows of ``inputs`` quantized (worker.quant's layouts): int8 a byte a value and an f32 scale a
+    """``out`` rows of ``inputs`` quantized (models.quantization's layouts): int8 a byte a value and an f32 scale a
     row; int4 half a byte a value and an f32 scale per group (of ``group_of`` inputs' group size, default
     ``inputs``)."""
-    from loraserve.worker.quant import int4_group
+    from loraserve.models.quantization import int4_group
 
     if quantization == "int4":
         return out * inputs // 2 + 4 * out * (inputs // int4_group(group_of or inputs))
@@ -181,8 +181,8 @@ def quantized_matrix_bytes(out: int, inputs: int, quantization: str, group_of: i
 
 def check_int4_split(cfg: ModelConfig, tp: int) -> None:
     """Refuse (FailedPrecondition) a split that would cut an int4 group: a row-parallel projection's inputs
-    are split over the devices, and each device's share must be whole groups (worker.quant)."""
-    from loraserve.worker.quant import int4_group
+    are split over the devices, and each device's share must be whole groups (models.quantization)."""
+    from loraserve.models.quantization import int4_group
 
     for module, (fan_in, _) in cfg.module_shapes().items():
         group = int4_group(fan_in)
@@ -194,7 +194,7 @@ def check_int4_split(cfg: ModelConfig, tp: int) -> None:
 
 
 def quantized_projection_bytes(cfg: ModelConfig, tp: int, quantization: str) -> int:
-    """One layer's quantized projections on one device: values and f32 scales (worker.quant's layouts)."""
+    """One layer's quantized projections on one device: values and f32 scales (models.quantization's layouts)."""
     full = cfg.module_shapes()
     total = 0
     for module, (i, o) in _module_shapes_per_device(cfg, tp).items():
@@ -212,8 +212,8 @@ def kv_bytes(cfg: ModelConfig, tp: int, batch: int, context: int, dtype: str, pa
 
 def pool_bytes(cfg: ModelConfig, tp: int, max_loras: int, rank: int, dtype: str) -> int:
     """Slot pools sharded like their layer: column-parallel A whole + B split; row-parallel A split + B whole;
-    plus the f32 DoRA-scale and LoRA-bias vectors (``worker.dora``), split like their layer's output; plus
-    once per model the embed_tokens / lm_head pools (``worker.embed_lora``): ``A_embed [V, R]`` and
+    plus the f32 DoRA-scale and LoRA-bias vectors (``models.lora.dora_bias``), split like their layer's output; plus
+    once per model the embed_tokens / lm_head pools (``models.lora.embedding``): ``A_embed [V, R]`` and
     ``B_lm_head [R, V]`` split by vocab like the embedding (whole when N does not divide V), ``B_embed
     [R, H]`` and ``A_lm_head [H, R]`` whole; and on a mixture of experts every expert's gate/up and down
     LoRA and the router's (``ModelConfig.expert_shapes``)."""
@@ -226,7 +226,7 @@ def pool_bytes(cfg: ModelConfig, tp: int, max_loras: int, rank: int, dtype: str)
         else:
             per_layer += rank * (full[module][0] + fan_out)
             vectors += 2 * fan_out
-    for target, (fan_in, fan_out) in cfg.expert_shapes().items():  # a mixture of experts' (worker.moe)
+    for target, (fan_in, fan_out) in cfg.expert_shapes().items():  # a mixture of experts' (models.moe)
         per_layer += rank * (fan_in + fan_out) * (1 if target == "router" else cfg.num_experts // tp)
     vocab = rank * (2 * vocab_rows_per_device(cfg, tp) + 2 * cfg.hidden_size)
     layers = cfg.num_layers * (DTYPE_BYTES[dtype] * per_layer + DTYPE_BYTES["float32"] * vectors)
@@ -268,7 +268,7 @@ def plan(
     if dtype not in DTYPE_BYTES or (lora_dtype or dtype) not in DTYPE_BYTES:
         raise InvalidArgument(f"dtypes must be one of {', '.join(DTYPE_BYTES)}")
     check_layout(cfg, tp)
-    from loraserve.worker.quant import QUANTIZATIONS
+    from loraserve.models.quantization import QUANTIZATIONS
 
     if quantization not in QUANTIZATIONS:
         raise InvalidArgument(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")

@@ -5,21 +5,21 @@ Every step input is a registered pytree dataclass, so a step's signature names w
 * :class:`DeviceState` — what lives on the device between steps: the base model's ``params``, the adapter
   slot ``pools`` (:class:`LoraPools`: per-layer pools and the vocabulary pools apart), the paged KV
   ``cache``, the ``rope`` frequency table(s) and the decode rows' sampling ``history``
-  (``worker.sampling.RowHistory``, for the logits controls). A step reads all of it and returns a new
+  (``models.sampling.RowHistory``, for the logits controls). A step reads all of it and returns a new
   ``cache`` (and, when it samples, a new ``history`` in ``Sampled.history``).
 * :class:`PrefillBatch` — G prompts (or prompt chunks) packed into one call, each with its adapter slot.
 * :class:`DecodeBatch` — one token for each of B rows, with the LoRA backend's plan for their slots.
-* ``worker.sampling.SamplingArrays`` — each row's sampling parameters.
+* ``models.sampling.SamplingArrays`` — each row's sampling parameters.
 
-``worker.jax_runner.jit_steps`` compiles the two steps with the KV cache and the history donated **by
+``engine.jax_runner.jit_steps`` compiles the two steps with the KV cache and the history donated **by
 name** (``donate_argnames``): their buffers are updated in place, nothing else is given up. The jitted
 functions take keyword arguments only, so a caller cannot pass the cache where the pools belong::
 
     steps = jit_steps(cfg, backend, attention)
     sampled, cache = steps.decode(**state.fields(), batch=batch, sampling=sampling)
 
-Semantics of the model functions behind the steps: ``worker.model.prefill_packed`` and
-``worker.model.decode``.
+Semantics of the model functions behind the steps: ``models.decoder.prefill_packed`` and
+``models.decoder.decode``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from loraserve.kernels.backends import Plan
-from loraserve.worker.sampling import RowHistory
+from loraserve.models.sampling import RowHistory
 
 Array = jax.Array
 Params = dict[str, Any]  # embed, final_norm, lm_head?, layers: list of per-layer dicts
@@ -56,8 +56,8 @@ class LoraPools:
     """Every adapter slot pool on the device, ``S`` slots each.
 
     ``layers``: per layer, pool name -> array: ``A_<group>`` and ``B_<module>`` in the LoRA backend's layout
-    (``kernels.backends``), the DoRA-scale and LoRA-bias vectors of ``worker.dora``. ``vocab``: the
-    embed_tokens / lm_head pools of ``worker.embed_lora`` (``A_embed``, ``B_embed``, ``A_lm_head``,
+    (``kernels.backends``), the DoRA-scale and LoRA-bias vectors of ``models.lora.dora_bias``. ``vocab``: the
+    embed_tokens / lm_head pools of ``models.lora.embedding`` (``A_embed``, ``B_embed``, ``A_lm_head``,
     ``B_lm_head``), the same layout for every backend."""
 
     layers: list[dict[str, Array]]
@@ -74,7 +74,7 @@ class DeviceState:
     pools: LoraPools
     cache: Cache
     rope: Array  # [D/2] f32, or [2, D/2] (global, local): ModelConfig.inv_freq()
-    history: RowHistory | None = None  # [max_batch_size] rows (worker.sampling)
+    history: RowHistory | None = None  # [max_batch_size] rows (models.sampling)
 
     def fields(self) -> dict[str, Any]:
         """The state as the jitted steps' keyword arguments (:data:`STATE_FIELDS`)."""
@@ -84,7 +84,7 @@ class DeviceState:
 @_pytree
 @dataclass(frozen=True)
 class PrefillBatch:
-    """G sequences' new tokens packed into one prefill call (``worker.model.prefill_packed``)."""
+    """G sequences' new tokens packed into one prefill call (``models.decoder.prefill_packed``)."""
 
     tokens: Array  # [G, L] int32: each sequence's new tokens, padded to L
     lengths: Array  # [G] int32: real new tokens per sequence (0 = an unused segment)
@@ -93,7 +93,7 @@ class PrefillBatch:
     page_tables: Array  # [G, R] int32: each sequence's pages (0 = the null page)
     key_blocks: Array  # [] int32: ceil(max(starts + lengths) / (block pages * page size))
     # [G, L] int32: per new token, the prompt token after it, whose log-probability the prefill reports
-    # (-1: none); None: a prefill that scores nothing (``worker.model.prefill_scored``)
+    # (-1: none); None: a prefill that scores nothing (``models.decoder.prefill_scored``)
     targets: Array | None = None
 
     @classmethod
@@ -118,7 +118,7 @@ class PrefillBatch:
 @_pytree
 @dataclass(frozen=True)
 class DecodeBatch:
-    """One decode step of B rows (``worker.model.decode``)."""
+    """One decode step of B rows (``models.decoder.decode``)."""
 
     tokens: Array  # [B] int32: the last token of each row
     positions: Array  # [B] int32: the position of that token

@@ -8,7 +8,7 @@ host's devices and the tensor-parallel mesh spans them all.
 **The leader** (process 0) is the whole worker as on one host: scheduler, gRPC/HTTP, registry. **Followers**
 serve nothing: they hold their devices' shards of the weights, KV pages and slot pools and run the same
 compiled programs in the same order. Before each device call the leader's runner sends it down the *step
-channel* (``worker.jax_runner.JaxRunner._tell``): an operation name and the call's host arrays (tokens,
+channel* (``engine.jax_runner.JaxRunner._send_to_followers``): an operation name and the call's host arrays (tokens,
 positions, page tables, the LoRA slots, the sampling arrays; a slot write's values) — no Python objects,
 only named arrays in the safetensors format (:func:`encode`). Followers replay it through the same runner
 methods (:func:`follow`), so programs are compiled and called identically everywhere (warm-up included:
@@ -26,7 +26,6 @@ restarts the group; the registry drops its placements when the lease lapses), a 
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -45,8 +44,9 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from loraserve.common.errors import FailedPrecondition, InvalidArgument, LoraserveError
+from loraserve.engine.named_arrays import dataclass_from, slot_values_from
 
-log = logging.getLogger("loraserve.worker.multihost")
+log = logging.getLogger("loraserve.engine.multihost")
 
 DEFAULT_COORDINATOR_PORT = 8476  # jax.distributed's own default
 EXIT_PEER_LOST = 3  # a process of the group died or hung: the whole group restarts
@@ -211,35 +211,6 @@ def recv_message(
     if magic != MAGIC or size > limit:
         raise ConnectionError(f"not a loraserve step channel message ({magic!r}, {size} bytes)")
     return decode_payload(_recv_exact(sock, size))
-
-
-def fields_of(prefix: str, value: Any) -> dict[str, np.ndarray]:
-    """A dataclass of host arrays (``PrefillBatch``, ``SamplingArrays``) as ``prefix.field`` arrays; None
-    fields are left out."""
-    return {
-        f"{prefix}.{f.name}": getattr(value, f.name)
-        for f in dataclasses.fields(value)
-        if getattr(value, f.name) is not None
-    }
-
-
-def dataclass_from(prefix: str, cls: type, arrays: Mapping[str, np.ndarray]) -> Any:
-    """:func:`fields_of` back: fields absent from ``arrays`` are None."""
-    return cls(**{f.name: arrays.get(f"{prefix}.{f.name}") for f in dataclasses.fields(cls)})
-
-
-def slot_values_arrays(values: list[dict[str, Any]]) -> dict[str, np.ndarray]:
-    """One slot's values (``worker.slot_pools.SlotValues``: per layer, pool name -> array) as named arrays."""
-    return {f"values.{n}.{k}": v for n, layer in enumerate(values) for k, v in layer.items()}
-
-
-def slot_values_from(arrays: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-    layers: dict[int, dict[str, np.ndarray]] = {}
-    for name, a in arrays.items():
-        if name.startswith("values."):
-            _, n, key = name.split(".", 2)
-            layers.setdefault(int(n), {})[key] = a
-    return [layers[n] for n in range(len(layers))]
 
 
 # ------------------------------------------------------------------------------------- the channel
@@ -477,8 +448,8 @@ def follow(runner: Any, channel: FollowerChannel) -> int:
     """Replay the leader's device calls on ``runner`` (a ``JaxRunner``) until it says stop; returns the calls
     replayed. Raises :class:`PeerLost` when the leader is gone (the channel's ``lost`` callback has been
     called first)."""
-    from loraserve.worker.sampling import SamplingArrays
-    from loraserve.worker.step import PrefillBatch
+    from loraserve.models.sampling import SamplingArrays
+    from loraserve.models.step import PrefillBatch
 
     calls = 0
     while True:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from loraserve.common.finish_reasons import FinishReason
-from loraserve.worker.requests import Event, Failed, Finished, Started, Token, TokenLogprobs
+from loraserve.engine.request import Event, Failed, Finished, Started, Token, TokenLogprobs
 
 REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT = 4  # prompt tokens decoded along with the first new ones, for context-dependent spaces

@@ -26,12 +26,12 @@ from loraserve.adapters.peft import LoraWeights, parse_adapter
 from loraserve.adapters.sources import AdapterSource, Origin, verify_sha256
 from loraserve.common.errors import FailedPrecondition, LoraserveError, NotFound
 from loraserve.common.slots import SlotState
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.runner import Runner
-from loraserve.worker.slot_table import HostTier, NoFreeSlotError, Slot, SlotTable
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.runner import Runner
+from loraserve.engine.slot_table import HostTier, NoFreeSlotError, Slot, SlotTable
+from loraserve.models.config import ModelConfig
 
-log = logging.getLogger("loraserve.worker.residency")
+log = logging.getLogger("loraserve.engine.residency")
 MAX_DELETED = 4096  # deleted versions a worker remembers (a version number is never reused)
 MAX_RESOLVED = 8192  # refs remembered as resolved (distinct mixes are unbounded: their weights are free)
 

@@ -53,7 +53,8 @@ import jax.numpy as jnp
 
 from loraserve.kernels.linear import linear
 from loraserve.kernels.shapes import operand_precision
-from loraserve.worker.model_config import ModelConfig
+from loraserve.models.config import ModelConfig
+from loraserve.models.layers import activation
 
 Array = jax.Array
 # (token, choice) pairs per gathered chunk: bounds the gathered expert weights (chunk × one expert's)
@@ -153,10 +154,9 @@ def route(
 
 
 def _act(cfg: ModelConfig, gu: Array, dtype: Any) -> Array:
-    from loraserve.worker.model import _activation  # the dense MLP's activation, shared
 
     gate, up = jnp.split(gu.astype(dtype), 2, axis=-1)
-    return _activation(cfg, gate).astype(dtype) * up
+    return activation(cfg, gate).astype(dtype) * up
 
 
 def _combine(down: Array, weights: Array, dtype: Any) -> Array:

@@ -9,7 +9,7 @@ computed; the rows' page tables are ``tables``, the array the runner takes, idle
 applies one command (``Submit``, ``Cancel``, or a residency command); ``step`` places prepared adapters,
 expires deadlines, admits up to ``prefill_per_step`` prompts and runs one decode step on the ``Runner``.
 
-KV pages (``worker.kv_cache``): the head of ``ready`` is admitted only when the pages of its prompt that
+KV pages (``engine.kv_pages``): the head of ``ready`` is admitted only when the pages of its prompt that
 the prefix cache does not hold, plus the page of its first decode token, can be had (free or reclaimable)
 besides the pages the running rows take at the next step; otherwise admission stops there (FIFO, nobody
 jumps ahead). Before each decode step a row whose next
@@ -40,10 +40,9 @@ from loraserve.adapters.running_caps import Cap, RunningCaps, adapter_names
 from loraserve.common.admission import DrainRate, retry_after
 from loraserve.common.errors import ResourceExhausted
 from loraserve.common.finish_reasons import FinishReason
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.kv_cache import BASE_KEY, KVCache, SeqPages
-from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.requests import (
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.kv_pages import BASE_KEY, KVCache, SeqPages
+from loraserve.engine.request import (
     EngineRequest,
     Failed,
     Finished,
@@ -52,7 +51,7 @@ from loraserve.worker.requests import (
     Token,
     validate_prompt,
 )
-from loraserve.worker.residency import (
+from loraserve.engine.residency import (
     Drained,
     Evicted,
     Load,
@@ -63,8 +62,9 @@ from loraserve.worker.residency import (
     Resident,
     Unload,
 )
-from loraserve.worker.runner import PrefillInput, Runner, StepOutput
-from loraserve.worker.snapshot import EngineSnapshot
+from loraserve.engine.runner import PrefillInput, Runner, StepOutput
+from loraserve.engine.snapshot import EngineSnapshot
+from loraserve.models.config import ModelConfig
 
 NO_ROOM = Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more KV pages than the pool holds")
 CANCELLED = Failed(grpc.StatusCode.CANCELLED, "cancelled by the client")
@@ -181,7 +181,7 @@ class Scheduler:
         self.eos_ids = frozenset(model_config.eos_token_ids)
         self.waiting: deque[EngineRequest] = deque()
         self.ready: deque[EngineRequest] = deque()
-        # requests for an adapter whose slot is being drained (fair sharing, worker.residency): they wait
+        # requests for an adapter whose slot is being drained (fair sharing, engine.residency): they wait
         # for its turn to come round again, then ask afresh (Drained)
         self.held: deque[EngineRequest] = deque()
         self.rows: list[Row | None] = [None] * config.max_batch_size
@@ -189,7 +189,7 @@ class Scheduler:
             raise ValueError(
                 f"runner pages hold {runner.page_size} tokens, the config says {config.kv_page_size}"
             )
-        # this step's KV events (worker.kv_events), when the engine publishes them (--kv-events)
+        # this step's KV events (engine.kv_events), when the engine publishes them (--kv-events)
         self.kv_events: list | None = [] if config.kv_events else None
         self.kv = KVCache(runner.num_pages, runner.page_size, config.enable_prefix_caching, self.kv_events)
         self.tables = np.zeros((config.max_batch_size, config.pages_per_row), np.int32)

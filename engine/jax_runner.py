@@ -1,8 +1,9 @@
 """The JAX runner: parameters, paged KV cache and slot pools on the device, jitted prefill/decode with donation.
 
-The only module that calls ``worker.model`` and ``SlotPools``/``slot_arrays``. Prompts are padded to
-bucketed lengths; decode gathers a bucketed width of page-table columns (``decode_page_buckets``) and picks
-one of the LoRA backend's ``warmup_plans`` variants, so after ``warmup`` nothing compiles while serving.
+The engine's one module that runs the model's steps (``models.decoder``) and writes slots (``SlotPools``,
+``slot_arrays``); the planner's ``--verify`` lowers the same steps. Prompts are padded to bucketed lengths;
+decode gathers a bucketed width of page-table columns (``decode_page_buckets``) and picks one of the LoRA
+backend's ``warmup_plans`` variants, so after ``warmup`` nothing compiles while serving.
 """
 
 from __future__ import annotations
@@ -25,20 +26,27 @@ from jax.sharding import PartitionSpec as P
 from loraserve import kernels
 from loraserve.adapters.peft import LoraWeights
 from loraserve.common.errors import FailedPrecondition, LoraserveError
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.named_arrays import fields_of, slot_values_arrays
+from loraserve.engine.request import SamplingRow, TokenLogprobs
+from loraserve.engine.runner import PrefillInput, StepOutput
 from loraserve.kernels.attention import DecodeAttention, resolve_attention
 from loraserve.kernels.backends import LoraBackend
 from loraserve.kernels.linear import resolve_backend as resolve_linear
 from loraserve.kernels.linear import traced_with
 from loraserve.kernels.sharded import ShardedBackend
-from loraserve.worker import model as M
-from loraserve.worker import sharding
-from loraserve.worker.checkpoint import Checkpoint, read_params
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.multihost import fields_of, slot_values_arrays
-from loraserve.worker.requests import MAX_EOS_IDS, SamplingRow, TokenLogprobs
-from loraserve.worker.runner import PrefillInput, StepOutput
-from loraserve.worker.sampling import (
+from loraserve.models import decoder, sharding
+from loraserve.models.checkpoint import Checkpoint, read_params
+from loraserve.models.config import ModelConfig
+from loraserve.models.lora.pools import (
+    SlotPools,
+    SlotValues,
+    base_weights,
+    check_slot_values,
+    is_scaled,
+    slot_arrays,
+)
+from loraserve.models.sampling import (
     BIAS_ENTRIES,
     HISTORY_CHUNK,
     NO_ROW,
@@ -48,15 +56,8 @@ from loraserve.worker.sampling import (
     sample,
     seed_row,
 )
-from loraserve.worker.slot_pools import (
-    SlotPools,
-    SlotValues,
-    base_weights,
-    check_slot_values,
-    is_scaled,
-    slot_arrays,
-)
-from loraserve.worker.step import (
+from loraserve.models.sizes import MAX_EOS_IDS
+from loraserve.models.step import (
     DONATED,
     Array,
     Cache,
@@ -67,7 +68,7 @@ from loraserve.worker.step import (
     PrefillBatch,
 )
 
-log = logging.getLogger("loraserve.worker.runner")
+log = logging.getLogger("loraserve.engine.runner")
 
 
 def prefill_step(
@@ -87,9 +88,9 @@ def prefill_step(
     (``Sampled.prompt``; without ``sampling``: ``((logits, PromptScores), new cache)``)."""
     state = DeviceState(params, pools, cache, rope)
     if batch.targets is None:
-        logits, cache = M.prefill_packed(cfg, backend, state, batch)
+        logits, cache = decoder.prefill_packed(cfg, backend, state, batch)
         return (logits if sampling is None else sample(logits, sampling, history)), cache
-    logits, scores, cache = M.prefill_scored(cfg, backend, state, batch)
+    logits, scores, cache = decoder.prefill_scored(cfg, backend, state, batch)
     if sampling is None:
         return (logits, scores), cache
     return sample(logits, sampling, history)._replace(prompt=scores), cache
@@ -111,7 +112,7 @@ def decode_step(
     """One decode step of every row and its sampled token: ``(Sampled [B], new cache)``; without
     ``sampling``, ``(logits [B, V], new cache)``."""
     state = DeviceState(params, pools, cache, rope)
-    logits, cache = M.decode(cfg, backend, state, batch, attention)
+    logits, cache = decoder.decode(cfg, backend, state, batch, attention)
     return (logits if sampling is None else sample(logits, sampling, history)), cache
 
 
@@ -119,7 +120,7 @@ class Steps(NamedTuple):
     """The compiled steps of one model: call with keyword arguments only (``DeviceState.fields()``,
     ``batch=``, ``sampling=``); each returns ``(Sampled, new cache)`` (without ``sampling``: the logits),
     the old cache and history donated (the new history is ``Sampled.history``). ``seed``: the compiled
-    ``worker.sampling.seed_row``, the history donated."""
+    ``models.sampling.seed_row``, the history donated."""
 
     prefill: Any
     decode: Any
@@ -255,15 +256,15 @@ class _Dispatched(NamedTuple):
 
 
 class JaxRunner:
-    """The real device side (``worker.runner.Runner``) over one checkpoint and ``max_loras`` slot pools.
+    """The real device side (``engine.runner.Runner``) over one checkpoint and ``max_loras`` slot pools.
 
     With ``tensor_parallel_size`` N > 1 the params, KV cache and slot pools live on a 1-D ``model`` mesh of
-    N devices (``worker.sharding``), the LoRA backend runs per shard (``kernels.sharded``) and the jitted
+    N devices (``models.sharding``), the LoRA backend runs per shard (``kernels.sharded``) and the jitted
     steps pin their outputs' shardings, so donated buffers keep one layout and nothing recompiles.
     """
 
     def __init__(self, checkpoint: Checkpoint, config: EngineConfig, channel: Any = None) -> None:
-        # multi-host (worker.multihost): the leader's channel to the other processes, which replay every
+        # multi-host (engine.multihost): the leader's channel to the other processes, which replay every
         # device call in the same order (multihost.follow); None on one host and on a follower
         self.channel, self._replaying = None, True
         self.config, self.checkpoint_config = config, checkpoint.config
@@ -274,7 +275,7 @@ class JaxRunner:
             )
         n = config.tensor_parallel_size
         self.mesh = None
-        self.multiprocess = jax.process_count() > 1  # every process runs this constructor (worker.multihost)
+        self.multiprocess = jax.process_count() > 1  # every process runs this constructor (engine.multihost)
         if n == 1 and not self.multiprocess:  # host params (load_checkpoint(place=False)) go to the device
             self.model_config, self.backend = checkpoint.config, backend
             self.params = read_params(checkpoint)  # one tensor at a time onto the device
@@ -324,10 +325,10 @@ class JaxRunner:
         self.vocab_size = checkpoint.config.vocab_size  # token masks (structured outputs) cover it
         self.buckets = config.prefill_buckets()
         self.prefill_shapes = config.prefill_shapes()
-        self.key_block = M.key_block_pages(config.kv_page_size, config.pages_per_row)
+        self.key_block = decoder.key_block_pages(config.kv_page_size, config.pages_per_row)
         self.page_buckets = config.decode_page_buckets()
         self.page_size = config.kv_page_size
-        page_bytes = M.kv_page_bytes(checkpoint.config, self.page_size, config.dtype)
+        page_bytes = decoder.kv_page_bytes(checkpoint.config, self.page_size, config.dtype)
         self.num_pages = config.num_kv_pages(page_bytes)
         log.info(
             "paged KV cache: %d pages of %d tokens (%.1f MiB), context %d",
@@ -348,14 +349,14 @@ class JaxRunner:
         self.init_state()
         self.channel, self._replaying = channel, False
 
-    def _tell(self, op: str, arrays: dict[str, np.ndarray] | None = None) -> None:
+    def _send_to_followers(self, op: str, arrays: dict[str, np.ndarray] | None = None) -> None:
         """A multi-host leader sends each device call to the other processes before making it
-        (``worker.multihost``); a follower replaying it, and warm-up's inner calls, send nothing."""
+        (``engine.multihost``); a follower replaying it, and warm-up's inner calls, send nothing."""
         if self.channel is not None and not self._replaying:
             self.channel.broadcast(op, arrays or {})
 
     def init_state(self) -> None:
-        self._tell("init")
+        self._send_to_followers("init")
         cfg, config = self.model_config, self.config
         shardings = None if self.mesh is None else sharding.pool_shardings(cfg, self.backend)
         self.pools = SlotPools(
@@ -367,7 +368,7 @@ class JaxRunner:
             shardings,
             base=base_weights(self.params),  # DoRA scales are computed from them (prepare)
         )
-        self.cache = M.init_cache(cfg, self.num_pages, self.page_size, jnp.dtype(config.dtype))
+        self.cache = decoder.init_cache(cfg, self.num_pages, self.page_size, jnp.dtype(config.dtype))
         self.history = RowHistory.zeros(config.max_batch_size, cfg.vocab_size)
         if self.mesh is not None:
             self.cache = jax.device_put(self.cache, self._cache_shardings)
@@ -377,7 +378,7 @@ class JaxRunner:
         """Compile every prefill bucket and every (page width, LoRA plan) decode variant; the null page
         takes every write, so the cache holds nothing afterwards. A multi-host leader's followers run
         the same warm-up when told to (deterministic: the same programs in the same order)."""
-        self._tell("warmup")
+        self._send_to_followers("warmup")
         replaying, self._replaying = self._replaying, True
         try:
             self._warmup()
@@ -424,7 +425,9 @@ class JaxRunner:
         and so makes the same decision; refused values leave the slot empty (zeros) on every process and
         raise INVALID_ARGUMENT naming the layer and pool (the residency fails the load)."""
         if self.channel is not None:
-            self._tell("write", {"index": np.asarray(index, np.int32), **slot_values_arrays(values)})
+            self._send_to_followers(
+                "write", {"index": np.asarray(index, np.int32), **slot_values_arrays(values)}
+            )
         if self.multiprocess and not is_scaled(values):
             values = self.pools.with_scales(values)
             try:
@@ -435,7 +438,7 @@ class JaxRunner:
         self.pools.write(index, values)
 
     def zero_slot(self, index: int) -> None:
-        self._tell("zero", {"index": np.asarray(index, np.int32)})
+        self._send_to_followers("zero", {"index": np.asarray(index, np.int32)})
         self.pools.zero(index)
 
     def seed_history(
@@ -464,8 +467,8 @@ class JaxRunner:
             )
 
     def seed_arrays(self, **arrays: np.ndarray) -> None:
-        """One compiled ``seed_row`` call (``worker.sampling.seed_row``'s keyword arrays)."""
-        self._tell("seed", arrays)
+        """One compiled ``seed_row`` call (``models.sampling.seed_row``'s keyword arrays)."""
+        self._send_to_followers("seed", arrays)
         self.history = self._steps.seed(history=self.history, **arrays)
 
     def prefill(self, batch: list[PrefillInput]) -> StepOutput:
@@ -524,7 +527,9 @@ class JaxRunner:
     def prefill_arrays(self, batch: PrefillBatch, sampling: SamplingArrays) -> Sampled:
         """One compiled prefill call of host arrays (the device's draw stays on the device)."""
         if self.channel is not None:
-            self._tell("prefill", {**fields_of("batch", batch), **fields_of("sampling", sampling)})
+            self._send_to_followers(
+                "prefill", {**fields_of("batch", batch), **fields_of("sampling", sampling)}
+            )
         out, self.cache = self._steps.prefill(**self.state().fields(), batch=batch, sampling=sampling)
         self.history = out.history
         return out
@@ -542,7 +547,7 @@ class JaxRunner:
     @property
     def chains(self) -> bool:
         """Async decode (``Runner.decode_start``'s ``follow``) in one process; across processes every call
-        sends its host arrays to the followers (worker.multihost), so each step reads its tokens first."""
+        sends its host arrays to the followers (engine.multihost), so each step reads its tokens first."""
         return self.channel is None
 
     def decode_start(
@@ -587,7 +592,7 @@ class JaxRunner:
         """One compiled decode call of host arrays, ``page_tables`` already cut to a compiled width."""
         if self.channel is not None:
             arrays = {"tokens": tokens, "positions": positions, "slots": slots, "page_tables": page_tables}
-            self._tell("decode", {**arrays, **fields_of("sampling", sampling)})
+            self._send_to_followers("decode", {**arrays, **fields_of("sampling", sampling)})
         batch = DecodeBatch(tokens, positions, page_tables, self.backend.plan(slots, self.config.max_loras))
         out, self.cache = self._steps.decode(**self.state().fields(), batch=batch, sampling=sampling)
         self.history = out.history

@@ -3,7 +3,7 @@
 Other threads talk to it only through ``submit``/``cancel``/``load_adapter``/``unload_adapter``, which
 post typed commands to its inbox, and read it only through ``snapshot()``: the thread publishes a new
 immutable ``EngineSnapshot`` after every batch of commands and every step. The host side is
-``worker.scheduler`` + ``worker.residency``; the device side is a ``worker.runner.Runner``
+``engine.scheduler`` + ``engine.residency``; the device side is a ``engine.runner.Runner``
 (``JaxRunner`` unless one is given, e.g. ``FakeRunner`` in scheduler tests).
 """
 
@@ -21,19 +21,19 @@ import grpc
 from loraserve.adapters.running_caps import RunningCaps
 from loraserve.adapters.sources import AdapterSource, LocalAdapterSource
 from loraserve.common.errors import ResourceExhausted
-from loraserve.worker.accounting import AdapterAccounting
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.requests import EngineRequest, Failed
-from loraserve.worker.residency import Load, Residency, Unload
-from loraserve.worker.runner import Runner
-from loraserve.worker.scheduler import Scheduler
-from loraserve.worker.snapshot import EngineSnapshot
+from loraserve.engine.accounting import AdapterAccounting
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.request import EngineRequest, Failed
+from loraserve.engine.residency import Load, Residency, Unload
+from loraserve.engine.runner import Runner
+from loraserve.engine.scheduler import Scheduler
+from loraserve.engine.snapshot import EngineSnapshot
+from loraserve.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from loraserve.worker.checkpoint import Checkpoint
+    from loraserve.models.checkpoint import Checkpoint
 
-log = logging.getLogger("loraserve.worker.engine")
+log = logging.getLogger("loraserve.engine.engine")
 
 
 def enable_compilation_cache(path: str) -> None:
@@ -64,10 +64,10 @@ class Engine:
         runner: Runner | None = None,
         model_config: ModelConfig | None = None,
     ) -> None:
-        config.check_resolved()  # no auto left (worker.config.resolve_engine_config)
+        config.check_resolved()  # no auto left (engine.config.resolve_engine_config)
         self.config = config
         if runner is None:
-            from loraserve.worker.jax_runner import JaxRunner
+            from loraserve.engine.jax_runner import JaxRunner
 
             runner = JaxRunner(checkpoint, config)
         self.runner = runner
@@ -82,9 +82,9 @@ class Engine:
         # running caps from the registry (heartbeats, GetAdapter): a registry source keeps them up to date
         self.caps: RunningCaps = getattr(self.source, "caps", None) or RunningCaps()
         self.scheduler = Scheduler(runner, self.residency, self.model_config, config, caps=self.caps)
-        self.kv_publisher = None  # --kv-events: each step's KV events go out in one batch (worker.kv_events)
+        self.kv_publisher = None  # --kv-events: each step's KV events go out in one batch (engine.kv_events)
         if config.kv_events:
-            from loraserve.worker.kv_events import Publisher
+            from loraserve.engine.kv_events import Publisher
 
             self.kv_publisher = Publisher(config.kv_events, config.kv_events_topic)
         self.accounting = AdapterAccounting()  # per-adapter requests, tokens, loads (metrics and heartbeats)
@@ -151,7 +151,7 @@ class Engine:
     def unload_adapter(self, ref: str, force: bool = False, deleted: bool = False) -> Future:
         """Empty ``ref``'s slot; the future resolves to the ``Slot`` it was, or raises NotFound /
         FailedPrecondition (used by requests and not ``force``). ``deleted``: the registry deleted it; no new
-        request gets it, its copies are forgotten, running requests finish (``worker.residency.Unload``)."""
+        request gets it, its copies are forgotten, running requests finish (``engine.residency.Unload``)."""
         fut: Future = Future()
         self._post(Unload(ref, force, fut, deleted))
         return fut

@@ -11,7 +11,7 @@ row-parallel ``wo`` / ``w_down``: whole), and the product is XLA's dot, which GS
 With ``--quantize-lm-head`` the head (``lm_head [vocab, hidden]``) is quantized the same way (int8: a scale per
 vocabulary row; int4: per group of hidden inputs), split over devices like the float head (by vocabulary rows,
 its scales with them). A model that ties its head to the embedding keeps the embedding in the model's dtype
-for the lookup and gains a quantized copy for the head (:func:`quantized_head`): a byte (int8) or half a byte
+for the lookup and gains a quantized copy for the head (``models.checkpoint.quantized_head``): a byte (int8) or half a byte
 (int4) more a vocabulary entry's hidden value, and a decode step that reads that instead of the float matrix.
 
 *Semantics:* ``qlinear(x, w) = (x @ q.T) * s`` with f32 accumulation (XLA's dot, or on a CPU for a
@@ -191,72 +191,3 @@ def _kernel_available() -> bool:
     from loraserve.kernels import cpu
 
     return cpu.available()
-
-
-def quantized_head(params: dict[str, Any], quantization: str) -> None:
-    """``params["lm_head"]`` (still to be read) as ``quantization`` weights, in place; a tied model's head from
-    its embedding (which stays as it is, for the lookup)."""
-    if quantization not in ("int8", "int4"):
-        raise FailedPrecondition(
-            f"--quantize-lm-head needs --quantization int8 or int4, got {quantization!r}"
-        )
-    head = params.get("lm_head", params["embed"])
-    if not isinstance(head, Quantized):  # a `loraserve quantize --lm-head` checkpoint's head is already
-        params["lm_head"] = deferred_quantized(head, quantization)
-
-
-def deferred_quantized(src: Any, quantization: str) -> Quantized:
-    """A float ``[out, in]`` weight still to be read (``worker.checkpoint.Deferred``) as ``quantization``
-    weights still to be read: each read of values or scales reads the float rows it needs (int8: whole rows,
-    its scale is the row's maximum; int4: the groups the columns asked for) and quantizes them, exactly as
-    ``quantize_int8`` / ``quantize_int4`` quantize the whole weight. Values and scales of the same rows are
-    quantized once."""
-    from loraserve.worker.checkpoint import Deferred
-
-    out, inputs = src.shape
-    int4 = quantization == "int4"
-    group = int4_group(inputs) if int4 else inputs
-    memo: dict[tuple[bytes, int, int], tuple[np.ndarray, np.ndarray]] = {}
-
-    def quantized(rows: np.ndarray, g0: int, g1: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rows ``rows``' groups g0..g1 (int8: the one group of the whole row) quantized."""
-        key = (rows.tobytes(), g0, g1)
-        if key not in memo:
-            if len(memo) > 8:
-                memo.clear()
-            floats = src.read(rows, (slice(g0 * group, g1 * group),))
-            memo[key] = quantize_int4(floats, group) if int4 else quantize_int8(floats)
-        return memo[key]
-
-    def groups(cols: slice, per_group: int, width: int) -> tuple[int, int, slice]:
-        c0, c1, _ = cols.indices(width)
-        g0, g1 = c0 // per_group, -(-c1 // per_group)
-        return g0, g1, slice(c0 - g0 * per_group, c1 - g0 * per_group)
-
-    if int4:
-        packed, n_groups = inputs // 2, inputs // group
-
-        def read_q(rows: np.ndarray, rest: tuple[slice, ...]) -> np.ndarray:
-            g0, g1, local = groups(rest[0] if rest else slice(None), group // 2, packed)
-            return quantized(rows, g0, g1)[0][:, local]
-
-        def read_scale(rows: np.ndarray, rest: tuple[slice, ...]) -> np.ndarray:
-            g0, g1, local = groups(rest[0] if rest else slice(None), 1, n_groups)
-            return quantized(rows, g0, g1)[1][:, local]
-
-        return Int4Weight(
-            Deferred((out, packed), np.dtype(np.uint8), read_q),
-            Deferred((out, n_groups), np.dtype(np.float32), read_scale, model_dtype=False),
-        )
-
-    def read_q8(rows: np.ndarray, rest: tuple[slice, ...]) -> np.ndarray:
-        values = quantized(rows, 0, 1)[0]
-        return values[:, rest[0]] if rest else values
-
-    def read_scale8(rows: np.ndarray, rest: tuple[slice, ...]) -> np.ndarray:
-        return quantized(rows, 0, 1)[1]
-
-    return Int8Weight(
-        Deferred((out, inputs), np.dtype(np.int8), read_q8),
-        Deferred((out,), np.dtype(np.float32), read_scale8, model_dtype=False),
-    )

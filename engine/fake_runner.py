@@ -25,9 +25,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from loraserve.adapters.peft import LoraWeights
-from loraserve.worker.config import EngineConfig
-from loraserve.worker.requests import MAX_LOGPROBS, SamplingRow, TokenLogprobs
-from loraserve.worker.runner import PrefillInput, StepOutput
+from loraserve.engine.config import EngineConfig
+from loraserve.engine.request import SamplingRow, TokenLogprobs
+from loraserve.engine.runner import PrefillInput, StepOutput
+from loraserve.models.sizes import MAX_LOGPROBS
 
 # a default EngineConfig's pool, read off the class: building one would import the kernels (JAX)
 _PAGE = EngineConfig.kv_page_size

@@ -22,7 +22,7 @@ import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from loraserve.worker.kv_events import BlockRemoved, BlockStored
+from loraserve.engine.kv_events import BlockRemoved, BlockStored
 
 BASE_KEY = "base"  # the adapter key of the base model's pages
 
@@ -75,7 +75,7 @@ class Lookup:
 
 
 class KVCache:
-    """``events``: a list the cache appends ``worker.kv_events`` events to as pages are registered
+    """``events``: a list the cache appends ``engine.kv_events`` events to as pages are registered
     (``BlockStored``) and as cached pages are reclaimed or forgotten (``BlockRemoved``); None = none."""
 
     def __init__(

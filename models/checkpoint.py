@@ -3,7 +3,7 @@ Qwen3-MoE, Mixtral, Qwen2-MoE) checkpoint folder (local path or fsspec URL) into
 
 The folder holds ``config.json`` and one or many ``*.safetensors`` (sharded checkpoints carry a
 ``model.safetensors.index.json``). Matrices stay in Hugging Face's ``[out, in]`` layout, one dict per layer
-(see ``worker.model`` for why not stacked), and q/k/v and gate/up are fused into one matmul each.
+(see ``models.decoder`` for why not stacked), and q/k/v and gate/up are fused into one matmul each.
 
 Nothing is read whole. :func:`open_checkpoint` reads the files' safetensors headers only and returns each
 parameter as a :class:`Deferred`: its shape and how to read any rows and column ranges of it, byte ranges
@@ -29,8 +29,19 @@ import jax.numpy as jnp
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
 
-from loraserve.common.errors import InvalidArgument
-from loraserve.worker.model_config import ModelConfig
+from loraserve.common.errors import FailedPrecondition, InvalidArgument
+from loraserve.models.config import ModelConfig
+from loraserve.models.quantization import (
+    QUANTIZATIONS,
+    QUANTIZED,
+    Int4Weight,
+    Int8Weight,
+    Quantized,
+    int4_group,
+    quantize_int4,
+    quantize_int8,
+)
+from loraserve.models.quantized_format import HEAD, QUANT_METHODS, SCALE_SUFFIX, quantized_name
 
 Params = dict[str, Any]
 Rest = tuple[slice, ...]  # slices of a parameter's dimensions after the first
@@ -50,13 +61,12 @@ class Checkpoint:
     params: Params
     source: str
     dtype: str
-    quantization: str = "none"  # worker.quant: "int8" = the projections are Int8Weights
+    quantization: str = "none"  # models.quantization: "int8" = the projections are Int8Weights
     files: TensorFiles | None = field(default=None, compare=False, repr=False)
 
     @property
     def quantized_head(self) -> bool:
         """The head is quantized too (``--quantize-lm-head``, or a checkpoint written with it)."""
-        from loraserve.worker.quant import Quantized
 
         return isinstance(self.params.get("lm_head"), Quantized)
 
@@ -309,7 +319,6 @@ def _concat(parts: Sequence[Deferred]) -> Deferred:
 
 def _rows(parts: Sequence[Any]) -> Any:
     """:func:`_concat`, of quantized weights too (values and scales side by side, row for row)."""
-    from loraserve.worker.quant import Quantized
 
     if isinstance(parts[0], Quantized):
         return type(parts[0])(_concat([p.q for p in parts]), _concat([p.scale for p in parts]))
@@ -440,7 +449,6 @@ def open_checkpoint(
 ) -> Checkpoint:
     """The checkpoint at ``url`` with its params :class:`Deferred` (nothing read but the headers and, of a
     ``loraserve quantize`` checkpoint, the scales, which are checked); quantization as :func:`load_checkpoint`."""
-    from loraserve.worker.quant import QUANTIZATIONS, QUANTIZED, deferred_quantized, quantized_head
 
     if quantization not in QUANTIZATIONS:
         raise InvalidArgument(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -474,10 +482,10 @@ def load_checkpoint(
     """Read ``config.json`` + safetensors from ``url`` and place the weights on the device (``place`` False:
     keep them host arrays of ``dtype``), one tensor at a time;
     ``quantization="int8"`` stores the layers' projections as int8 with per-channel scales, ``"int4"`` as
-    packed int4 with a scale per group of inputs (worker.quant). A checkpoint ``loraserve quantize`` wrote
+    packed int4 with a scale per group of inputs (models.quantization). A checkpoint ``loraserve quantize`` wrote
     (``worker.quantize_cmd``) is served as it was written whatever ``quantization`` says: its values and
     scales are taken as they are (checked: every scale present, of its shape, finite and positive), not
-    quantized again. ``quantize_lm_head`` quantizes the head as well (``worker.quant.quantized_head``). A
+    quantized again. ``quantize_lm_head`` quantizes the head as well (:func:`quantized_head`). A
     model split over devices is opened with :func:`open_checkpoint` instead, which reads
     nothing until ``sharding.shard_params`` reads each device's shard.
 
@@ -513,7 +521,6 @@ def _host(value: np.ndarray) -> np.ndarray:
 def _prequantized(hf_config: dict[str, Any]) -> str:
     """The quantization ("int8" | "int4") ``config.json`` says ``loraserve quantize`` wrote, "" for an
     unquantized checkpoint; another method is refused."""
-    from loraserve.worker.quantize_cmd import QUANT_METHODS
 
     method = (hf_config.get("quantization_config") or {}).get("quant_method")
     if method is None:
@@ -534,8 +541,6 @@ def _plan_prequantized(cfg: ModelConfig, files: TensorFiles, quantization: str, 
     the float weights are (rows side by side, each row's scales with it); ``head`` (written with ``--lm-head``):
     ``lm_head.weight`` too, served as the head even where the model ties it to the embedding; the rest as any
     checkpoint."""
-    from loraserve.worker.quant import Int4Weight, Int8Weight, int4_group
-    from loraserve.worker.quantize_cmd import HEAD, SCALE_SUFFIX, quantized_name
 
     int4 = quantization == "int4"
     stored = "U8" if int4 else "I8"
@@ -590,3 +595,73 @@ def _plan_prequantized(cfg: ModelConfig, files: TensorFiles, quantization: str, 
 def _unscaled(d: Deferred) -> Deferred:
     """``d`` kept in float32 whatever the model's dtype (quantization scales)."""
     return Deferred(d.shape, d.dtype, d.reader, model_dtype=False)
+
+
+# ------------------------------------------------------------- quantized at load: read, then quantize
+
+
+def quantized_head(params: dict[str, Any], quantization: str) -> None:
+    """``params["lm_head"]`` (still to be read) as ``quantization`` weights, in place; a tied model's head from
+    its embedding (which stays as it is, for the lookup)."""
+    if quantization not in ("int8", "int4"):
+        raise FailedPrecondition(
+            f"--quantize-lm-head needs --quantization int8 or int4, got {quantization!r}"
+        )
+    head = params.get("lm_head", params["embed"])
+    if not isinstance(head, Quantized):  # a `loraserve quantize --lm-head` checkpoint's head is already
+        params["lm_head"] = deferred_quantized(head, quantization)
+
+
+def deferred_quantized(src: Any, quantization: str) -> Quantized:
+    """A float ``[out, in]`` weight still to be read (``models.checkpoint.Deferred``) as ``quantization``
+    weights still to be read: each read of values or scales reads the float rows it needs (int8: whole rows,
+    its scale is the row's maximum; int4: the groups the columns asked for) and quantizes them, exactly as
+    ``quantize_int8`` / ``quantize_int4`` quantize the whole weight. Values and scales of the same rows are
+    quantized once."""
+    out, inputs = src.shape
+    int4 = quantization == "int4"
+    group = int4_group(inputs) if int4 else inputs
+    memo: dict[tuple[bytes, int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def quantized(rows: np.ndarray, g0: int, g1: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``rows``' groups g0..g1 (int8: the one group of the whole row) quantized."""
+        key = (rows.tobytes(), g0, g1)
+        if key not in memo:
+            if len(memo) > 8:
+                memo.clear()
+            floats = src.read(rows, (slice(g0 * group, g1 * group),))
+            memo[key] = quantize_int4(floats, group) if int4 else quantize_int8(floats)
+        return memo[key]
+
+    def groups(cols: slice, per_group: int, width: int) -> tuple[int, int, slice]:
+        c0, c1, _ = cols.indices(width)
+        g0, g1 = c0 // per_group, -(-c1 // per_group)
+        return g0, g1, slice(c0 - g0 * per_group, c1 - g0 * per_group)
+
+    if int4:
+        packed, n_groups = inputs // 2, inputs // group
+
+        def read_q(rows: np.ndarray, rest: tuple[slice, ...]) -> np.ndarray:
+            g0, g1, local = groups(rest[0] if rest else slice(None), group // 2, packed)
+            return quantized(rows, g0, g1)[0][:, local]
+
+        def read_scale(rows: np.ndarray, rest: tuple[slice, ...]) -> np.ndarray:
+            g0, g1, local = groups(rest[0] if rest else slice(None), 1, n_groups)
+            return quantized(rows, g0, g1)[1][:, local]
+
+        return Int4Weight(
+            Deferred((out, packed), np.dtype(np.uint8), read_q),
+            Deferred((out, n_groups), np.dtype(np.float32), read_scale, model_dtype=False),
+        )
+
+    def read_q8(rows: np.ndarray, rest: tuple[slice, ...]) -> np.ndarray:
+        values = quantized(rows, 0, 1)[0]
+        return values[:, rest[0]] if rest else values
+
+    def read_scale8(rows: np.ndarray, rest: tuple[slice, ...]) -> np.ndarray:
+        return quantized(rows, 0, 1)[1]
+
+    return Int8Weight(
+        Deferred((out, inputs), np.dtype(np.int8), read_q8),
+        Deferred((out,), np.dtype(np.float32), read_scale8, model_dtype=False),
+    )

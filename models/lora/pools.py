@@ -1,11 +1,11 @@
 """Adapter slots on the device: preallocated pools and the host arrays written into one slot.
 
-The pools (``worker.step.LoraPools``: per layer one ``A_<group>`` and one ``B_<module>`` per module, in
+The pools (``models.step.LoraPools``: per layer one ``A_<group>`` and one ``B_<module>`` per module, in
 the layout of the LoRA backend object, ``kernels.backends``, plus the DoRA-scale and LoRA-bias vectors of
-``worker.dora``; apart, the embed_tokens / lm_head pools of ``worker.embed_lora``, canonical for every
+``models.lora.dora_bias``; apart, the embed_tokens / lm_head pools of ``models.lora.embedding``, canonical for every
 backend) are allocated once; a swap writes one slot through a jitted ``.at[slot].set`` on donated buffers, so shapes
 never change and nothing compiles. The bookkeeping (which adapter is where, LRU, pins, host tier) is
-``worker.slot_table`` (no JAX); ``SlotPools`` owns the device arrays and is touched only by the JAX runner
+``engine.slot_table`` (no JAX); ``SlotPools`` owns the device arrays and is touched only by the JAX runner
 on the engine thread, which applies writes between decode steps (``with_scales``, which reads only the
 base weights, runs on the loader thread).
 """
@@ -22,13 +22,27 @@ from jax.sharding import PartitionSpec as P
 
 from loraserve.adapters.peft import LoraWeights, check_slot_value
 from loraserve.kernels.backends import LoraBackend
-from loraserve.worker.dora import bias_name, dora_scale, is_vector_pool, magnitude_name, mask_name, scale_name
-from loraserve.worker.embed_lora import is_vocab_pool, vocab_slot_shapes, vocab_slot_values
-from loraserve.worker.model import LORA_GROUPS, Lora, b_name, empty_lora, lora_slot_shapes, lora_vector_sizes
-from loraserve.worker.model_config import ModelConfig
-from loraserve.worker.moe import expert_slot_shapes, expert_slot_values, is_expert_pool, is_moe_pool
-from loraserve.worker.quant import Quantized
-from loraserve.worker.step import LoraPools
+from loraserve.models.config import ModelConfig
+from loraserve.models.decoder import (
+    LORA_GROUPS,
+    Lora,
+    b_name,
+    empty_lora,
+    lora_slot_shapes,
+    lora_vector_sizes,
+)
+from loraserve.models.lora.dora_bias import (
+    bias_name,
+    dora_scale,
+    is_vector_pool,
+    magnitude_name,
+    mask_name,
+    scale_name,
+)
+from loraserve.models.lora.embedding import is_vocab_pool, vocab_slot_shapes, vocab_slot_values
+from loraserve.models.moe import expert_slot_shapes, expert_slot_values, is_expert_pool, is_moe_pool
+from loraserve.models.quantization import Quantized
+from loraserve.models.step import LoraPools
 
 # per layer, pool name -> one slot's array; layer 0 also holds the vocabulary pools' (LoraPools.vocab)
 SlotValues = list[dict[str, np.ndarray]]
@@ -40,7 +54,7 @@ BaseWeights = list[
 def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotValues:
     """Host arrays for one slot, per layer, in the canonical layout of ``model.lora_slot_shapes``
     (``A_<group> [in, n*R]``, ``B_<module> [R, out]``), rank zero-padded to ``max_rank``; and per group
-    the vectors of ``worker.dora`` side by side like the fused output: ``magnitude_<group>``,
+    the vectors of ``models.lora.dora_bias`` side by side like the fused output: ``magnitude_<group>``,
     ``dora_<group>`` (1.0 on DoRA channels) and ``lora_bias_<group>``, each ``[out]``.
 
     Semantics: untargeted modules (and layers) are zero, so they add exactly nothing; a module is DoRA
@@ -76,7 +90,7 @@ def slot_arrays(cfg: ModelConfig, weights: LoraWeights, max_rank: int) -> SlotVa
             values[bias_name(group)] = np.concatenate(vectors["bias"])
         out.append(values)
     for values, experts in zip(out, expert_slot_values(cfg, weights.experts, max_rank), strict=True):
-        values.update(experts)  # a mixture of experts' expert and router LoRA (worker.moe)
+        values.update(experts)  # a mixture of experts' expert and router LoRA (models.moe)
     out[0].update(vocab_slot_values(cfg, weights, max_rank))  # embed_tokens / lm_head: layer 0 holds them
     return out
 
@@ -94,18 +108,20 @@ def base_weights(params: dict[str, Any]) -> BaseWeights:
     """Per layer, LoRA group -> its fused base weight ``[out, in]`` (what DoRA's norm is taken of)."""
     keys = {"qkv": "wqkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}
 
-    # a quantized projection (worker.quant) stays so here: _dora_scales dequantizes it only while it runs
+    # a quantized projection (models.quantization) stays so here: _dora_scales dequantizes it only while it runs
     return [{group: layer[key] for group, key in keys.items() if key in layer} for layer in params["layers"]]
 
 
 def _dora_scales(values: Lora, base: BaseWeights, shards: int) -> list[dict[str, jax.Array]]:
-    """Per layer, ``dora_scale_<group> [out]`` of one slot's values (``worker.dora.dora_scale``)."""
+    """Per layer, ``dora_scale_<group> [out]`` of one slot's values (``models.lora.dora_bias.dora_scale``)."""
     out = []
     for n, vals in enumerate(values):
         scales = {}
         for group in base[n]:  # the groups the model has (a mixture of experts: attention's)
             bs = tuple(vals[b_name(m)] for m in LORA_GROUPS[group])
-            w = base[n][group]  # quantized (worker.quant): dequantized in f32 inside this jitted call only
+            w = base[n][
+                group
+            ]  # quantized (models.quantization): dequantized in f32 inside this jitted call only
             scales[scale_name(group)] = dora_scale(
                 w.dequantize() if isinstance(w, Quantized) else w,
                 vals[f"A_{group}"],
@@ -123,7 +139,9 @@ _dora_scales_jit = jax.jit(_dora_scales, static_argnames="shards")
 
 def _write_slot(pools: LoraPools, slot: jax.Array, values: Lora, backend: LoraBackend) -> LoraPools:
     def put(name: str, pool: jax.Array, value: jax.Array) -> jax.Array:
-        value = value.astype(pool.dtype)  # the worker.dora vectors have one layout for every backend
+        value = value.astype(
+            pool.dtype
+        )  # the models.lora.dora_bias vectors have one layout for every backend
         if is_expert_pool(name):  # expert-major [E, S, ...]
             return pool.at[:, slot].set(value)
         canonical = is_vector_pool(name) or is_vocab_pool(name) or is_moe_pool(name)
@@ -148,7 +166,7 @@ class SlotPools:
     """The device-resident pools. Only the engine thread calls ``write``/``zero``.
 
     Slot values are always given in the canonical layout (``slot_arrays``); ``backend`` decides how
-    the pools store the matrices (``to_pool_layout`` runs inside the jitted write; the ``worker.dora``
+    the pools store the matrices (``to_pool_layout`` runs inside the jitted write; the ``models.lora.dora_bias``
     vector pools are the same in every backend). ``shardings`` (pool name -> ``jax.sharding.Sharding``,
     tensor parallelism) places every layer's pools so and keeps them so across writes; None = the
     default device. ``base`` (``base_weights(params)``, on the device) is what DoRA slots' scales are
@@ -171,7 +189,7 @@ class SlotPools:
         self._write, self._dora_scales = _write_slot_jit, _dora_scales_jit
         if shardings is not None:
             # the scales come back to the host whole: replicated, so a process of a multi-host mesh
-            # (worker.multihost), which holds only its own devices' shards, can read them
+            # (engine.multihost), which holds only its own devices' shards, can read them
             mesh = next(iter(shardings.values())).mesh
             self._dora_scales = jax.jit(
                 _dora_scales, static_argnames="shards", out_shardings=NamedSharding(mesh, P())

@@ -1,0 +1,2 @@
+"""LoRA on the device, in one place: the slot pools' layout and the host arrays written into a slot (``pools``),
+DoRA scales and LoRA biases (``dora_bias``), embed_tokens and lm_head adapters (``embedding``)."""
