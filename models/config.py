@@ -1,13 +1,10 @@
-"""The architecture of a decoder-only checkpoint, read from its Hugging Face ``config.json``.
+"""The architecture of a decoder-only checkpoint, read from its Hugging Face ``config.json``: ``ModelConfig``.
 
-Covers Llama 2/3 (incl. llama3 and linear RoPE scaling), Mistral (sliding window on every layer), Qwen2
-(qkv bias), Qwen3 (q/k norm, explicit head_dim), Gemma 2 and Gemma 3 text (the ``1 + w`` RMSNorm, four
-norms per layer, scaled embeddings, GELU-tanh MLP, ``query_pre_attn_scalar``, logit soft-capping,
-sliding-window layers, Gemma 3's q/k norm and separate local RoPE table); both the transformers 4.x
-layout (``rope_theta`` / ``rope_scaling`` / ``sliding_window_pattern``) and the 5.x one
-(``rope_parameters`` / ``layer_types``). Mixture-of-experts families: Qwen3-MoE (q/k norm, top-k routing
-with ``norm_topk_prob``), Mixtral (top-2, renormalised) and Qwen2-MoE (a shared expert behind a sigmoid
-gate, qkv bias), every layer sparse. Every new field defaults to the Llama behaviour.
+``ModelConfig.from_hf`` reads what every family shares (sizes, heads, RoPE and its scaling, EOS ids, biases; the
+transformers 4.x layout, ``rope_theta`` / ``rope_scaling``, and the 5.x one, ``rope_parameters`` /
+``layer_types``), then the fields of the config's family, one module each in ``models.families`` (Llama 2/3,
+Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Qwen3-MoE, Mixtral, Qwen2-MoE). Every field defaults to Llama's
+behaviour; the decoder (``models.decoder``) is switched by them.
 """
 
 from __future__ import annotations
@@ -18,14 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from loraserve.common.errors import FailedPrecondition
+from loraserve.models.families import FAMILIES
+from loraserve.models.families.rules import FULL, SLIDING, UnsupportedModelError, rope
 
-MOE = ("qwen3_moe", "mixtral", "qwen2_moe")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", *MOE)
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-GEMMA = ("gemma2", "gemma3_text")
-SLIDING, FULL = "sliding_attention", "full_attention"
 
 # LoRA pool names: one A per fused matmul (ranks side by side), one B per module.
 LORA_GROUPS: dict[str, tuple[str, ...]] = {
@@ -36,10 +30,6 @@ LORA_GROUPS: dict[str, tuple[str, ...]] = {
 }
 # A mixture-of-experts model's dense LoRA targets: attention (its experts' LoRA is separate)
 ATTENTION_GROUPS = {g: LORA_GROUPS[g] for g in ("qkv", "o")}
-
-
-class UnsupportedModelError(FailedPrecondition, ValueError):
-    """The checkpoint is not of an architecture this worker serves (FAILED_PRECONDITION)."""
 
 
 @dataclass(frozen=True)
@@ -86,39 +76,33 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a parsed ``config.json``; raises UnsupportedModelError for other architectures."""
+        """Build from a parsed ``config.json``: what every family shares read here, then its family's fields
+        (``models.families``); raises UnsupportedModelError for other architectures."""
         model_type = cfg.get("model_type", "llama")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        family = FAMILIES.get(model_type)
+        if family is None:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not served; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        gemma = model_type in GEMMA
-        act = (cfg.get("hidden_activation") if gemma else None) or cfg.get("hidden_act") or "silu"
-        if act not in SUPPORTED_ACTIVATIONS:
-            raise UnsupportedModelError(
-                f"{model_type} hidden activation {act!r} is not supported ({', '.join(SUPPORTED_ACTIVATIONS)})"
             )
         if cfg.get("use_bidirectional_attention"):
             raise UnsupportedModelError(
                 f"{model_type} with use_bidirectional_attention is not served (causal only)"
             )
-        rope = dict(cfg.get("rope_parameters") or {})
-        local: tuple[float, dict[str, Any] | None] | None = None
-        if FULL in rope or SLIDING in rope:  # Gemma 3 (5.x): one parameter set per layer type
-            local = _rope(dict(rope.get(SLIDING) or {}), {}, float(cfg.get("rope_local_base_freq", 10000.0)))
-            rope = dict(rope.get(FULL) or {})
-        elif model_type == "gemma3_text":  # 4.x: rope_theta + rope_scaling are global, local base apart
-            local = (float(cfg.get("rope_local_base_freq", 10000.0)), None)
-        theta, scaling = _rope(rope, cfg.get("rope_scaling") or {}, float(cfg.get("rope_theta", 10000.0)))
+        params = dict(cfg.get("rope_parameters") or {})
+        local: dict[str, Any] = {}
+        if FULL in params or SLIDING in params:  # 5.x, one parameter set per layer type (Gemma 3)
+            theta, scaling = rope(
+                dict(params.get(SLIDING) or {}), {}, float(cfg.get("rope_local_base_freq", 10000.0))
+            )
+            local = {"local_rope_theta": theta, "local_rope_scaling": scaling}
+            params = dict(params.get(FULL) or {})
+        theta, scaling = rope(params, cfg.get("rope_scaling") or {}, float(cfg.get("rope_theta", 10000.0)))
         heads = int(cfg["num_attention_heads"])
         layers = int(cfg["num_hidden_layers"])
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        attention_bias = bool(cfg.get("attention_bias", False))
-        window, types = _sliding(model_type, cfg, layers)
         hidden = int(cfg["hidden_size"])
-        moe = _moe(model_type, cfg, layers) if model_type in MOE else {}
-        return cls(
+        eos = cfg.get("eos_token_id")
+        attention_bias = bool(cfg.get("attention_bias", False))
+        shared = dict(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -131,28 +115,22 @@ class ModelConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
-            qkv_bias=model_type == "qwen2"
-            or attention_bias
-            or (model_type == "qwen2_moe" and cfg.get("qkv_bias", True)),
-            o_bias=attention_bias and model_type not in ("qwen2", "qwen2_moe"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            hidden_act=act,
-            gemma_norm=gemma,
-            sandwich_norms=gemma,
-            qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe"),
-            embed_scale=math.sqrt(hidden) if gemma else None,
-            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)) if gemma else None,
-            attn_logit_softcap=_opt_float(cfg.get("attn_logit_softcapping")) if gemma else None,
-            final_logit_softcap=_opt_float(cfg.get("final_logit_softcapping")) if gemma else None,
-            sliding_window=window,
-            layer_types=types,
-            local_rope_theta=None if local is None else local[0],
-            local_rope_scaling=None if local is None else local[1],
-            **moe,
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+            hidden_act=cfg.get("hidden_act") or "silu",
+            **local,
         )
+        config = cls(**{**shared, **family.fields(cfg, layers)})
+        if config.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"{model_type} hidden activation {config.hidden_act!r} is not supported"
+                f" ({', '.join(SUPPORTED_ACTIVATIONS)})"
+            )
+        return config
 
     @property
     def is_moe(self) -> bool:
@@ -236,75 +214,6 @@ class ModelConfig:
         if self.local_rope_theta is None:
             return glob
         return np.stack([glob, _inv_freq(self.head_dim, self.local_rope_theta, self.local_rope_scaling)])
-
-
-def _moe(model_type: str, cfg: dict[str, Any], layers: int) -> dict[str, Any]:
-    """The mixture-of-experts fields of a MoE family's config (every layer sparse)."""
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
-    k = int(cfg.get("num_experts_per_tok") or 0)
-    if experts <= 0 or not 0 < k <= experts:
-        raise UnsupportedModelError(
-            f"{model_type}: num_experts {experts} and num_experts_per_tok {k} do not make a MoE"
-        )
-    if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step") or 1) != 1:
-        raise UnsupportedModelError(
-            f"{model_type} with dense layers among the sparse ones (mlp_only_layers, decoder_sparse_step) is not served"
-        )
-    mixtral = model_type == "mixtral"
-    return dict(
-        num_experts=experts,
-        experts_per_token=k,
-        moe_intermediate_size=int(cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"]),
-        norm_topk_prob=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
-        routing_in_f32=mixtral,
-        shared_expert_size=int(cfg.get("shared_expert_intermediate_size") or 0)
-        if model_type == "qwen2_moe"
-        else 0,
-    )
-
-
-def _opt_float(v: Any) -> float | None:
-    return None if v is None else float(v)
-
-
-def _rope(
-    rope: dict[str, Any], legacy: dict[str, Any], default_theta: float
-) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling or None) from a 5.x ``rope_parameters`` dict and a 4.x ``rope_scaling`` one."""
-    theta = float(rope.pop("rope_theta", default_theta))
-    scaling = {**legacy, **rope}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"rope_type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    return theta, None if rope_type == "default" else {**scaling, "rope_type": rope_type}
-
-
-def _sliding(model_type: str, cfg: dict[str, Any], layers: int) -> tuple[int | None, tuple[str, ...]]:
-    """(sliding_window, layer_types) as transformers derives them for each family."""
-    window = cfg.get("sliding_window")
-    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get(
-        "use_sliding_window", False
-    ):
-        window = None
-    if window is None:
-        return None, ()
-    types = cfg.get("layer_types")
-    if types is None:  # the rules transformers applies to configs saved without layer_types
-        if model_type == "gemma2":
-            types = [SLIDING if (i + 1) % 2 else FULL for i in range(layers)]
-        elif model_type == "gemma3_text":
-            pattern = int(cfg.get("sliding_window_pattern", 6))
-            types = [SLIDING if (i + 1) % pattern else FULL for i in range(layers)]
-        elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-            first = int(cfg.get("max_window_layers", layers))
-            types = [SLIDING if i >= first else FULL for i in range(layers)]
-        else:  # mistral: the window applies to every layer
-            types = [SLIDING] * layers
-    if len(types) != layers or not set(types) <= {SLIDING, FULL}:
-        raise UnsupportedModelError(f"layer_types {types!r} are not supported ({SLIDING}, {FULL} per layer)")
-    return int(window), tuple(types)
 
 
 def _inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None) -> np.ndarray:

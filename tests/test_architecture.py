@@ -376,13 +376,28 @@ def documented_files(doc: str) -> dict[str, dict[str, str]]:
 
 
 def source_files(folder: str) -> set[str]:
-    """A room's modules as the file tables name them: paths inside the folder; package `__init__.py` files
-    (their docstring is the room's row) and the generated gRPC modules left out."""
+    """A room's modules as the file tables name them: paths inside the folder; the room's own `__init__.py`
+    (the room table's row says what it holds), a sub-package's that holds only a docstring and the generated
+    gRPC modules left out."""
     return {
         path.relative_to(ROOT / folder).as_posix()
         for path in (ROOT / folder).rglob("*.py")
-        if "__pycache__" not in path.parts and path.name != "__init__.py" and "_pb2" not in path.name
+        if "__pycache__" not in path.parts
+        and "_pb2" not in path.name
+        and path != ROOT / folder / "__init__.py"
+        and not _only_a_docstring(path)
     }
+
+
+def _only_a_docstring(path: Path) -> bool:
+    """A package's ``__init__.py`` that holds nothing but its docstring (the room's row says it); one that holds
+    code is a module like the others."""
+    body = ast.parse(path.read_text()).body
+    return path.name == "__init__.py" and all(
+        (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+        or (isinstance(node, ast.ImportFrom) and node.module == "__future__")
+        for node in body
+    )
 
 
 def test_every_module_has_a_row_in_the_docs_file_tables() -> None:

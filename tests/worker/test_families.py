@@ -1,4 +1,5 @@
-"""Qwen3, Gemma 2 and Gemma 3 text: the config fields read from ``config.json`` (5.x and 4.x layouts),
+"""Qwen3, Gemma 2 and Gemma 3 text: the config fields read from ``config.json`` (5.x and 4.x layouts), a
+family as a module of its own (``models.families``),
 the refusals naming what is not served, and that every family feature really shapes the logits.
 
 The parity itself (logits and greedy tokens vs transformers, f32 and bf16; PEFT with mixed adapters) is
@@ -246,3 +247,37 @@ def test_engine_serves_gemma3_like_transformers_generates(model_dirs, family_ada
         for c in got.values():
             assert c.done.wait(120), "request did not finish"
     assert {name: c.tokens for name, c in got.items()} == want
+
+
+def test_every_family_is_a_module_of_its_own_and_a_new_one_is_a_new_module(monkeypatch) -> None:
+    """models/families holds one module per family, each listed once under its model_type; a new architecture
+    is one more module (here a made-up one: Llama's reading plus a q/k norm), with nothing else to edit."""
+    import importlib
+    import pkgutil
+    import types
+
+    from loraserve.models import families
+    from loraserve.models.families import rules
+
+    modules = {m.name for m in pkgutil.iter_modules(families.__path__)} - {"rules"}
+    assert {f.__name__.rsplit(".", 1)[1] for f in families.FAMILIES.values()} == modules
+    assert tuple(families.FAMILIES) == SUPPORTED_MODEL_TYPES
+    for name in modules:
+        module = importlib.import_module(f"loraserve.models.families.{name}")
+        assert name == module.MODEL_TYPE and module.__doc__ and callable(module.fields)
+
+    newcomer = types.ModuleType("newcomer", "A made-up family: Llama with a q/k norm.")
+    newcomer.MODEL_TYPE = "newcomer"
+    newcomer.fields = lambda cfg, layers: {"qk_norm": True, **rules.sliding(cfg, layers, rules.every_layer)}
+    monkeypatch.setitem(families.FAMILIES, "newcomer", newcomer)
+    cfg = dict(
+        model_type="newcomer",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
+    got = ModelConfig.from_hf(cfg)
+    llama = ModelConfig.from_hf({**cfg, "model_type": "llama"})
+    assert got == dataclasses.replace(llama, model_type="newcomer", qk_norm=True)
