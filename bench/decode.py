@@ -44,6 +44,7 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -1036,11 +1037,18 @@ def main() -> None:
     n_adapters = max(w["adapters"] for w in workloads)
     direct = shape.startswith(("3b", "8b")) or args.dtype != "float32"
     started = time.perf_counter()
+
+    def progress(what: str) -> None:
+        """A phase done, with the seconds since the start, on stderr: a run its time limit cuts still says
+        where its time went (a TPU call of 10 minutes builds, loads and compiles before any row is timed)."""
+        print(f"[decode {time.perf_counter() - started:7.1f} s] {what}", file=sys.stderr, flush=True)
+
     _compiles.start()
     with nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory() as tmp:
         base, adapters = build_or_reuse(
             Path(tmp), {**workloads[0], "adapters": n_adapters}, args.dtype, direct
         )
+        progress(f"model and {len(adapters)} adapters ready in {base.parent}")
         if args.build_only:
             print(json.dumps({"bench": "decode-build", "seconds": round(time.perf_counter() - started, 1),
                               "shape": shape, "dtype": args.dtype, "adapters": len(adapters),
@@ -1052,6 +1060,7 @@ def main() -> None:
             else build_extra(Path(tmp), base, {**workloads[0], "adapters": n_adapters})
         )
         peaks = machine_peaks(repeats=1 if shape == "tiny" else 10, dtype=args.dtype)  # tiny: a smoke run
+        progress("the machine's peaks measured")
         if args.compilation_cache:
             from loraserve.engine.engine import enable_compilation_cache
 
@@ -1060,6 +1069,7 @@ def main() -> None:
 
         # shared by every engine below
         checkpoint = load_checkpoint(str(base), dtype=args.dtype) if engines else None
+        progress("base checkpoint loaded")
         grammars = None if args.no_json or shape == "moe" else build_grammars(workloads[0]["vocab_size"])
         ours: list[dict[str, dict[str, float]]] = [{} for _ in workloads]
 
@@ -1111,6 +1121,7 @@ def main() -> None:
         engine_names = {ENGINE_NAMES[n]: n for n in names}
         for k, (w, mine) in enumerate(zip(workloads, ours, strict=True)):
             for suffix, (backend, lora_dtype, linear_backend, async_decode) in engines.items():
+                progress(f"engine {engine_names[suffix]} at batch {w['batch']}: starting")
                 runs = attempt(
                     k,
                     engine_names[suffix],
@@ -1133,6 +1144,7 @@ def main() -> None:
                     grammars=grammars if not suffix else None,  # the default engine's rows
                 )
                 mine.update({name + suffix: r for name, r in runs.items()})
+                progress(f"engine {engine_names[suffix]} at batch {w['batch']}: {len(runs)} rows")
                 gc.collect()  # the engine's slot pools and KV cache off the device before the next one's
                 if args.emit_partial:
                     emit(k, {}, partial=True)

@@ -44,6 +44,7 @@ def run(
     from loraserve.engine.jax_runner import jit_steps
     from loraserve.kernels.backends import XlaGroupedBackend
     from loraserve.models import decoder
+    from loraserve.models.lora import layout
     from loraserve.models.step import DecodeBatch, DeviceState, PrefillBatch
 
     cfg, dtype = checkpoint.config, jnp.dtype(checkpoint.dtype)
@@ -53,7 +54,7 @@ def run(
     cache = decoder.init_cache(cfg, rows * per_row + 1, page, dtype)
     tables = decoder.contiguous_page_tables(rows, per_row)
     backend = XlaGroupedBackend()
-    pools = decoder.empty_lora(cfg, 2, 4, dtype, backend)
+    pools = layout.empty_lora(cfg, 2, 4, dtype, backend)
     fns = jit_steps(cfg, backend, "xla", "auto")
     rope = jnp.asarray(cfg.inv_freq(), jnp.float32)
     blocks = decoder.whole_row_key_blocks(page, per_row)

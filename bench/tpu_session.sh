@@ -49,6 +49,11 @@
 #               ~10 s loading 16-64 adapters and timing 3 rows x 5 rounds of ~32 steps (a base step reads 6.6-7.0
 #               GB: 8.0-8.6 ms at 819 GB/s)
 #   quant int8  ~95 s: ~20 s to start, ~25 s reading and quantizing 2.8 G weights on the host, one engine ~45 s
+#   measured    2026-12-07 on a fresh v5e machine: kernels 8b 86 s (47 compiles, 28 s of them); decode 3b at batch
+#               64 with two engines killed at 320 s before its first engine finished (building the model and its
+#               first engine's programs take longer than guessed; bench/decode.py now logs each phase's time):
+#               build the model in a call of its own first (decode.py --build-only into TPU_BENCH_WORK), then
+#               time the engines in the next call on the same machine
 #   total       ~515 s central against 450: the quant sub-step (last) runs only when kernels and decode leave it
 #               90 s, i.e. when compiles come in under the central guess; alone it costs ~140 s (it builds the
 #               model itself: TPU_BENCH_STEPS=quant TPU_BENCH_DEADLINE_S=200)

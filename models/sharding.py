@@ -32,15 +32,10 @@ from loraserve.common.errors import FailedPrecondition, InvalidArgument
 from loraserve.kernels.backends import COLUMN, ROW, LoraBackend
 from loraserve.kernels.sharded import AXIS, ShardedBackend
 from loraserve.models.config import ModelConfig
-from loraserve.models.decoder import (
-    b_name,
-    kv_page_bytes,
-    kv_storage_dtype,
-    lora_slot_shapes,
-    lora_vector_sizes,
-)
+from loraserve.models.decoder import kv_page_bytes, kv_storage_dtype
 from loraserve.models.lora.dora_bias import VECTOR_DTYPE, bias_name, scale_name
 from loraserve.models.lora.embedding import VOCAB_POOLS, vocab_slot_shapes
+from loraserve.models.lora.layout import b_name, lora_slot_shapes, lora_vector_sizes
 from loraserve.models.moe import EXPERT_POOLS, ROUTER_POOLS, init_expert_pools
 from loraserve.models.step import LoraPools
 

@@ -23,14 +23,7 @@ from jax.sharding import PartitionSpec as P
 from loraserve.adapters.peft import LoraWeights, check_slot_value
 from loraserve.kernels.backends import LoraBackend
 from loraserve.models.config import ModelConfig
-from loraserve.models.decoder import (
-    LORA_GROUPS,
-    Lora,
-    b_name,
-    empty_lora,
-    lora_slot_shapes,
-    lora_vector_sizes,
-)
+from loraserve.models.decoder import LORA_GROUPS, Lora
 from loraserve.models.lora.dora_bias import (
     bias_name,
     dora_scale,
@@ -40,6 +33,7 @@ from loraserve.models.lora.dora_bias import (
     scale_name,
 )
 from loraserve.models.lora.embedding import is_vocab_pool, vocab_slot_shapes, vocab_slot_values
+from loraserve.models.lora.layout import b_name, empty_lora, lora_slot_shapes, lora_vector_sizes
 from loraserve.models.moe import expert_slot_shapes, expert_slot_values, is_expert_pool, is_moe_pool
 from loraserve.models.quantization import Quantized
 from loraserve.models.step import LoraPools

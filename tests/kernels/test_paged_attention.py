@@ -43,6 +43,7 @@ from loraserve.kernels.attention import (
 from loraserve.models import decoder
 from loraserve.models.checkpoint import load_checkpoint
 from loraserve.models.config import ModelConfig
+from loraserve.models.lora import layout
 from loraserve.models.sharding import param_shapes
 from loraserve.models.step import DecodeBatch, DeviceState
 from tests.platform import ON_TPU, cpp_only
@@ -239,7 +240,7 @@ FAMILIES = ("llama", "gemma2", "gemma3_text")
 def test_model_decode_with_pallas_attention_matches_xla(model_dirs, family: str) -> None:
     ck = load_checkpoint(str(model_dirs[family]))
     cfg, backend = ck.config, get_backend("xla-grouped")
-    pools = decoder.empty_lora(cfg, 2, 4, jnp.float32, backend)
+    pools = layout.empty_lora(cfg, 2, 4, jnp.float32, backend)
     page, width, rows = 4, 4, 3
     cache = decoder.init_cache(cfg, 1 + rows * width + 3, page, jnp.float32)
     tables = np.flip(decoder.contiguous_page_tables(rows, width), axis=1).copy()  # pages in reverse order
@@ -291,7 +292,7 @@ def _tpu_export_kernel_calls(cfg: ModelConfig, impl: str, dtype=jnp.bfloat16) ->
     params = jax.tree.map(lambda s: sds(s, dtype), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     page_shape = (cfg.num_kv_heads, pages, page, cfg.head_dim)
     cache = [(sds(page_shape, dtype), sds(page_shape, dtype)) for _ in range(cfg.num_layers)]
-    pools = jax.eval_shape(lambda: decoder.empty_lora(cfg, 2, 16, dtype, backend))
+    pools = jax.eval_shape(lambda: layout.empty_lora(cfg, 2, 16, dtype, backend))
     ints = sds((rows,), jnp.int32)
     exported = jax.export.export(jax.jit(step), platforms=["tpu"])(
         DeviceState(params, pools, cache, sds((cfg.head_dim // 2,), jnp.float32)),

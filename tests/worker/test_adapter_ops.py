@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from loraserve.kernels import get_backend
 from loraserve.models import decoder
 from loraserve.models.config import ModelConfig
+from loraserve.models.lora import layout
 from loraserve.models.lora.dora_bias import apply_vectors, bias_name, scale_name
 from loraserve.models.lora.embedding import apply_embed, apply_lm_head
 from loraserve.models.sharding import param_shapes
@@ -129,7 +130,7 @@ LLAMA = dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediat
 def _abstract(cfg: ModelConfig, backend, dtype=jnp.bfloat16):
     sds = jax.ShapeDtypeStruct
     params = jax.tree.map(lambda s: sds(s, dtype), param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
-    pools = jax.eval_shape(lambda: decoder.empty_lora(cfg, 4, 16, dtype, backend))
+    pools = jax.eval_shape(lambda: layout.empty_lora(cfg, 4, 16, dtype, backend))
     return params, pools
 
 

@@ -30,6 +30,7 @@ from loraserve.models.config import (
     ModelConfig,
     UnsupportedModelError,
 )
+from loraserve.models.lora import layout
 from tests.worker.model_steps import ModelSteps
 
 PROMPT = [300, 200, 100, 50, 25, 12, 6, 3, 9, 11, 40]  # longer than every sliding window (4, 5)
@@ -181,7 +182,7 @@ def _prefill_last_logits(ck, cfg: ModelConfig) -> np.ndarray:
     cache = decoder.init_cache(cfg, 2, 16, jnp.float32)  # the null page and one page of 16
     tokens = np.zeros(16, np.int32)
     tokens[: len(PROMPT)] = PROMPT
-    steps = ModelSteps(cfg, backend, ck.params, decoder.empty_lora(cfg, 1, 4, jnp.float32, backend), cache)
+    steps = ModelSteps(cfg, backend, ck.params, layout.empty_lora(cfg, 1, 4, jnp.float32, backend), cache)
     return np.asarray(steps.prefill_one(tokens, len(PROMPT), 0, -1, np.array([1], np.int32)))
 
 

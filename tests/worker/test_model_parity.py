@@ -18,6 +18,7 @@ import torch
 from loraserve.kernels import XlaGroupedBackend
 from loraserve.models import decoder
 from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.lora import layout
 from tests.conftest import FAMILIES
 from tests.platform import ON_TPU
 from tests.worker.model_steps import ModelSteps
@@ -62,7 +63,7 @@ def run_model(ck, refs, dtype: str) -> list[np.ndarray]:
     tables = tables.reshape(rows, per_row).astype(np.int32)
     backend = XlaGroupedBackend()
     steps = ModelSteps(
-        cfg, backend, ck.params, decoder.empty_lora(cfg, 2, 4, jnp.dtype(dtype), backend), cache
+        cfg, backend, ck.params, layout.empty_lora(cfg, 2, 4, jnp.dtype(dtype), backend), cache
     )
     out: list[list[np.ndarray]] = [[] for _ in PROMPTS]
     for row, p in enumerate(PROMPTS):

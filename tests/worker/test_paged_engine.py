@@ -21,6 +21,7 @@ from loraserve.kernels.backends import XlaGroupedBackend
 from loraserve.kernels.testing import count_compilations
 from loraserve.models import decoder
 from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.lora import layout
 from loraserve.models.step import PrefillBatch
 from loraserve.testing import save_model
 from tests.engines import local_source, started_engine
@@ -118,7 +119,7 @@ def test_thousands_of_tokens_match_transformers_through_chunks_and_scattered_pag
     cfg, page, per_row = ck.config, 64, 4096 // 64
     backend = XlaGroupedBackend()
     cache = decoder.init_cache(cfg, 2 * per_row + 1, page, jnp.float32)
-    steps = ModelSteps(cfg, backend, ck.params, decoder.empty_lora(cfg, 1, 4, jnp.float32, backend), cache)
+    steps = ModelSteps(cfg, backend, ck.params, layout.empty_lora(cfg, 1, 4, jnp.float32, backend), cache)
     table = (1 + rng.permutation(2 * per_row)[:per_row]).astype(np.int32)  # half the pool, shuffled
     got = []
     for start, stop, bucket in ((0, 2048, 2048), (2048, LONG, 1024)):

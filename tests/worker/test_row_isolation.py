@@ -20,9 +20,9 @@ from loraserve.kernels import get_backend
 from loraserve.kernels.attention import DecodeAttention
 from loraserve.models import decoder
 from loraserve.models.checkpoint import load_checkpoint
-from loraserve.models.decoder import lora_slot_shapes, lora_vector_sizes
 from loraserve.models.lora.dora_bias import bias_name, magnitude_name, mask_name
 from loraserve.models.lora.embedding import vocab_slot_shapes
+from loraserve.models.lora.layout import lora_slot_shapes, lora_vector_sizes
 from loraserve.models.lora.pools import SlotPools, base_weights
 from loraserve.models.step import PrefillBatch
 from tests.platform import cpp_only

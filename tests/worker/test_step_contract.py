@@ -11,6 +11,7 @@ from loraserve.engine.jax_runner import jit_steps
 from loraserve.kernels import get_backend
 from loraserve.models import decoder
 from loraserve.models.checkpoint import load_checkpoint
+from loraserve.models.lora import layout
 from loraserve.models.sampling import SamplingArrays
 from loraserve.models.step import DecodeBatch, DeviceState, LoraPools, PrefillBatch
 
@@ -19,7 +20,7 @@ from loraserve.models.step import DecodeBatch, DeviceState, LoraPools, PrefillBa
 def state(llama_dir):
     ck = load_checkpoint(str(llama_dir))
     cfg, backend = ck.config, get_backend("xla-grouped")
-    pools = decoder.empty_lora(cfg, 2, 4, jnp.float32, backend)
+    pools = layout.empty_lora(cfg, 2, 4, jnp.float32, backend)
     rope = jnp.asarray(cfg.inv_freq(), jnp.float32)
     return cfg, backend, DeviceState(ck.params, pools, decoder.init_cache(cfg, 5, 16, jnp.float32), rope)
 
