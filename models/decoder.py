@@ -277,12 +277,12 @@ def prefill_scored(
         # a chunk of positions at a time: [chunk, V] logits, not [G*L, V]
         chunk = next(c for c in (256, 128, 64, 32, 16, 8, 4, 2, 1) if (g * t) % c == 0)
 
-        def one(args: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        def score_chunk(args: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
             hc, sc, tc = args
             return token_logprobs(logits_from_hidden(cfg, state.params, hc, state.pools.vocab, sc), tc)
 
         parts = (h.reshape(-1, chunk, h.shape[-1]), flat_slots.reshape(-1, chunk), targets.reshape(-1, chunk))
-        lp, ids, top = jax.lax.map(one, parts)
+        lp, ids, top = jax.lax.map(score_chunk, parts)
         return PromptScores(lp.reshape(g, t), ids.reshape(g, t, k), top.reshape(g, t, k))
 
     def none() -> PromptScores:

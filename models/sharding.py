@@ -314,7 +314,7 @@ def expand_slot_values(
         "gate_up": fuse_order((cfg.intermediate_size,) * 2, n),
     }
 
-    def rep(b: np.ndarray) -> np.ndarray:  # [R, kv*D] -> [R, kv*r*D]
+    def repeat_kv_columns(b: np.ndarray) -> np.ndarray:  # [R, kv*D] -> [R, kv*r*D]
         if r == 1:
             return b
         return np.repeat(b.reshape(b.shape[0], cfg.num_kv_heads, d), r, axis=1).reshape(b.shape[0], -1)
@@ -325,12 +325,12 @@ def expand_slot_values(
             v = _repeat_kv_rows(v, cfg, r)
         return v[order[group]] if group in order else v
 
-    def one(k: str, v: np.ndarray) -> np.ndarray:
+    def device_layout(k: str, v: np.ndarray) -> np.ndarray:
         if k in ("B_k", "B_v"):
-            return rep(v)
+            return repeat_kv_columns(v)
         return vector(k, v) if k.startswith(VECTOR_VALUES) else v
 
-    return [{k: one(k, v) for k, v in layer.items()} for layer in values]
+    return [{k: device_layout(k, v) for k, v in layer.items()} for layer in values]
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
@@ -391,7 +391,7 @@ def abstract_state(
     dtype, pool_dtype = config.dtype, config.pool_dtype
     shapes = jax.tree.map(np.shape, params) if params is not None else param_shapes(cfg)
 
-    def sds(shape, dt, spec):
+    def abstract(shape, dt, spec):
         return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dt), sharding=NamedSharding(mesh, spec))
 
     def tp_shape(key: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -400,9 +400,9 @@ def abstract_state(
         return tuple(shape)
 
     specs = param_specs(cfg, shapes, n)
-    aparams: dict[str, Any] = {k: sds(v, dtype, specs[k]) for k, v in shapes.items() if k != "layers"}
+    aparams: dict[str, Any] = {k: abstract(v, dtype, specs[k]) for k, v in shapes.items() if k != "layers"}
     aparams["layers"] = [
-        {k: sds(tp_shape(k, v), dtype, ls[k]) for k, v in layer.items()}
+        {k: abstract(tp_shape(k, v), dtype, ls[k]) for k, v in layer.items()}
         for layer, ls in zip(shapes["layers"], specs["layers"], strict=True)
     ]
     if quantization != "none":  # models.quantization: the projections' values, and f32 scales split with them
@@ -415,14 +415,14 @@ def abstract_state(
                 (out, inputs), spec = layer[k].shape, layer[k].sharding.spec
                 by_rows = LAYER_SPLIT_DIM.get(k) == 0
                 if quantization == "int8":
-                    scale = sds((out,), jnp.float32, P(AXIS) if by_rows and n > 1 else P())
-                    layer[k] = Int8Weight(sds((out, inputs), jnp.int8, spec), scale)
+                    scale = abstract((out,), jnp.float32, P(AXIS) if by_rows and n > 1 else P())
+                    layer[k] = Int8Weight(abstract((out, inputs), jnp.int8, spec), scale)
                     continue
                 groups = (out, inputs // int4_group(inputs))
                 check_int4_groups(k, groups, n)
                 scale_spec = P() if n == 1 else (P(AXIS, None) if by_rows else P(None, AXIS))
                 layer[k] = Int4Weight(
-                    sds((out, inputs // 2), jnp.uint8, spec), sds(groups, jnp.float32, scale_spec)
+                    abstract((out, inputs // 2), jnp.uint8, spec), abstract(groups, jnp.float32, scale_spec)
                 )
     if (
         quantize_lm_head
@@ -434,32 +434,32 @@ def abstract_state(
         quantized_head(head, quantization)  # the quantized types and shapes, nothing read
         hs = param_specs(cfg, {"lm_head": head["lm_head"], "layers": []}, n)["lm_head"]
         aparams["lm_head"] = type(head["lm_head"])(
-            sds(head["lm_head"].q.shape, head["lm_head"].q.dtype, hs.q),
-            sds(head["lm_head"].scale.shape, jnp.float32, hs.scale),
+            abstract(head["lm_head"].q.shape, head["lm_head"].q.dtype, hs.q),
+            abstract(head["lm_head"].scale.shape, jnp.float32, hs.scale),
         )
     pages = config.num_kv_pages(kv_page_bytes(cfg, config.kv_page_size, dtype))
     page_shape = (tcfg.num_kv_heads, pages, config.kv_page_size, tcfg.head_dim)
     stored = kv_storage_dtype(dtype, platform)
     cache = [
-        (sds(page_shape, stored, CACHE_SPEC), sds(page_shape, stored, CACHE_SPEC))
+        (abstract(page_shape, stored, CACHE_SPEC), abstract(page_shape, stored, CACHE_SPEC))
         for _ in range(cfg.num_layers)
     ]
     pspecs = pool_specs(tcfg, sharded)
     slot = lora_slot_shapes(tcfg, config.max_lora_rank)
     vectors = {
-        name(group): sds((config.max_loras, size), VECTOR_DTYPE, pspecs[name(group)])
+        name(group): abstract((config.max_loras, size), VECTOR_DTYPE, pspecs[name(group)])
         for group, size in lora_vector_sizes(tcfg).items()
         for name in (scale_name, bias_name)
     }
     pools = [
         {
             **{
-                k: sds((config.max_loras, *sharded.slot_shape(s)), pool_dtype, pspecs[k])
+                k: abstract((config.max_loras, *sharded.slot_shape(s)), pool_dtype, pspecs[k])
                 for k, s in slot.items()
             },
             **vectors,
             **{  # a mixture of experts' LoRA pools (models.moe), split by expert
-                k: sds(v.shape, pool_dtype, pspecs[k])
+                k: abstract(v.shape, pool_dtype, pspecs[k])
                 for k, v in jax.eval_shape(
                     lambda: init_expert_pools(cfg, config.max_loras, config.max_lora_rank, pool_dtype)
                 ).items()
@@ -468,7 +468,7 @@ def abstract_state(
         for _ in range(cfg.num_layers)
     ]
     vocab = {
-        k: sds((config.max_loras, *s), pool_dtype, pspecs[k])
+        k: abstract((config.max_loras, *s), pool_dtype, pspecs[k])
         for k, s in vocab_slot_shapes(tcfg, config.max_lora_rank).items()
     }
     cache_out = [(NamedSharding(mesh, CACHE_SPEC),) * 2 for _ in range(cfg.num_layers)]

@@ -102,14 +102,14 @@ class PrefillBatch:
     ) -> PrefillBatch:
         """One sequence (G = 1): ``tokens`` [T], ``page_table`` [R], scalars for the rest (host arrays)."""
 
-        def one(x: Any) -> np.ndarray:
+        def vector1(x: Any) -> np.ndarray:
             return np.reshape(np.asarray(x, np.int32), (1,))
 
         return cls(
             np.asarray(tokens, np.int32)[None],
-            one(length),
-            one(start),
-            one(slot),
+            vector1(length),
+            vector1(start),
+            vector1(slot),
             np.asarray(page_table, np.int32)[None],
             np.int32(key_blocks),
         )
