@@ -1,6 +1,6 @@
 """Qwen3, Gemma 2 and Gemma 3 text: the config fields read from ``config.json`` (5.x and 4.x layouts), a
-family as a module of its own (``models.families``),
-the refusals naming what is not served, and that every family feature really shapes the logits.
+family as a module of its own (``models.families``), the refusals naming what is not served, and that every
+family feature really shapes the logits.
 
 The parity itself (logits and greedy tokens vs transformers, f32 and bf16; PEFT with mixed adapters) is
 in test_model_parity.py and test_lora_parity.py; the last test here shows each feature the families
