@@ -48,8 +48,10 @@ layer's weight bytes plus the batch's adapters' A and B bytes ÷ that time), ``o
 ms: the fraction of the base step's speed the adapters leave) and ``serial_bound`` (what the adapters would
 cost read after the base product at the bandwidth dense measured: dense ms ÷ (dense ms + adapter bytes ÷
 dense's GB/s); a backend that overlaps the reads beats it). Backends: reference, xla-onehot, xla-grouped,
-pallas (its decode kernel, ``kernels.pallas_decode``) and pallas-tiled (the tiled kernels it replaced), both
-compiled on a TPU and interpreted elsewhere (so only at ``--shape tiny``), cpu where the C++ kernels build.
+pallas (its decode kernel, ``kernels.pallas_decode``, slots in groups of 128 rank rows), pallas-d256 and
+pallas-d512 (the same kernel with groups of 256 and 512 rank rows) and pallas-tiled (the tiled kernels of its
+first version), all compiled on a TPU and interpreted elsewhere (so only at ``--shape tiny``), cpu where the C++
+kernels build.
 Its last line is one JSON object too (``"bench": "kernels_scan"``, with the run's XLA compilations and seconds);
 ``--shape`` picks one of ``SCAN_SHAPES``, ``--batch 16,64`` other batches than the shape's.
 """
@@ -57,6 +59,7 @@ Its last line is one JSON object too (``"bench": "kernels_scan"``, with the run'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -248,22 +251,38 @@ SCAN_SHAPES = {
 RANK = 16
 
 
-class _PallasTiled(kernels.PallasBackend):
-    """The pallas backend's decode through the tiled kernels (``kernels.pallas``) only: the decode kernel's
+class _PallasTiled(kernels.XlaOneHotBackend):
+    """The tiled Pallas kernels (``kernels.pallas``) on the canonical pools: the decode kernel's first
     predecessor, timed beside it (``pallas-tiled``)."""
 
     def add_decode(self, y, x, a, bs, plan):
-        return kernels.pallas.add_lora_slices(y, x, a, tuple(bs), plan.idx)
+        return kernels.pallas.add_lora_slices(y, x, a, tuple(bs), plan)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PallasDepth(kernels.PallasBackend):
+    """The pallas backend with groups of ``depth`` rank rows instead of ``MXU_DEPTH`` (``pallas-d256``...)."""
+
+    depth: int = kernels.pallas_decode.MXU_DEPTH
+
+    def add_decode(self, y, x, a, bs, plan):
+        outs = [b.shape[2] for b in bs]
+        dtypes = (x.dtype, a.dtype, bs[0].dtype, y.dtype)
+        if not kernels.pallas_decode.fits(x.shape[0], a.shape[2], a.shape[1], outs, *dtypes, self.depth):
+            raise ValueError(f"does not fit the decode kernel at depth {self.depth}")
+        return kernels.pallas_decode.add_lora_slices_decode(y, x, a, tuple(bs), plan, depth=self.depth)
 
 
 def _backend(name: str) -> kernels.LoraBackend:
+    if name.startswith("pallas-d"):
+        return _PallasDepth(depth=int(name.removeprefix("pallas-d")))
     return _PallasTiled() if name == "pallas-tiled" else kernels.get_backend(name)
 
 
 def _backends(tiny: bool) -> list[str]:
     names = ["reference", "xla-onehot", "xla-grouped"]
     if jax.default_backend() == "tpu" or tiny:  # interpreted off a TPU: minutes at real sizes
-        names += ["pallas", "pallas-tiled"]
+        names += ["pallas", "pallas-d256", "pallas-d512", "pallas-tiled"]
     if kernels.cpu.available():
         names.append("cpu")
     return names
@@ -322,8 +341,13 @@ def bench_scan(shape: str, dtype_name: str, batches: tuple[int, ...] = ()) -> di
         want = None  # the reference backend's output: every other backend's is compared with it
         for name in _backends(shape == "tiny"):
             backend = _backend(name)
-            to_pool = jax.vmap(jax.vmap(backend.to_pool_layout))
-            a_pool, b_pool = (jnp.asarray(to_pool(jnp.asarray(m)), dtype) for m in (a, b))
+            a_pool, b_pool = (
+                jnp.asarray(
+                    jax.vmap(jax.vmap(functools.partial(backend.to_pool_layout, kind=kind)))(jnp.asarray(m)),
+                    dtype,
+                )
+                for m, kind in ((a, "A"), (b, "B"))
+            )
             plan = backend.plan(row_slots, slots)
             row = dict(backend=name, batch=batch, adapters=slots)
             try:

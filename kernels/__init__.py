@@ -35,6 +35,7 @@ from loraserve.kernels.backends import (
     XlaGroupedBackend,
     XlaOneHotBackend,
     get_backend,
+    pool_kind,
     resolve_backend,
 )
 from loraserve.kernels.sgmv import segments_to_idx
@@ -61,6 +62,7 @@ __all__ = [
     "lora_expand_slices",
     "lora_shrink",
     "lora_shrink_sgmv",
+    "pool_kind",
     "resolve_backend",
     "segments_to_idx",
 ]

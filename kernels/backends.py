@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loraserve.kernels import cpu, grouped, pallas, pallas_decode, reference, sgmv, xla
+from loraserve.kernels import cpu, grouped, pallas_decode, reference, sgmv, xla
 
 Array = jax.Array
 Pools = list[dict[str, Array]]  # per layer: pool name -> [S, *slot layout]
@@ -45,6 +45,13 @@ Plan = Any  # a pytree the backend's add_decode reads; None = no row has an adap
 # backend ignores it; :class:`kernels.sharded.ShardedBackend` picks its ``shard_map`` specs by it.
 COLUMN, ROW = "column", "row"
 PARALLEL_KINDS = (COLUMN, ROW)
+
+
+def pool_kind(name: str) -> str:
+    """``"A"`` for a shrink pool (``A_qkv``, ``A_o``, ...), ``"B"`` for an expand pool (``B_q``, ...)."""
+    if name[:2] not in ("A_", "B_"):
+        raise ValueError(f"{name!r} is not a LoRA matrix pool (A_<group> or B_<module>)")
+    return name[0]
 
 
 @dataclass(frozen=True)
@@ -62,16 +69,18 @@ class LoraBackend(ABC):
         return self.name
 
     # ------------------------------------------------------------------ layout
-    def slot_shape(self, shape: tuple[int, int]) -> tuple[int, int]:
-        """Canonical shape of one slot's matrix -> its shape in this backend's pools."""
+    def slot_shape(self, shape: tuple[int, int], kind: str) -> tuple[int, int]:
+        """Canonical shape of one slot's matrix of ``kind`` (``"A"`` or ``"B"``: :func:`pool_kind`) -> its shape
+        in this backend's pools."""
         return shape
 
-    def to_pool_layout(self, value):  # traceable; numpy or jax
-        """One slot's matrix, canonical layout -> pool layout (``SlotPools.write`` runs this under jit)."""
+    def to_pool_layout(self, value, kind: str):  # traceable; numpy or jax
+        """One slot's matrix of ``kind``, canonical layout -> pool layout (``SlotPools.write`` runs this under
+        jit)."""
         return value
 
-    def from_pool_layout(self, value):
-        """Inverse of :meth:`to_pool_layout`: one slot of a pool -> the canonical layout."""
+    def from_pool_layout(self, value, kind: str):
+        """Inverse of :meth:`to_pool_layout` (on finite values): one slot of a pool -> the canonical layout."""
         return value
 
     def init_pools(
@@ -85,7 +94,10 @@ class LoraBackend(ABC):
             allowed = ", ".join(str(jnp.dtype(d)) for d in self.pool_dtypes)
             raise ValueError(f"the {self.name} backend takes {allowed} pools, got {jnp.dtype(dtype)}")
         return [
-            {k: jnp.zeros((num_slots, *self.slot_shape(tuple(s))), dtype) for k, s in slot_shapes.items()}
+            {
+                k: jnp.zeros((num_slots, *self.slot_shape(tuple(s), pool_kind(k))), dtype)
+                for k, s in slot_shapes.items()
+            }
             for _ in range(num_layers)
         ]
 
@@ -214,12 +226,28 @@ class XlaOneHotBackend(_SgmvPrefill, LoraBackend):
 
 
 @dataclass(frozen=True)
-class PallasBackend(_SgmvPrefill, LoraBackend):
-    """TPU kernels: decode reads each slot in use once, by DMA, in one call per projection
-    (:mod:`kernels.pallas_decode`; the tiled kernels of :mod:`kernels.pallas` where a shape does not fit it);
-    interpreted off-TPU."""
+class PallasBackend(LoraBackend):
+    """TPU kernels on rank-major pools, ``A [S, n*R, in]`` and ``B [S, R, out]`` (the rank on the sublanes of
+    both: nothing padded to 128 lanes): decode reads each slot in use once, by DMA, in one call per projection,
+    the slots in groups that fill the MXU's 128 rows (:mod:`kernels.pallas_decode`); shapes it does not take
+    run the one-hot XLA product, prefill the gathered slot's. B pools hold finite values only (the write
+    zeroes the rest: row isolation, :mod:`kernels.pallas_decode`). Interpreted off-TPU."""
 
     name: ClassVar[str] = "pallas"
+
+    def slot_shape(self, shape, kind):  # A [in, n*R] -> [n*R, in]; B [R, out] as it is
+        return (shape[1], shape[0]) if kind == "A" else shape
+
+    def feature_axis(self, kind):  # A [S, n*R, in] -> 2; B [S, R, out] -> 2
+        return 2
+
+    def to_pool_layout(self, value, kind):
+        if kind == "A":
+            return value.T
+        return jnp.where(jnp.isfinite(value), value, jnp.zeros((), value.dtype))
+
+    def from_pool_layout(self, value, kind):
+        return value.T if kind == "A" else value
 
     def plan(self, slots, num_slots):  # DecodePlan, or None (the default plan's rule)
         ids = super().plan(slots, num_slots)
@@ -233,10 +261,17 @@ class PallasBackend(_SgmvPrefill, LoraBackend):
 
     def add_decode(self, y, x, a, bs, plan):  # [B, sum(out_i)]
         outs = [b.shape[2] for b in bs]
-        rows, d_in, rank_cols = x.shape[0], a.shape[1], a.shape[2]
+        rows, rank_cols, d_in = x.shape[0], a.shape[1], a.shape[2]
         if pallas_decode.fits(rows, d_in, rank_cols, outs, x.dtype, a.dtype, bs[0].dtype, y.dtype):
             return pallas_decode.add_lora_slices_decode(y, x, a, tuple(bs), plan)
-        return pallas.add_lora_slices(y, x, a, tuple(bs), plan.idx)
+        # XLA folds the transpose into its product's dimension numbers (no copy of the pool)
+        return xla.add_lora_slices(y, x, jnp.swapaxes(a, 1, 2), tuple(bs), plan.idx)
+
+    def add_one_slot(self, y, x, a, bs, slot):  # [T, sum(out_i)]: the one slot gathered, then transposed
+        a_one = jax.lax.dynamic_index_in_dim(a, jnp.maximum(slot, 0), axis=0, keepdims=True)  # [1, n*R, in]
+        bs_one = tuple(jax.lax.dynamic_index_in_dim(b, jnp.maximum(slot, 0), 0, keepdims=True) for b in bs)
+        one = jnp.where(slot >= 0, 0, -1)
+        return sgmv.xla_add_lora_slices_one_slot(y, x, jnp.swapaxes(a_one, 1, 2), bs_one, one)
 
 
 @dataclass(frozen=True)
@@ -269,16 +304,16 @@ class XlaGroupedBackend(LoraBackend):
 
     name: ClassVar[str] = "xla-grouped"
 
-    def slot_shape(self, shape):
+    def slot_shape(self, shape, kind):
         return shape[1], shape[0]
 
     def feature_axis(self, kind):  # A [S, n*R, in] -> 2; B [S, out, R] -> 1
         return 2 if kind == "A" else 1
 
-    def to_pool_layout(self, value):  # A [in, n*R] -> [n*R, in]; B [R, out] -> [out, R]
+    def to_pool_layout(self, value, kind):  # A [in, n*R] -> [n*R, in]; B [R, out] -> [out, R]
         return value.T
 
-    def from_pool_layout(self, value):
+    def from_pool_layout(self, value, kind):
         return value.T
 
     def plan(self, slots, num_slots):  # GroupPlan of one of grouped.VARIANTS, or None

@@ -63,14 +63,14 @@ class ShardedBackend(LoraBackend):
         return self.inner.pool_dtypes
 
     # ------------------------------------------------------------------ layout: the inner backend's
-    def slot_shape(self, shape):
-        return self.inner.slot_shape(shape)
+    def slot_shape(self, shape, kind):
+        return self.inner.slot_shape(shape, kind)
 
-    def to_pool_layout(self, value):
-        return self.inner.to_pool_layout(value)
+    def to_pool_layout(self, value, kind):
+        return self.inner.to_pool_layout(value, kind)
 
-    def from_pool_layout(self, value):
-        return self.inner.from_pool_layout(value)
+    def from_pool_layout(self, value, kind):
+        return self.inner.from_pool_layout(value, kind)
 
     def feature_axis(self, kind):
         return self.inner.feature_axis(kind)

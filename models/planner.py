@@ -8,7 +8,9 @@ row-parallel A split and B whole), and the peak activations of a prefill and a d
 whether that fits the chip's HBM and how many hosts the slice spans.
 
 *Semantics:* byte counts are exact for arrays (shape × dtype size); activations are an estimate of the
-largest live intermediates (the XLA attention materialises its ``[heads, T, T]`` scores in f32).
+largest live intermediates (the XLA attention materialises its ``[heads, T, T]`` scores in f32). What the
+runtime keeps for itself, mostly the compiled programs, is not counted: it is ``WorkerInfo.device_bytes_in_use``
+less ``device_array_bytes`` on a running worker, tens of MB (36 MB for a 2-layer test model on a TPU v5e).
 """
 
 from __future__ import annotations

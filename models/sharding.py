@@ -29,7 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loraserve.common.errors import FailedPrecondition, InvalidArgument
-from loraserve.kernels.backends import COLUMN, ROW, LoraBackend
+from loraserve.kernels.backends import COLUMN, ROW, LoraBackend, pool_kind
 from loraserve.kernels.sharded import AXIS, ShardedBackend
 from loraserve.models.config import ModelConfig
 from loraserve.models.decoder import kv_page_bytes, kv_storage_dtype
@@ -454,7 +454,7 @@ def abstract_state(
     pools = [
         {
             **{
-                k: abstract((config.max_loras, *sharded.slot_shape(s)), pool_dtype, pspecs[k])
+                k: abstract((config.max_loras, *sharded.slot_shape(s, pool_kind(k))), pool_dtype, pspecs[k])
                 for k, s in slot.items()
             },
             **vectors,

@@ -7,8 +7,8 @@ worker's jitted decode step (``engine.jax_runner``'s, with the tensor-parallel s
 compiles it for the N-device mesh and prints one JSON object: the compiled per-device argument, output,
 alias and temporary bytes beside the planner's estimate.
 
-The LoRA pools are compiled with the ``xla-onehot`` backend: the same docs/design.md §6 pool layout (and
-bytes) as the ``pallas`` backend a TPU serves with, in plain XLA that compiles on a CPU.
+The LoRA pools are compiled with the ``xla-onehot`` backend: the same bytes as the ``pallas`` backend's
+(whose A pools are transposed, rank-major), in plain XLA that compiles on a CPU.
 """
 
 from __future__ import annotations

@@ -293,7 +293,8 @@ class WorkerAdminServicer(worker_admin_pb2_grpc.WorkerAdminServicer):
 
 
 def _device_memory(device: Any) -> dict[str, int]:
-    """WorkerInfo's device memory fields from ``device.memory_stats()`` (None on CPUs: zeros)."""
+    """WorkerInfo's device memory fields from ``device.memory_stats()`` (None on CPUs: zeros), and the bytes
+    of the live arrays' shards on ``device`` where the runtime reports memory at all."""
     try:
         stats = device.memory_stats() or {}
     except Exception:  # a runtime without the call reports no memory, as a CPU does
@@ -302,7 +303,20 @@ def _device_memory(device: Any) -> dict[str, int]:
         "device_bytes_in_use": int(stats.get("bytes_in_use", 0)),
         "device_peak_bytes_in_use": int(stats.get("peak_bytes_in_use", 0)),
         "device_bytes_limit": int(stats.get("bytes_limit", 0)),
+        "device_array_bytes": _array_bytes(device) if stats else 0,
     }
+
+
+def _array_bytes(device: Any) -> int:
+    """On-device bytes of every live JAX array's shards on ``device`` (tiles and padding included)."""
+    import jax
+
+    total = 0
+    for array in jax.live_arrays():
+        for shard in array.addressable_shards:
+            if shard.device == device:
+                total += shard.data.on_device_size_in_bytes()
+    return total
 
 
 SERVICE_NAMES = (

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from loraserve.adapters.peft import LoraWeights, check_slot_value
-from loraserve.kernels.backends import LoraBackend
+from loraserve.kernels.backends import LoraBackend, pool_kind
 from loraserve.models.config import ModelConfig
 from loraserve.models.decoder import LORA_GROUPS, Lora
 from loraserve.models.lora.dora_bias import (
@@ -139,7 +139,7 @@ def _write_slot(pools: LoraPools, slot: jax.Array, values: Lora, backend: LoraBa
         if is_expert_pool(name):  # expert-major [E, S, ...]
             return pool.at[:, slot].set(value)
         canonical = is_vector_pool(name) or is_vocab_pool(name) or is_moe_pool(name)
-        return pool.at[slot].set(value if canonical else backend.to_pool_layout(value))
+        return pool.at[slot].set(value if canonical else backend.to_pool_layout(value, pool_kind(name)))
 
     layers = [
         {k: put(k, v, vals[k]) for k, v in layer.items()}
@@ -250,7 +250,9 @@ class SlotPools:
             if is_expert_pool(k):
                 return np.asarray(pool[:, slot])
             canonical = is_vector_pool(k) or is_vocab_pool(k) or is_moe_pool(k)
-            return np.asarray(pool[slot] if canonical else self.backend.from_pool_layout(pool[slot]))
+            return np.asarray(
+                pool[slot] if canonical else self.backend.from_pool_layout(pool[slot], pool_kind(k))
+            )
 
         out = [{k: value(k, pool) for k, pool in layer.items()} for layer in self.pools.layers]
         out[0].update({k: value(k, pool) for k, pool in self.pools.vocab.items()})

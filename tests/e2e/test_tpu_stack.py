@@ -16,8 +16,10 @@ Llama-3-8B's): the head sizes JAX's TPU attention kernel refuses and takes (kern
 * 64 adapters through 8 slots, each request its own adapter: every answer equals PEFT's for the 8 checked, and
   no compilation after warm-up (``JAX_LOG_COMPILES``: none logged after the ready line).
 * A cancelled stream and a missed deadline free their rows and slots (``ListSlots`` refcounts back to 0).
-* The device's peak memory (``WorkerInfo.device_peak_bytes_in_use``) stays within ``loraserve plan``'s estimate
-  for the same shapes, and holds at least its weights + KV cache + slot pools (on a CPU the runtime reports none).
+* The arrays the worker holds on the device (``WorkerInfo.device_array_bytes``) are at least ``loraserve plan``'s
+  weights + KV cache + slot pools for the same shapes and at most its total, and so is the device's peak less
+  what the runtime keeps for itself (its compiled programs, which the plan does not count; on a CPU the
+  runtime reports no device memory).
 """
 
 from __future__ import annotations
@@ -282,6 +284,10 @@ def test_64_adapters_through_8_slots_cancel_deadline_and_memory(made, registry) 
         plan = _plan_total(model, info)
         if SERVERS_ON_TPU:
             held = plan["weights"] + plan["kv_cache"] + plan["lora_pools"]
-            assert held <= info.device_peak_bytes_in_use <= plan["total"], (info, plan)
+            assert held <= info.device_array_bytes <= plan["total"], (info, plan)
+            # the runtime's own bytes (compiled programs: ~36 MB here, 4x the arrays; loaded at warm-up, none
+            # after) are not the plan's: the peak above them is
+            runtime = info.device_bytes_in_use - info.device_array_bytes
+            assert runtime > 0 and info.device_peak_bytes_in_use - runtime <= plan["total"], (info, plan)
         else:  # a CPU's runtime reports no device memory
-            assert info.device_peak_bytes_in_use == info.device_bytes_limit == 0
+            assert info.device_peak_bytes_in_use == info.device_bytes_limit == info.device_array_bytes == 0

@@ -53,10 +53,15 @@ def _written(backend, values: dict[str, np.ndarray], dtype) -> dict[str, jax.Arr
     """One layer of zeroed pools with every slot written through ``to_pool_layout`` (as SlotPools does)."""
     (pools,) = backend.init_pools(SLOT_SHAPES, 1, S, dtype)
     for k, pool in pools.items():
-        assert pool.shape == (S, *backend.slot_shape(SLOT_SHAPES[k])) and pool.dtype == dtype
+        assert (
+            pool.shape == (S, *backend.slot_shape(SLOT_SHAPES[k], kernels.pool_kind(k)))
+            and pool.dtype == dtype
+        )
         assert not np.asarray(pool, np.float32).any()  # zeroed: every slot adds exactly 0
         for s in range(S):
-            pool = _put(pool, s, backend.to_pool_layout(jnp.asarray(values[k][s]).astype(dtype)))
+            pool = _put(
+                pool, s, backend.to_pool_layout(jnp.asarray(values[k][s]).astype(dtype), kernels.pool_kind(k))
+            )
         pools[k] = pool
     return pools
 
@@ -77,7 +82,7 @@ def test_pool_layout_round_trips_through_the_ops(name: str, dtype) -> None:
     pools = _written(backend, values, dtype)
     for k, pool in pools.items():  # read back: the inverse conversion gives the slot values exactly
         for s in range(S):
-            got = np.asarray(backend.from_pool_layout(pool[s]).astype(jnp.float32))
+            got = np.asarray(backend.from_pool_layout(pool[s], kernels.pool_kind(k)).astype(jnp.float32))
             np.testing.assert_array_equal(
                 got, np.asarray(jnp.asarray(values[k][s]).astype(dtype), np.float32)
             )

@@ -57,7 +57,9 @@ def pools_of(backend, dtype, poison: bool) -> dict[str, jax.Array]:
         if poison:
             v = v.copy()
             v[POISONED] = np.resize(POISON, v.shape[1:])
-        out[k] = jnp.stack([backend.to_pool_layout(jnp.asarray(v[s]).astype(dtype)) for s in range(S)])
+        out[k] = jnp.stack(
+            [backend.to_pool_layout(jnp.asarray(v[s]).astype(dtype), kernels.pool_kind(k)) for s in range(S)]
+        )
     return out
 
 
@@ -201,12 +203,12 @@ def test_a_rows_result_does_not_depend_on_its_batch(name: str, dtype, shape) -> 
     a = rng.standard_normal((S, d_in, len(outs) * r)) / np.sqrt(d_in)
     bs = [rng.standard_normal((S, r, out)) / np.sqrt(r) for out in outs]
 
-    def pool(v):
+    def pool(v, kind):
         return jnp.stack(
-            [backend.to_pool_layout(jnp.asarray(v[s], jnp.float32).astype(dtype)) for s in range(S)]
+            [backend.to_pool_layout(jnp.asarray(v[s], jnp.float32).astype(dtype), kind) for s in range(S)]
         )
 
-    a_pool, b_pools = pool(a), [pool(b) for b in bs]
+    a_pool, b_pools = pool(a, "A"), [pool(b, "B") for b in bs]
     x = jnp.asarray(rng.standard_normal((T, d_in)), jnp.float32).astype(dtype)
     y = jnp.asarray(rng.standard_normal((T, sum(outs))), jnp.float32).astype(dtype)
     step = jax.jit(lambda a, bs, x, y, plan: backend.add_decode(y, x, a, bs, plan))

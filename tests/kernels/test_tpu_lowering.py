@@ -74,18 +74,23 @@ def test_fused_slices_lower_for_tpu(dtype, outs) -> None:
     ids=["qkv", "gate_up", "down"],
 )
 def test_the_decode_kernel_lowers_for_tpu(dtype, rows: int, d_in: int, outs) -> None:
-    """kernels.pallas_decode at Llama-3-8B's projections, batches 8-256, 64 slots of rank 16: one call each."""
+    """kernels.pallas_decode at Llama-3-8B's projections, batches 8-256, 64 slots of rank 16: one call each
+    (but f32 gate/up at 256 rows, whose 100 MB exceed a v5e's VMEM budget: the backend runs XLA there)."""
     from loraserve.kernels import pallas_decode as pd
 
     slots, n = 64, len(outs)
     plan = pd.plan_decode(np.zeros(rows, np.int32), slots)
-    assert pd.fits(rows, d_in, n * R, outs, dtype, dtype, dtype, dtype)
+    fits = pd.fits(rows, d_in, n * R, outs, dtype, dtype, dtype, dtype)
+    if dtype == jnp.float32 and rows == 256 and n == 2:
+        assert not fits
+        return
+    assert fits
     f = functools.partial(pd.add_lora_slices_decode, interpret=False)
     mlir = _export(
         f,
         _sds((rows, sum(outs)), dtype),
         _sds((rows, d_in), dtype),
-        _sds((slots, d_in, n * R), dtype),
+        _sds((slots, n * R, d_in), dtype),  # rank-major (kernels.PallasBackend's pools)
         tuple(_sds((slots, R, o), dtype) for o in outs),
         jax.tree.map(lambda v: _sds(v.shape, v.dtype), plan),
     )
