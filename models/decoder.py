@@ -294,6 +294,22 @@ def prefill_scored(
     return _last_logits(cfg, state, batch, h), scores, cache
 
 
+def verify_logits(
+    cfg: ModelConfig, backend: LoraBackend, state: DeviceState, batch: PrefillBatch
+) -> tuple[Array, Cache]:
+    """Speculative decoding's verify forward (``models.speculative``): G rows of L tokens each (a row's last
+    token, then its drafts), continuing the rows' cached contexts, every row with its adapter; writes their
+    keys/values and returns the logits at every position ``[G, L, V]``.
+
+    Semantics: :func:`prefill_packed`'s (each row a sequence whose first ``starts[g]`` positions are in its
+    pages), with the logits of every position instead of the last one's.
+    """
+    h, cache = _prefill_hidden(cfg, backend, state, batch)
+    g, t = batch.tokens.shape
+    logits = logits_from_hidden(cfg, state.params, h, state.pools.vocab, jnp.repeat(batch.slots, t))
+    return logits.reshape(g, t, -1), cache
+
+
 def _last_logits(cfg: ModelConfig, state: DeviceState, batch: PrefillBatch, h: Array) -> Array:
     """Each sequence's last real token's logits ``[G, V]`` from the packed hidden states ``[G*L, H]``."""
     g, t = batch.tokens.shape

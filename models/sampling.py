@@ -157,7 +157,7 @@ class Sampled(NamedTuple):
     history: RowHistory | None = None  # the step's RowHistory with the drawn tokens recorded
 
 
-def _filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array) -> Array:
+def filter_top_k_top_p(logits: Array, top_k: Array, top_p: Array) -> Array:
     """logits [B, V] (already divided by temperature) -> same with filtered-out tokens at -inf.
 
     Semantics: keep the top_k largest, then the smallest set of those whose probability mass reaches top_p.
@@ -281,7 +281,7 @@ def sample(logits: Array, s: SamplingArrays, history: RowHistory | None = None) 
         safe_t = jnp.where(temperature > 0, temperature, 1.0)
         scaled = x / safe_t[:, None]
         needs_filter = jnp.any((temperature > 0) & ((top_k > 0) | ((top_p > 0) & (top_p < 1))))
-        scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda y, *_: y, scaled, top_k, top_p)
+        scaled = jax.lax.cond(needs_filter, filter_top_k_top_p, lambda y, *_: y, scaled, top_k, top_p)
         return jnp.where(temperature > 0, jax.vmap(draw)(scaled, s.seed_lo, s.seed_hi, s.step), greedy)
 
     # [B] int32, in the layout the lm_head matmul left the logits in: computed outside every cond, so that
