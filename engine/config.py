@@ -36,6 +36,9 @@ MATMUL_PRECISIONS = (AUTO, "default", "high", "highest")  # jax.default_matmul_p
 # kernels.KERNEL_BACKENDS, kernels.attention.ATTENTION_BACKENDS and kernels.linear.LINEAR_BACKENDS, spelled
 # out so that `loraserve --help` imports no JAX (tests/worker/test_config.py keeps them equal)
 
+SPECULATIVE_METHODS = ("off", "ngram")  # speculative's choices (engine.speculative's drafters)
+MAX_SPECULATIVE_TOKENS = 8  # the most tokens one row may propose for a verify step (num_speculative_tokens)
+
 # max_seq_len auto with no KV budget (--kv-pages, --kv-cache-bytes): the pool is then max_batch_size full
 # contexts, so the context is capped here rather than at a long-context model's 128k
 AUTO_MAX_SEQ_LEN = 4096
@@ -107,6 +110,17 @@ class EngineConfig:
         " batch 1: 1.13-1.17x the tokens a second); only while the batch runs unchanged with no structured output,"
         " else one step at a time. A request that ends computes one more token, dropped",
         SCHEDULING,
+    )
+    speculative: Literal["off", "ngram"] = opt(
+        "off",
+        "speculative decoding (docs/speculative.md): ngram = each row proposes the tokens that followed the"
+        " latest earlier occurrence of its last tokens in its prompt and output, and one verify step keeps"
+        " those the model agrees with (greedy: the same tokens as without; sampled: the same distribution);"
+        " while a decoding row uses logits controls, structured output or logprobs, steps decode one token",
+        SCHEDULING,
+    )
+    num_speculative_tokens: int = opt(
+        4, "tokens a row proposes for one verify step at most (1-8; --speculative ngram)", SCHEDULING
     )
     default_max_tokens: int = opt(16, "new tokens of a request that sets no max_tokens", SCHEDULING)
     kernel_backend: Literal["auto", "cpu", "pallas", "reference", "xla", "xla-grouped", "xla-onehot"] = opt(
@@ -224,6 +238,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_seq_len != AUTO and self.max_seq_len < 2:
             raise ValueError("max_seq_len must be >= 2")
+        if self.speculative not in SPECULATIVE_METHODS:
+            names = ", ".join(SPECULATIVE_METHODS)
+            raise ValueError(f"speculative must be one of {names}, got {self.speculative!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be 1 to {MAX_SPECULATIVE_TOKENS}")
         if self.prefill_chunk < 0:
             raise ValueError("prefill_chunk must be >= 0 (0 = whole prompts)")
         if self.kv_page_size < 1 or self.kv_pages < 0 or self.kv_cache_bytes < 0:

@@ -198,6 +198,9 @@ class FakeRunner:
     def decode_finish(self, handle: StepOutput) -> StepOutput:
         return handle
 
+    def verify(self, *args, **kwargs):
+        raise NotImplementedError("the fake runner does not speculate: EngineConfig.speculative must be off")
+
     # ----------------------------------------------------------------- the simulated cache
     def _content(self, slot: int) -> str:
         return "base" if slot < 0 else self.slot_contents[slot]

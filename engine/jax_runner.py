@@ -35,7 +35,7 @@ from loraserve.kernels.backends import LoraBackend
 from loraserve.kernels.linear import resolve_backend as resolve_linear
 from loraserve.kernels.linear import traced_with
 from loraserve.kernels.sharded import ShardedBackend
-from loraserve.models import decoder, sharding
+from loraserve.models import decoder, sharding, speculative
 from loraserve.models.checkpoint import Checkpoint, read_params
 from loraserve.models.config import ModelConfig
 from loraserve.models.lora.pools import (
@@ -116,6 +116,34 @@ def decode_step(
     return (logits if sampling is None else sample(logits, sampling, history)), cache
 
 
+def verify_step(
+    cfg: ModelConfig,
+    backend: LoraBackend,
+    *,
+    params: Params,
+    pools: LoraPools,
+    cache: Cache,
+    rope: Array,
+    batch: PrefillBatch,
+    drafts: Array,
+    draft_lens: Array,
+    sampling: SamplingArrays,
+    history: RowHistory | None = None,
+):
+    """Speculative decoding's verify step (docs/speculative.md): every row's last token and drafts after its
+    cached context (``batch``: G rows of k + 1 tokens, ``lengths`` 0 for idle rows), the drafts each row keeps
+    and the token after them: ``(Verified, new cache)``. ``history`` is not read (rows with logits controls
+    do not speculate): the parameter only matches the other steps' donated names."""
+    del history
+    state = DeviceState(params, pools, cache, rope)
+    logits, cache = decoder.verify_logits(cfg, backend, state, batch)
+    s = sampling
+    verified = speculative.verify(
+        logits, drafts, draft_lens, s.temperature, s.top_k, s.top_p, s.seed_lo, s.seed_hi, s.step
+    )
+    return verified, cache
+
+
 class Steps(NamedTuple):
     """The compiled steps of one model: call with keyword arguments only (``DeviceState.fields()``,
     ``batch=``, ``sampling=``); each returns ``(Sampled, new cache)`` (without ``sampling``: the logits),
@@ -125,6 +153,7 @@ class Steps(NamedTuple):
     prefill: Any
     decode: Any
     seed: Any
+    verify: Any
 
 
 def jit_steps(
@@ -159,6 +188,7 @@ def jit_steps(
         jit(traced_at(precision, traced_with(linear, partial(prefill_step, cfg, backend)))),
         jit(traced_at(precision, traced_with(linear, partial(decode_step, cfg, backend, attention)))),
         jax.jit(seed_row, donate_argnames="history", out_shardings=seed_shardings),
+        jit(traced_at(precision, traced_with(linear, partial(verify_step, cfg, backend)))),
     )
     with _steps_lock:
         steps = _steps_memo.setdefault(key, steps)  # a racing thread's steps win: one set per key
@@ -402,6 +432,12 @@ class JaxRunner:
                     sampling=SamplingArrays.empty(b, self.vocab_size),
                 )
                 self.history = out.history
+        if self.config.speculative != "off":  # the verify step's one shape: every row, k + 1 tokens
+            k = self.config.num_speculative_tokens
+            self.verify(
+                zeros, zeros, np.full(b, -1, np.int32), np.zeros((b, self.config.pages_per_row), np.int32),
+                np.zeros((b, k), np.int32), zeros, [None] * b,
+            )  # fmt: skip
         self.seed_history(0, [0], [], [])
         self.pools.zero(0)
         jax.block_until_ready((out.tokens, self.history))
@@ -543,6 +579,46 @@ class JaxRunner:
         sampling: list[SamplingRow | None],
     ) -> StepOutput:
         return self.decode_finish(self.decode_start(tokens, positions, slots, page_tables, sampling))
+
+    def verify(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        page_tables: np.ndarray,
+        drafts: np.ndarray,
+        draft_lens: np.ndarray,
+        sampling: list[SamplingRow | None],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if self.channel is not None:
+            raise RuntimeError(
+                "speculative decoding runs in one process (a multi-host slice decodes plainly)"
+            )
+        b, k = drafts.shape
+        batch_tokens = np.zeros((b, k + 1), np.int32)
+        batch_tokens[:, 0] = tokens
+        batch_tokens[:, 1:] = drafts
+        live = np.array([r is not None for r in sampling])
+        lengths = np.where(live, 1 + np.asarray(draft_lens, np.int32), 0).astype(np.int32)
+        context = int(np.max(np.asarray(positions) + lengths))
+        blocks = np.int32(max(1, -(-context // (self.key_block * self.page_size))))
+        batch = PrefillBatch(
+            batch_tokens,
+            lengths,
+            np.asarray(positions, np.int32),
+            np.asarray(slots, np.int32),
+            np.array(page_tables, np.int32),
+            blocks,
+        )
+        rows = [NO_ROW] * b  # no logits controls: their history is not read
+        out, self.cache = self._steps.verify(
+            **{k: v for k, v in self.state().fields().items() if k != "history"},
+            batch=batch,
+            drafts=np.asarray(drafts, np.int32),
+            draft_lens=np.where(live, np.asarray(draft_lens, np.int32), 0).astype(np.int32),
+            sampling=_sampling_arrays(sampling, rows, self.vocab_size),
+        )
+        return np.asarray(out.accepted), np.asarray(out.tokens)
 
     @property
     def chains(self) -> bool:

@@ -152,6 +152,22 @@ class Runner(Protocol):
         Returns the next token per row (``tokens`` ``[B]`` int32), with logprobs when some row asks.
         """
 
+    def verify(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        page_tables: np.ndarray,
+        drafts: np.ndarray,
+        draft_lens: np.ndarray,
+        sampling: list[SamplingRow | None],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Speculative decoding's verify step (``EngineConfig.speculative``; docs/speculative.md): as
+        :meth:`decode`, but row b also feeds its ``draft_lens[b]`` drafts (``drafts`` ``[B, k]``) at the
+        positions after ``positions[b]``, writing their k/v too (its pages hold them). Returns ``accepted``
+        ``[B]`` (drafts kept) and ``tokens`` ``[B, k + 1]``, whose first ``accepted[b] + 1`` the row emits
+        (``models.speculative.verify``'s rule). Rows with logits controls, a grammar or logprobs never come."""
+
     # The scheduler calls ``decode`` as its two halves below; ``chains`` says whether ``decode_start`` takes
     # ``follow`` (async decode, EngineConfig.async_decode)
     chains: bool

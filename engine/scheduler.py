@@ -64,6 +64,7 @@ from loraserve.engine.residency import (
 )
 from loraserve.engine.runner import PrefillInput, Runner, StepOutput
 from loraserve.engine.snapshot import EngineSnapshot
+from loraserve.engine.speculative import NgramDrafter
 from loraserve.models.config import ModelConfig
 
 NO_ROOM = Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more KV pages than the pool holds")
@@ -211,6 +212,9 @@ class Scheduler:
         # unchanged (_may_chain); anything else reads the step in flight first (_settle)
         self._async = config.async_decode and runner.chains
         self._inflight: _InFlight | None = None
+        # speculative decoding (docs/speculative.md): the drafter, and verify steps, tokens proposed and kept
+        self.drafter = NgramDrafter() if config.speculative == "ngram" else None
+        self.spec_steps = self.spec_proposed = self.spec_accepted = 0
 
     # ----------------------------------------------------------------- any thread
     def accept(self, req: EngineRequest) -> Submit:
@@ -616,9 +620,64 @@ class Scheduler:
             self._queued += 1  # waiting again, not a new submission: no max_waiting check
         self.preemptions += 1
 
+    def _speculate(self) -> bool:
+        """A verify step instead of a decode step (docs/speculative.md), when the drafter proposes tokens for
+        some row and every decoding row may speculate (no logits controls, structured output or logprobs);
+        returns whether one ran. A row the drafter proposes nothing for, or whose pages for its drafts do not
+        go round, verifies its last token alone: one token, as a decode step gives."""
+        self._settle()
+        self._grow()
+        decoding = [(i, row) for i, row in self._running() if row.prefilled is None]
+        if not decoding or any(
+            row.req.grammar is not None
+            or row.req.sampling.controlled
+            or row.req.sampling.logprobs is not None
+            for _, row in decoding
+        ):
+            return False
+        k = self.config.num_speculative_tokens
+        b = self.config.max_batch_size
+        drafts, lens = np.zeros((b, k), np.int32), np.zeros(b, np.int32)
+        for i, row in decoding:
+            req = row.req
+            room = min(k, req.max_new_tokens - len(req.generated) - 1)  # the last token is the target's
+            draft = self.drafter.propose(req.prompt + req.generated, room) if room > 0 else []
+            if len(draft) and self.kv.grow(row.pages, self._position(req) + len(draft) + 1):
+                drafts[i, : len(draft)], lens[i] = draft, len(draft)
+                self._sync_table(i)
+        if not lens.any():
+            return False
+        tokens, positions, slots = np.zeros(b, np.int32), np.zeros(b, np.int32), np.full(b, -1, np.int32)
+        sampling: list[SamplingRow | None] = [None] * b
+        tables = self.tables
+        if len(decoding) < len(self._running()):  # rows holding a half-computed prompt sit this step out
+            tables = np.zeros_like(self.tables)
+            tables[[i for i, _ in decoding]] = self.tables[[i for i, _ in decoding]]
+        for i, row in decoding:
+            tokens[i], positions[i], slots[i] = row.req.generated[-1], self._position(row.req), row.req.slot
+            sampling[i] = SamplingRow.of(row.req)
+        accepted, out = self.runner.verify(tokens, positions, slots, tables, drafts, lens, sampling)
+        self.steps += 1
+        self.spec_steps += 1
+        self.spec_proposed += int(lens.sum())
+        for i, row in decoding:
+            kept = int(accepted[i])
+            self.spec_accepted += kept
+            req, first = row.req, int(positions[i])
+            # the pages this step filled with the k/v of kept tokens (its last token and the kept drafts): cached
+            inputs = req.prompt + req.generated + drafts[i, :kept].tolist()
+            self.kv.register(row.pages, inputs, first + kept + 1)
+            for token in out[i, : kept + 1].tolist():
+                if self.rows[i] is not row:
+                    break  # it ended (a stop, EOS, its length): the rest is dropped
+                self._take_token(i, int(token), None)
+        return True
+
     def _decode(self) -> bool:
         """One decode step for every row past its prefill; returns whether one ran. With async decode the step
         stays in flight and the one before it (if any) is read after this one is dispatched."""
+        if self.drafter is not None and self._speculate():
+            return True
         chained = self._inflight is not None and self._may_chain()
         if not chained:
             self._settle()
@@ -699,10 +758,14 @@ class Scheduler:
         """Row ``row``'s request takes the token of ``out``'s row ``i`` (and its logprobs if it asked)."""
         held = self.rows[row]
         assert held is not None
+        want = held.req.sampling.logprobs
+        self._take_token(row, int(out.tokens[i]), None if want is None else out.logprobs(i, want))
+
+    def _take_token(self, row: int, token: int, logprobs) -> None:
+        """Row ``row``'s request takes ``token``: streamed, or its last one with the finish it causes."""
+        held = self.rows[row]
+        assert held is not None
         req = held.req
-        token = int(out.tokens[i])
-        want = req.sampling.logprobs
-        logprobs = None if want is None else out.logprobs(i, want)
         req.generated.append(token)
         self.tokens_out += 1
         if self._cancelling:  # a cancel is on its way to this thread: is this token spent on a client gone?

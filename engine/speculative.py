@@ -18,7 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-MAX_SPECULATIVE_TOKENS = 8  # the most tokens one row may propose in a step (k), checked at admission
+from loraserve.engine.config import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
+
+__all__ = ["MAX_SPECULATIVE_TOKENS", "SEARCH_WINDOW", "SPECULATIVE_METHODS", "NgramDrafter"]
+
 SEARCH_WINDOW = 4096  # the last tokens of a row an n-gram is searched in: bounded host work per step
 
 

@@ -156,3 +156,48 @@ def dataclass_replace(state, **changes):
     import dataclasses
 
     return dataclasses.replace(state, **changes)
+
+
+COPY_PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 40, 41, 42, 43]  # a text that repeats itself
+
+
+@pytest.mark.parametrize("adapter", [None, "all-r4"])
+def test_the_engine_speculates_and_serves_the_same_greedy_tokens(llama_dir, adapter_dirs, adapter) -> None:
+    """An engine with --speculative ngram gives each request the tokens an engine without gives (greedy), with
+    verify steps that keep drafts; a sampled request beside it gets its tokens too (no controls)."""
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.request import EngineRequest, Sampling
+    from tests.engines import started_engine
+    from tests.worker.fake_engine import Collector
+
+    adapters = {"all-r4": adapter_dirs["all-r4"]}
+    prompts = [COPY_PROMPT, [7, 8, 9, 10, 7, 8, 9], [3, 3, 3, 3, 3]]
+    got = {}
+    for method in ("off", "ngram"):
+        config = EngineConfig(
+            max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=8, speculative=method,
+            num_speculative_tokens=4,
+        )  # fmt: skip
+        with started_engine(llama_dir, config, adapters) as engine:
+            collectors = []
+            for n, prompt in enumerate(prompts):
+                c = Collector()
+                engine.submit(
+                    EngineRequest(f"r{n}", adapter or "", prompt, Sampling(max_tokens=24, ignore_eos=True), c)
+                )
+                collectors.append(c)
+            sampled = Collector()
+            sampling = Sampling(max_tokens=12, ignore_eos=True, temperature=0.8, seed=5)
+            engine.submit(EngineRequest("s", adapter or "", COPY_PROMPT, sampling, sampled))
+            for c in [*collectors, sampled]:
+                assert c.done.wait(120), "request did not finish"
+            got[method] = [c.tokens for c in collectors]
+            assert len(sampled.tokens) == 12
+            scheduler = engine.scheduler
+            if method == "ngram":
+                assert scheduler.spec_steps > 0 and scheduler.spec_accepted > 0, (
+                    scheduler.spec_steps,
+                    scheduler.spec_accepted,
+                )
+                assert scheduler.steps < 24 * 2  # fewer steps than tokens: drafts were kept
+    assert got["ngram"] == got["off"]
