@@ -164,9 +164,11 @@ COPY_PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 40, 41, 42, 43]  
 @pytest.mark.parametrize("adapter", [None, "all-r4"])
 def test_the_engine_speculates_and_serves_the_same_greedy_tokens(llama_dir, adapter_dirs, adapter) -> None:
     """An engine with --speculative ngram gives each request the tokens an engine without gives (greedy), with
-    verify steps that keep drafts; a sampled request beside it gets its tokens too (no controls)."""
+    verify steps that keep drafts and no compilation after warm-up; a sampled request beside it gets its
+    tokens too (no controls)."""
     from loraserve.engine.config import EngineConfig
     from loraserve.engine.request import EngineRequest, Sampling
+    from loraserve.kernels.testing import count_compilations
     from tests.engines import started_engine
     from tests.worker.fake_engine import Collector
 
@@ -178,7 +180,7 @@ def test_the_engine_speculates_and_serves_the_same_greedy_tokens(llama_dir, adap
             max_batch_size=4, max_seq_len=64, max_loras=2, max_lora_rank=8, speculative=method,
             num_speculative_tokens=4,
         )  # fmt: skip
-        with started_engine(llama_dir, config, adapters) as engine:
+        with started_engine(llama_dir, config, adapters) as engine, count_compilations() as count:
             collectors = []
             for n, prompt in enumerate(prompts):
                 c = Collector()
@@ -200,4 +202,6 @@ def test_the_engine_speculates_and_serves_the_same_greedy_tokens(llama_dir, adap
                     scheduler.spec_accepted,
                 )
                 assert scheduler.steps < 24 * 2  # fewer steps than tokens: drafts were kept
+            # the verify step's one shape was compiled at warm-up (the adapter's load writes its slot only)
+            assert count.compilations == 0, count.names
     assert got["ngram"] == got["off"]
