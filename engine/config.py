@@ -116,7 +116,8 @@ class EngineConfig:
         "speculative decoding (docs/speculative.md): ngram = each row proposes the tokens that followed the"
         " latest earlier occurrence of its last tokens in its prompt and output, and one verify step keeps"
         " those the model agrees with (greedy: the same tokens as without; sampled: the same distribution);"
-        " while a decoding row uses logits controls, structured output or logprobs, steps decode one token",
+        " while a decoding row uses logits controls, structured output or logprobs, steps decode one token;"
+        " steps are not chained (--async-decode) while it is on",
         SCHEDULING,
     )
     num_speculative_tokens: int = opt(
