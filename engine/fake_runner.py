@@ -91,6 +91,7 @@ class FakeRunner:
     contexts: list[tuple[int, ...]] = field(default_factory=list)  # per prefill: cached tokens + its own
     cells: dict[tuple[int, int], tuple[str, int]] = field(default_factory=dict)
     decode_steps: int = 0
+    verify_steps: int = 0  # speculative decoding's verify steps (verify)
     warmed_up: bool = False
 
     @classmethod
@@ -198,8 +199,40 @@ class FakeRunner:
     def decode_finish(self, handle: StepOutput) -> StepOutput:
         return handle
 
-    def verify(self, *args, **kwargs):
-        raise NotImplementedError("the fake runner does not speculate: EngineConfig.speculative must be off")
+    def verify(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        slots: np.ndarray,
+        page_tables: np.ndarray,
+        drafts: np.ndarray,
+        draft_lens: np.ndarray,
+        sampling: list[SamplingRow | None],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Every row's last token and drafts written at their positions (the pages must hold them) after its
+        context is read; the drafts equal to :func:`next_token`'s chain are kept (its greedy rule)."""
+        if self.gate is not None:
+            self.gate.wait()
+        self.verify_steps += 1
+        b, k = drafts.shape
+        accepted, out = np.zeros(b, np.int32), np.zeros((b, k + 1), np.int32)
+        for i, row in enumerate(sampling):
+            if row is None:
+                assert not page_tables[i].any(), f"idle row {i} has pages {page_tables[i].tolist()}"
+                continue
+            table, slot, pos = [int(p) for p in page_tables[i]], int(slots[i]), int(positions[i])
+            content, n = self._content(slot), int(draft_lens[i])
+            for q in range(pos):
+                self._read(table, q, content)
+            inputs = [int(tokens[i]), *drafts[i, :n].tolist()]
+            for j, token in enumerate(inputs):
+                self._write(table, pos + j, content, token)
+            for j, token in enumerate(inputs):
+                out[i, j] = next_token(token, slot, self.vocab_size)
+                if j == n or out[i, j] != inputs[j + 1]:
+                    break
+                accepted[i] += 1
+        return accepted, out
 
     # ----------------------------------------------------------------- the simulated cache
     def _content(self, slot: int) -> str:

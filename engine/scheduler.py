@@ -641,7 +641,7 @@ class Scheduler:
         for i, row in decoding:
             req = row.req
             room = min(k, req.max_new_tokens - len(req.generated) - 1)  # the last token is the target's
-            draft = self.drafter.propose(req.prompt + req.generated, room) if room > 0 else []
+            draft = self.drafter.propose(self._recent(req), room) if room > 0 else []
             if len(draft) and self.kv.grow(row.pages, self._position(req) + len(draft) + 1):
                 drafts[i, : len(draft)], lens[i] = draft, len(draft)
                 self._sync_table(i)
@@ -664,14 +664,22 @@ class Scheduler:
             kept = int(accepted[i])
             self.spec_accepted += kept
             req, first = row.req, int(positions[i])
-            # the pages this step filled with the k/v of kept tokens (its last token and the kept drafts): cached
-            inputs = req.prompt + req.generated + drafts[i, :kept].tolist()
-            self.kv.register(row.pages, inputs, first + kept + 1)
+            # a page this step filled with the k/v of kept tokens (its last token and the kept drafts): cached
+            if (first + kept + 1) // self.kv.page_size > first // self.kv.page_size:
+                inputs = req.prompt + req.generated + drafts[i, :kept].tolist()
+                self.kv.register(row.pages, inputs, first + kept + 1)
             for token in out[i, : kept + 1].tolist():
                 if self.rows[i] is not row:
                     break  # it ended (a stop, EOS, its length): the rest is dropped
                 self._take_token(i, int(token), None)
         return True
+
+    def _recent(self, req: EngineRequest) -> list[int]:
+        """The last tokens of ``req``'s prompt and output the drafter searches (its window): a copy of those
+        only, whatever the prompt's length."""
+        window = self.drafter.window
+        tail = req.generated[-window:]
+        return tail if len(tail) == window else req.prompt[len(tail) - window :] + tail
 
     def _decode(self) -> bool:
         """One decode step for every row past its prefill; returns whether one ran. With async decode the step

@@ -264,7 +264,8 @@ class PallasBackend(LoraBackend):
         rows, rank_cols, d_in = x.shape[0], a.shape[1], a.shape[2]
         if pallas_decode.fits(rows, d_in, rank_cols, outs, x.dtype, a.dtype, bs[0].dtype, y.dtype):
             return pallas_decode.add_lora_slices_decode(y, x, a, tuple(bs), plan)
-        # XLA folds the transpose into its product's dimension numbers (no copy of the pool)
+        # shapes the kernel does not take (test models' widths, rank 8 in bf16, too much VMEM): the one-hot
+        # product on the transposed view (whether XLA copies the pool for it is not measured)
         return xla.add_lora_slices(y, x, jnp.swapaxes(a, 1, 2), tuple(bs), plan.idx)
 
     def add_one_slot(self, y, x, a, bs, slot):  # [T, sum(out_i)]: the one slot gathered, then transposed

@@ -205,3 +205,29 @@ def test_the_engine_speculates_and_serves_the_same_greedy_tokens(llama_dir, adap
             # the verify step's one shape was compiled at warm-up (the adapter's load writes its slot only)
             assert count.compilations == 0, count.names
     assert got["ngram"] == got["off"]
+
+
+def test_the_scheduler_takes_kept_drafts_one_at_a_time_on_the_fake_runner() -> None:
+    """FakeRunner tokens: next = last + 1 on the base model. After the prompt [1, 2, 3, 4, 5, 1, 2] the row
+    draws 3; the drafter then proposes 4, 5, 1, 2 (what followed [1, 2, 3]), the runner keeps 4 and 5 and
+    gives 6: three tokens in one step. The tokens are plain decoding's; a stop token among the kept drafts ends
+    the row there, the rest dropped; every page comes back."""
+    import dataclasses
+
+    from tests.worker.fake_engine import Harness, source_of
+    from tests.worker.test_scheduler import CFG
+
+    prompt = [1, 2, 3, 4, 5, 1, 2]
+    runs = {}
+    for method in ("off", "ngram"):
+        h = Harness(dataclasses.replace(CFG, speculative=method, num_speculative_tokens=4), source_of("a"))
+        free = h.scheduler.kv.available
+        long, stopped = h.submit(prompt=prompt, max_tokens=12), h.submit(prompt=prompt, stop_token_ids=[5])
+        h.run(long, stopped)
+        runs[method] = (long.tokens, stopped.tokens, h.runner.verify_steps, h.scheduler.steps)
+        assert h.scheduler.kv.available == free
+        if method == "ngram":
+            assert h.scheduler.spec_proposed > h.scheduler.spec_accepted > 0
+    (long_off, stop_off, none, steps_off), (long_on, stop_on, verifies, steps_on) = runs.values()
+    assert long_on == long_off == list(range(3, 15)) and stop_on == stop_off == [3, 4, 5]
+    assert none == 0 and verifies > 0 and steps_on < steps_off
