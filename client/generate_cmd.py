@@ -66,6 +66,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="print one line per token with its logprob and the N (0-20) most likely alternatives",
     )
+    parser.add_argument(
+        "--speculative",
+        choices=("off", "ngram"),
+        default="",
+        help="speculative decoding for this request (default: the worker's; docs/speculative.md)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        metavar="K",
+        help="tokens drafted per step at most (1-8, capped by the worker's; default: the worker's)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object per chunk")
     add_connection_flags(parser)
 
@@ -136,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
                 logprobs=args.logprobs,
                 routing_key=args.routing_key,
                 mix=args.mix,
+                speculative=args.speculative,
+                num_speculative_tokens=args.num_speculative_tokens,
             ):
                 last = chunk
                 if args.json:
@@ -156,7 +171,13 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write("\n")
         print(
             f"[{last.adapter or 'base model'}; finish {last.finish_reason}; {last.prompt_tokens} prompt + "
-            f"{last.completion_tokens} completion tokens]",
+            f"{last.completion_tokens} completion tokens"
+            + (
+                f", {last.accepted_draft_tokens} of {last.draft_tokens} drafted kept"
+                if last.draft_tokens
+                else ""
+            )
+            + "]",
             file=sys.stderr,
         )
     return 0

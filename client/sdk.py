@@ -79,6 +79,8 @@ class Chunk:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token id when asked for
     prompt_token_ids: list[int] = field(default_factory=list)  # first chunk, with prompt_logprobs/prompt_only
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # first chunk: one per prompt token
+    draft_tokens: int = 0  # last chunk: speculative decoding's drafted tokens for the request, and those kept
+    accepted_draft_tokens: int = 0
 
 
 def build_request(
@@ -105,6 +107,9 @@ def build_request(
     structured: pb.StructuredOutput | None = None,
     routing_key: str = "",
     mix: Mapping[str, float] | Sequence[tuple[str, float]] = (),
+    speculative: str = "",
+    num_speculative_tokens: int = 0,
+    prediction: str | Sequence[int] = "",
 ) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(
         max_tokens=max_tokens,
@@ -130,6 +135,12 @@ def build_request(
         sampling.seed = seed
     if logprobs is not None:
         sampling.logprobs = logprobs
+    if speculative or num_speculative_tokens:  # "" / 0: the worker's defaults (docs/speculative.md)
+        sampling.speculative.method, sampling.speculative.num_tokens = speculative, num_speculative_tokens
+    if isinstance(prediction, str) and prediction:  # the expected answer, drafted from
+        sampling.speculative.prediction_text = prediction
+    elif not isinstance(prediction, str):
+        sampling.speculative.prediction_ids.extend(prediction)
     req = pb.GenerateRequest(
         adapter=adapter, sampling=sampling, request_id=request_id, routing_key=routing_key
     )
@@ -162,6 +173,8 @@ def to_chunk(r: pb.GenerateResponse) -> Chunk:
         logprobs=_token_logprobs(r.logprobs),
         prompt_token_ids=list(r.prompt_token_ids),
         prompt_logprobs=_token_logprobs(r.prompt_logprobs),
+        draft_tokens=r.usage.draft_tokens,
+        accepted_draft_tokens=r.usage.accepted_draft_tokens,
     )
 
 
@@ -208,6 +221,8 @@ class Client:
             logprobs=[lp for c in chunks for lp in c.logprobs],
             prompt_token_ids=chunks[0].prompt_token_ids,
             prompt_logprobs=chunks[0].prompt_logprobs,
+            draft_tokens=last.draft_tokens,
+            accepted_draft_tokens=last.accepted_draft_tokens,
         )
 
     def close(self) -> None:

@@ -38,6 +38,10 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # alternatives per token (the device computes this many)
 MAX_LOGIT_BIAS = 300  # logit_bias entries (OpenAI's limit)
 MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| (OpenAI's range: -100 to 100)
+SPECULATIVE_METHODS = ("off", "ngram")  # speculative decoding's methods (engine.speculative's drafters)
+MAX_SPECULATIVE_TOKENS = 8  # the most tokens one row may propose for a verify step (num_speculative_tokens)
+MAX_PREDICTION_TOKENS = 4096  # a request's prediction (speculative decoding's predicted output), as tokens
+MAX_PREDICTION_CHARS = 1 << 16  # ... and as text, before it is tokenised
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 REPETITION_PENALTY_RANGE = (0.01, 100.0)  # repetition_penalty: positive, bounded so logits stay finite
 MAX_CONSTRAINT_CHARS = 65536  # a structured output's schema, regex or grammar, and all its choices together
@@ -103,6 +107,8 @@ def check_generate_request(request: pb.GenerateRequest) -> None:
         raise InvalidArgument(f"logit_bias has {len(s.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
     if s.HasField("structured"):
         check_structured(s.structured)
+    if s.HasField("speculative"):
+        check_speculative(s.speculative)
 
 
 def check_chat(chat: pb.ChatMessages) -> None:
@@ -234,3 +240,27 @@ def add_servicer(add: Callable[[Any, Any], None], servicer: Any, server: grpc.ai
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(collected.service, handlers),))
     server.add_registered_method_handlers(collected.service, handlers)
+
+
+def check_speculative(spec: pb.Speculative) -> None:
+    """A request's speculative decoding settings: the method, k and the prediction's size (its token ids are
+    checked against the vocabulary by the engine)."""
+    if spec.method not in ("", *SPECULATIVE_METHODS):
+        raise InvalidArgument(
+            f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (or empty: the server's),"
+            f" got {spec.method[:32]!r}"
+        )
+    if spec.num_tokens > MAX_SPECULATIVE_TOKENS:
+        raise InvalidArgument(
+            f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0: the server's), got {spec.num_tokens}"
+        )
+    if spec.prediction_text and spec.prediction_ids:
+        raise InvalidArgument("a prediction is text or token ids, not both")
+    if len(spec.prediction_text) > MAX_PREDICTION_CHARS:
+        raise InvalidArgument(
+            f"prediction is {len(spec.prediction_text)} characters; at most {MAX_PREDICTION_CHARS}"
+        )
+    if len(spec.prediction_ids) > MAX_PREDICTION_TOKENS:
+        raise InvalidArgument(
+            f"prediction has {len(spec.prediction_ids)} token ids; at most {MAX_PREDICTION_TOKENS}"
+        )

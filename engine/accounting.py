@@ -30,6 +30,8 @@ class Usage:
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding: tokens proposed for its requests, and kept
+    accepted_draft_tokens: int = 0
     loads: int = 0
     fetched_bytes: int = 0
     load_buckets: dict[str, list[int]] = field(default_factory=dict)  # origin -> counts per bucket (+Inf)
@@ -71,11 +73,25 @@ class AdapterAccounting:
                 self._series[adapter] = Usage()
             self._series.get(adapter, self._other).add(delta)
 
-    def request_done(self, adapter: str, prompt_tokens: int, completion_tokens: int) -> None:
-        """A finished request of ``adapter`` (its resolved "name@version"; "" for the base model)."""
+    def request_done(
+        self,
+        adapter: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        draft_tokens: int = 0,
+        accepted_draft_tokens: int = 0,
+    ) -> None:
+        """A finished request of ``adapter`` (its resolved "name@version"; "" for the base model), with the
+        drafts speculative decoding proposed for it and kept."""
         self._record(
             adapter or BASE,
-            Usage(requests=1, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens),
+            Usage(
+                requests=1,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                draft_tokens=draft_tokens,
+                accepted_draft_tokens=accepted_draft_tokens,
+            ),
         )
 
     def loaded(self, adapter: str, seconds: float, origin: Origin, fetched_bytes: int) -> None:
@@ -130,6 +146,9 @@ class AccountingCollector:
             "requests": "Finished requests per adapter (top-N adapters, the rest as 'other')",
             "prompt_tokens": "Prompt tokens of finished requests per adapter",
             "completion_tokens": "Generated tokens of finished requests per adapter",
+            "draft_tokens": "Speculative decoding: tokens drafted for finished requests per adapter",
+            "accepted_draft_tokens": "Speculative decoding: drafted tokens the model kept, per adapter (over"
+            " draft_tokens: the acceptance rate)",
             "fetched_bytes": "Adapter bytes fetched from object storage per adapter",
         }
         for name in SCALARS:

@@ -27,6 +27,7 @@ from loraserve.common.config import (
     ConfigError,
     opt,
 )
+from loraserve.common.limits import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,6 @@ MATMUL_PRECISIONS = (AUTO, "default", "high", "highest")  # jax.default_matmul_p
 # kernels.KERNEL_BACKENDS, kernels.attention.ATTENTION_BACKENDS and kernels.linear.LINEAR_BACKENDS, spelled
 # out so that `loraserve --help` imports no JAX (tests/worker/test_config.py keeps them equal)
 
-SPECULATIVE_METHODS = ("off", "ngram")  # speculative's choices (engine.speculative's drafters)
-MAX_SPECULATIVE_TOKENS = 8  # the most tokens one row may propose for a verify step (num_speculative_tokens)
 
 # max_seq_len auto with no KV budget (--kv-pages, --kv-cache-bytes): the pool is then max_batch_size full
 # contexts, so the context is capped here rather than at a long-context model's 128k

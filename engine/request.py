@@ -18,14 +18,19 @@ from loraserve.common.limits import (
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_VALUE,
     MAX_PENALTY,
+    MAX_PREDICTION_TOKENS,
+    MAX_SPECULATIVE_TOKENS,
     MAX_STOP_TOKEN_IDS,
     REPETITION_PENALTY_RANGE,
+    SPECULATIVE_METHODS,
     UINT32_MAX,
 )
 from loraserve.models.sizes import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from loraserve.engine.speculative import DraftState
 
 
 class Constraint(Protocol):
@@ -65,6 +70,11 @@ class Sampling:
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # stop tokens (stop_token_ids, EOS unless ignore_eos) are banned until this many
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids distinct
+    # speculative decoding (docs/speculative.md): "" = the server's --speculative, else "off" or "ngram"; the
+    # tokens a row may propose per step, 0 = the server's --num-speculative-tokens (at most that: its verify
+    # step's shape). A server that does not speculate decodes such a request plainly.
+    speculative: str = ""
+    num_speculative_tokens: int = 0
 
     @property
     def controlled(self) -> bool:
@@ -112,6 +122,16 @@ class Sampling:
         if bad:
             raise InvalidArgument(f"stop_token_ids {bad[:5]} are outside the vocabulary")
         self._validate_controls(vocab_size)
+        if self.speculative not in ("", *SPECULATIVE_METHODS):
+            raise InvalidArgument(
+                f"speculative must be one of {', '.join(SPECULATIVE_METHODS)} (or empty: the server's),"
+                f" got {self.speculative[:32]!r}"
+            )
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidArgument(
+                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0: the server's),"
+                f" got {self.num_speculative_tokens}"
+            )
 
     def _validate_controls(self, vocab_size: int) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -221,6 +241,12 @@ class EngineRequest:
     generated: list[int] = field(default_factory=list)
     prompt_scores: list[TokenLogprobs] | None = None  # while its prompt is scored (Sampling.prompt_logprobs)
     grammar: Constraint | None = None  # structured outputs: what the next token may be (worker.grammar)
+    # speculative decoding: the row's drafting (engine.speculative.DraftState; None: it does not draft), and
+    # its drafts proposed and kept so far (read by the server for the request's usage when it ends)
+    drafting: DraftState | None = None
+    prediction: list[int] | None = None  # the caller's predicted output: drafts come from it (predicted())
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
     done: bool = False
 
     def emit(self, event: Event) -> None:
@@ -275,6 +301,16 @@ class SamplingRow:
             s.controlled,
             None if req.grammar is None or not drawn else req.grammar.mask(),
         )
+
+
+def validate_prediction(prediction: list[int], vocab_size: int) -> None:
+    """A request's predicted output (speculative decoding): at most MAX_PREDICTION_TOKENS ids, each in the
+    vocabulary."""
+    if len(prediction) > MAX_PREDICTION_TOKENS:
+        raise InvalidArgument(f"prediction has {len(prediction)} tokens; at most {MAX_PREDICTION_TOKENS}")
+    bad = [t for t in prediction if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"prediction token ids {bad[:5]} are outside the vocabulary of {vocab_size}")
 
 
 def validate_prompt(prompt: list[int], vocab_size: int, max_seq_len: int) -> None:

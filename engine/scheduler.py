@@ -49,6 +49,7 @@ from loraserve.engine.request import (
     SamplingRow,
     Started,
     Token,
+    validate_prediction,
     validate_prompt,
 )
 from loraserve.engine.residency import (
@@ -64,7 +65,7 @@ from loraserve.engine.residency import (
 )
 from loraserve.engine.runner import PrefillInput, Runner, StepOutput
 from loraserve.engine.snapshot import EngineSnapshot
-from loraserve.engine.speculative import NgramDrafter
+from loraserve.engine.speculative import DraftState, NgramDrafter, StepCosts, predicted
 from loraserve.models.config import ModelConfig
 
 NO_ROOM = Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more KV pages than the pool holds")
@@ -212,8 +213,10 @@ class Scheduler:
         # unchanged (_may_chain); anything else reads the step in flight first (_settle)
         self._async = config.async_decode and runner.chains
         self._inflight: _InFlight | None = None
-        # speculative decoding (docs/speculative.md): the drafter, and verify steps, tokens proposed and kept
+        # speculative decoding (docs/speculative.md): the drafter, the steps' measured costs (the rule choosing
+        # a verify step), and verify steps, tokens proposed and kept
         self.drafter = NgramDrafter() if config.speculative == "ngram" else None
+        self.costs = StepCosts() if self.drafter is not None else None
         self.spec_steps = self.spec_proposed = self.spec_accepted = 0
 
     # ----------------------------------------------------------------- any thread
@@ -222,6 +225,8 @@ class Scheduler:
         cfg = self.model_config
         validate_prompt(req.prompt, cfg.vocab_size, self.config.max_seq_len)
         req.sampling.validate(cfg.vocab_size)
+        if req.prediction:
+            validate_prediction(req.prediction, cfg.vocab_size)
         if req.adapter and is_mix(req.adapter):  # a weighted mix (adapters.mixes): its parts and weights
             validate_mix(parse_mix(req.adapter), self.config.max_mix)
         elif req.adapter:
@@ -622,9 +627,10 @@ class Scheduler:
 
     def _speculate(self) -> bool:
         """A verify step instead of a decode step (docs/speculative.md), when the drafter proposes tokens for
-        some row and every decoding row may speculate (no logits controls, structured output or logprobs);
-        returns whether one ran. A row the drafter proposes nothing for, or whose pages for its drafts do not
-        go round, verifies its last token alone: one token, as a decode step gives."""
+        some row, every decoding row may speculate (no logits controls, structured output or logprobs) and the
+        drafts' expected kept tokens pay for the step (:meth:`StepCosts.worth`); returns whether one ran. A row
+        the drafter proposes nothing for, or whose pages for its drafts do not go round, verifies its last token
+        alone: one token, as a decode step gives."""
         self._settle()
         self._grow()
         decoding = [(i, row) for i, row in self._running() if row.prefilled is None]
@@ -635,15 +641,29 @@ class Scheduler:
             for _, row in decoding
         ):
             return False
-        k = self.config.num_speculative_tokens
-        b = self.config.max_batch_size
+        assert self.drafter is not None and self.costs is not None
+        b, k = self.config.max_batch_size, self.config.num_speculative_tokens
         drafts, lens = np.zeros((b, k), np.int32), np.zeros(b, np.int32)
+        expected = 0.0
         for i, row in decoding:
             req = row.req
-            room = min(k, req.max_new_tokens - len(req.generated) - 1)  # the last token is the target's
-            draft = self.drafter.propose(self._recent(req), room) if room > 0 else []
-            if len(draft) and self.kv.grow(row.pages, self._position(req) + len(draft) + 1):
+            state = self._drafting(req)
+            room = min(state.wanted(), req.max_new_tokens - len(req.generated) - 1)  # the last: the target's
+            if room <= 0:
+                draft = []
+            elif req.prediction:  # the caller's predicted output
+                draft = predicted(req.prediction, req.generated, room)
+            else:
+                draft = self.drafter.propose(self._recent(req), room)
+            if len(draft):
                 drafts[i, : len(draft)], lens[i] = draft, len(draft)
+                expected += state.expected(len(draft))
+        if not self.costs.worth(expected, len(decoding)):
+            return False
+        for i, row in decoding:
+            if lens[i] and not self.kv.grow(row.pages, self._position(row.req) + int(lens[i]) + 1):
+                drafts[i], lens[i] = 0, 0  # no preemption for a draft
+            elif lens[i]:
                 self._sync_table(i)
         if not lens.any():
             return False
@@ -656,14 +676,20 @@ class Scheduler:
         for i, row in decoding:
             tokens[i], positions[i], slots[i] = row.req.generated[-1], self._position(row.req), row.req.slot
             sampling[i] = SamplingRow.of(row.req)
+        t0 = time.perf_counter()
         accepted, out = self.runner.verify(tokens, positions, slots, tables, drafts, lens, sampling)
         self.steps += 1
         self.spec_steps += 1
         self.spec_proposed += int(lens.sum())
         for i, row in decoding:
-            kept = int(accepted[i])
-            self.spec_accepted += kept
+            kept, proposed = int(accepted[i]), int(lens[i])
             req, first = row.req, int(positions[i])
+            if proposed:
+                assert req.drafting is not None
+                req.drafting.update(proposed, kept)
+                req.draft_tokens += proposed
+                req.accepted_draft_tokens += kept
+                self.spec_accepted += kept
             # a page this step filled with the k/v of kept tokens (its last token and the kept drafts): cached
             if (first + kept + 1) // self.kv.page_size > first // self.kv.page_size:
                 inputs = req.prompt + req.generated + drafts[i, :kept].tolist()
@@ -672,7 +698,17 @@ class Scheduler:
                 if self.rows[i] is not row:
                     break  # it ended (a stop, EOS, its length): the rest is dropped
                 self._take_token(i, int(token), None)
+        self.costs.observe("verify", time.perf_counter() - t0)
         return True
+
+    def _drafting(self, req: EngineRequest) -> DraftState:
+        """``req``'s drafting state, made at its first step: it proposes up to its request's k (else the
+        server's; never more: the verify step's shape), or nothing when its request turned speculation off."""
+        if req.drafting is None:
+            s, k = req.sampling, self.config.num_speculative_tokens
+            on = (s.speculative or self.config.speculative) != "off"
+            req.drafting = DraftState(min(s.num_speculative_tokens or k, k) if on else 0)
+        return req.drafting
 
     def _recent(self, req: EngineRequest) -> list[int]:
         """The last tokens of ``req``'s prompt and output the drafter searches (its window): a copy of those
@@ -709,13 +745,17 @@ class Scheduler:
             sampling[i] = SamplingRow.of(row.req, ahead=ahead)
         before = self._inflight
         follow = before.handle if chained and before is not None else None
+        t0 = time.perf_counter()
         handle = self.runner.decode_start(tokens, positions, slots, tables, sampling, follow)
         self.steps += 1
         self.chained += chained
         self._inflight = _InFlight(handle, decoding, positions)
         if before is not None:  # chained: its tokens are read while this step runs
             self._read(before)
-        if not self._async:
+        if self.costs is not None:  # speculation on: a step at a time, timed (the verify rule's decode cost)
+            self._settle()
+            self.costs.observe("decode", time.perf_counter() - t0)
+        elif not self._async:
             self._settle()
         return True
 

@@ -5,10 +5,20 @@ and medium batches; on a TPU almost any batch) checking several proposed tokens 
 costs. A *drafter* proposes up to ``k`` tokens per row; the model's verify step (``models.speculative``)
 keeps the longest prefix the target model agrees with, plus one token of its own.
 
+:func:`predicted` drafts from a request's *prediction* (OpenAI's predicted outputs: the text the caller
+expects the answer to be, e.g. the file a code edit rewrites): what follows, in the prediction, the place the
+output has reached.
+
 :class:`NgramDrafter` is prompt lookup (no model): the row's last ``n`` tokens are searched for earlier in its
 prompt and output, and the tokens that followed the most recent earlier match are proposed. Answers that quote
 their prompt (summaries, code edits, extraction) accept most of them; elsewhere it proposes nothing or little.
 Its cost is bounded by :data:`SEARCH_WINDOW`, whatever a tenant's prompt holds.
+
+Whether to speculate at all is measured, not assumed. Each row keeps a :class:`DraftState`: how many tokens it
+may propose (``k``, adapted to what it keeps) and an estimate of the chance that a draft is kept, and a row
+whose drafts are all rejected rests for a growing number of steps (it is not even searched). :class:`StepCosts`
+times the engine's decode and verify steps and chooses a verify step only when the drafts' expected kept tokens
+pay for what a verify step costs beyond a decode step (:meth:`StepCosts.worth`).
 """
 
 from __future__ import annotations
@@ -18,11 +28,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loraserve.engine.config import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
+from loraserve.common.limits import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
-__all__ = ["MAX_SPECULATIVE_TOKENS", "SEARCH_WINDOW", "SPECULATIVE_METHODS", "NgramDrafter"]
+__all__ = [
+    "MAX_SPECULATIVE_TOKENS",
+    "SEARCH_WINDOW",
+    "SPECULATIVE_METHODS",
+    "DraftState",
+    "NgramDrafter",
+    "StepCosts",
+    "predicted",
+]
 
 SEARCH_WINDOW = 4096  # the last tokens of a row an n-gram is searched in: bounded host work per step
+PRIOR_RATE = 0.5  # a new row's chance that a draft is kept, before any of its drafts is verified
+RATE_WEIGHT = 0.3  # the weight of a verify step's outcome in a row's estimate (an exponential average)
+MAX_REST = 64  # the longest rest (steps without drafting) of a row whose drafts keep being rejected
+COST_WEIGHT = 0.2  # the weight of a step's time in the step costs' averages
+PROBE_SHARE = 0.02  # the share of decode time verify steps the rule did not choose may cost (to re-measure)
 
 
 @dataclass(frozen=True)
@@ -60,3 +83,118 @@ class NgramDrafter:
                 start = int(hits[-1]) + n  # the token after the latest earlier occurrence
                 return seq[start : start + k].astype(np.int32)
         return np.zeros(0, np.int32)
+
+
+def predicted(
+    prediction: Sequence[int] | np.ndarray, generated: Sequence[int], k: int, max_ngram: int = 3
+) -> np.ndarray:
+    """Up to ``k`` tokens of ``prediction`` to follow ``generated`` (the row's output so far), int32.
+
+    *Semantics:* nothing generated yet: the prediction's first k tokens. Else the longest suffix of
+    ``generated`` (``max_ngram`` tokens down to 1) that occurs in the prediction, at the occurrence that ends
+    nearest to ``len(generated)`` (where an output that copies the prediction, give or take a few edited
+    tokens, has reached), and the tokens after it; empty without an occurrence. The work is bounded by the
+    prediction's length (at most ``MAX_PREDICTION_TOKENS``)."""
+    if k <= 0:
+        return np.zeros(0, np.int32)
+    pred = np.asarray(prediction, np.int64)
+    if not len(generated):
+        return pred[:k].astype(np.int32)
+    tail = np.asarray(generated[-max_ngram:], np.int64)
+    for n in range(min(max_ngram, len(tail), len(pred)), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(pred, n)
+        ends = np.flatnonzero((windows == tail[len(tail) - n :]).all(axis=1)) + n  # the index after each
+        if ends.size:
+            end = int(ends[np.argmin(np.abs(ends - len(generated)))])
+            return pred[end : end + k].astype(np.int32)
+    return np.zeros(0, np.int32)
+
+
+@dataclass
+class DraftState:
+    """One row's drafting. ``limit``: the most tokens it may propose (its request's k, else the server's);
+    ``k``: what it proposes now; ``rate``: its estimated chance that a draft token is kept (an exponential
+    average of kept ÷ proposed over its verify steps); ``rest``: steps left before it drafts again, after a
+    verify step kept none of its drafts (1, 2, 4 ... up to :data:`MAX_REST` steps in a row of those)."""
+
+    limit: int
+    k: int = 0
+    rate: float = PRIOR_RATE
+    rest: int = 0
+    _rests: int = 0
+
+    def __post_init__(self) -> None:
+        self.k = self.k or self.limit
+
+    def wanted(self) -> int:
+        """How many tokens to ask the drafter for this step (0 while resting: a rest step counts down)."""
+        if self.rest > 0:
+            self.rest -= 1
+            return 0
+        return self.k
+
+    def expected(self, proposed: int) -> float:
+        """Expected kept tokens of ``proposed`` drafts: the first i are kept with chance rate^i."""
+        r = min(max(self.rate, 0.0), 1.0)
+        return sum(r**i for i in range(1, proposed + 1))
+
+    def update(self, proposed: int, kept: int) -> None:
+        """A verify step kept ``kept`` of the row's ``proposed`` drafts (proposed > 0): every draft kept
+        grows k by one (up to ``limit``); some kept sets k to kept + 1; none halves k and starts a rest."""
+        self.rate += RATE_WEIGHT * (kept / proposed - self.rate)
+        if kept == proposed:
+            self.k, self._rests = min(self.k + 1, self.limit), 0
+        elif kept:
+            self.k, self._rests = min(kept + 1, self.limit), 0
+        else:
+            self.k = max(1, self.k // 2)
+            self._rests = min(max(1, 2 * self._rests), MAX_REST)
+            self.rest = self._rests
+
+
+class StepCosts:
+    """The engine's decode and verify steps' seconds (exponential averages of the steps timed), and the rule
+    that picks a verify step.
+
+    A decode step gives every decoding row one token; a verify step gives each row one token plus the drafts
+    it keeps, and costs ``ratio`` = verify ÷ decode seconds (about 1 where a step is bound by reading the
+    weights; more where it is bound by compute: large batches on a CPU). So a verify step pays when the rows'
+    expected kept drafts exceed ``rows × (ratio − 1)``. Until both kinds of step have been timed it runs a
+    decode step first, then one verify step. The rows' estimates change only when they verify, so when the
+    rule says no for long, a verify step runs anyway once the decode steps since the last one have taken
+    ``(ratio − 1) ÷ PROBE_SHARE`` steps: such probes cost at most :data:`PROBE_SHARE` of the decode time."""
+
+    def __init__(self) -> None:
+        self.decode: float | None = None
+        self.verify: float | None = None
+        self.since_verify = 0  # decode steps since the last verify step
+        self.probes = 0  # verify steps the rule ran to re-measure
+
+    def observe(self, kind: str, seconds: float) -> None:
+        """A step of ``kind`` ("decode" or "verify") took ``seconds``."""
+        old = getattr(self, kind)
+        setattr(self, kind, seconds if old is None else old + COST_WEIGHT * (seconds - old))
+        self.since_verify = 0 if kind == "verify" else self.since_verify + 1
+
+    @property
+    def ratio(self) -> float | None:
+        """Verify ÷ decode seconds, once both are timed."""
+        if self.decode is None or self.verify is None or self.decode <= 0:
+            return None
+        return self.verify / self.decode
+
+    def worth(self, expected_kept: float, rows: int) -> bool:
+        """Whether a verify step pays for ``rows`` decoding rows whose drafts' expected kept tokens sum to
+        ``expected_kept`` (the class docstring's rule)."""
+        if expected_kept <= 0 or self.decode is None:
+            return False
+        ratio = self.ratio
+        if ratio is None:
+            return True  # time one verify step
+        extra = max(ratio - 1.0, 0.0)
+        if expected_kept > rows * extra:
+            return True
+        if self.since_verify * PROBE_SHARE >= extra:
+            self.probes += 1
+            return True
+        return False

@@ -510,11 +510,14 @@ def _best(choices: list[Choice], per_prompt: int, n: int) -> list[tuple[int, Cho
     return out
 
 
-def _usage(choices: list[Choice], per_prompt: int) -> tuple[int, int]:
-    """(prompt tokens, counted once per prompt; completion tokens of every sequence, best_of's too)."""
+def _usage(choices: list[Choice], per_prompt: int) -> tuple[int, int, int, int]:
+    """(prompt tokens, counted once per prompt; completion tokens of every sequence, best_of's too; their
+    drafted tokens and those kept)."""
     return (
         sum(c.prompt_tokens for c in choices[::per_prompt]),
         sum(c.completion_tokens for c in choices),
+        sum(c.draft_tokens for c in choices),
+        sum(c.accepted_draft_tokens for c in choices),
     )
 
 

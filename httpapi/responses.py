@@ -64,8 +64,20 @@ def completion_logprobs(entries: list[pb.TokenLogprobs], offset: int) -> dict[st
     return out
 
 
-def usage_json(prompt: int, completion: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def usage_json(prompt: int, completion: int, drafted: int = 0, kept: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; where speculative decoding drafted tokens, its ``completion_tokens_details``
+    with OpenAI's names for them (predicted outputs): the drafts kept and rejected."""
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if drafted:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": kept,
+            "rejected_prediction_tokens": drafted - kept,
+        }
+    return out
 
 
 @dataclass
@@ -78,6 +90,8 @@ class Choice:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    draft_tokens: int = 0  # speculative decoding's drafts for it, and those kept
+    accepted_draft_tokens: int = 0
     adapter: str = ""
 
     def add(self, msg: pb.GenerateResponse) -> None:
@@ -89,6 +103,8 @@ class Choice:
             self.finish_reason = FINISH.get(msg.finish_reason, FinishReason.STOP)
             self.prompt_tokens = msg.usage.prompt_tokens
             self.completion_tokens = msg.usage.completion_tokens
+            self.draft_tokens = msg.usage.draft_tokens
+            self.accepted_draft_tokens = msg.usage.accepted_draft_tokens
 
 
 @dataclass
@@ -108,7 +124,7 @@ class Shape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, choices: list[tuple[int, Choice]], usage: tuple[int, int]) -> dict[str, Any]:
+    def whole(self, choices: list[tuple[int, Choice]], usage: tuple[int, ...]) -> dict[str, Any]:
         """The non-streaming response: ``choices`` as (prompt index, what it streamed), in order."""
         out = []
         for index, (prompt, c) in enumerate(choices):
@@ -197,7 +213,7 @@ class Shape:
             head = self._head("text_completion")
         return {**head, "choices": [choice], "usage": None}
 
-    def usage_chunk(self, usage: tuple[int, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: tuple[int, ...]) -> dict[str, Any]:
         """The extra last chunk of ``stream_options.include_usage``: no choices, the usage."""
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(obj), "choices": [], "usage": usage_json(*usage)}

@@ -34,8 +34,10 @@ from loraserve.common.limits import (
     MAX_LOGPROBS,
     MAX_MESSAGES,
     MAX_PENALTY,
+    MAX_PREDICTION_CHARS,
     MAX_PROMPT_TOKENS,
     MAX_SEQUENCES,
+    MAX_SPECULATIVE_TOKENS,
     MAX_STOP,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
@@ -102,6 +104,32 @@ class StreamOptions(Strict):
     continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
+class SpeculativeOptions(Strict):
+    """loraserve's ``speculative`` extra field (GenerateRequest's SamplingParams.speculative)."""
+
+    method: Literal["off", "ngram"] | None = None  # None: the server's --speculative
+    num_tokens: Annotated[int, Field(ge=1, le=MAX_SPECULATIVE_TOKENS)] | None = None  # None: the server's
+
+
+class PredictionPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(Strict):
+    """OpenAI's predicted outputs (``prediction``): the text the answer is expected to be, which the worker
+    drafts from (speculative decoding; a worker that does not speculate ignores it)."""
+
+    type: Literal["content"]
+    content: str | Annotated[list[PredictionPart], Field(max_length=MAX_CONTENT_PARTS)]
+
+    def text(self) -> str:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        if len(text) > MAX_PREDICTION_CHARS:
+            raise InvalidArgument(f"prediction is {len(text)} characters; at most {MAX_PREDICTION_CHARS}")
+        return text
+
+
 class _Common(Strict):
     """Fields shared by both endpoints."""
 
@@ -132,6 +160,8 @@ class _Common(Strict):
     guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    speculative: SpeculativeOptions | None = None  # loraserve's (docs/speculative.md)
+    prediction: Prediction | None = None  # OpenAI's predicted outputs
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
@@ -213,6 +243,11 @@ class _Common(Strict):
         )
         if self.repetition_penalty is not None:
             params.repetition_penalty = self.repetition_penalty
+        if self.speculative is not None:
+            params.speculative.method = self.speculative.method or ""
+            params.speculative.num_tokens = self.speculative.num_tokens or 0
+        if self.prediction is not None:
+            params.speculative.prediction_text = self.prediction.text()
         structured = self.structured()
         if structured is not None:
             params.structured.CopyFrom(structured)

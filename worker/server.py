@@ -28,7 +28,13 @@ from loraserve.common.errors import (
     Unavailable,
 )
 from loraserve.common.finish_reasons import FINISH_TO_PROTO
-from loraserve.common.limits import MAX_BODY_BYTES, add_servicer, check_generate_request, check_ref
+from loraserve.common.limits import (
+    MAX_BODY_BYTES,
+    MAX_PREDICTION_TOKENS,
+    add_servicer,
+    check_generate_request,
+    check_ref,
+)
 from loraserve.common.observability import StreamTimer
 from loraserve.common.security import ServerSecurity
 from loraserve.common.server import Services, set_health
@@ -41,7 +47,7 @@ from loraserve.worker.detokenize import Chunk, StreamAssembler
 from loraserve.worker.grammar import Grammars, TokenMatcher
 from loraserve.worker.snapshot_messages import slot_info
 from loraserve.worker.token_strings import TokenStrings
-from loraserve.worker.tokenizer import PromptBound, apply_chat, encode, off_loop
+from loraserve.worker.tokenizer import PromptBound, apply_chat, encode, encode_plain, off_loop
 
 log = logging.getLogger("loraserve.worker.server")
 
@@ -66,6 +72,8 @@ def sampling_from_proto(p: inference_pb2.SamplingParams) -> Sampling:
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
         min_tokens=p.min_tokens,
         logit_bias=tuple(sorted(p.logit_bias.items())),
+        speculative=p.speculative.method,
+        num_speculative_tokens=p.speculative.num_tokens,
     )
 
 
@@ -175,6 +183,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             return await off_loop(encode, self.tokenizer, text, context, self.bound)
         raise InvalidArgument("prompt is empty: set text or tokens")
 
+    async def _prediction(self, spec: inference_pb2.Speculative) -> list[int] | None:
+        """A request's predicted output as token ids (text tokenised off the event loop, without special
+        tokens); None without one. Sizes were bounded by ``check_generate_request``."""
+        if spec.prediction_ids:
+            return list(spec.prediction_ids)
+        if not spec.prediction_text:
+            return None
+        if self.tokenizer is None:
+            raise InvalidArgument("this model has no tokenizer: send the prediction as token ids")
+        ids = await off_loop(encode_plain, self.tokenizer, spec.prediction_text)
+        if len(ids) > MAX_PREDICTION_TOKENS:
+            raise InvalidArgument(f"prediction has {len(ids)} tokens; at most {MAX_PREDICTION_TOKENS}")
+        return ids
+
     def _matcher(self, spec: inference_pb2.StructuredOutput) -> TokenMatcher:
         """A matcher for ``spec`` (on a tokenizer thread: compiling a grammar may take a while)."""
         with self._grammars_lock:
@@ -199,6 +221,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         events: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         prompt = await self._prompt(request)
+        prediction = await self._prediction(request.sampling.speculative)
         grammar = None
         if request.sampling.HasField("structured"):
             if self.tokenizer is None:
@@ -211,6 +234,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             sampling=sampling_from_proto(request.sampling),
             sink=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
             deadline=_deadline(context),
+            prediction=prediction,
             grammar=grammar,
         )
         try:
@@ -229,11 +253,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             while not assembler.done:
                 for chunk in assembler.feed(await events.get()):
                     timer.chunk(len(chunk.token_ids))
+                    message = chunk_to_proto(request_id, chunk, self.token_strings)
                     if chunk.finish_reason:
+                        # drafts: counted by the engine thread, final once the request ended there
+                        drafts, kept = engine_req.draft_tokens, engine_req.accepted_draft_tokens
+                        message.usage.draft_tokens, message.usage.accepted_draft_tokens = drafts, kept
                         self.engine.accounting.request_done(
-                            chunk.adapter, chunk.prompt_tokens, chunk.completion_tokens
+                            chunk.adapter, chunk.prompt_tokens, chunk.completion_tokens, drafts, kept
                         )
-                    yield chunk_to_proto(request_id, chunk, self.token_strings)
+                    yield message
             if assembler.error is not None:
                 raise LoraserveError(assembler.error.message, assembler.error.code)
             timer.done(len(prompt))

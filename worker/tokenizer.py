@@ -216,6 +216,11 @@ def encode(tokenizer: Any, text: str, context: int = 0, bound: PromptBound | Non
     return _token_ids(tokenizer, text, True, context)
 
 
+def encode_plain(tokenizer: Any, text: str) -> list[int]:
+    """Text -> token ids without special tokens (a prediction of the output: a continuation, not a prompt)."""
+    return _token_ids(tokenizer, text, False, 0)
+
+
 def apply_chat(
     tokenizer: Any,
     messages: list[tuple[str, str]] | list[dict[str, Any]],

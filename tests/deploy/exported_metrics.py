@@ -78,6 +78,12 @@ def exported_families() -> dict[str, Family]:
             out[family.name] = Family(family.name, family.type, _label_names(source))
     for family in worker_metrics.EngineCollector(_StubEngine()).collect():
         out[family.name] = Family(family.name, family.type, _label_names(family))
+    from loraserve.engine.accounting import AccountingCollector, AdapterAccounting
+
+    accounting = AdapterAccounting()  # the per-adapter series (one request, so that they carry their labels)
+    accounting.request_done("a@1", 3, 2, 2, 1)
+    for family in AccountingCollector(accounting).collect():
+        out.setdefault(family.name, Family(family.name, family.type, _label_names(family)))
     return out
 
 

@@ -126,10 +126,13 @@ class Harness:
         )
         self._ids = itertools.count()
 
-    def submit(self, adapter: str = "", prompt=(5,), deadline: float | None = None, **sampling) -> Collector:
+    def submit(
+        self, adapter: str = "", prompt=(5,), deadline: float | None = None, prediction=None, **sampling
+    ) -> Collector:
         """Accept a request (raises what ``Engine.submit`` raises) and post it; returns its event collector."""
         sink = Collector(f"r{next(self._ids)}")
         req = EngineRequest(sink.request_id, adapter, list(prompt), Sampling(**sampling), sink, deadline)
+        req.prediction = prediction
         self.inbox.append(self.scheduler.accept(req))
         return sink
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from loraserve.engine.speculative import NgramDrafter
+from loraserve.engine.speculative import MAX_REST, DraftState, NgramDrafter, StepCosts, predicted
 from loraserve.models import decoder
 from loraserve.models.speculative import verify
 from loraserve.models.step import DecodeBatch, PrefillBatch
@@ -152,6 +152,18 @@ def test_the_verify_forward_gives_the_decode_steps_logits(llama_dir, adapter_dir
     assert out.accepted.tolist() == [3] and out.tokens[0].tolist() == tokens[1:5]
 
 
+class PinnedCosts(StepCosts):
+    """Step costs fixed at a verify ÷ decode ratio (the rule's input), not measured: what a test of the
+    verify step's tokens needs (on a CPU the measured ratio depends on the machine and its load)."""
+
+    def __init__(self, ratio: float) -> None:
+        super().__init__()
+        self.decode, self.verify = 1.0, ratio
+
+    def observe(self, kind: str, seconds: float) -> None:
+        self.since_verify = 0 if kind == "verify" else self.since_verify + 1
+
+
 def dataclass_replace(state, **changes):
     import dataclasses
 
@@ -181,6 +193,8 @@ def test_the_engine_speculates_and_serves_the_same_greedy_tokens(llama_dir, adap
             num_speculative_tokens=4,
         )  # fmt: skip
         with started_engine(llama_dir, config, adapters) as engine, count_compilations() as count:
+            if method == "ngram":
+                engine.scheduler.costs = PinnedCosts(1.0)  # verify whenever a draft is expected to be kept
             collectors = []
             for n, prompt in enumerate(prompts):
                 c = Collector()
@@ -221,6 +235,8 @@ def test_the_scheduler_takes_kept_drafts_one_at_a_time_on_the_fake_runner() -> N
     runs = {}
     for method in ("off", "ngram"):
         h = Harness(dataclasses.replace(CFG, speculative=method, num_speculative_tokens=4), source_of("a"))
+        if method == "ngram":
+            h.scheduler.costs = PinnedCosts(1.0)
         free = h.scheduler.kv.available
         long, stopped = h.submit(prompt=prompt, max_tokens=12), h.submit(prompt=prompt, stop_token_ids=[5])
         h.run(long, stopped)
@@ -231,3 +247,234 @@ def test_the_scheduler_takes_kept_drafts_one_at_a_time_on_the_fake_runner() -> N
     (long_off, stop_off, none, steps_off), (long_on, stop_on, verifies, steps_on) = runs.values()
     assert long_on == long_off == list(range(3, 15)) and stop_on == stop_off == [3, 4, 5]
     assert none == 0 and verifies > 0 and steps_on < steps_off
+
+
+def test_a_prediction_drafts_from_where_the_output_has_reached() -> None:
+    pred = [10, 11, 12, 13, 14, 15, 11, 12, 16]
+    assert predicted(pred, [], 3).tolist() == [10, 11, 12]  # nothing generated: its start
+    assert predicted(pred, [10, 11], 3).tolist() == [12, 13, 14]  # copying it
+    # an edit: 99 replaced 12; the output resynchronises on its last token ... [11] ends at 2 and 7: 2 is
+    # nearer to the output's length (3) -> what follows it
+    assert predicted(pred, [10, 11, 99, 13], 2).tolist() == [14, 15]  # [13] matches at 3
+    assert predicted(pred, [5, 11, 12], 2).tolist() == [13, 14]  # [11, 12] ends at 3 and 8: 3 is nearer
+    assert predicted(pred, [1, 2, 3, 4, 5, 6, 7, 11, 12], 2).tolist() == [16]  # 8 is nearer to 9
+    assert predicted(pred, [42], 3).tolist() == []  # nothing like it
+    assert predicted(pred, [16], 3).tolist() == [] and predicted(pred, [10], 0).tolist() == []
+
+
+def test_a_row_adapts_k_to_what_it_keeps_and_rests_after_rejections() -> None:
+    state = DraftState(limit=4)
+    assert state.k == 4 and state.wanted() == 4
+    assert state.expected(2) == pytest.approx(0.5 + 0.25)  # the prior: a draft kept with chance 0.5
+    state.update(4, 4)  # all kept: k stays at its limit, the estimate rises
+    assert state.k == 4 and state.rate == pytest.approx(0.5 + 0.3 * 0.5)
+    state.update(4, 1)  # one kept: propose two next time
+    assert state.k == 2 and state.rest == 0
+    rests = []
+    for _ in range(9):  # nothing kept, again and again: k halves, rests double up to MAX_REST
+        state.update(state.k, 0)
+        rests.append(state.rest)
+        assert [state.wanted() for _ in range(state.rest)] == [0] * rests[-1]
+    assert state.k == 1 and rests == [1, 2, 4, 8, 16, 32, 64, 64, 64] and MAX_REST == 64
+    assert state.wanted() == 1  # rested: it drafts again
+    state.update(1, 1)
+    assert state._rests == 0 and state.k == 2  # a kept draft ends the backoff
+    assert DraftState(limit=0).wanted() == 0  # a request that turned speculation off
+
+
+def test_a_verify_step_runs_when_its_expected_kept_tokens_pay_for_it() -> None:
+    costs = StepCosts()
+    assert not costs.worth(3.0, 4)  # nothing timed yet: a decode step first
+    costs.observe("decode", 0.010)
+    assert costs.worth(3.0, 4) and costs.ratio is None  # then one verify step, to time it
+    assert not costs.worth(0.0, 4)  # no draft expected to be kept: never
+    costs.observe("verify", 0.015)
+    assert costs.ratio == pytest.approx(1.5)
+    # 4 rows at ratio 1.5: a verify step costs 2 rows' decode tokens more
+    assert costs.worth(2.01, 4) and not costs.worth(1.99, 4)
+    # the rule says no: decode steps; after (1.5 - 1) / PROBE_SHARE = 25 of them, one verify step re-measures
+    said = []
+    for _ in range(30):
+        said.append(costs.worth(1.0, 4))
+        costs.observe("verify" if said[-1] else "decode", 0.015 if said[-1] else 0.010)
+    assert said.index(True) == 25 and costs.probes == 1
+    costs.observe("decode", 0.020)  # averages move by a fifth of each new time
+    assert costs.decode == pytest.approx(0.012)
+
+
+class _WrongDrafter(NgramDrafter):
+    """Proposes what the fake runner never draws after the row's last token (its base chain is last + 1 mod
+    the vocabulary): every draft is rejected."""
+
+    def propose(self, tokens, k):
+        return np.full(max(k, 0), (int(tokens[-1]) + 2) % 50, np.int32)
+
+
+def _fake_harness(ratio: float, drafter=None, **config):
+    import dataclasses
+
+    from tests.worker.fake_engine import Harness, source_of
+    from tests.worker.test_scheduler import CFG
+
+    cfg = dataclasses.replace(
+        CFG, speculative="ngram", num_speculative_tokens=4, max_seq_len=256, max_batch_size=2, **config
+    )
+    h = Harness(cfg, source_of("a"))
+    h.scheduler.costs = PinnedCosts(ratio)
+    if drafter is not None:
+        h.scheduler.drafter = drafter
+    return h
+
+
+def test_drafts_that_are_always_rejected_cost_a_few_verify_steps() -> None:
+    """A row whose every draft is rejected (a hostile pattern: here a drafter that proposes token 0) rests
+    1, 2, 4 ... 64 steps between tries: 200 tokens take 8 verify steps, not 200, and are plain decoding's."""
+    h = _fake_harness(1.0, _WrongDrafter())
+    c = h.submit(prompt=[1, 2], max_tokens=200, ignore_eos=True)
+    h.run(c, limit=400)
+    assert c.tokens == [(3 + i) % 50 for i in range(200)]  # the fake's chain: last + 1 mod its vocabulary
+    # tries at its tokens 2, 4, 7, 12, 21, 38, 71 and 136 (after rests of 1, 2, 4 ... 64 steps; at 201 it
+    # has no room left), proposing 4, 2, then 1 token (k halves on each rejection)
+    assert h.scheduler.spec_steps == h.runner.verify_steps == 8
+    assert h.scheduler.spec_accepted == 0 and h.scheduler.spec_proposed == 4 + 2 + 1 * 6
+
+
+def test_a_compute_bound_verify_step_is_not_chosen_but_probed() -> None:
+    """At a verify ÷ decode ratio of 3 (a large batch on a CPU), a single row's drafts (expected to keep
+    0.94 tokens at the prior) do not pay for the 2 extra decode steps' worth: decode steps, with one probe
+    after (3 - 1) / 0.02 = 100 of them; the tokens are plain decoding's."""
+    h = _fake_harness(3.0)
+    c = h.submit(prompt=[1, 2, 3, 4, 5, 1, 2], max_tokens=120, ignore_eos=True)
+    h.run(c, limit=400)
+    assert c.tokens == [(3 + i) % 50 for i in range(120)]
+    assert h.runner.verify_steps == 1 and h.scheduler.costs.probes == 1
+
+
+def test_per_request_speculation_and_k() -> None:
+    """On a server that drafts 4 tokens: a request that turns speculation off never drafts, one that asks
+    for 2 drafts at most 2 a step, and both get plain decoding's tokens; a request with a prediction (its
+    exact answer, or one with a wrong stretch) drafts from it, with the same tokens; out-of-range settings
+    and a prediction outside the vocabulary are refused."""
+    from loraserve.common.errors import InvalidArgument
+    from loraserve.engine.request import Sampling
+
+    h = _fake_harness(1.0)
+    prompt = [1, 2, 3, 4, 5, 1, 2]
+    off = h.submit(prompt=prompt, max_tokens=20, speculative="off")
+    two = h.submit(prompt=prompt, max_tokens=20, num_speculative_tokens=2)
+    h.run(off, two)
+    assert off.tokens == two.tokens == list(range(3, 23))
+    assert h.scheduler.spec_steps > 0
+    assert h.scheduler.spec_proposed <= 2 * h.scheduler.spec_steps  # only the k=2 request drafted
+    # a prediction: the fake's exact answer (its chain), then one with a wrong stretch; same tokens, and the
+    # exact one keeps every draft
+    h = _fake_harness(1.0)
+    c = h.submit(prompt=[1, 2], max_tokens=30, ignore_eos=True, prediction=[(3 + i) % 50 for i in range(30)])
+    h.run(c)
+    assert c.tokens == [(3 + i) % 50 for i in range(30)]
+    assert h.scheduler.spec_proposed == h.scheduler.spec_accepted > 20  # every draft kept
+    edited = [(3 + i) % 50 if not 2 <= i < 5 else 0 for i in range(30)]  # 5, 6, 7 edited out
+    h = _fake_harness(1.0)
+    c = h.submit(prompt=[1, 2], max_tokens=30, ignore_eos=True, prediction=edited)
+    h.run(c)
+    assert c.tokens == [(3 + i) % 50 for i in range(30)]
+    assert h.scheduler.spec_proposed > h.scheduler.spec_accepted > 15
+    with pytest.raises(InvalidArgument, match="prediction token ids"):
+        h.submit(prompt=[1], prediction=[50])
+
+    from loraserve.client.sdk import build_request
+
+    sent = build_request([1, 2], speculative="off", num_speculative_tokens=2).sampling.speculative
+    assert (sent.method, sent.num_tokens) == ("off", 2)  # the SDK's (and `loraserve generate`'s) fields
+    for bad, message in (
+        (dict(speculative="medusa"), "speculative must be one of off, ngram"),
+        (dict(num_speculative_tokens=9), "num_speculative_tokens must be in [0, 8]"),
+    ):
+        with pytest.raises(InvalidArgument, match=message.replace("[", r"\[").replace("]", r"\]")):
+            Sampling(**bad).validate(100)
+
+
+def test_the_worker_takes_speculation_per_request_and_reports_drafts(llama_dir, adapter_dirs) -> None:
+    """Through the worker's gRPC Generate: a request with speculation on and one with it turned off get the
+    same greedy tokens; the first reports its drafts in its usage (what the scheduler counted), the second
+    none; the adapter's accounting (the loraserve_adapter_draft_tokens series) sums them; a k out of range is
+    INVALID_ARGUMENT. Through the OpenAI-compatible API (the official SDK): the ``speculative`` extra field, and
+    OpenAI's ``completion_tokens_details`` (accepted / rejected prediction tokens) in the usage; a bad method is
+    400."""
+    import grpc
+
+    from loraserve.engine.config import EngineConfig
+    from loraserve.protos.v1 import inference_pb2 as pb
+    from loraserve.protos.v1 import inference_pb2_grpc
+    from tests.worker.serving import running_worker
+
+    cfg = EngineConfig(
+        max_batch_size=2, max_seq_len=64, max_loras=1, max_lora_rank=8, speculative="ngram",
+        num_speculative_tokens=4,
+    )  # fmt: skip
+    with running_worker(llama_dir, cfg, {"all-r4": adapter_dirs["all-r4"]}, warmup=False) as w:
+        w.engine.scheduler.costs = PinnedCosts(1.0)
+        stub = inference_pb2_grpc.InferenceStub(w.channel)
+
+        def generate(method: str, k: int = 0) -> list:
+            sampling = pb.SamplingParams(max_tokens=24, ignore_eos=True)
+            sampling.speculative.method, sampling.speculative.num_tokens = method, k
+            req = pb.GenerateRequest(adapter="all-r4", sampling=sampling)
+            req.tokens.ids.extend(COPY_PROMPT)
+            return list(stub.Generate(req, timeout=120))
+
+        on = generate("", 3)  # the server's method, 3 drafts a step at most
+        proposed, kept = w.engine.scheduler.spec_proposed, w.engine.scheduler.spec_accepted
+        off = generate("off")
+        assert [t for m in on for t in m.token_ids] == [t for m in off for t in m.token_ids]
+        assert proposed > kept > 0 and w.engine.scheduler.spec_proposed == proposed  # "off" drafted nothing
+        assert (on[-1].usage.draft_tokens, on[-1].usage.accepted_draft_tokens) == (proposed, kept)
+        assert (off[-1].usage.draft_tokens, off[-1].usage.accepted_draft_tokens) == (0, 0)
+        (usage,) = w.engine.accounting.totals().values()  # the adapter as the worker resolved it
+        assert (usage.requests, usage.draft_tokens, usage.accepted_draft_tokens) == (2, proposed, kept)
+        with pytest.raises(grpc.RpcError) as err:
+            generate("ngram", 9)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "num_speculative_tokens must be in [0, 8]" in err.value.details()
+
+        import openai
+
+        from loraserve.httpapi.app import build_app
+        from loraserve.worker.http_backend import WorkerHttpBackend
+        from loraserve.worker.server import InferenceServicer
+        from tests.aio_thread import http_server_thread
+
+        def app():
+            return build_app(WorkerHttpBackend(InferenceServicer(w.engine, w.tokenizer), "tiny-llama"))
+
+        with http_server_thread(app) as port:
+            client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+            before = w.engine.scheduler.spec_proposed, w.engine.scheduler.spec_accepted
+            done = client.completions.create(
+                model="all-r4", prompt=COPY_PROMPT, max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True, "speculative": {"method": "ngram", "num_tokens": 3}},
+            )  # fmt: skip
+            proposed = w.engine.scheduler.spec_proposed - before[0]
+            kept = w.engine.scheduler.spec_accepted - before[1]
+            assert done.choices[0].text == "".join(m.text for m in on)
+            details = done.usage.completion_tokens_details
+            assert proposed > 0 and details is not None
+            assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (
+                kept,
+                proposed - kept,
+            )
+            plain = client.completions.create(
+                model="all-r4", prompt=COPY_PROMPT, max_tokens=24, temperature=0,
+                extra_body={"ignore_eos": True, "speculative": {"method": "off"}},
+            )  # fmt: skip
+            assert (
+                plain.choices[0].text == done.choices[0].text
+                and plain.usage.completion_tokens_details is None
+            )
+            with pytest.raises(openai.BadRequestError, match="speculative"):
+                client.completions.create(
+                    model="all-r4",
+                    prompt=COPY_PROMPT,
+                    max_tokens=4,
+                    extra_body={"speculative": {"method": "eagle"}},
+                )
