@@ -44,6 +44,7 @@ DEFAULT_TESTS=(
     tests/worker/test_row_isolation.py
     tests/worker/test_planner.py
     tests/worker/test_bf16_files.py
+    tests/worker/test_speculative.py
 )
 # the second run: the serving stack as processes over unix sockets, the worker on the chip (this pytest
 # process computes its references on the CPU: LORASERVE_TEST_SERVERS_ON=tpu, tests/conftest.py)
