@@ -23,6 +23,8 @@ pay for what a verify step costs beyond a decode step (:meth:`StepCosts.worth`).
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,7 +46,7 @@ SEARCH_WINDOW = 4096  # the last tokens of a row an n-gram is searched in: bound
 PRIOR_RATE = 0.5  # a new row's chance that a draft is kept, before any of its drafts is verified
 RATE_WEIGHT = 0.3  # the weight of a verify step's outcome in a row's estimate (an exponential average)
 MAX_REST = 64  # the longest rest (steps without drafting) of a row whose drafts keep being rejected
-COST_WEIGHT = 0.2  # the weight of a step's time in the step costs' averages
+COST_WINDOW = 5  # the steps of each kind whose times the step costs keep (their lower median counts)
 PROBE_SHARE = 0.02  # the share of decode time verify steps the rule did not choose may cost (to re-measure)
 
 
@@ -153,44 +155,49 @@ class DraftState:
 
 
 class StepCosts:
-    """The engine's decode and verify steps' seconds (exponential averages of the steps timed), and the rule
-    that picks a verify step.
+    """The engine's decode and verify steps' seconds, and the rule that picks a verify step.
 
     A decode step gives every decoding row one token; a verify step gives each row one token plus the drafts
     it keeps, and costs ``ratio`` = verify ÷ decode seconds (about 1 where a step is bound by reading the
     weights; more where it is bound by compute: large batches on a CPU). So a verify step pays when the rows'
-    expected kept drafts exceed ``rows × (ratio − 1)``. Until both kinds of step have been timed it runs a
-    decode step first, then one verify step. The rows' estimates change only when they verify, so when the
-    rule says no for long, a verify step runs anyway once the decode steps since the last one have taken
-    ``(ratio − 1) ÷ PROBE_SHARE`` steps: such probes cost at most :data:`PROBE_SHARE` of the decode time."""
+    expected kept drafts exceed ``rows × (ratio − 1)``. Each kind's time is the lower median of its last
+    :data:`COST_WINDOW` steps, so one slow step (a compilation, a pause of the host) does not move it; until a
+    decode step and two verify steps have been timed the rule runs them (a decode step first). The rows'
+    estimates change only when they verify, so when the rule says no for long, a verify step runs anyway once
+    the decode steps since the last one have taken ``(ratio − 1) ÷ PROBE_SHARE`` steps: such probes cost at
+    most :data:`PROBE_SHARE` of the decode time."""
 
     def __init__(self) -> None:
-        self.decode: float | None = None
-        self.verify: float | None = None
+        self._seconds: dict[str, deque[float]] = {k: deque(maxlen=COST_WINDOW) for k in ("decode", "verify")}
         self.since_verify = 0  # decode steps since the last verify step
         self.probes = 0  # verify steps the rule ran to re-measure
 
     def observe(self, kind: str, seconds: float) -> None:
         """A step of ``kind`` ("decode" or "verify") took ``seconds``."""
-        old = getattr(self, kind)
-        setattr(self, kind, seconds if old is None else old + COST_WEIGHT * (seconds - old))
+        self._seconds[kind].append(seconds)
         self.since_verify = 0 if kind == "verify" else self.since_verify + 1
+
+    def seconds(self, kind: str) -> float | None:
+        """The time of a ``kind`` step: the lower median of the last ones timed (None before any)."""
+        times = self._seconds[kind]
+        return statistics.median_low(times) if times else None
 
     @property
     def ratio(self) -> float | None:
-        """Verify ÷ decode seconds, once both are timed."""
-        if self.decode is None or self.verify is None or self.decode <= 0:
+        """Verify ÷ decode seconds, once a decode step and two verify steps have been timed."""
+        decode, verify = self.seconds("decode"), self.seconds("verify")
+        if decode is None or verify is None or len(self._seconds["verify"]) < 2 or decode <= 0:
             return None
-        return self.verify / self.decode
+        return verify / decode
 
     def worth(self, expected_kept: float, rows: int) -> bool:
         """Whether a verify step pays for ``rows`` decoding rows whose drafts' expected kept tokens sum to
         ``expected_kept`` (the class docstring's rule)."""
-        if expected_kept <= 0 or self.decode is None:
+        if expected_kept <= 0 or not self._seconds["decode"]:
             return False
         ratio = self.ratio
         if ratio is None:
-            return True  # time one verify step
+            return True  # time the verify step (twice: the first may have paid for more than itself)
         extra = max(ratio - 1.0, 0.0)
         if expected_kept > rows * extra:
             return True

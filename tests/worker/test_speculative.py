@@ -158,7 +158,8 @@ class PinnedCosts(StepCosts):
 
     def __init__(self, ratio: float) -> None:
         super().__init__()
-        self.decode, self.verify = 1.0, ratio
+        for kind, seconds in (("decode", 1.0), ("verify", ratio), ("verify", ratio)):
+            super().observe(kind, seconds)
 
     def observe(self, kind: str, seconds: float) -> None:
         self.since_verify = 0 if kind == "verify" else self.since_verify + 1
@@ -286,10 +287,12 @@ def test_a_verify_step_runs_when_its_expected_kept_tokens_pay_for_it() -> None:
     costs = StepCosts()
     assert not costs.worth(3.0, 4)  # nothing timed yet: a decode step first
     costs.observe("decode", 0.010)
-    assert costs.worth(3.0, 4) and costs.ratio is None  # then one verify step, to time it
+    assert costs.worth(3.0, 4) and costs.ratio is None  # then verify steps, to time them
     assert not costs.worth(0.0, 4)  # no draft expected to be kept: never
+    costs.observe("verify", 0.500)  # the first paid for a compilation
+    assert costs.ratio is None and costs.worth(0.1, 4)  # one more
     costs.observe("verify", 0.015)
-    assert costs.ratio == pytest.approx(1.5)
+    assert costs.ratio == pytest.approx(1.5)  # the lower median: the slow step does not count
     # 4 rows at ratio 1.5: a verify step costs 2 rows' decode tokens more
     assert costs.worth(2.01, 4) and not costs.worth(1.99, 4)
     # the rule says no: decode steps; after (1.5 - 1) / PROBE_SHARE = 25 of them, one verify step re-measures
@@ -298,8 +301,12 @@ def test_a_verify_step_runs_when_its_expected_kept_tokens_pay_for_it() -> None:
         said.append(costs.worth(1.0, 4))
         costs.observe("verify" if said[-1] else "decode", 0.015 if said[-1] else 0.010)
     assert said.index(True) == 25 and costs.probes == 1
-    costs.observe("decode", 0.020)  # averages move by a fifth of each new time
-    assert costs.decode == pytest.approx(0.012)
+    for seconds in (0.020, 0.030, 0.012):  # a window of the last 5: 0.010, 0.010, 0.020, 0.030, 0.012
+        costs.observe("decode", seconds)
+    assert costs.seconds("decode") == pytest.approx(0.012)
+    for _ in range(3):  # three slow verify steps in the last five move it; one would not have
+        costs.observe("verify", 0.100)
+    assert costs.seconds("verify") == pytest.approx(0.100)
 
 
 class _WrongDrafter(NgramDrafter):

@@ -1,0 +1,243 @@
+"""Speculative decoding against plain decoding: the same engine, the same requests, the same tokens.
+
+For each batch of ``--batch`` (default 1 and 16; rows of distinct rank-16 adapters, so the batch-16 rows are a
+mixed-adapter batch) two engines serve one workload each round: ``plain`` (``--speculative off``) and
+``speculative`` (``--speculative ngram``, ``--num-speculative-tokens 4``, the measured rule of
+docs/speculative.md). An engine's batch is the batch measured (``--max-batch-size``: a single-stream deployment
+runs batch 1). Workloads, greedy, ``--shape``'s prompt length and ``--new`` tokens (64 at the bench shape):
+
+* ``predicted``   every request carries a prediction of its answer (OpenAI's predicted outputs) equal to the
+  answer plain decoding gives: a copy-heavy workload at its best (a code edit that changes nothing);
+* ``edited``      the same predictions with every tenth token replaced: drafts that fail now and then;
+* ``ngram``       no prediction: prompt lookup over each row's random prompt and output. The models here are
+  random, so this is what a row that is *not* copy-heavy costs (nothing to find, or loops of a random model):
+  the rule's floor, which should stay at or above 0.95 of plain decoding.
+
+Every speculative row's tokens are checked equal to plain decoding's (the bench fails otherwise). Per row:
+tokens per second of the decode phase (first token to last) and end to end, the speed-up over plain
+(``speedup`` = its tok/s ÷ plain's, decode phase), the share of drafted tokens kept, verify steps and probes.
+Medians over ``--rounds`` (default 3) rounds, the engines interleaved. The last line is one JSON object.
+
+    python bench/speculative.py                  # the bench model (~140M, f32) on this machine
+    python bench/speculative.py --shape tiny --batch 2 --rounds 1 --lazy-compile   # the smoke run (tests/bench)
+
+Like every number of this repository, a ratio from one run on one machine (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from threading import Event
+
+import _compiles  # in bench/, first on sys.path
+import decode  # bench/decode.py: its shapes and model builder (importing it makes loraserve this checkout's)
+
+WORKLOADS = ("predicted", "edited", "ngram")
+K = 4
+
+
+def _engine(base: Path, adapters: list[Path], w: dict, batch: int, method: str, checkpoint, lazy: bool):
+    from loraserve.adapters.sources import LocalAdapterSource
+    from loraserve.engine.config import EngineConfig
+    from loraserve.engine.engine import Engine
+
+    src = LocalAdapterSource()
+    for i, path in enumerate(adapters):
+        src.register(f"a{i}", str(path))
+    cfg = EngineConfig(
+        max_batch_size=batch,
+        max_seq_len=max(16, 1 << (w["prompt"] + w["new"] - 1).bit_length()),
+        max_loras=max(batch, 1),
+        max_lora_rank=w["rank"],
+        prefill_per_step=batch,
+        min_prefill_bucket=w["prompt"],
+        max_cpu_loras=0,
+        speculative=method,
+        num_speculative_tokens=K,
+    )
+    engine = Engine(checkpoint, cfg, source=src)
+    engine.start(warmup=not lazy)  # lazy: each shape compiles at its first use (the warm rounds below)
+    return engine
+
+
+def _serve(engine, names: list[str], prompts: list[list[int]], new: int, predictions) -> dict:
+    """One request per name, all at once; -> tokens per row, seconds (decode phase, end to end), counters."""
+    from loraserve.engine.request import EngineRequest, Failed, Finished, Sampling, Token
+
+    done = [Event() for _ in names]
+    first, last = [0.0] * len(names), [0.0] * len(names)
+    tokens: list[list[int]] = [[] for _ in names]
+    failures: list[str] = []
+
+    def sink(e, i: int) -> None:
+        now = time.perf_counter()
+        if isinstance(e, Token | Finished) and getattr(e, "token_id", None) is not None:
+            tokens[i].append(e.token_id)
+            first[i] = first[i] or now
+        if isinstance(e, Failed):
+            failures.append(e.message)
+        if isinstance(e, Finished | Failed):
+            last[i] = now
+            done[i].set()
+
+    s = engine.scheduler
+    before = (s.spec_steps, s.spec_proposed, s.spec_accepted, s.steps, getattr(s.costs, "probes", 0))
+    start = time.perf_counter()
+    for i, (name, prompt) in enumerate(zip(names, prompts, strict=True)):
+        req = EngineRequest(
+            uuid.uuid4().hex,
+            name,
+            prompt,
+            Sampling(max_tokens=new, ignore_eos=True),
+            lambda e, i=i: sink(e, i),
+        )
+        req.prediction = None if predictions is None else list(predictions[i])
+        engine.submit(req)
+    for ev in done:
+        ev.wait(600)
+    if failures:
+        raise RuntimeError(f"{len(failures)} requests failed: {failures[0]}")
+    after = (s.spec_steps, s.spec_proposed, s.spec_accepted, s.steps, getattr(s.costs, "probes", 0))
+    verify, proposed, kept, steps, probes = (b - a for a, b in zip(before, after, strict=True))
+    return {
+        "tokens": tokens,
+        "decode_s": max(last) - max(first),
+        "e2e_s": max(last) - start,
+        "verify_steps": verify,
+        "steps": steps,
+        "proposed": proposed,
+        "kept": kept,
+        "probes": probes,
+    }
+
+
+def _edited(answer: list[int], vocab: int) -> list[int]:
+    """``answer`` with every tenth token (the 5th, 15th, ...) replaced by another id."""
+    return [(t + 1) % vocab if i % 10 == 4 else t for i, t in enumerate(answer)]
+
+
+def bench_batch(base, adapters, w, batch: int, rounds: int, checkpoint, lazy: bool = False) -> list[dict]:
+    import numpy as np
+
+    rng = np.random.default_rng(batch)
+    prompts = [rng.integers(3, w["vocab_size"], w["prompt"]).tolist() for _ in range(batch)]
+    names = [f"a{i}" for i in range(batch)]
+    new = w["new"]
+    engines = {m: _engine(base, adapters, w, batch, m, checkpoint, lazy) for m in ("off", "ngram")}
+    try:
+        plain = _serve(engines["off"], names, prompts, new, None)  # the answers (and a warm round)
+        answers = plain["tokens"]
+        predictions = {
+            "predicted": answers,
+            "edited": [_edited(a, w["vocab_size"]) for a in answers],
+            "ngram": None,
+        }
+        runs: dict[tuple[str, str], list[dict]] = {}
+        for m in ("off", "ngram"):  # a warm round of each workload
+            for wl in WORKLOADS:
+                _serve(engines[m], names, prompts, new, predictions[wl] if m == "ngram" else None)
+        for _ in range(rounds):
+            for wl in WORKLOADS:
+                for m in ("off", "ngram"):
+                    got = _serve(engines[m], names, prompts, new, predictions[wl] if m == "ngram" else None)
+                    if got["tokens"] != answers:
+                        raise AssertionError(f"{m} {wl}: tokens differ from plain decoding's")
+                    runs.setdefault((wl, m), []).append(got)
+        ratio = engines["ngram"].scheduler.costs.ratio
+    finally:
+        for e in engines.values():
+            e.stop()
+    rows = []
+    generated = batch * new
+    for wl in WORKLOADS:
+        plain_runs, spec_runs = runs[(wl, "off")], runs[(wl, "ngram")]
+        p_dec = statistics.median(r["decode_s"] for r in plain_runs)
+        s_dec = statistics.median(r["decode_s"] for r in spec_runs)
+        p_e2e = statistics.median(r["e2e_s"] for r in plain_runs)
+        s_e2e = statistics.median(r["e2e_s"] for r in spec_runs)
+        proposed = sum(r["proposed"] for r in spec_runs)
+        kept = sum(r["kept"] for r in spec_runs)
+        decode_tokens = generated - batch  # the first token of every row comes from its prefill
+        row = {
+            "workload": wl,
+            "batch": batch,
+            "plain_tok_s": round(decode_tokens / p_dec, 1),
+            "speculative_tok_s": round(decode_tokens / s_dec, 1),
+            "speedup": round(p_dec / s_dec, 3),
+            "e2e_speedup": round(p_e2e / s_e2e, 3),
+            "kept_share": round(kept / proposed, 3) if proposed else None,
+            "verify_steps": statistics.median(r["verify_steps"] for r in spec_runs),
+            "steps": statistics.median(r["steps"] for r in spec_runs),
+            "plain_steps": statistics.median(r["steps"] for r in plain_runs),
+            "probes": sum(r["probes"] for r in spec_runs),
+            "verify_over_decode": None if ratio is None else round(ratio, 2),
+        }
+        rows.append(row)
+        print(
+            f"batch {batch:3d} {wl:10s} plain {row['plain_tok_s']:8.1f} tok/s  speculative"
+            f" {row['speculative_tok_s']:8.1f} tok/s  x{row['speedup']:.2f}  kept {row['kept_share']}"
+            f"  steps {row['steps']} vs {row['plain_steps']}",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=("bench", "tiny"), default="bench")
+    parser.add_argument("--batch", default="1,16", help="a comma list of batches (distinct adapters = batch)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--new", type=int, help="new tokens per request (default: the shape's, 64 for bench)")
+    parser.add_argument("--workdir", help="keep the built model here (default: a temporary folder)")
+    parser.add_argument(
+        "--lazy-compile", action="store_true", help="no warm-up: each shape compiles when first run (untimed)"
+    )
+    args = parser.parse_args()
+    from loraserve.models.checkpoint import load_checkpoint
+
+    w = dict(decode.SHAPES[args.shape])
+    batches = [int(b) for b in args.batch.split(",")]
+    w["adapters"] = max(batches)
+    w["new"] = args.new or (64 if args.shape == "bench" else w["new"])
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(args.workdir or tmp)
+        base, adapters = decode.build_or_reuse(workdir, w, "float32", direct=False)
+        checkpoint = load_checkpoint(str(base), dtype="float32")
+        rows = [
+            row
+            for b in batches
+            for row in bench_batch(base, adapters, w, b, args.rounds, checkpoint, args.lazy_compile)
+        ]
+    import jax
+
+    print(
+        json.dumps(
+            {
+                "bench": "speculative",
+                "shape": args.shape,
+                "config": {
+                    k: w[k]
+                    for k in ("hidden_size", "num_hidden_layers", "vocab_size", "prompt", "new", "rank")
+                }
+                | {"k": K, "dtype": "float32"},
+                "rows": rows,
+                "platform": {"backend": jax.default_backend(), "cpus": os.cpu_count()},
+                "compiles": _compiles.totals(),
+                "seconds": round(time.perf_counter() - t0, 1),
+            },
+            separators=(",", ":"),
+        )
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
