@@ -48,12 +48,17 @@ layer's weight bytes plus the batch's adapters' A and B bytes ÷ that time), ``o
 ms: the fraction of the base step's speed the adapters leave) and ``serial_bound`` (what the adapters would
 cost read after the base product at the bandwidth dense measured: dense ms ÷ (dense ms + adapter bytes ÷
 dense's GB/s); a backend that overlaps the reads beats it). Backends: reference, xla-onehot, xla-grouped,
-pallas (its decode kernel, ``kernels.pallas_decode``, slots in groups of 128 rank rows), pallas-d256 and
+pallas (its decode kernel, ``kernels.pallas_decode``, slots in groups of 128 rank rows), pallas-vpu (the
+vector-unit kernel of ``kernels.pallas_vpu``: multiply-adds per row, no MXU, on its own pools), pallas-d256 and
 pallas-d512 (the same kernel with groups of 256 and 512 rank rows) and pallas-tiled (the tiled kernels of its
 first version), all compiled on a TPU and interpreted elsewhere (so only at ``--shape tiny``), cpu where the C++
 kernels build.
 Its last line is one JSON object too (``"bench": "kernels_scan"``, with the run's XLA compilations and seconds);
-``--shape`` picks one of ``SCAN_SHAPES``, ``--batch 16,64`` other batches than the shape's.
+``--shape`` picks one of ``SCAN_SHAPES``, ``--batch 16,64`` other batches than the shape's. ``--profile DIR``
+traces three more calls of every row, each inside a trace annotation ``scan <backend> B<batch>``, a
+``jax.profiler`` trace per row with a Perfetto JSON (``DIR/scan-<backend>-B<batch>/plugins/profile/<run>/
+perfetto_trace.json.gz``);
+``bench/trace_summary.py DIR`` turns them into each row's device time by op and the device's idle time.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ import numpy as np  # noqa: E402
 
 from loraserve import kernels  # noqa: E402
 from loraserve.kernels import grouped as grouped_kernels  # noqa: E402
+from loraserve.kernels import pallas_vpu  # noqa: E402
 
 D_IN = D_OUT = 1024
 S, R, G = 16, 16, 4
@@ -273,7 +279,27 @@ class _PallasDepth(kernels.PallasBackend):
         return kernels.pallas_decode.add_lora_slices_decode(y, x, a, tuple(bs), plan, depth=self.depth)
 
 
+@dataclasses.dataclass(frozen=True)
+class _PallasVpu(kernels.PallasBackend):
+    """The VPU decode kernel (``kernels.pallas_vpu``: multiply-adds per row, no MXU) on its own pools:
+    ``A [S, n*R, in/128, 128]``, ``B [S, R, out/128, 128]`` (the rank-major matrices reshaped)."""
+
+    def to_pool_layout(self, value, kind):
+        return pallas_vpu.to_pool(super().to_pool_layout(value, kind))
+
+    def plan(self, slots, num_slots):
+        return pallas_vpu.plan_vpu(slots, num_slots)
+
+    def add_decode(self, y, x, a, bs, plan):
+        outs = [b.shape[2] * pallas_vpu.LANES for b in bs]
+        if not pallas_vpu.fits(x.shape[0], x.shape[1], bs[0].shape[1], outs, x.dtype, a.dtype, y.dtype):
+            raise ValueError("does not fit the VPU kernel")
+        return pallas_vpu.add_lora_slices_vpu(y, x, a, tuple(bs), plan)
+
+
 def _backend(name: str) -> kernels.LoraBackend:
+    if name == "pallas-vpu":
+        return _PallasVpu()
     if name.startswith("pallas-d"):
         return _PallasDepth(depth=int(name.removeprefix("pallas-d")))
     return _PallasTiled() if name == "pallas-tiled" else kernels.get_backend(name)
@@ -282,7 +308,7 @@ def _backend(name: str) -> kernels.LoraBackend:
 def _backends(tiny: bool) -> list[str]:
     names = ["reference", "xla-onehot", "xla-grouped"]
     if jax.default_backend() == "tpu" or tiny:  # interpreted off a TPU: minutes at real sizes
-        names += ["pallas", "pallas-d256", "pallas-d512", "pallas-tiled"]
+        names += ["pallas", "pallas-vpu", "pallas-d256", "pallas-d512", "pallas-tiled"]
     if kernels.cpu.available():
         names.append("cpu")
     return names
@@ -317,7 +343,28 @@ def _time(fn, args, runs: int) -> tuple[float, np.ndarray]:
     return statistics.median(times) * 1e3, out
 
 
-def bench_scan(shape: str, dtype_name: str, batches: tuple[int, ...] = ()) -> dict:
+def _profiled(profile: str | None, label: str, fn, args, runs: int = 3) -> None:
+    """``--profile``: ``runs`` more calls of the compiled ``fn``, each inside a trace annotation ``label``, in a
+    jax.profiler trace of their own under ``profile`` (host Python not traced: it would fill the trace's
+    event buffer; a Perfetto JSON beside it, which bench/trace_summary.py reads)."""
+    if profile is None:
+        return
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0
+    options.host_tracer_level = 1
+    where = os.path.join(profile, label.replace(" ", "-"))  # a folder per row: runs are named by the second
+    jax.profiler.start_trace(where, create_perfetto_trace=True, profiler_options=options)
+    try:
+        for _ in range(runs):
+            with jax.profiler.TraceAnnotation(label):
+                jax.block_until_ready(fn(*args))
+    finally:
+        jax.profiler.stop_trace()
+
+
+def bench_scan(
+    shape: str, dtype_name: str, batches: tuple[int, ...] = (), profile: str | None = None
+) -> dict:
     t_start = time.perf_counter()
     _compiles.start()
     d_in, d_out, layers, shape_batches, runs = SCAN_SHAPES[shape]
@@ -334,7 +381,10 @@ def bench_scan(shape: str, dtype_name: str, batches: tuple[int, ...] = ()) -> di
         x = jnp.asarray(rng.standard_normal((batch, d_in), np.float32), dtype)
         lora_bytes = slots * RANK * (d_in + d_out) * dtype.itemsize
         row_slots = np.arange(batch, dtype=np.int32) % slots
-        dense_ms = _time(_program(None), (x, w, w[:, :1, :1], w[:, :1, :1], None), runs)[0] / layers
+        dense_args = (x, w, w[:, :1, :1], w[:, :1, :1], None)
+        dense_program = _program(None)
+        dense_ms = _time(dense_program, dense_args, runs)[0] / layers
+        _profiled(profile, f"scan dense B{batch}", dense_program, dense_args)
         dense_gbps = w_bytes / dense_ms / 1e6
         rows.append(dict(backend="dense", batch=batch, ms=round(dense_ms, 4), gbps=round(dense_gbps, 1)))
         serial = dense_ms / (dense_ms + lora_bytes / dense_gbps / 1e6)
@@ -351,8 +401,10 @@ def bench_scan(shape: str, dtype_name: str, batches: tuple[int, ...] = ()) -> di
             plan = backend.plan(row_slots, slots)
             row = dict(backend=name, batch=batch, adapters=slots)
             try:
-                ms, out = _time(_program(backend), (x, w, a_pool, b_pool, plan), runs)
+                program, args = _program(backend), (x, w, a_pool, b_pool, plan)
+                ms, out = _time(program, args, runs)
                 ms /= layers
+                _profiled(profile, f"scan {name} B{batch}", program, args)
                 want = out if want is None else want
                 row.update(
                     max_abs_diff=float(np.max(np.abs(out - want))),
@@ -391,14 +443,20 @@ def main() -> None:
         "--batch",
         help="--scan: these batches (a comma list) instead of the shape's, each row its own adapter",
     )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="--scan: also trace 3 more calls of every row (jax.profiler, a Perfetto trace under DIR; "
+        "bench/trace_summary.py DIR sums the device's time per row and op)",
+    )
     args = parser.parse_args()
     if args.shape not in (SCAN_SHAPES if args.scan else SHAPES):
         parser.error(f"--shape {args.shape} is not a shape of {'--scan' if args.scan else 'this mode'}")
-    if args.batch and not args.scan:
-        parser.error("--batch is for --scan")
+    if (args.batch or args.profile) and not args.scan:
+        parser.error("--batch and --profile are for --scan")
     if args.scan:
         batches = tuple(int(b) for b in args.batch.split(",")) if args.batch else ()
-        result = bench_scan(args.shape, args.dtype, batches)
+        result = bench_scan(args.shape, args.dtype, batches, args.profile)
         for row in result["rows"]:
             print(json.dumps(row), flush=True)
         result["platform"] = {

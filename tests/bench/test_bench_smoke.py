@@ -103,10 +103,12 @@ def test_kernels_bench_prints_its_json_last() -> None:
 
 
 @pytest.mark.slow
-def test_kernels_scan_bench_times_every_backend_against_the_reference() -> None:
+def test_kernels_scan_bench_times_every_backend_against_the_reference(tmp_path) -> None:
     """``--scan``: per batch a ``dense`` row and one row per backend (Pallas interpreted at this tiny shape),
-    each computing what the reference backend computes through the stacked layers, with its ratios."""
-    result = _last_json(["bench/kernels.py", "--scan", "--shape", "tiny"])
+    each computing what the reference backend computes through the stacked layers, with its ratios. With
+    ``--profile`` every row's trace is summed per op by bench/trace_summary.py (here the CPU's client threads
+    stand in for a device's lanes)."""
+    result = _last_json(["bench/kernels.py", "--scan", "--shape", "tiny", "--profile", str(tmp_path / "prof")])
     assert result["bench"] == "kernels_scan"
     assert result["config"] == {"in": 128, "out": 256, "layers": 2, "rank": 16, "dtype": "float32"}
     names = [
@@ -115,6 +117,7 @@ def test_kernels_scan_bench_times_every_backend_against_the_reference() -> None:
         "xla-onehot",
         "xla-grouped",
         "pallas",
+        "pallas-vpu",
         "pallas-d256",
         "pallas-d512",
         "pallas-tiled",
@@ -126,6 +129,11 @@ def test_kernels_scan_bench_times_every_backend_against_the_reference() -> None:
         if row["backend"] != "dense":
             assert row["adapters"] == row["batch"] and row["max_abs_diff"] < 1e-4, row
             assert 0 < row["serial_bound"] < 1 and row["over_dense"] > 0, row
+    summary = _last_json(["bench/trace_summary.py", str(tmp_path / "prof"), "--top", "3"])
+    labels = [r["label"] for r in summary["rows"]]
+    assert sorted(labels) == sorted(f"scan {n} B{b}" for b in (4, 8) for n in names), labels
+    for row in summary["rows"]:
+        assert row["calls"] == 3 and row["module_us"] > 0 and row["busy_us"] > 0 and row["ops"], row
 
 
 @pytest.mark.slow
