@@ -65,7 +65,14 @@ from loraserve.engine.residency import (
 )
 from loraserve.engine.runner import PrefillInput, Runner, StepOutput
 from loraserve.engine.snapshot import EngineSnapshot
-from loraserve.engine.speculative import DraftState, NgramDrafter, StepCosts, predicted
+from loraserve.engine.speculative import (
+    PREDICTED_RATE,
+    PRIOR_RATE,
+    DraftState,
+    NgramDrafter,
+    StepCosts,
+    predicted,
+)
 from loraserve.models.config import ModelConfig
 
 NO_ROOM = Failed(grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more KV pages than the pool holds")
@@ -703,11 +710,14 @@ class Scheduler:
 
     def _drafting(self, req: EngineRequest) -> DraftState:
         """``req``'s drafting state, made at its first step: it proposes up to its request's k (else the
-        server's; never more: the verify step's shape), or nothing when its request turned speculation off."""
+        server's; never more: the verify step's shape), or nothing when its request turned speculation off;
+        a row with a prediction starts at :data:`PREDICTED_RATE` (others at :data:`PRIOR_RATE`)."""
         if req.drafting is None:
             s, k = req.sampling, self.config.num_speculative_tokens
             on = (s.speculative or self.config.speculative) != "off"
-            req.drafting = DraftState(min(s.num_speculative_tokens or k, k) if on else 0)
+            limit = min(s.num_speculative_tokens or k, k) if on else 0
+            # a caller's prediction is meant to be the answer: its rows start out expected to keep drafts
+            req.drafting = DraftState(limit, rate=PREDICTED_RATE if req.prediction else PRIOR_RATE)
         return req.drafting
 
     def _recent(self, req: EngineRequest) -> list[int]:

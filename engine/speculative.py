@@ -34,6 +34,8 @@ from loraserve.common.limits import MAX_SPECULATIVE_TOKENS, SPECULATIVE_METHODS
 
 __all__ = [
     "MAX_SPECULATIVE_TOKENS",
+    "PREDICTED_RATE",
+    "PRIOR_RATE",
     "SEARCH_WINDOW",
     "SPECULATIVE_METHODS",
     "DraftState",
@@ -44,6 +46,7 @@ __all__ = [
 
 SEARCH_WINDOW = 4096  # the last tokens of a row an n-gram is searched in: bounded host work per step
 PRIOR_RATE = 0.5  # a new row's chance that a draft is kept, before any of its drafts is verified
+PREDICTED_RATE = 0.9  # ... when its drafts come from the caller's prediction (meant to be the answer)
 RATE_WEIGHT = 0.3  # the weight of a verify step's outcome in a row's estimate (an exponential average)
 MAX_REST = 64  # the longest rest (steps without drafting) of a row whose drafts keep being rejected
 COST_WINDOW = 5  # the steps of each kind whose times the step costs keep (their lower median counts)

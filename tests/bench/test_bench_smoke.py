@@ -34,6 +34,22 @@ def _last_json(args: list[str]) -> dict:
 
 
 @pytest.mark.slow
+def test_speculative_bench_tiny_serves_plain_decoding_s_tokens() -> None:
+    """bench/speculative.py: plain and speculative engines on the predicted, edited and n-gram workloads; the
+    bench itself fails when a speculative row's tokens differ from plain decoding's."""
+    result = _last_json(
+        ["bench/speculative.py", "--shape", "tiny", "--batch", "1", "--rounds", "1", "--lazy-compile"]
+    )
+    assert result["bench"] == "speculative" and result["config"]["k"] == 4
+    assert [(r["batch"], r["workload"]) for r in result["rows"]] == [
+        (1, w) for w in ("predicted", "edited", "ngram")
+    ]
+    for row in result["rows"]:
+        assert row["plain_tok_s"] > 0 and row["speculative_tok_s"] > 0 and row["speedup"] > 0, row
+        assert row["verify_steps"] <= row["steps"], row
+
+
+@pytest.mark.slow
 def test_decode_bench_tiny_prints_its_json_last() -> None:
     # --lazy-compile: each engine compiles the shapes its rows run, not every bucket (55 -> 33 s alone;
     # the warm-up path itself is tests/worker's)
@@ -108,7 +124,9 @@ def test_kernels_scan_bench_times_every_backend_against_the_reference(tmp_path) 
     each computing what the reference backend computes through the stacked layers, with its ratios. With
     ``--profile`` every row's trace is summed per op by bench/trace_summary.py (here the CPU's client threads
     stand in for a device's lanes)."""
-    result = _last_json(["bench/kernels.py", "--scan", "--shape", "tiny", "--profile", str(tmp_path / "prof")])
+    result = _last_json(
+        ["bench/kernels.py", "--scan", "--shape", "tiny", "--profile", str(tmp_path / "prof")]
+    )
     assert result["bench"] == "kernels_scan"
     assert result["config"] == {"in": 128, "out": 256, "layers": 2, "rank": 16, "dtype": "float32"}
     names = [
