@@ -31,6 +31,8 @@
 #   quant    bench/decode.py --engines none --quantization: that model's base quantized as each of TPU_BENCH_QUANT
 #            (default "int8"; int4, int8_head, int4_head) at TPU_BENCH_QUANT_BATCHES (default "16"), its speed-up
 #            taken against the decode sub-step's xla-grouped base (auto on a TPU); at most TPU_BENCH_QUANT_S (120)
+# TPU_BENCH_PROFILE=1 also traces every kernels row (bench/kernels.py --profile $OUT/profile-<shape>) and sums the
+# traces per op into $OUT/trace-summary-<shape>.log (bench/trace_summary.py; its JSON on the last line).
 # TPU_BENCH_STEPS (default "kernels decode quant") picks sub-steps; TPU_BENCH_TINY=1 runs them at the tiny shapes
 # (batches 4), on a CPU too (tests/bench runs it); TPU_BENCH_WORK (default /tmp/loraserve-bench) keeps the built
 # model for a later call on the same machine (and JAX_COMPILATION_CACHE_DIR the programs); TPU_BENCH_HBM_GBS
@@ -132,8 +134,13 @@ bench_main() {
         case $sub in
             kernels)
                 for s in $scan_shapes; do
+                    profile=()  # TPU_BENCH_PROFILE=1: a trace per row, summed by bench/trace_summary.py
+                    [[ -n ${TPU_BENCH_PROFILE:-} ]] && profile=(--profile "$OUT/profile-$s")
                     bench_run "kernels-$s" "${TPU_BENCH_KERNELS_S:-200}" 45 "$ROOT/bench/kernels.py" --scan \
-                        --shape "$s" --dtype bfloat16 --batch "$scan_batches"
+                        --shape "$s" --dtype bfloat16 --batch "$scan_batches" "${profile[@]}"
+                    if [[ -n ${TPU_BENCH_PROFILE:-} ]]; then
+                        "$PYTHON" "$ROOT/bench/trace_summary.py" "$OUT/profile-$s" >"$OUT/trace-summary-$s.log" 2>&1
+                    fi
                 done
                 ;;
             decode | quant)
