@@ -332,6 +332,11 @@ class Scheduler:
             cancelled=tuple(self.cancelled.items()),
             after_cancel=tuple(self.after_cancel),
             after_cancel_tokens=self.after_cancel_tokens,
+            spec_steps=self.spec_steps,
+            spec_proposed=self.spec_proposed,
+            spec_accepted=self.spec_accepted,
+            spec_probes=self.costs.probes if self.costs is not None else 0,
+            spec_cost_ratio=(self.costs.ratio or 0.0) if self.costs is not None else 0.0,
         )
 
     # ----------------------------------------------------------------- commands

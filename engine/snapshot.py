@@ -39,6 +39,13 @@ class EngineSnapshot:
     # scheduler.AFTER_CANCEL_BUCKETS (one more: above them), and their sum
     after_cancel: tuple[int, ...] = ()
     after_cancel_tokens: int = 0
+    # speculative decoding (engine.speculative): verify steps, tokens drafted and kept, the verify steps the rule
+    # ran only to re-measure, and the measured verify ÷ decode step time (0 until both are timed)
+    spec_steps: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_probes: int = 0
+    spec_cost_ratio: float = 0.0
 
     @property
     def kv_utilisation(self) -> float:

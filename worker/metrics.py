@@ -20,6 +20,23 @@ ADAPTER_LOAD_SECONDS = Histogram(
 )
 
 
+def speculative_metrics(snap: EngineSnapshot):
+    """Speculative decoding (docs/speculative.md): verify steps, tokens drafted and kept, the rule's probes and
+    its measured verify ÷ decode cost (per adapter: the loraserve_adapter_*draft_tokens series)."""
+    for name, help_text, value in (
+        ("verify_steps", "Verify steps (speculative decoding) run instead of decode steps", snap.spec_steps),
+        ("draft_tokens", "Tokens drafted for verify steps", snap.spec_proposed),
+        ("accepted_tokens", "Drafted tokens the model kept", snap.spec_accepted),
+        ("probes", "Verify steps run to re-measure although the rule did not choose them", snap.spec_probes),
+    ):
+        yield CounterMetricFamily(f"loraserve_speculative_{name}", help_text, value=value)
+    yield GaugeMetricFamily(
+        "loraserve_speculative_verify_cost_ratio",
+        "A verify step's time over a decode step's, as the scheduler measured them (0 until both are timed)",
+        value=snap.spec_cost_ratio,
+    )
+
+
 class EngineCollector:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -71,6 +88,7 @@ class EngineCollector:
             value=snap.preemptions,
         )
         yield from cancellation_metrics(snap)
+        yield from speculative_metrics(snap)
         info = GaugeMetricFamily(
             "loraserve_lora_requests_info",
             "Adapters of running and waiting requests (like vLLM's)",

@@ -392,7 +392,7 @@ def test_tpu_session_bench_tiny_merges_every_sub_step_into_one_json(tmp_path) ->
         assert (out / f"bench-{name}.log").read_text().startswith(f"$ {sys.executable} "), name
     rows = merged["rows"]
     kernels = [(r["batch"], r["backend"]) for r in rows if r["bench"] == "kernels_scan"]
-    pallas = ("pallas", "pallas-d256", "pallas-d512", "pallas-tiled")
+    pallas = ("pallas", "pallas-vpu", "pallas-d256", "pallas-d512", "pallas-tiled")
     assert kernels == [(4, n) for n in ("dense", "reference", "xla-onehot", "xla-grouped", *pallas, "cpu")]
     assert all(r["hbm_fraction"] >= 0 and r["shape"] == "tiny" for r in rows if r["bench"] == "kernels_scan")
     (decode,) = [r for r in rows if r["bench"] == "decode"]

@@ -439,6 +439,13 @@ def test_the_worker_takes_speculation_per_request_and_reports_drafts(llama_dir, 
         assert (off[-1].usage.draft_tokens, off[-1].usage.accepted_draft_tokens) == (0, 0)
         (usage,) = w.engine.accounting.totals().values()  # the adapter as the worker resolved it
         assert (usage.requests, usage.draft_tokens, usage.accepted_draft_tokens) == (2, proposed, kept)
+        from loraserve.worker.metrics import EngineCollector
+
+        exported = {f.name: f.samples[0].value for f in EngineCollector(w.engine).collect() if f.samples}
+        assert exported["loraserve_speculative_draft_tokens"] == proposed
+        assert exported["loraserve_speculative_accepted_tokens"] == kept
+        assert exported["loraserve_speculative_verify_steps"] == w.engine.scheduler.spec_steps > 0
+        assert exported["loraserve_speculative_verify_cost_ratio"] == 1.0  # the pinned costs
         with pytest.raises(grpc.RpcError) as err:
             generate("ngram", 9)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
