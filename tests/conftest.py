@@ -115,6 +115,7 @@ def pytest_configure(config: pytest.Config) -> None:
 LONGEST_FILES = (
     "tests/bench/test_bench_smoke.py",
     "tests/worker/test_tensor_parallel.py",
+    "tests/bench/test_device_scripts.py",
     "tests/e2e/test_multihost.py",
     "tests/worker/test_quantization.py",
     "tests/worker/test_tensor_parallel_families.py",
