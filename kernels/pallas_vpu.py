@@ -167,8 +167,8 @@ def _kernel(outs, rank, order, uslot, ustart, nu, x_ref, a_hbm, *rest):
             for i in range(n):
                 a = a_buf[buf, pl.ds(i * rank, rank)].astype(ACC_DTYPE)  # [R, in/128, 128]
                 h = jnp.sum(a * xr[None], axis=1, keepdims=True)  # [R, 1, 128]
-                h = jnp.sum(h, axis=2, keepdims=True)  # [R, 1, 1]
-                h = h.astype(b_bufs[i].dtype).astype(ACC_DTYPE)  # as the XLA backends round it
+                h = jnp.broadcast_to(jnp.sum(h, axis=2, keepdims=True), (rank, 1, LANES))  # [R, 1, 128]
+                h = h.astype(b_bufs[i].dtype).astype(ACC_DTYPE)  # rounded as the XLA backends round it
                 for c0 in range(0, chunks[i], CHUNK):
                     size = min(CHUNK, chunks[i] - c0)
                     b = b_bufs[i][buf, :, pl.ds(c0, size)].astype(ACC_DTYPE)  # [R, size, 128]
