@@ -243,17 +243,9 @@ def add_servicer(add: Callable[[Any, Any], None], servicer: Any, server: grpc.ai
 
 
 def check_speculative(spec: pb.Speculative) -> None:
-    """A request's speculative decoding settings: the method, k and the prediction's size (its token ids are
-    checked against the vocabulary by the engine)."""
-    if spec.method not in ("", *SPECULATIVE_METHODS):
-        raise InvalidArgument(
-            f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (or empty: the server's),"
-            f" got {spec.method[:32]!r}"
-        )
-    if spec.num_tokens > MAX_SPECULATIVE_TOKENS:
-        raise InvalidArgument(
-            f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0: the server's), got {spec.num_tokens}"
-        )
+    """The size of a request's prediction (speculative decoding), before anything is copied or tokenised; its
+    method and k, and its token ids against the vocabulary, are the engine's checks (``Sampling.validate``,
+    ``validate_prediction``)."""
     if spec.prediction_text and spec.prediction_ids:
         raise InvalidArgument("a prediction is text or token ids, not both")
     if len(spec.prediction_text) > MAX_PREDICTION_CHARS:

@@ -25,7 +25,6 @@ reach its own rows only (no product ever meets another slot's values).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from loraserve.kernels import pallas as tiled
 from loraserve.kernels.pallas import sublanes
+from loraserve.kernels.pallas_decode import vmem_capacity
 from loraserve.kernels.shapes import ACC_DTYPE, slice_offsets
 
 LANES = 128
@@ -92,14 +92,6 @@ def to_pool(value):
 
 def from_pool(value):
     return value.reshape(value.shape[0], value.shape[1] * LANES)
-
-
-def vmem_capacity() -> int:
-    if jax.default_backend() == "tpu":
-        with contextlib.suppress(Exception):
-            return int(pltpu.get_tpu_info().vmem_capacity_bytes)
-        return 16 << 20
-    return 128 << 20
 
 
 def vmem_bytes(rows: int, d_in: int, rank: int, outs: Sequence[int], x_dtype, pool_dtype, y_dtype) -> int:

@@ -5,7 +5,9 @@ on a TPU; and lowered for a TPU here (``jax.export``), which runs the Pallas →
   the sums are ordered differently; bf16 pools within a bf16 rounding of h and of the output), rows without a
   slot keep y's bits; several rows on one slot, slots in any order, fused slices (qkv);
 * isolation: NaN and inf in one slot's A and B change its rows only (every other row bit-identical);
-* batch invariance: a row's result is the same bits alone and in any batch.
+* batch invariance: a row's result is the same bits alone and in any batch;
+* it lowers for a TPU at 8B widths (on the chip too: ``jax.export`` needs no device), and shapes whose slices
+  would start inside an output tile do not fit.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import numpy as np
 import pytest
 
 from loraserve.kernels import pallas_vpu as pv
-from tests.platform import ON_TPU
 
 S, R = 6, 16
 
@@ -105,13 +106,14 @@ def test_the_plan_sorts_rows_by_slot() -> None:
     assert empty.nu.tolist() == [0] and empty.ustart.tolist() == [0] * 5
 
 
-@pytest.mark.skipif(ON_TPU, reason="lowering on a CPU for a TPU; on the chip the tests above compile it")
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("outs", [(14336,), (4096, 1024, 1024)], ids=["up", "qkv"])
+@pytest.mark.parametrize(
+    ("dtype", "outs"),
+    [(jnp.float32, (14336,)), (jnp.bfloat16, (14336,)), (jnp.float32, (4096, 1024, 1024))],
+    ids=["up-f32", "up-bf16", "qkv-f32"],
+)
 def test_lowers_for_tpu(dtype, outs) -> None:
     rows, d_in, slots = 64, 4096, 64
-    if not pv.fits(rows, d_in, R, outs, dtype, dtype, dtype):
-        pytest.skip("a slice starts inside an output tile: the backend takes another path")
+    assert pv.fits(rows, d_in, R, outs, dtype, dtype, dtype)
     sds = jax.ShapeDtypeStruct
     f = functools.partial(pv.add_lora_slices_vpu, interpret=False)
     plan = pv.VpuPlan(
@@ -125,3 +127,11 @@ def test_lowers_for_tpu(dtype, outs) -> None:
         plan,
     )
     assert exported.mlir_module().count("tpu_custom_call") == 1
+
+
+def test_slices_that_start_inside_an_output_tile_do_not_fit() -> None:
+    """bf16 qkv at 8B widths: k starts at 4096 lanes (32 rows of 128, two bf16 tiles), v at 5120 (40: inside
+    the third tile): refused, where f32 (8-row tiles) takes it."""
+    outs = (4096, 1024, 1024)
+    assert not pv.fits(64, 4096, R, outs, jnp.bfloat16, jnp.bfloat16, jnp.bfloat16)
+    assert pv.fits(64, 4096, R, outs, jnp.float32, jnp.float32, jnp.float32)
