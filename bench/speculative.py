@@ -20,6 +20,7 @@ Medians over ``--rounds`` (default 3) rounds, the engines interleaved. The last 
 
     python bench/speculative.py                  # the bench model (~140M, f32) on this machine
     python bench/speculative.py --shape tiny --batch 2 --rounds 1 --lazy-compile   # the smoke run (tests/bench)
+    python bench/speculative.py --dtype bfloat16 --rounds 2   # on a TPU (bench/tpu_session.sh's speculative step)
 
 Like every number of this repository, a ratio from one run on one machine (docs/performance.md).
 """
@@ -192,7 +193,13 @@ def bench_batch(base, adapters, w, batch: int, rounds: int, checkpoint, lazy: bo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=("bench", "tiny"), default="bench")
+    parser.add_argument("--shape", choices=("bench", "tiny", "8b-slice", "3b"), default="bench")
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the model's dtype (bfloat16 on a TPU, where float32 matmuls run at 'highest': docs/tpu.md)",
+    )
     parser.add_argument("--batch", default="1,16", help="a comma list of batches (distinct adapters = batch)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new", type=int, help="new tokens per request (default: the shape's, 64 for bench)")
@@ -206,12 +213,14 @@ def main() -> None:
     w = dict(decode.SHAPES[args.shape])
     batches = [int(b) for b in args.batch.split(",")]
     w["adapters"] = max(batches)
-    w["new"] = args.new or (64 if args.shape == "bench" else w["new"])
+    w["new"] = args.new or (w["new"] if args.shape == "tiny" else 64)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(args.workdir or tmp)
-        base, adapters = decode.build_or_reuse(workdir, w, "float32", direct=False)
-        checkpoint = load_checkpoint(str(base), dtype="float32")
+        # the large shapes' random weights are drawn in their dtype (decode.build_direct), the others by HF
+        direct = args.shape in ("8b-slice", "3b")
+        base, adapters = decode.build_or_reuse(workdir, w, args.dtype, direct=direct)
+        checkpoint = load_checkpoint(str(base), dtype=args.dtype)
         rows = [
             row
             for b in batches
@@ -228,9 +237,13 @@ def main() -> None:
                     k: w[k]
                     for k in ("hidden_size", "num_hidden_layers", "vocab_size", "prompt", "new", "rank")
                 }
-                | {"k": K, "dtype": "float32"},
+                | {"k": K, "dtype": args.dtype},
                 "rows": rows,
-                "platform": {"backend": jax.default_backend(), "cpus": os.cpu_count()},
+                "platform": {
+                    "backend": jax.default_backend(),
+                    "device": jax.devices()[0].device_kind,
+                    "cpus": os.cpu_count(),
+                },
                 "compiles": _compiles.totals(),
                 "seconds": round(time.perf_counter() - t0, 1),
             },

@@ -17,6 +17,9 @@ line, after ``$``), RC its exit status (124/137: stopped at LIMIT_S; 200: not ru
   its ``base_hbm_fraction`` and ``speedup_vs_bf16`` = the unquantized base step (this run's, else the decode
   sub-step's ``xla-grouped`` engine at that batch: what ``auto`` is on a TPU) ÷ the quantized one.
 
+* ``speculative``: ``bench/speculative.py``; its rows as they are (per batch and workload: plain and speculative
+  tok/s, ``speedup``, the share of drafts kept, verify ÷ decode step cost).
+
 A decode line marked ``partial`` (``--emit-partial``: a run stopped between engines) gives the rows of the
 engines that finished. Nothing here opens the accelerator.
 """
@@ -234,6 +237,13 @@ def merge(
             if scans:
                 merged["rows"] += kernels_rows({**scans[-1], "shape": name.removeprefix("kernels-")}, hbm_gbs)
                 merged["results"][name] = scans[-1]
+        elif name == "speculative":
+            specs = [r for r in found if r.get("bench") == "speculative"]
+            if specs:
+                merged["rows"] += [
+                    {"bench": "speculative", "shape": specs[-1].get("shape"), **r} for r in specs[-1]["rows"]
+                ]
+                merged["results"][name] = specs[-1]
         elif name in ("decode", "quant"):
             lines = per_batch(found)
             for batch, result in lines.items():

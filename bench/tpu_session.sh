@@ -31,6 +31,9 @@
 #   quant    bench/decode.py --engines none --quantization: that model's base quantized as each of TPU_BENCH_QUANT
 #            (default "int8"; int4, int8_head, int4_head) at TPU_BENCH_QUANT_BATCHES (default "16"), its speed-up
 #            taken against the decode sub-step's xla-grouped base (auto on a TPU); at most TPU_BENCH_QUANT_S (120)
+#   speculative  bench/speculative.py --dtype bfloat16 (not in the default set): plain against speculative decoding
+#            (n-gram and predicted outputs) at TPU_BENCH_SPEC_BATCHES (default "1 16") on TPU_BENCH_SPEC_SHAPE
+#            (default bench: hidden 1024, 8 layers); at most TPU_BENCH_SPEC_S (240)
 # TPU_BENCH_PROFILE=1 also traces every kernels row (bench/kernels.py --profile $OUT/profile-<shape>) and sums the
 # traces per op into $OUT/trace-summary-<shape>.log (bench/trace_summary.py; its JSON on the last line).
 # TPU_BENCH_STEPS (default "kernels decode quant") picks sub-steps; TPU_BENCH_TINY=1 runs them at the tiny shapes
@@ -110,16 +113,21 @@ bench_protos() {
 }
 
 bench_main() {
-    local cap tiny=${TPU_BENCH_TINY:-0} shape scan_shapes scan_batches batches quant_batches work t0=$SECONDS
+    local cap tiny=${TPU_BENCH_TINY:-0} shape scan_shapes scan_batches batches quant_batches spec_shape spec_batches
+    local work t0=$SECONDS
     cap=$(left)
     ((cap > ${TPU_BENCH_DEADLINE_S:-450})) && cap=${TPU_BENCH_DEADLINE_S:-450}
     bench_end=$((SECONDS + cap))
     bench_steps=()
     if ((tiny)); then
-        shape=tiny scan_shapes=tiny scan_batches=4 batches=4 quant_batches=4
+        shape=tiny scan_shapes=tiny scan_batches=4 batches=4 quant_batches=4 spec_shape=tiny spec_batches=2
     else
-        shape=3b scan_shapes="8b" scan_batches="16 64 128" batches="16 64" quant_batches=16
+        shape=3b scan_shapes="8b" scan_batches="16 64 128" batches="16 64" quant_batches=16 spec_shape=bench
+        spec_batches=1,16
     fi
+    spec_shape=${TPU_BENCH_SPEC_SHAPE:-$spec_shape}
+    # shellcheck disable=SC2086
+    spec_batches=$(csv ${TPU_BENCH_SPEC_BATCHES:-$spec_batches})
     shape=${TPU_BENCH_SHAPE:-$shape}
     scan_shapes=${TPU_BENCH_SCAN_SHAPES:-$scan_shapes}
     # shellcheck disable=SC2086  # the lists' words, joined by commas
@@ -155,7 +163,13 @@ bench_main() {
                         --batch "$quant_batches" --engines none --quantization "$(csv ${TPU_BENCH_QUANT:-int8})"
                 fi
                 ;;
-            *) echo "bench: unknown sub-step $sub (kernels, decode, quant)" >&2 ;;
+            speculative)
+                bench_protos
+                bench_run speculative "${TPU_BENCH_SPEC_S:-240}" 90 "$ROOT/bench/speculative.py" --dtype bfloat16 \
+                    --batch "$spec_batches" --rounds "${TPU_BENCH_ROUNDS:-2}" --workdir "$work-speculative" \
+                    --shape "$spec_shape" --lazy-compile
+                ;;
+            *) echo "bench: unknown sub-step $sub (kernels, decode, quant, speculative)" >&2 ;;
         esac
     done
     local envs=() var
