@@ -37,10 +37,13 @@ per shape over L distinct layers' weights (the numbers that mean something on an
 
 Timing one call at a time says little on an accelerator: on a TPU each call costs ~0.5 ms of dispatch, where
 a 4096 × 4096 bf16 product's bytes take 0.04 ms; and one weight reused in a loop can stay in on-chip memory. So
-per backend and batch the program is a ``lax.scan`` over L stacked layers: layer l computes
+per backend and batch the program runs L distinct layers, unrolled over separate per-layer arrays as the
+engine's decoder is (``--stacked``: a ``lax.scan`` over stacked layers, whose slicing of each layer's arrays
+XLA fuses into its own products but copies for a Pallas kernel: on the chip the copies of the slot pools cost
+the Pallas rows more than their kernels, 2026-12-08): layer l computes
 ``y = x @ W[l]`` plus the backend's ``add_decode`` with layer l's slot pools ``A[l], B[l]`` (``S`` slots of rank
 ``R``, every row its own adapter: ``S = batch``), and feeds ``y`` to the next layer (so no layer's work can be
-skipped or hoisted). ``dense`` is the same scan without LoRA: the base model's peer.
+skipped or hoisted). ``dense`` is the same program without LoRA: the base model's peer.
 
 Per row (backend, batch): the largest difference of its last layer's output from the reference backend's
 (``max_abs_diff``: a timed path that computes something else is no peer), ``ms`` per layer (median of the shape's runs of the whole scan ÷ L), ``gbps`` (the
@@ -314,7 +317,11 @@ def _backends(tiny: bool) -> list[str]:
     return names
 
 
-def _program(backend: kernels.LoraBackend | None):
+def _program(backend: kernels.LoraBackend | None, stacked: bool = False):
+    """The L-layer program: unrolled over per-layer arrays (``w``, ``a``, ``b`` tuples), as the engine's decoder
+    is, or (``stacked``) a ``lax.scan`` over stacked ones, which slices each layer's arrays out of the stack:
+    XLA fuses that slice into its own products but copies it for a Pallas kernel's operands."""
+
     def layer(x, weights, plan):
         w, a, b = weights
         y = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -323,13 +330,23 @@ def _program(backend: kernels.LoraBackend | None):
         return y
 
     @jax.jit
-    def run(x, w, a, b, plan):  # [B, out] after L layers
-        def body(carry, weights):  # out >= in: the next layer reads the first `in` outputs
-            return layer(carry, weights, plan)[:, : carry.shape[1]], None
+    def run(x, w, a, b, plan):  # [B, out] after L layers; out >= in: the next layer reads the first `in`
+        if stacked:
 
-        return jax.lax.scan(body, x, (w, a, b))[0]
+            def body(carry, weights):
+                return layer(carry, weights, plan)[:, : carry.shape[1]], None
+
+            return jax.lax.scan(body, x, (w, a, b))[0]
+        for weights in zip(w, a, b, strict=True):
+            x = layer(x, weights, plan)[:, : x.shape[1]]
+        return x
 
     return run
+
+
+def _layers(stack, stacked: bool):
+    """A stacked ``[L, ...]`` array as the program takes it: as it is, or a tuple of L separate arrays."""
+    return stack if stacked else tuple(stack[i] for i in range(stack.shape[0]))
 
 
 def _time(fn, args, runs: int) -> tuple[float, np.ndarray]:
@@ -363,7 +380,11 @@ def _profiled(profile: str | None, label: str, fn, args, runs: int = 3) -> None:
 
 
 def bench_scan(
-    shape: str, dtype_name: str, batches: tuple[int, ...] = (), profile: str | None = None
+    shape: str,
+    dtype_name: str,
+    batches: tuple[int, ...] = (),
+    profile: str | None = None,
+    stacked: bool = False,
 ) -> dict:
     t_start = time.perf_counter()
     _compiles.start()
@@ -372,6 +393,8 @@ def bench_scan(
     dtype = jnp.dtype(dtype_name)
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((layers, d_in, d_out), np.float32) / np.sqrt(d_in), dtype)
+    w = _layers(w, stacked)  # unrolled: separate buffers (the stack is dropped)
+    w_small = _layers(jnp.zeros((layers, 1, 1), dtype), stacked)
     w_bytes = d_in * d_out * dtype.itemsize
     rows = []
     for batch in batches:
@@ -381,8 +404,8 @@ def bench_scan(
         x = jnp.asarray(rng.standard_normal((batch, d_in), np.float32), dtype)
         lora_bytes = slots * RANK * (d_in + d_out) * dtype.itemsize
         row_slots = np.arange(batch, dtype=np.int32) % slots
-        dense_args = (x, w, w[:, :1, :1], w[:, :1, :1], None)
-        dense_program = _program(None)
+        dense_args = (x, w, w_small, w_small, None)
+        dense_program = _program(None, stacked)
         dense_ms = _time(dense_program, dense_args, runs)[0] / layers
         _profiled(profile, f"scan dense B{batch}", dense_program, dense_args)
         dense_gbps = w_bytes / dense_ms / 1e6
@@ -392,16 +415,21 @@ def bench_scan(
         for name in _backends(shape == "tiny"):
             backend = _backend(name)
             a_pool, b_pool = (
-                jnp.asarray(
-                    jax.vmap(jax.vmap(functools.partial(backend.to_pool_layout, kind=kind)))(jnp.asarray(m)),
-                    dtype,
+                _layers(
+                    jnp.asarray(
+                        jax.vmap(jax.vmap(functools.partial(backend.to_pool_layout, kind=kind)))(
+                            jnp.asarray(m)
+                        ),
+                        dtype,
+                    ),
+                    stacked,
                 )
                 for m, kind in ((a, "A"), (b, "B"))
             )
             plan = backend.plan(row_slots, slots)
             row = dict(backend=name, batch=batch, adapters=slots)
             try:
-                program, args = _program(backend), (x, w, a_pool, b_pool, plan)
+                program, args = _program(backend, stacked), (x, w, a_pool, b_pool, plan)
                 ms, out = _time(program, args, runs)
                 ms /= layers
                 _profiled(profile, f"scan {name} B{batch}", program, args)
@@ -418,7 +446,14 @@ def bench_scan(
             rows.append(row)
     return {
         "bench": "kernels_scan",
-        "config": {"in": d_in, "out": d_out, "layers": layers, "rank": RANK, "dtype": dtype_name},
+        "config": {
+            "in": d_in,
+            "out": d_out,
+            "layers": layers,
+            "rank": RANK,
+            "dtype": dtype_name,
+            "layout": "stacked" if stacked else "unrolled",
+        },
         "rows": rows,
         "compiles": _compiles.totals(),
         "seconds": round(time.perf_counter() - t_start, 1),
@@ -440,6 +475,11 @@ def main() -> None:
         "--scan", action="store_true", help="every backend inside one compiled scan over layers (module doc)"
     )
     parser.add_argument(
+        "--stacked",
+        action="store_true",
+        help="--scan: a lax.scan over stacked layers instead of the engine's unrolled layers (module doc)",
+    )
+    parser.add_argument(
         "--batch",
         help="--scan: these batches (a comma list) instead of the shape's, each row its own adapter",
     )
@@ -456,7 +496,7 @@ def main() -> None:
         parser.error("--batch and --profile are for --scan")
     if args.scan:
         batches = tuple(int(b) for b in args.batch.split(",")) if args.batch else ()
-        result = bench_scan(args.shape, args.dtype, batches, args.profile)
+        result = bench_scan(args.shape, args.dtype, batches, args.profile, args.stacked)
         for row in result["rows"]:
             print(json.dumps(row), flush=True)
         result["platform"] = {

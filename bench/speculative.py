@@ -13,7 +13,12 @@ runs batch 1). Workloads, greedy, ``--shape``'s prompt length and ``--new`` toke
   random, so this is what a row that is *not* copy-heavy costs (nothing to find, or loops of a random model):
   the rule's floor, which should stay at or above 0.95 of plain decoding.
 
-Every speculative row's tokens are checked equal to plain decoding's (the bench fails otherwise). Per row:
+Every speculative row's tokens are checked equal to plain decoding's in float32 (the bench fails otherwise). In
+bfloat16 a verify step's logits round differently from a decode step's (k + 1 positions in one forward: other
+fusions and attention reductions, each rounded to bf16), and a random model's near-flat logits make its argmax
+flip on such differences, so there each row reports ``identical_rows`` (the share of rows equal to plain
+decoding's) and ``first_divergence`` (the earliest position where one differed) instead; ``plain_identical_rows``
+is plain decoding's own agreement with its first round (batch invariance). Per row:
 tokens per second of the decode phase (first token to last) and end to end, the speed-up over plain
 (``speedup`` = its tok/s ÷ plain's, decode phase), the share of drafted tokens kept, verify steps and probes.
 Medians over ``--rounds`` (default 3) rounds, the engines interleaved. The last line is one JSON object.
@@ -125,7 +130,26 @@ def _edited(answer: list[int], vocab: int) -> list[int]:
     return [(t + 1) % vocab if i % 10 == 4 else t for i, t in enumerate(answer)]
 
 
-def bench_batch(base, adapters, w, batch: int, rounds: int, checkpoint, lazy: bool = False) -> list[dict]:
+def _agreement(runs: list[dict], answers: list[list[int]]) -> tuple[float, int | None]:
+    """The share of rows (over ``runs``) whose tokens equal ``answers``, and the earliest position at which one
+    differs (None when none does)."""
+    same, first = 0, None
+    for run in runs:
+        for got, want in zip(run["tokens"], answers, strict=True):
+            if got == want:
+                same += 1
+                continue
+            at = next(
+                (i for i, (g, t) in enumerate(zip(got, want, strict=False)) if g != t),
+                min(len(got), len(want)),
+            )
+            first = at if first is None else min(first, at)
+    return round(same / (len(runs) * len(answers)), 3), first
+
+
+def bench_batch(
+    base, adapters, w, batch: int, rounds: int, checkpoint, lazy: bool = False, exact: bool = True
+) -> list[dict]:
     import numpy as np
 
     rng = np.random.default_rng(batch)
@@ -149,7 +173,7 @@ def bench_batch(base, adapters, w, batch: int, rounds: int, checkpoint, lazy: bo
             for wl in WORKLOADS:
                 for m in ("off", "ngram"):
                     got = _serve(engines[m], names, prompts, new, predictions[wl] if m == "ngram" else None)
-                    if got["tokens"] != answers:
+                    if exact and got["tokens"] != answers:
                         raise AssertionError(f"{m} {wl}: tokens differ from plain decoding's")
                     runs.setdefault((wl, m), []).append(got)
         ratio = engines["ngram"].scheduler.costs.ratio
@@ -167,6 +191,7 @@ def bench_batch(base, adapters, w, batch: int, rounds: int, checkpoint, lazy: bo
         proposed = sum(r["proposed"] for r in spec_runs)
         kept = sum(r["kept"] for r in spec_runs)
         decode_tokens = generated - batch  # the first token of every row comes from its prefill
+        same, diverged_at = _agreement(spec_runs, answers)
         row = {
             "workload": wl,
             "batch": batch,
@@ -180,6 +205,9 @@ def bench_batch(base, adapters, w, batch: int, rounds: int, checkpoint, lazy: bo
             "plain_steps": statistics.median(r["steps"] for r in plain_runs),
             "probes": sum(r["probes"] for r in spec_runs),
             "verify_over_decode": None if ratio is None else round(ratio, 2),
+            "identical_rows": same,  # 1.0 unless bfloat16 (checked equal otherwise)
+            "first_divergence": diverged_at,
+            "plain_identical_rows": _agreement(plain_runs, answers)[0],
         }
         rows.append(row)
         print(
@@ -224,7 +252,16 @@ def main() -> None:
         rows = [
             row
             for b in batches
-            for row in bench_batch(base, adapters, w, b, args.rounds, checkpoint, args.lazy_compile)
+            for row in bench_batch(
+                base,
+                adapters,
+                w,
+                b,
+                args.rounds,
+                checkpoint,
+                args.lazy_compile,
+                exact=args.dtype == "float32",
+            )
         ]
     import jax
 

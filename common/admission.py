@@ -6,9 +6,13 @@ then crowds out the work of serving. Both roles decide as early as they can:
 
 * the **worker** refuses a request when its queue is full (``--max-waiting``), before tokenising it;
   over HTTP, at the ASGI edge, before its body is read (``httpapi.app.Edge``);
-* the **router** refuses when it is at ``--max-concurrency`` streams, or when every worker it would try
-  refused a request within the hint that worker gave while this router still has as many streams on it
-  (:class:`FullWorkers`); over HTTP again at the edge, before the body is read.
+* the **router** learns from its workers' refusals when they are full (:class:`FullWorkers`) and then
+  parks what arrives in a bounded first-come-first-served queue (:class:`WaitQueue`, ``--max-queued``,
+  ``--max-queue-wait``): each of its streams that ends hands its place to the oldest waiter for that
+  worker. It refuses when it is at ``--max-concurrency`` requests, when that queue is full, or when every
+  worker it would try is full of streams it cannot see end (another router's); over HTTP again at the edge,
+  before the body is read. Clients that resend the moment they are refused (load generators' closed loops)
+  then wait their turn instead of turning the router into a refusal loop.
 
 The wait a refusal announces comes from the drain rate (:class:`DrainRate`: requests leaving the queue or
 finishing, per second, over the last seconds): the time until the requests ahead of the caller have left
@@ -20,18 +24,20 @@ HTTP edge, or the gRPC handler) to the verdict.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from prometheus_client import Histogram
+from prometheus_client import Gauge, Histogram
 
 MIN_RETRY_S = 0.05  # never announce less: the client's next try would only be refused again
 MAX_RETRY_S = 60.0
 UNMEASURED_RETRY_S = 1.0  # nothing has left yet (a server just started): no rate to divide by
 DRAIN_WINDOW_S = 10.0
+PROBE_S = 1.0  # how often the oldest waiter of a router's queue looks for room that no stream end announced
 
 ADMISSION_SECONDS = Histogram(
     "loraserve_admission_seconds",
@@ -39,6 +45,15 @@ ADMISSION_SECONDS = Histogram(
     "the refusal was sent), by role and outcome",
     ["role", "outcome"],
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+
+QUEUED = Gauge("loraserve_router_queued", "Requests waiting in the router's queue for a place at a worker")
+QUEUE_SECONDS = Histogram(
+    "loraserve_router_queue_seconds",
+    "Time a request waited in the router's queue, by how the wait ended (served: it went to a worker; "
+    "refused: the wait's bound passed; left: the client went away)",
+    ["outcome"],
+    buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
 
 # when this request arrived, where an earlier layer saw it first (the HTTP edge sets it; the task the app
@@ -154,3 +169,79 @@ class FullWorkers:
                 return None
             hints.append(h)
         return min(hints) if hints else None
+
+
+class Waiter:
+    """One request in a :class:`WaitQueue`: the workers it may go to, and the place it was given (an address
+    whose stream ended, reserved for it) once woken."""
+
+    __slots__ = ("_event", "addresses", "place")
+
+    def __init__(self, addresses: Iterable[str]) -> None:
+        self.addresses = frozenset(addresses)
+        self.place: str | None = None
+        self._event = asyncio.Event()
+
+    async def wait(self, timeout: float) -> bool:
+        """True when given a place within ``timeout`` seconds, False when the time passed first."""
+        if self.place is not None:
+            return True
+        try:
+            async with asyncio.timeout(max(0.0, timeout)):
+                await self._event.wait()
+        except TimeoutError:
+            return False
+        return True
+
+
+class WaitQueue:
+    """Requests waiting, first come first served, for a place at a worker that is full of this router's
+    streams; at most ``limit`` of them (memory: each holds its request). One event loop's: not thread-safe.
+
+    A stream that ends at a worker gives its place to the oldest waiter that may go there (:meth:`wake`); the
+    router counts the place as taken (reserved) until that waiter's call starts, so a newcomer cannot take it
+    first. A parked request costs nothing until its turn; only the oldest one looks again now and then
+    (``PROBE_S``), for room that appeared unseen (another router's streams ending)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._waiters: list[Waiter] = []  # oldest first; a few hundred at most
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def has_room(self) -> bool:
+        return len(self._waiters) < self.limit
+
+    def join(self, addresses: Iterable[str], front: bool = False) -> Waiter:
+        """A new waiter at the back, or at the front (one that waited already and was refused upstream)."""
+        waiter = Waiter(addresses)
+        if front:
+            self._waiters.insert(0, waiter)
+        else:
+            self._waiters.append(waiter)
+        QUEUED.set(len(self._waiters))
+        return waiter
+
+    def leave(self, waiter: Waiter) -> None:
+        if waiter in self._waiters:
+            self._waiters.remove(waiter)
+            QUEUED.set(len(self._waiters))
+
+    def first(self) -> Waiter | None:
+        return self._waiters[0] if self._waiters else None
+
+    def ahead(self, addresses: Iterable[str]) -> bool:
+        """Whether a waiter not yet given a place may go to one of ``addresses`` (a newcomer then queues
+        behind it)."""
+        wanted = set(addresses)
+        return any(w.place is None and not w.addresses.isdisjoint(wanted) for w in self._waiters)
+
+    def wake(self, address: str) -> Waiter | None:
+        """Give the place freed at ``address`` to the oldest waiter that may go there and has none yet."""
+        for waiter in self._waiters:
+            if waiter.place is None and address in waiter.addresses:
+                waiter.place = address
+                waiter._event.set()
+                return waiter
+        return None

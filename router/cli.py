@@ -37,7 +37,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
         config.upstream_keepalive,
     )
     pool = WorkerPool(config.worker_token, config.upstream_tls_ca, config.worker_limits())
-    services = router_services(locator, pool, config.max_concurrency)
+    services = router_services(
+        locator, pool, config.max_concurrency, config.max_queued, config.max_queue_wait
+    )
     background = []
     if config.http_port:
         from loraserve.httpapi import http_server

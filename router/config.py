@@ -44,7 +44,18 @@ class RouterConfig(InferenceSecurityConfig):
         " (0 = off)",
         SERVING,
     )
-    max_concurrency: int = opt(1024, "streams in flight; more get RESOURCE_EXHAUSTED at once", SERVING)
+    max_concurrency: int = opt(
+        1024, "requests in the router (streams and queued); more get RESOURCE_EXHAUSTED at once", SERVING
+    )
+    max_queued: int = opt(
+        256,
+        "requests that wait, first come first served, for a place when the workers are full (0 = refuse"
+        " them at once); more get RESOURCE_EXHAUSTED at once",
+        SERVING,
+    )
+    max_queue_wait: float = opt(
+        30.0, "seconds a request may wait in that queue before RESOURCE_EXHAUSTED", SERVING
+    )
     registry_token: str = opt("", "bearer token presented to the registry", SECURITY)
     worker_token: str = opt("", "bearer token presented to the workers", SECURITY)
     upstream_tls_ca: str = opt("", "PEM CA of the registry's and workers' certificates", SECURITY)
@@ -73,11 +84,19 @@ class RouterConfig(InferenceSecurityConfig):
         from loraserve.common.server import MIN_PING_INTERVAL_S  # here: `loraserve --help` stays light
 
         check_listen_flags(self.listen, self.host)
-        names = ("worker_timeout", "worker_first_token_timeout", "worker_stall_timeout", "upstream_keepalive")
+        names = (
+            "worker_timeout",
+            "worker_first_token_timeout",
+            "worker_stall_timeout",
+            "upstream_keepalive",
+            "max_queue_wait",
+        )
         for name in names:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+        if self.max_queued < 0:
+            raise ValueError(f"max_queued must be >= 0, got {self.max_queued!r}")
         if 0 < self.upstream_keepalive < MIN_PING_INTERVAL_S:  # servers refuse more frequent pings (GOAWAY)
             raise ValueError(
                 f"upstream_keepalive must be 0 (off) or >= {MIN_PING_INTERVAL_S:g} s, the most often a loraserve "

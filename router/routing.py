@@ -162,15 +162,23 @@ class WorkerPool:
     def __init__(self, token: str = "", tls_ca: str = "", limits: WorkerLimits | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.inflight: dict[str, int] = {}
+        self.reserved: dict[str, int] = {}  # places freed by a stream's end, kept for a queued request
         self.full = FullWorkers()  # the workers that refused for want of room, while they still lack it
         self.token, self.tls_ca = token, tls_ca
         self.limits = limits or WorkerLimits()
 
-    def full_hint(self, addresses: Iterable[str] | None = None) -> float | None:
-        """The wait to announce when every one of ``addresses`` (default: every worker this router has sent
-        to) refused for want of room and is still taken as full (``common.admission.FullWorkers``), else
-        None."""
-        return self.full.all_full(self.inflight, self.inflight if addresses is None else addresses)
+    def streams(self, address: str) -> int:
+        """This router's streams at ``address``, the places reserved there for queued requests included."""
+        return self.inflight.get(address, 0) + self.reserved.get(address, 0)
+
+    def load(self) -> dict[str, int]:
+        """:meth:`streams` of every worker this router has sent to."""
+        return {a: self.streams(a) for a in self.inflight.keys() | self.reserved.keys()}
+
+    def holds_streams(self, addresses: Iterable[str]) -> bool:
+        """Whether this router has a stream (or a reserved place) at one of ``addresses``: its end will free a
+        place there, so a request may wait for it."""
+        return any(self.streams(a) > 0 for a in addresses)
 
     def order(self, route: Route) -> list[str]:
         """Holders first (registry order), then those holding it in host memory or on disk (faster to load
