@@ -410,6 +410,7 @@ def bench_scan(
         _profiled(profile, f"scan dense B{batch}", dense_program, dense_args)
         dense_gbps = w_bytes / dense_ms / 1e6
         rows.append(dict(backend="dense", batch=batch, ms=round(dense_ms, 4), gbps=round(dense_gbps, 1)))
+        print(json.dumps(rows[-1]), flush=True)  # as it comes: a run cut short keeps what it timed
         serial = dense_ms / (dense_ms + lora_bytes / dense_gbps / 1e6)
         want = None  # the reference backend's output: every other backend's is compared with it
         for name in _backends(shape == "tiny"):
@@ -444,6 +445,7 @@ def bench_scan(
             except Exception as exc:  # a backend that cannot run this shape here: say why
                 row.update(error=(str(exc).strip().splitlines() or [type(exc).__name__])[0][:300])
             rows.append(row)
+            print(json.dumps(row), flush=True)
     return {
         "bench": "kernels_scan",
         "config": {
@@ -497,8 +499,6 @@ def main() -> None:
     if args.scan:
         batches = tuple(int(b) for b in args.batch.split(",")) if args.batch else ()
         result = bench_scan(args.shape, args.dtype, batches, args.profile, args.stacked)
-        for row in result["rows"]:
-            print(json.dumps(row), flush=True)
         result["platform"] = {
             "backend": jax.default_backend(),
             "device": jax.devices()[0].device_kind,

@@ -537,6 +537,20 @@ def _admission_p99(url: str, role: str, outcome: str) -> float | None:
     return next(le for le, count in buckets if count >= 0.99 * total)
 
 
+def _admission_counts(url: str, role: str) -> dict[str, int]:
+    """``loraserve_admission_seconds{role}`` decisions so far, by outcome, from a server's /metrics."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for m in re.finditer(r"^loraserve_admission_seconds_count\{(.*)\} (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if labels.get("role") == role:
+            out[labels["outcome"]] = int(float(m.group(2)))
+    return out
+
+
 def overload(workdir: Path, base: Path, w: dict, seconds: float, seed: int) -> list[dict]:
     """Overload, as guidellm's sweep meets it: the stack with the router's HTTP API (/v1/completions,
     ``prompt`` tokens, ``output`` new ones), a worker of ``max_batch_size`` rows and ``max_waiting`` queued.
@@ -565,10 +579,16 @@ def overload(workdir: Path, base: Path, w: dict, seconds: float, seed: int) -> l
         router_url = f"http://127.0.0.1:{stack.router_metrics}/metrics"
         asyncio.run(closed_loop(target, 2, 2.0))  # warm: the first requests compile nothing but connect
 
+        before = [_admission_counts(router_url, "router")]
+
         def row(kind: str, load: float, results) -> dict:
+            now = _admission_counts(router_url, "router")  # the router's decisions during this row
+            decided = {k: n - before[0].get(k, 0) for k, n in now.items() if n > before[0].get(k, 0)}
+            before[0] = now
             r = {"bench": "serve", "overload": kind, "offered": load, **summarize(results, seconds),
                  "router_refusal_p99_s": _admission_p99(router_url, "router", "refused"),
-                 "worker_refusal_p99_s": _admission_p99(stack.metrics[0], "worker", "refused")}  # fmt: skip
+                 "worker_refusal_p99_s": _admission_p99(stack.metrics[0], "worker", "refused"),
+                 "router_decisions": decided}  # fmt: skip
             print(json.dumps(r), flush=True)
             rows.append(r)
             return r

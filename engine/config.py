@@ -125,8 +125,8 @@ class EngineConfig:
     default_max_tokens: int = opt(16, "new tokens of a request that sets no max_tokens", SCHEDULING)
     kernel_backend: Literal["auto", "cpu", "pallas", "reference", "xla", "xla-grouped", "xla-onehot"] = opt(
         "auto",
-        "multi-LoRA backend (kernels.resolve_backend): auto (cpu on a CPU when its C++ kernels build, else"
-        " xla-grouped), cpu, xla (= xla-grouped: rows grouped by slot), xla-grouped, xla-onehot (one-hot over"
+        "multi-LoRA backend (kernels.resolve_backend): auto (cpu on a CPU when its C++ kernels build, pallas on"
+        " a TPU, else xla-grouped), cpu, xla (= xla-grouped: rows grouped by slot), xla-grouped, xla-onehot (one-hot over"
         " all slots), pallas or reference",
         KERNELS,
     )

@@ -66,6 +66,7 @@ from loraserve.engine.residency import (
 from loraserve.engine.runner import PrefillInput, Runner, StepOutput
 from loraserve.engine.snapshot import EngineSnapshot
 from loraserve.engine.speculative import (
+    MAX_TRY_REST,
     PREDICTED_RATE,
     PRIOR_RATE,
     DraftState,
@@ -225,6 +226,11 @@ class Scheduler:
         self.drafter = NgramDrafter() if config.speculative == "ngram" else None
         self.costs = StepCosts() if self.drafter is not None else None
         self.spec_steps = self.spec_proposed = self.spec_accepted = 0
+        # a look for drafts costs host time every step (each row's n-gram search, ~35 us a row of 128 tokens)
+        # and reads the step in flight (drafts continue from its tokens): after a look that ran no verify step
+        # the next looks wait 1, 3, 7, 15 steps (at most MAX_TRY_REST) until one runs or a row is admitted
+        self._try_rest = self._try_gap = 0
+        self._decode_at: float | None = None  # when the last decode step was dispatched (its pipelined cost)
 
     # ----------------------------------------------------------------- any thread
     def accept(self, req: EngineRequest) -> Submit:
@@ -579,6 +585,7 @@ class Scheduler:
         self._admissions += 1
         req.row = i
         row = self.rows[i] = Row(req, pages, self._admissions)
+        self._try_rest = self._try_gap = 0  # a new row may have drafts (a prediction): look at the next step
         self._sync_table(i)
         return row
 
@@ -735,8 +742,14 @@ class Scheduler:
     def _decode(self) -> bool:
         """One decode step for every row past its prefill; returns whether one ran. With async decode the step
         stays in flight and the one before it (if any) is read after this one is dispatched."""
-        if self.drafter is not None and self._speculate():
-            return True
+        if self.drafter is not None:
+            if self._try_rest > 0:
+                self._try_rest -= 1
+            elif self._speculate():
+                self._try_gap = 0
+                return True
+            else:
+                self._try_gap = self._try_rest = min(2 * self._try_gap + 1, MAX_TRY_REST)
         chained = self._inflight is not None and self._may_chain()
         if not chained:
             self._settle()
@@ -767,9 +780,13 @@ class Scheduler:
         self._inflight = _InFlight(handle, decoding, positions)
         if before is not None:  # chained: its tokens are read while this step runs
             self._read(before)
-        if self.costs is not None:  # speculation on: a step at a time, timed (the verify rule's decode cost)
-            self._settle()
-            self.costs.observe("decode", time.perf_counter() - t0)
+        if self.costs is not None:  # speculation on: the verify rule's decode cost
+            if chained and self._decode_at is not None:  # pipelined: dispatch to dispatch is one step's cost
+                self.costs.observe("decode", t0 - self._decode_at)
+            elif not self._async or self.costs.seconds("decode") is None:  # a step alone, read and timed
+                self._settle()
+                self.costs.observe("decode", time.perf_counter() - t0)
+            self._decode_at = t0
         elif not self._async:
             self._settle()
         return True

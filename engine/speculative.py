@@ -50,6 +50,9 @@ PREDICTED_RATE = 0.9  # ... when its drafts come from the caller's prediction (m
 RATE_WEIGHT = 0.3  # the weight of a verify step's outcome in a row's estimate (an exponential average)
 MAX_REST = 64  # the longest rest (steps without drafting) of a row whose drafts keep being rejected
 COST_WINDOW = 5  # the steps of each kind whose times the step costs keep (their lower median counts)
+MAX_TRY_REST = (
+    16  # the most decode steps an engine runs between two looks for drafts that found none to verify
+)
 PROBE_SHARE = 0.02  # the share of decode time verify steps the rule did not choose may cost (to re-measure)
 
 

@@ -358,11 +358,14 @@ def get_backend(name: str) -> LoraBackend:
 
 
 def resolve_backend(name: str) -> LoraBackend:
-    """``auto`` -> ``cpu`` on a CPU where its C++ kernels build, else ``xla-grouped`` (TPUs included,
-    until the Pallas kernels are proven on one); any other name -> :func:`get_backend`, checked usable
-    now (``cpu``: built and registered, or :class:`kernels.cpu.CpuKernelUnavailable` saying why)."""
+    """``auto`` -> ``cpu`` on a CPU where its C++ kernels build, ``pallas`` on a TPU (its decode kernel was the
+    fastest backend there, measured in the engine: docs/kernels.md), else ``xla-grouped``; any other name ->
+    :func:`get_backend`, checked usable now (``cpu``: built and registered, or
+    :class:`kernels.cpu.CpuKernelUnavailable` saying why)."""
     if name == "auto":
-        return CpuBackend() if cpu.available() else XlaGroupedBackend()
+        if cpu.available():
+            return CpuBackend()
+        return PallasBackend() if jax.default_backend() == "tpu" else XlaGroupedBackend()
     backend = get_backend(name)
     backend.check()
     return backend

@@ -48,7 +48,7 @@ class RouterConfig(InferenceSecurityConfig):
         1024, "requests in the router (streams and queued); more get RESOURCE_EXHAUSTED at once", SERVING
     )
     max_queued: int = opt(
-        256,
+        1024,
         "requests that wait, first come first served, for a place when the workers are full (0 = refuse"
         " them at once); more get RESOURCE_EXHAUSTED at once",
         SERVING,

@@ -66,7 +66,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         locator: Locator,
         pool: WorkerPool,
         max_concurrency: int = 1024,
-        max_queued: int = 256,
+        max_queued: int = 1024,
         max_queue_wait: float = 30.0,
     ) -> None:
         self.locator, self.pool, self.max_concurrency = locator, pool, max_concurrency
@@ -293,7 +293,7 @@ def router_services(
     locator: Locator,
     pool: WorkerPool,
     max_concurrency: int = 1024,
-    max_queued: int = 256,
+    max_queued: int = 1024,
     max_queue_wait: float = 30.0,
 ) -> Services:
     # one servicer: HTTP and gRPC share the request limit and the queue
@@ -311,7 +311,7 @@ def build_server(
     address: str,
     security: ServerSecurity | None = None,
     max_concurrency: int = 1024,
-    max_queued: int = 256,
+    max_queued: int = 1024,
     max_queue_wait: float = 30.0,
 ) -> tuple[grpc.aio.Server, int, Any]:
     services = router_services(locator, pool, max_concurrency, max_queued, max_queue_wait)

@@ -120,14 +120,21 @@ def test_kernels_bench_prints_its_json_last() -> None:
 @pytest.mark.slow
 def test_kernels_scan_bench_times_every_backend_against_the_reference(tmp_path) -> None:
     """``--scan``: per batch a ``dense`` row and one row per backend (Pallas interpreted at this tiny shape),
-    each computing what the reference backend computes through the stacked layers, with its ratios. With
+    each computing what the reference backend computes through the layers, with its ratios. With
     ``--profile`` every row's trace is summed per op by bench/trace_summary.py (here the CPU's client threads
     stand in for a device's lanes)."""
     result = _last_json(
         ["bench/kernels.py", "--scan", "--shape", "tiny", "--profile", str(tmp_path / "prof")]
     )
     assert result["bench"] == "kernels_scan"
-    assert result["config"] == {"in": 128, "out": 256, "layers": 2, "rank": 16, "dtype": "float32"}
+    assert result["config"] == {
+        "in": 128,
+        "out": 256,
+        "layers": 2,
+        "rank": 16,
+        "dtype": "float32",
+        "layout": "unrolled",
+    }
     names = [
         "dense",
         "reference",

@@ -1,8 +1,10 @@
 """common/admission.py: the drain rate a refusal's wait comes from, the wait itself, and what a router learns
-from its workers' refusals (marks that lift when one of its streams there ends, capacities that age)."""
+from its workers' refusals (marks that lift when one of its streams there ends, capacities that age), and the
+router's queue (places given first come first served, per worker)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
@@ -13,6 +15,7 @@ from loraserve.common.admission import (
     UNMEASURED_RETRY_S,
     DrainRate,
     FullWorkers,
+    WaitQueue,
     retry_after,
 )
 
@@ -90,3 +93,26 @@ def test_the_capacity_learned_from_refusals_sums_over_workers_and_ages() -> None
     assert full.capacity(["w1", "w2"]) is None  # older than learned_for: probe again
     full.refused("w3", 0, 0.1)  # full of other routers' streams: no share of ours learned
     assert full.capacity(["w3"]) is None and full.hint("w3", 0) == 0.1
+
+
+def test_the_queue_gives_a_freed_place_to_the_oldest_waiter_for_that_worker() -> None:
+    async def scenario() -> None:
+        queue = WaitQueue(limit=3)
+        first, second = queue.join(["a", "b"]), queue.join(["b"])
+        third = queue.join(["a"])
+        assert (len(queue), queue.has_room(), queue.first() is first) == (3, False, True)
+        assert queue.ahead(["b"]) and queue.ahead(["a"]) and not queue.ahead(["c"])
+        assert queue.wake("c") is None  # nobody waits for c
+        assert queue.wake("b") is first  # the oldest that may go to b
+        assert await first.wait(0) and first.place == "b"
+        assert queue.wake("b") is second and queue.wake("b") is None  # the first already has a place
+        assert not await third.wait(0.01)  # no place for it: the time passes
+        assert queue.ahead(["a"]) and not queue.ahead(["b"])  # only the third still waits, for a
+        again = queue.join(["a"], front=True)  # refused upstream: first in line again
+        assert queue.first() is again and queue.wake("a") is again
+        for w in (first, second, third, again):
+            queue.leave(w)
+        queue.leave(first)  # twice: nothing happens
+        assert (len(queue), queue.first()) == (0, None)
+
+    asyncio.run(scenario())

@@ -170,7 +170,7 @@ def test_kernel_backend_names_map_to_their_objects() -> None:
             assert kernels.resolve_backend(name) == cls()
     assert {str(b()) for b in expected.values()} == set(kernels.LORA_BACKENDS)
     auto = kernels.resolve_backend("auto")
-    assert auto == (CpuBackend() if cpu.available() else XlaGroupedBackend())
+    assert auto == (CpuBackend() if cpu.available() else PallasBackend() if ON_TPU else XlaGroupedBackend())
     # equal and hashable by class: static jit arguments that never recompile for a fresh instance
     assert hash(CpuBackend()) == hash(CpuBackend()) and CpuBackend() != XlaGroupedBackend()
     assert {XlaGroupedBackend(): 1}[kernels.get_backend("xla")] == 1
