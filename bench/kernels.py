@@ -385,6 +385,7 @@ def bench_scan(
     batches: tuple[int, ...] = (),
     profile: str | None = None,
     stacked: bool = False,
+    only: tuple[str, ...] = (),
 ) -> dict:
     t_start = time.perf_counter()
     _compiles.start()
@@ -413,7 +414,7 @@ def bench_scan(
         print(json.dumps(rows[-1]), flush=True)  # as it comes: a run cut short keeps what it timed
         serial = dense_ms / (dense_ms + lora_bytes / dense_gbps / 1e6)
         want = None  # the reference backend's output: every other backend's is compared with it
-        for name in _backends(shape == "tiny"):
+        for name in [n for n in _backends(shape == "tiny") if not only or n in only]:
             backend = _backend(name)
             a_pool, b_pool = (
                 _layers(
@@ -477,6 +478,9 @@ def main() -> None:
         "--scan", action="store_true", help="every backend inside one compiled scan over layers (module doc)"
     )
     parser.add_argument(
+        "--backends", help="--scan: only these backends (a comma list; dense always runs), e.g. pallas,xla-grouped"
+    )
+    parser.add_argument(
         "--stacked",
         action="store_true",
         help="--scan: a lax.scan over stacked layers instead of the engine's unrolled layers (module doc)",
@@ -494,11 +498,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.shape not in (SCAN_SHAPES if args.scan else SHAPES):
         parser.error(f"--shape {args.shape} is not a shape of {'--scan' if args.scan else 'this mode'}")
-    if (args.batch or args.profile) and not args.scan:
-        parser.error("--batch and --profile are for --scan")
+    if (args.batch or args.profile or args.backends or args.stacked) and not args.scan:
+        parser.error("--batch, --backends, --profile and --stacked are for --scan")
     if args.scan:
         batches = tuple(int(b) for b in args.batch.split(",")) if args.batch else ()
-        result = bench_scan(args.shape, args.dtype, batches, args.profile, args.stacked)
+        only = tuple(args.backends.split(",")) if args.backends else ()
+        result = bench_scan(args.shape, args.dtype, batches, args.profile, args.stacked, only)
         result["platform"] = {
             "backend": jax.default_backend(),
             "device": jax.devices()[0].device_kind,

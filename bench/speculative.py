@@ -23,7 +23,11 @@ tokens per second of the decode phase (first token to last) and end to end, the 
 (``speedup`` = its tok/s ÷ plain's, decode phase), the share of drafted tokens kept, verify steps and probes.
 Medians over ``--rounds`` (default 3) rounds, the engines interleaved. The last line is one JSON object.
 
+``--shape copy`` runs the same workloads on a small Llama trained here to quote its prompt (``COPY``): its
+``ngram`` rows are the copy-heavy workload, where prompt lookup finds what the model goes on to say.
+
     python bench/speculative.py                  # the bench model (~140M, f32) on this machine
+    python bench/speculative.py --shape copy     # the copy model (trained first, ~1 min; kept in --workdir)
     python bench/speculative.py --shape tiny --batch 2 --rounds 1 --lazy-compile   # the smoke run (tests/bench)
     python bench/speculative.py --dtype bfloat16 --rounds 2   # on a TPU (bench/tpu_session.sh's speculative step)
 
@@ -48,6 +52,110 @@ import decode  # bench/decode.py: its shapes and model builder (importing it mak
 
 WORKLOADS = ("predicted", "edited", "ngram")
 K = 4
+# --shape copy: a small Llama trained here to continue a text by quoting it (an induction copy: after a token
+# it has seen, the token that followed it), the copy-heavy n-gram workload a random model cannot give.
+# Its prompts are a random segment of COPY_SEGMENT tokens followed by its first COPY_CUE tokens: the answer
+# quotes the rest of the segment and then the segment again, which prompt lookup finds.
+COPY = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=512,
+    prompt=40,
+    new=64,
+    rank=16,
+    adapters=16,
+)
+COPY_SEGMENT, COPY_CUE = 32, 8
+COPY_STEPS, COPY_BATCH, COPY_LEN = 800, 32, 128  # training: steps, sequences a step, tokens a sequence
+
+
+def train_copy_model(w: dict, seed: int = 0):
+    """The ``--shape copy`` model: a Llama of ``w``'s widths trained (AdamW, ``COPY_STEPS`` steps, ~1 min on
+    2 CPU cores) on sequences of a random segment repeated, so the loss of every repeat teaches it to quote.
+    Returns the model and the loss on the repeats of held-out sequences (nats a token)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=w["vocab_size"], hidden_size=w["hidden_size"], intermediate_size=w["intermediate_size"],
+        num_hidden_layers=w["num_hidden_layers"], num_attention_heads=w["num_attention_heads"],
+        num_key_value_heads=w["num_key_value_heads"], max_position_embeddings=256, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(seed)
+
+    def batch(n: int):
+        seg = torch.randint(3, w["vocab_size"], (n, COPY_SEGMENT), generator=gen)
+        reps = -(-COPY_LEN // COPY_SEGMENT)
+        ids = seg.repeat(1, reps)[:, :COPY_LEN]
+        labels = ids.clone()
+        labels[:, :COPY_SEGMENT] = -100  # the first pass is random: only the repeats are learnt
+        return ids, labels
+
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=COPY_STEPS, pct_start=0.1)
+    model.train()
+    for _ in range(COPY_STEPS):
+        ids, labels = batch(COPY_BATCH)
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    model.eval()
+    with torch.no_grad():
+        ids, labels = batch(64)
+        held_out = float(model(input_ids=ids, labels=labels).loss)
+    return model, held_out
+
+
+def build_copy(workdir: Path, w: dict) -> tuple[Path, list[Path]]:
+    """The trained copy model and ``w['adapters']`` random rank-``w['rank']`` adapters (small: they leave it a
+    copier) in ``workdir``, reused when ``workdir/built.json`` says so."""
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.testing import make_adapter
+
+    marker = workdir / "built.json"
+    want = {"copy": {k: w[k] for k in decode.MODEL_KEYS}, "steps": COPY_STEPS, "rank": w["rank"]}
+    if marker.exists():
+        have = json.loads(marker.read_text())
+        if have.get("key") == want and have.get("adapters", 0) >= w["adapters"]:
+            return workdir / "base", [workdir / f"a{i}" for i in range(w["adapters"])]
+    workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    model, loss = train_copy_model(w)
+    print(
+        f"copy model trained in {time.perf_counter() - t0:.0f} s: held-out repeat loss {loss:.3f}", flush=True
+    )
+    base = workdir / "base"
+    model.save_pretrained(str(base), safe_serialization=True)
+    adapters = []
+    for i in range(w["adapters"]):
+        make_adapter(
+            AutoModelForCausalLM.from_pretrained(str(base)), workdir / f"a{i}", r=w["rank"],
+            alpha=2.0 * w["rank"], targets=decode.MODULES, seed=i, scale=0.01,
+        )  # fmt: skip
+        adapters.append(workdir / f"a{i}")
+    marker.write_text(json.dumps({"key": want, "adapters": len(adapters), "repeat_loss": loss}))
+    return base, adapters
+
+
+def _prompts(w: dict, batch: int, rng) -> list[list[int]]:
+    """Random prompts; at ``--shape copy`` a random segment and its first tokens again (module doc)."""
+    if not w.get("copy"):
+        return [rng.integers(3, w["vocab_size"], w["prompt"]).tolist() for _ in range(batch)]
+    out = []
+    for _ in range(batch):
+        seg = rng.integers(3, w["vocab_size"], COPY_SEGMENT).tolist()
+        out.append(seg + seg[:COPY_CUE])
+    return out
 
 
 def _engine(base: Path, adapters: list[Path], w: dict, batch: int, method: str, checkpoint, lazy: bool):
@@ -153,7 +261,7 @@ def bench_batch(
     import numpy as np
 
     rng = np.random.default_rng(batch)
-    prompts = [rng.integers(3, w["vocab_size"], w["prompt"]).tolist() for _ in range(batch)]
+    prompts = _prompts(w, batch, rng)
     names = [f"a{i}" for i in range(batch)]
     new = w["new"]
     engines = {m: _engine(base, adapters, w, batch, m, checkpoint, lazy) for m in ("off", "ngram")}
@@ -221,7 +329,7 @@ def bench_batch(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=("bench", "tiny", "8b-slice", "3b"), default="bench")
+    parser.add_argument("--shape", choices=("bench", "tiny", "copy", "8b-slice", "3b"), default="bench")
     parser.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
@@ -236,9 +344,10 @@ def main() -> None:
         "--lazy-compile", action="store_true", help="no warm-up: each shape compiles when first run (untimed)"
     )
     args = parser.parse_args()
+    _compiles.start()  # the run's XLA compilations, reported in its JSON
     from loraserve.models.checkpoint import load_checkpoint
 
-    w = dict(decode.SHAPES[args.shape])
+    w = dict(COPY, copy=True) if args.shape == "copy" else dict(decode.SHAPES[args.shape])
     batches = [int(b) for b in args.batch.split(",")]
     w["adapters"] = max(batches)
     w["new"] = args.new or (w["new"] if args.shape == "tiny" else 64)
@@ -247,7 +356,10 @@ def main() -> None:
         workdir = Path(args.workdir or tmp)
         # the large shapes' random weights are drawn in their dtype (decode.build_direct), the others by HF
         direct = args.shape in ("8b-slice", "3b")
-        base, adapters = decode.build_or_reuse(workdir, w, args.dtype, direct=direct)
+        if args.shape == "copy":
+            base, adapters = build_copy(workdir, w)
+        else:
+            base, adapters = decode.build_or_reuse(workdir, w, args.dtype, direct=direct)
         checkpoint = load_checkpoint(str(base), dtype=args.dtype)
         rows = [
             row

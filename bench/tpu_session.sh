@@ -22,7 +22,7 @@
 #   kernels  bench/kernels.py --scan --dtype bfloat16 per shape of TPU_BENCH_SCAN_SHAPES (default "8b"; also
 #            8b-attn) at TPU_BENCH_SCAN_BATCHES (default "16 64 128"; distinct rank-16 adapters = batch): every
 #            LoRA backend, Pallas compiled (its decode kernel and, as pallas-tiled, the tiled kernels it replaced),
-#            in one scan over stacked layers; at most TPU_BENCH_KERNELS_S (200) each
+#            over 8 distinct layers (TPU_BENCH_KERNEL_BACKENDS: only those); at most TPU_BENCH_KERNELS_S (200) each
 #   decode   bench/decode.py --shape $TPU_BENCH_SHAPE (default 3b: Llama-3.2-3B-shaped, 28 layers, bf16: 7.2 GB
 #            with its embedding) --skip-hf at TPU_BENCH_BATCHES (default "16 64"; distinct adapters = batch),
 #            one engine per backend of TPU_BENCH_ENGINES (default "xla_grouped pallas xla_onehot"; each engine's
@@ -142,10 +142,12 @@ bench_main() {
         case $sub in
             kernels)
                 for s in $scan_shapes; do
-                    profile=()  # TPU_BENCH_PROFILE=1: a trace per row, summed by bench/trace_summary.py
-                    [[ -n ${TPU_BENCH_PROFILE:-} ]] && profile=(--profile "$OUT/profile-$s")
+                    extra=()  # TPU_BENCH_PROFILE=1: a trace per row, summed by bench/trace_summary.py
+                    [[ -n ${TPU_BENCH_PROFILE:-} ]] && extra=(--profile "$OUT/profile-$s")
+                    # shellcheck disable=SC2086
+                    [[ -n ${TPU_BENCH_KERNEL_BACKENDS:-} ]] && extra+=(--backends "$(csv $TPU_BENCH_KERNEL_BACKENDS)")
                     bench_run "kernels-$s" "${TPU_BENCH_KERNELS_S:-200}" 45 "$ROOT/bench/kernels.py" --scan \
-                        --shape "$s" --dtype bfloat16 --batch "$scan_batches" "${profile[@]}"
+                        --shape "$s" --dtype bfloat16 --batch "$scan_batches" "${extra[@]}"
                     if [[ -n ${TPU_BENCH_PROFILE:-} ]]; then
                         "$PYTHON" "$ROOT/bench/trace_summary.py" "$OUT/profile-$s" >"$OUT/trace-summary-$s.log" 2>&1
                     fi

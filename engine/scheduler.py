@@ -68,7 +68,7 @@ from loraserve.engine.snapshot import EngineSnapshot
 from loraserve.engine.speculative import (
     MAX_TRY_REST,
     PREDICTED_RATE,
-    PRIOR_RATE,
+    AdapterRates,
     DraftState,
     NgramDrafter,
     StepCosts,
@@ -226,6 +226,7 @@ class Scheduler:
         self.drafter = NgramDrafter() if config.speculative == "ngram" else None
         self.costs = StepCosts() if self.drafter is not None else None
         self.spec_steps = self.spec_proposed = self.spec_accepted = 0
+        self.adapter_rates = AdapterRates()  # what each adapter's n-gram drafts keep: its new rows' prior
         # a look for drafts costs host time every step (each row's n-gram search, ~35 us a row of 128 tokens)
         # and reads the step in flight (drafts continue from its tokens): after a look that ran no verify step
         # the next looks wait 1, 3, 7, 15 steps (at most MAX_TRY_REST) until one runs or a row is admitted
@@ -706,6 +707,8 @@ class Scheduler:
             if proposed:
                 assert req.drafting is not None
                 req.drafting.update(proposed, kept)
+                if not req.prediction:  # the adapter's n-gram drafts (a prediction says nothing of them)
+                    self.adapter_rates.update(req.adapter, proposed, kept)
                 req.draft_tokens += proposed
                 req.accepted_draft_tokens += kept
                 self.spec_accepted += kept
@@ -723,13 +726,16 @@ class Scheduler:
     def _drafting(self, req: EngineRequest) -> DraftState:
         """``req``'s drafting state, made at its first step: it proposes up to its request's k (else the
         server's; never more: the verify step's shape), or nothing when its request turned speculation off;
-        a row with a prediction starts at :data:`PREDICTED_RATE` (others at :data:`PRIOR_RATE`)."""
+        a row with a prediction starts at :data:`PREDICTED_RATE`, others at what their adapter's n-gram drafts
+        kept (:class:`AdapterRates`)."""
         if req.drafting is None:
             s, k = req.sampling, self.config.num_speculative_tokens
             on = (s.speculative or self.config.speculative) != "off"
             limit = min(s.num_speculative_tokens or k, k) if on else 0
-            # a caller's prediction is meant to be the answer: its rows start out expected to keep drafts
-            req.drafting = DraftState(limit, rate=PREDICTED_RATE if req.prediction else PRIOR_RATE)
+            # a caller's prediction is meant to be the answer: its rows start out expected to keep drafts; the
+            # others from what their adapter's n-gram drafts kept so far (PRIOR_RATE before any)
+            rate = PREDICTED_RATE if req.prediction else self.adapter_rates.get(req.adapter)
+            req.drafting = DraftState(limit, rate=rate)
         return req.drafting
 
     def _recent(self, req: EngineRequest) -> list[int]:

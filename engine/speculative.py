@@ -24,7 +24,7 @@ pay for what a verify step costs beyond a decode step (:meth:`StepCosts.worth`).
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,6 +48,7 @@ SEARCH_WINDOW = 4096  # the last tokens of a row an n-gram is searched in: bound
 PRIOR_RATE = 0.5  # a new row's chance that a draft is kept, before any of its drafts is verified
 PREDICTED_RATE = 0.9  # ... when its drafts come from the caller's prediction (meant to be the answer)
 RATE_WEIGHT = 0.3  # the weight of a verify step's outcome in a row's estimate (an exponential average)
+ADAPTER_RATES = 1024  # adapters whose n-gram drafts' kept share an engine remembers (the least recent go)
 MAX_REST = 64  # the longest rest (steps without drafting) of a row whose drafts keep being rejected
 COST_WINDOW = 5  # the steps of each kind whose times the step costs keep (their lower median counts)
 MAX_TRY_REST = (
@@ -211,3 +212,26 @@ class StepCosts:
             self.probes += 1
             return True
         return False
+
+
+class AdapterRates:
+    """Per adapter, the share of n-gram drafts its rows' verify steps kept (an exponential average, weight
+    :data:`RATE_WEIGHT`): a new row of that adapter starts from it instead of :data:`PRIOR_RATE`, so an adapter
+    whose answers quote their prompts drafts from its first step, and one whose drafts fail waits. At most
+    :data:`ADAPTER_RATES` adapters, the least recently updated forgotten first."""
+
+    def __init__(self, limit: int = ADAPTER_RATES) -> None:
+        self.limit = limit
+        self._rates: OrderedDict[str, float] = OrderedDict()
+
+    def get(self, adapter: str) -> float:
+        return self._rates.get(adapter, PRIOR_RATE)
+
+    def update(self, adapter: str, proposed: int, kept: int) -> None:
+        old = self._rates.pop(adapter, PRIOR_RATE)
+        self._rates[adapter] = old + RATE_WEIGHT * (kept / proposed - old)
+        while len(self._rates) > self.limit:
+            self._rates.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._rates)

@@ -184,6 +184,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                             ):
                                 self.locator.forget(ref)
                             continue
+                        self._freed(address)  # refused for this request's own sake: its place is free
                         raise refused from None
                     try:
                         msg = first

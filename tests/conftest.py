@@ -110,7 +110,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # The longest test files, longest first (their tests' seconds, setup included, averaged over two --durations runs
 # of `make test`'s selection on a 2-core Zen 4, 2026-12-07: ~1630 s of tests in ~830 s on two processes):
-# `make test` hands whole files to its two processes in collection order, so these go first and the run
+# `make test` hands whole files to its processes in collection order, so these go first and the run
 # does not end with one process alone on a long file that started last. Update when the durations move.
 LONGEST_FILES = (
     "tests/bench/test_bench_smoke.py",

@@ -70,13 +70,15 @@ TPU_SESSION = ROOT / "bench" / "tpu_session.sh"
 
 @pytest.mark.slow
 def test_tpu_session_bench_tiny_merges_every_sub_step_into_one_json(tmp_path) -> None:
-    """`TPU_BENCH_TINY=1 bash bench/tpu_session.sh bench` on this CPU, one LoRA engine to stay short: the kernels
-    scan (every backend, Pallas interpreted), the decode engine's rows and the int8 base's, each sub-step's log,
-    and one merged tpu-bench.json (versions, device, a row per batch and backend) printed as the last line."""
+    """`TPU_BENCH_TINY=1 bash bench/tpu_session.sh bench` on this CPU, one LoRA engine and two kernel backends
+    to stay short (every backend's scan row: test_bench_smoke): the kernels scan (Pallas interpreted), the
+    decode engine's rows, the int8 base's and speculative decoding's, each sub-step's log, and one merged
+    tpu-bench.json (versions, device, a row per batch and backend) printed as the last line."""
 
     out = tmp_path / "out"
     env = {**SMOKE_ENV, "OUT": str(out), "PYTHON": sys.executable, "TPU_BENCH_TINY": "1",
-           "TPU_BENCH_ENGINES": "xla_grouped", "TPU_BENCH_ROUNDS": "1", "TPU_BENCH_WORK": str(tmp_path / "work")}  # fmt: skip
+           "TPU_BENCH_ENGINES": "xla_grouped", "TPU_BENCH_ROUNDS": "1", "TPU_BENCH_WORK": str(tmp_path / "work"),
+           "TPU_BENCH_KERNEL_BACKENDS": "reference pallas", "TPU_BENCH_STEPS": "kernels decode quant speculative"}  # fmt: skip
     proc = subprocess.run(
         ["bash", str(TPU_SESSION), "bench"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )  # fmt: skip
@@ -86,14 +88,13 @@ def test_tpu_session_bench_tiny_merges_every_sub_step_into_one_json(tmp_path) ->
     assert merged["bench"] == "tpu" and merged["errors"] == {}, merged["errors"]
     assert merged["jax"] == metadata.version("jax") and merged["device_kind"] == "cpu"
     assert merged["command"] == "bash bench/tpu_session.sh bench" and merged["env"]["TPU_BENCH_TINY"] == "1"
-    assert list(merged["steps"]) == ["kernels-tiny", "decode", "quant"]
+    assert list(merged["steps"]) == ["kernels-tiny", "decode", "quant", "speculative"]
     for name, step in merged["steps"].items():
         assert step["rc"] == 0 and step["compiles"]["count"] > 0, name
         assert (out / f"bench-{name}.log").read_text().startswith(f"$ {sys.executable} "), name
     rows = merged["rows"]
     kernels = [(r["batch"], r["backend"]) for r in rows if r["bench"] == "kernels_scan"]
-    pallas = ("pallas", "pallas-vpu", "pallas-d256", "pallas-d512", "pallas-tiled")
-    assert kernels == [(4, n) for n in ("dense", "reference", "xla-onehot", "xla-grouped", *pallas, "cpu")]
+    assert kernels == [(4, n) for n in ("dense", "reference", "pallas")]
     assert all(r["hbm_fraction"] >= 0 and r["shape"] == "tiny" for r in rows if r["bench"] == "kernels_scan")
     (decode,) = [r for r in rows if r["bench"] == "decode"]
     assert (decode["backend"], decode["batch"], decode["adapters"]) == ("xla-grouped", 4, 4)
@@ -106,6 +107,10 @@ def test_tpu_session_bench_tiny_merges_every_sub_step_into_one_json(tmp_path) ->
     assert quant["bf16_base_step_ms"] == decode["base_step_ms"] and quant["speedup_vs_bf16"] > 0
     bf16_bytes = merged["results"]["decode"][0]["bytes"]["base"]
     assert quant["base_hbm_fraction"] > 0 and 0 < quant["base_bytes"] < bf16_bytes
+    spec = [r for r in rows if r["bench"] == "speculative"]
+    assert [(r["batch"], r["workload"]) for r in spec] == [(2, w) for w in ("predicted", "edited", "ngram")]
+    assert all(r["shape"] == "tiny" and r["speedup"] > 0 and 0 <= r["identical_rows"] <= 1 for r in spec)
+    assert merged["results"]["speculative"]["config"]["dtype"] == "bfloat16"
 
 
 def test_tpu_bench_merge_keeps_what_a_cut_run_finished(tmp_path) -> None:

@@ -22,7 +22,16 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from loraserve.engine.speculative import MAX_REST, DraftState, NgramDrafter, StepCosts, predicted
+from loraserve.engine.speculative import (
+    MAX_REST,
+    PRIOR_RATE,
+    RATE_WEIGHT,
+    AdapterRates,
+    DraftState,
+    NgramDrafter,
+    StepCosts,
+    predicted,
+)
 from loraserve.models import decoder
 from loraserve.models.speculative import verify
 from loraserve.models.step import DecodeBatch, PrefillBatch
@@ -346,6 +355,38 @@ def test_drafts_that_are_always_rejected_cost_a_few_verify_steps() -> None:
     # (k halves on each rejection)
     assert h.scheduler.spec_steps == h.runner.verify_steps == 5
     assert h.scheduler.spec_accepted == 0 and h.scheduler.spec_proposed == 4 + 2 + 1 * 3
+
+
+def test_adapter_rates_average_what_drafts_kept_and_forget_the_least_recent() -> None:
+    rates = AdapterRates(limit=2)
+    assert rates.get("a") == PRIOR_RATE
+    rates.update("a", 4, 4)
+    assert rates.get("a") == pytest.approx(PRIOR_RATE + RATE_WEIGHT * (1 - PRIOR_RATE))
+    rates.update("b", 4, 0)
+    rates.update("a", 2, 1)  # a is the most recent again
+    rates.update("c", 1, 1)  # over the limit: b, the least recently updated, goes
+    assert (len(rates), rates.get("b")) == (2, PRIOR_RATE)
+    assert rates.get("c") > PRIOR_RATE and rates.get("a") != PRIOR_RATE
+
+
+def test_an_adapter_whose_drafts_were_kept_drafts_from_its_next_row_s_first_step() -> None:
+    """At a verify ÷ decode ratio of 3 a row at the prior (0.5: 0.94 expected kept tokens of 4 drafts) does
+    not verify (the test below); a row of an adapter whose n-gram drafts were all kept before starts from that
+    adapter's rate and verifies without a probe, with plain decoding's tokens, and its verify steps move the
+    rate. Rows with a prediction leave the adapter's rate alone."""
+    h = _fake_harness(3.0)
+    for _ in range(8):
+        h.scheduler.adapter_rates.update("", 4, 4)  # the base model's n-gram drafts: all kept so far
+    before = h.scheduler.adapter_rates.get("")
+    c = h.submit(prompt=[1, 2, 3, 4, 5, 1, 2], max_tokens=12, ignore_eos=True)
+    h.run(c, limit=100)
+    assert c.tokens == [(3 + i) % 50 for i in range(12)]
+    assert h.runner.verify_steps >= 1 and h.scheduler.spec_accepted > 0 and h.scheduler.costs.probes == 0
+    assert h.scheduler.adapter_rates.get("") != before  # its verify steps moved the adapter's rate
+    fresh = _fake_harness(1.0)
+    p = fresh.submit(prompt=[1, 2], max_tokens=12, ignore_eos=True, prediction=list(range(3, 15)))
+    fresh.run(p, limit=100)
+    assert fresh.scheduler.spec_accepted > 0 and len(fresh.scheduler.adapter_rates) == 0
 
 
 def test_a_compute_bound_verify_step_is_not_chosen_but_probed() -> None:
