@@ -478,7 +478,8 @@ def main() -> None:
         "--scan", action="store_true", help="every backend inside one compiled scan over layers (module doc)"
     )
     parser.add_argument(
-        "--backends", help="--scan: only these backends (a comma list; dense always runs), e.g. pallas,xla-grouped"
+        "--backends",
+        help="--scan: only these backends (a comma list; dense always runs), e.g. pallas,xla-grouped",
     )
     parser.add_argument(
         "--stacked",
