@@ -72,7 +72,7 @@ COPY_SEGMENT, COPY_CUE = 32, 8
 COPY_STEPS, COPY_BATCH, COPY_LEN = 800, 32, 128  # training: steps, sequences a step, tokens a sequence
 
 
-def train_copy_model(w: dict, seed: int = 0):
+def train_copy_model(w: dict, seed: int = 0, steps: int = COPY_STEPS):
     """The ``--shape copy`` model: a Llama of ``w``'s widths trained (AdamW, ``COPY_STEPS`` steps, ~1 min on
     2 CPU cores) on sequences of a random segment repeated, so the loss of every repeat teaches it to quote.
     Returns the model and the loss on the repeats of held-out sequences (nats a token)."""
@@ -98,9 +98,9 @@ def train_copy_model(w: dict, seed: int = 0):
         return ids, labels
 
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=COPY_STEPS, pct_start=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-3, total_steps=steps, pct_start=0.1)
     model.train()
-    for _ in range(COPY_STEPS):
+    for _ in range(steps):
         ids, labels = batch(COPY_BATCH)
         loss = model(input_ids=ids, labels=labels).loss
         opt.zero_grad()
@@ -115,22 +115,22 @@ def train_copy_model(w: dict, seed: int = 0):
     return model, held_out
 
 
-def build_copy(workdir: Path, w: dict) -> tuple[Path, list[Path]]:
+def build_copy(workdir: Path, w: dict, steps: int = COPY_STEPS) -> tuple[Path, list[Path], float]:
     """The trained copy model and ``w['adapters']`` random rank-``w['rank']`` adapters (small: they leave it a
-    copier) in ``workdir``, reused when ``workdir/built.json`` says so."""
+    copier) in ``workdir``, reused when ``workdir/built.json`` says so; and the model's held-out repeat loss."""
     from transformers import AutoModelForCausalLM
 
     from loraserve.testing import make_adapter
 
     marker = workdir / "built.json"
-    want = {"copy": {k: w[k] for k in decode.MODEL_KEYS}, "steps": COPY_STEPS, "rank": w["rank"]}
+    want = {"copy": {k: w[k] for k in decode.MODEL_KEYS}, "steps": steps, "rank": w["rank"]}
     if marker.exists():
         have = json.loads(marker.read_text())
         if have.get("key") == want and have.get("adapters", 0) >= w["adapters"]:
-            return workdir / "base", [workdir / f"a{i}" for i in range(w["adapters"])]
+            return workdir / "base", [workdir / f"a{i}" for i in range(w["adapters"])], have["repeat_loss"]
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    model, loss = train_copy_model(w)
+    model, loss = train_copy_model(w, steps=steps)
     print(
         f"copy model trained in {time.perf_counter() - t0:.0f} s: held-out repeat loss {loss:.3f}", flush=True
     )
@@ -144,7 +144,7 @@ def build_copy(workdir: Path, w: dict) -> tuple[Path, list[Path]]:
         )  # fmt: skip
         adapters.append(workdir / f"a{i}")
     marker.write_text(json.dumps({"key": want, "adapters": len(adapters), "repeat_loss": loss}))
-    return base, adapters
+    return base, adapters, loss
 
 
 def _prompts(w: dict, batch: int, rng) -> list[list[int]]:
@@ -341,6 +341,9 @@ def main() -> None:
     parser.add_argument("--new", type=int, help="new tokens per request (default: the shape's, 64 for bench)")
     parser.add_argument("--workdir", help="keep the built model here (default: a temporary folder)")
     parser.add_argument(
+        "--copy-steps", type=int, default=COPY_STEPS, help="--shape copy: training steps of the copy model"
+    )
+    parser.add_argument(
         "--lazy-compile", action="store_true", help="no warm-up: each shape compiles when first run (untimed)"
     )
     args = parser.parse_args()
@@ -357,7 +360,7 @@ def main() -> None:
         # the large shapes' random weights are drawn in their dtype (decode.build_direct), the others by HF
         direct = args.shape in ("8b-slice", "3b")
         if args.shape == "copy":
-            base, adapters = build_copy(workdir, w)
+            base, adapters, w["repeat_loss"] = build_copy(workdir, w, args.copy_steps)
         else:
             base, adapters = decode.build_or_reuse(workdir, w, args.dtype, direct=direct)
         checkpoint = load_checkpoint(str(base), dtype=args.dtype)
@@ -386,7 +389,12 @@ def main() -> None:
                     k: w[k]
                     for k in ("hidden_size", "num_hidden_layers", "vocab_size", "prompt", "new", "rank")
                 }
-                | {"k": K, "dtype": args.dtype},
+                | {"k": K, "dtype": args.dtype}
+                | (
+                    {"copy_steps": args.copy_steps, "repeat_loss": round(w["repeat_loss"], 4)}
+                    if "copy" in w
+                    else {}
+                ),
                 "rows": rows,
                 "platform": {
                     "backend": jax.default_backend(),

@@ -33,19 +33,23 @@ def _last_json(args: list[str]) -> dict:
 
 
 @pytest.mark.slow
-def test_speculative_bench_tiny_serves_plain_decoding_s_tokens() -> None:
-    """bench/speculative.py: plain and speculative engines on the predicted, edited and n-gram workloads; the
-    bench itself fails when a speculative row's tokens differ from plain decoding's."""
+def test_speculative_bench_copy_serves_plain_decoding_s_tokens(tmp_path) -> None:
+    """bench/speculative.py --shape copy (its model trained only briefly here: 40 steps): plain and speculative
+    engines on the predicted, edited and n-gram workloads; the bench itself fails when a speculative row's
+    tokens differ from plain decoding's (float32). The tiny shape's run: test_device_scripts."""
     result = _last_json(
-        ["bench/speculative.py", "--shape", "tiny", "--batch", "1", "--rounds", "1", "--lazy-compile"]
-    )
+        ["bench/speculative.py", "--shape", "copy", "--copy-steps", "40", "--batch", "1", "--rounds", "1",
+         "--new", "32", "--lazy-compile", "--workdir", str(tmp_path)]
+    )  # fmt: skip
     assert result["bench"] == "speculative" and result["config"]["k"] == 4
+    assert result["config"]["copy_steps"] == 40 and result["config"]["repeat_loss"] > 0
     assert [(r["batch"], r["workload"]) for r in result["rows"]] == [
         (1, w) for w in ("predicted", "edited", "ngram")
     ]
     for row in result["rows"]:
         assert row["plain_tok_s"] > 0 and row["speculative_tok_s"] > 0 and row["speedup"] > 0, row
-        assert row["verify_steps"] <= row["steps"], row
+        assert row["verify_steps"] <= row["steps"] and row["identical_rows"] == 1.0, row
+    assert json.loads((tmp_path / "built.json").read_text())["adapters"] == 1
 
 
 @pytest.mark.slow
