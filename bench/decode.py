@@ -270,9 +270,8 @@ def build_or_reuse(workdir: Path, w: dict, dtype: str, direct: bool) -> tuple[Pa
 def build(workdir: Path, w: dict, context: int = 256) -> tuple[Path, list[Path]]:
     """Save the random base model (``context`` = its max_position_embeddings) and ``w['adapters']`` random
     PEFT adapters; return their folders."""
-    from transformers import AutoModelForCausalLM
 
-    from loraserve.testing import build_model, make_adapter
+    from loraserve.testing import build_model
 
     moe = "num_experts" in w
     keys = [
@@ -294,6 +293,17 @@ def build(workdir: Path, w: dict, context: int = 256) -> tuple[Path, list[Path]]
     )
     base = workdir / "base"
     model.save_pretrained(str(base), safe_serialization=True)
+    return base, save_adapters(workdir, base, w)
+
+
+def save_adapters(workdir: Path, base: Path, w: dict) -> list[Path]:
+    """``w['adapters']`` random rank-``w['rank']`` PEFT adapters of the model in ``base`` (std 0.01: they
+    perturb it a little), saved as ``workdir/a<i>``; their folders."""
+    from transformers import AutoModelForCausalLM
+
+    from loraserve.testing import make_adapter
+
+    moe = "num_experts" in w
     adapters = []
     targets = MODULES[:4] if moe else MODULES  # a MoE's MLP is its experts
     extra = {"target_parameters": MOE_EXPERT_TARGETS} if moe else {}
@@ -310,7 +320,7 @@ def build(workdir: Path, w: dict, context: int = 256) -> tuple[Path, list[Path]]
             **extra,
         )
         adapters.append(workdir / f"a{i}")
-    return base, adapters
+    return adapters
 
 
 def build_extra(workdir: Path, base: Path, w: dict) -> dict[str, Path]:

@@ -518,19 +518,28 @@ def run_system(system: str, workdir, base, adapters, w, args, rates) -> list[dic
 OVERLOAD = dict(clients=(1, 8, 32), storm=512, factor=4.0, prompt=64, output=16, max_waiting=16)
 
 
-def _admission_p99(url: str, role: str, outcome: str) -> float | None:
-    """The p99 of ``loraserve_admission_seconds{role, outcome}`` from a server's /metrics: the upper bound
-    of the first histogram bucket holding 99 % of the decisions (None: no decision counted)."""
+def _admission_samples(url: str, kind: str) -> list[tuple[dict[str, str], float]]:
+    """The ``loraserve_admission_seconds_<kind>`` samples (``bucket`` or ``count``) of a server's /metrics:
+    (labels, value) each."""
     import re
     import urllib.request
 
     text = urllib.request.urlopen(url, timeout=10).read().decode()
-    buckets = []
-    for m in re.finditer(r"^loraserve_admission_seconds_bucket\{(.*)\} (\S+)$", text, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if labels.get("role") == role and labels.get("outcome") == outcome:
-            buckets.append((float(labels["le"]), float(m.group(2))))
-    buckets.sort()
+    pattern = rf"^loraserve_admission_seconds_{kind}\{{(.*)\}} (\S+)$"
+    return [
+        (dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))), float(m.group(2)))
+        for m in re.finditer(pattern, text, re.M)
+    ]
+
+
+def _admission_p99(url: str, role: str, outcome: str) -> float | None:
+    """The p99 of ``loraserve_admission_seconds{role, outcome}`` from a server's /metrics: the upper bound
+    of the first histogram bucket holding 99 % of the decisions (None: no decision counted)."""
+    buckets = sorted(
+        (float(labels["le"]), value)
+        for labels, value in _admission_samples(url, "bucket")
+        if labels.get("role") == role and labels.get("outcome") == outcome
+    )
     if not buckets or buckets[-1][1] == 0:
         return None
     total = buckets[-1][1]
@@ -539,16 +548,11 @@ def _admission_p99(url: str, role: str, outcome: str) -> float | None:
 
 def _admission_counts(url: str, role: str) -> dict[str, int]:
     """``loraserve_admission_seconds{role}`` decisions so far, by outcome, from a server's /metrics."""
-    import re
-    import urllib.request
-
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out = {}
-    for m in re.finditer(r"^loraserve_admission_seconds_count\{(.*)\} (\S+)$", text, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if labels.get("role") == role:
-            out[labels["outcome"]] = int(float(m.group(2)))
-    return out
+    return {
+        labels["outcome"]: int(value)
+        for labels, value in _admission_samples(url, "count")
+        if labels.get("role") == role
+    }
 
 
 def overload(workdir: Path, base: Path, w: dict, seconds: float, seed: int) -> list[dict]:

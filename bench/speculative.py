@@ -118,10 +118,6 @@ def train_copy_model(w: dict, seed: int = 0, steps: int = COPY_STEPS):
 def build_copy(workdir: Path, w: dict, steps: int = COPY_STEPS) -> tuple[Path, list[Path], float]:
     """The trained copy model and ``w['adapters']`` random rank-``w['rank']`` adapters (small: they leave it a
     copier) in ``workdir``, reused when ``workdir/built.json`` says so; and the model's held-out repeat loss."""
-    from transformers import AutoModelForCausalLM
-
-    from loraserve.testing import make_adapter
-
     marker = workdir / "built.json"
     want = {"copy": {k: w[k] for k in decode.MODEL_KEYS}, "steps": steps, "rank": w["rank"]}
     if marker.exists():
@@ -136,13 +132,7 @@ def build_copy(workdir: Path, w: dict, steps: int = COPY_STEPS) -> tuple[Path, l
     )
     base = workdir / "base"
     model.save_pretrained(str(base), safe_serialization=True)
-    adapters = []
-    for i in range(w["adapters"]):
-        make_adapter(
-            AutoModelForCausalLM.from_pretrained(str(base)), workdir / f"a{i}", r=w["rank"],
-            alpha=2.0 * w["rank"], targets=decode.MODULES, seed=i, scale=0.01,
-        )  # fmt: skip
-        adapters.append(workdir / f"a{i}")
+    adapters = decode.save_adapters(workdir, base, w)
     marker.write_text(json.dumps({"key": want, "adapters": len(adapters), "repeat_loss": loss}))
     return base, adapters, loss
 

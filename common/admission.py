@@ -37,7 +37,7 @@ MIN_RETRY_S = 0.05  # never announce less: the client's next try would only be r
 MAX_RETRY_S = 60.0
 UNMEASURED_RETRY_S = 1.0  # nothing has left yet (a server just started): no rate to divide by
 DRAIN_WINDOW_S = 10.0
-PROBE_S = 1.0  # how often the oldest waiter of a router's queue looks for room that no stream end announced
+PROBE_S = 1.0  # how often a waiter of a router's queue looks again without being woken
 
 ADMISSION_SECONDS = Histogram(
     "loraserve_admission_seconds",
@@ -200,8 +200,9 @@ class WaitQueue:
 
     A stream that ends at a worker gives its place to the oldest waiter that may go there (:meth:`wake`); the
     router counts the place as taken (reserved) until that waiter's call starts, so a newcomer cannot take it
-    first. A parked request costs nothing until its turn; only the oldest one looks again now and then
-    (``PROBE_S``), for room that appeared unseen (another router's streams ending)."""
+    first. Every waiter also looks again each ``PROBE_S`` (a dict lookup or two): the oldest goes when room
+    appeared that no stream end announced (another router's streams ending), and any waiter gives up once this
+    router holds no stream at its workers (no end will come to free a place)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit

@@ -51,9 +51,8 @@ RATE_WEIGHT = 0.3  # the weight of a verify step's outcome in a row's estimate (
 ADAPTER_RATES = 1024  # adapters whose n-gram drafts' kept share an engine remembers (the least recent go)
 MAX_REST = 64  # the longest rest (steps without drafting) of a row whose drafts keep being rejected
 COST_WINDOW = 5  # the steps of each kind whose times the step costs keep (their lower median counts)
-MAX_TRY_REST = (
-    16  # the most decode steps an engine runs between two looks for drafts that found none to verify
-)
+# the most decode steps an engine runs between two looks for drafts that found none to verify
+MAX_TRY_REST = 16
 PROBE_SHARE = 0.02  # the share of decode time verify steps the rule did not choose may cost (to re-measure)
 
 

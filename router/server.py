@@ -42,19 +42,14 @@ RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 @dataclass
 class _Turn:
     """One request's place in the router's admission: when it arrived (``admission.arrived``), until when it
-    may wait in the queue (``--max-queue-wait``, or the deadline when that comes first), the place a stream's
-    end reserved for it, and the last refusal of the workers it tried."""
+    may wait in the queue (``--max-queue-wait``, or the client's deadline when that comes first:
+    ``by_deadline``), the place a stream's end reserved for it, and the last refusal of the workers it tried."""
 
     since: float
     end: float
-    client_deadline: bool
-    deadline: float | None
+    by_deadline: bool = False
     place: str | None = None
     refusal: ResourceExhausted | None = None
-
-    def __post_init__(self) -> None:
-        if self.deadline is not None:
-            self.end = min(self.end, self.deadline)
 
 
 class RouterServicer(inference_pb2_grpc.InferenceServicer):
@@ -148,7 +143,9 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             raise Unavailable(f"no worker can serve {route.adapter or 'the base model'}")
         client_remaining = context.time_remaining()
         deadline = self.pool.deadline(client_remaining)  # the client's, else --worker-timeout
-        turn = _Turn(since, time.monotonic() + self.max_queue_wait, client_remaining is not None, deadline)
+        by_deadline = client_remaining is not None and client_remaining < self.max_queue_wait
+        wait = client_remaining if by_deadline else self.max_queue_wait
+        turn = _Turn(since, time.monotonic() + wait, by_deadline)
         try:
             await self._wait_turn(route, turn)
             timer = StreamTimer("router")
@@ -245,7 +242,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                 left = turn.end - time.monotonic()
                 if left <= 0:
                     outcome = "refused"
-                    if turn.client_deadline and turn.deadline is not None and turn.deadline <= turn.end:
+                    if turn.by_deadline:
                         raise DeadlineExceeded("the deadline passed while waiting in the router's queue")
                     raise turn.refusal or ResourceExhausted(
                         f"waited {self.max_queue_wait:g} s in the router's queue for a place at a worker",

@@ -16,14 +16,13 @@ import pytest
 
 from loraserve.client.sdk import Client
 from loraserve.common.errors import LoraserveError, ResourceExhausted
-from loraserve.common.server import Services
 from loraserve.common.server import build_server as common_build_server
 from loraserve.protos.v1 import inference_pb2 as pb
 from loraserve.protos.v1 import inference_pb2_grpc
 from loraserve.router.routing import WorkerLimits, WorkerPool
 from loraserve.router.server import router_services
 from tests.aio_thread import aio_server_thread
-from tests.router.test_worker_limits import FixedLocator
+from tests.router.test_worker_limits import FixedLocator, _serve_worker
 
 LIMITS = WorkerLimits(timeout=60.0, first_token_timeout=30.0, stall_timeout=30.0, keepalive=10.0)
 
@@ -67,15 +66,7 @@ def es() -> Iterator[ExitStack]:
 
 def _stack(es: ExitStack, worker: PlacesWorker, **limits):
     """A worker and a router in front of it: the router's address and its servicer (to look at its queue)."""
-
-    async def build_worker():
-        services = Services(
-            "worker", lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(worker, s), ()
-        )
-        server, port, _ = common_build_server(services, "127.0.0.1:0")
-        return server, port
-
-    address = f"127.0.0.1:{es.enter_context(aio_server_thread(build_worker))}"
+    address = _serve_worker(es, worker)  # type: ignore[arg-type]  # any Inference servicer
     holder = {}
 
     async def build_router():
